@@ -1,0 +1,25 @@
+# One command from nothing: `make demo` (the main job) and `make test` (the whole suite).
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+
+.PHONY: demo test lint format
+
+$(VENV)/.installed: requirements-dev.txt pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install --quiet --disable-pip-version-check -r requirements-dev.txt
+	$(VENV)/bin/pip install --quiet --disable-pip-version-check --no-deps -e .
+	touch $@
+
+demo: $(VENV)/.installed
+	$(PY) -m gpipe demo
+
+test: $(VENV)/.installed
+	$(PY) -m ruff check src tests benchmarks
+	$(PY) -m pytest -q
+
+lint: $(VENV)/.installed
+	$(PY) -m ruff check src tests benchmarks
+
+format: $(VENV)/.installed
+	$(PY) -m ruff format src tests benchmarks

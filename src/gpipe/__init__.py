@@ -1,0 +1,18 @@
+"""gpipe: micro-batch pipeline-parallel training (GPipe) for PyTorch.
+
+Cut an ``nn.Sequential`` into K stages, split each mini-batch into M micro-batches and
+stream them through the stages; one synchronous optimizer step per mini-batch, with the
+same gradients as the un-split model::
+
+    pipe = gpipe.Pipe(model, balance=[3, 3], chunks=8, checkpoint="except_last")
+    loss = pipe.step(x, y, torch.nn.functional.cross_entropy)
+    optimizer.step(); optimizer.zero_grad()
+"""
+
+from gpipe.batchnorm import DeferredBatchNorm
+from gpipe.memory import measure_activations
+from gpipe.pipe import Pipe
+from gpipe.remat import is_recomputing
+
+__all__ = ["DeferredBatchNorm", "Pipe", "is_recomputing", "measure_activations"]
+__version__ = "0.1.0"

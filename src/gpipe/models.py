@@ -1,0 +1,139 @@
+"""Small reference models, written as ``nn.Sequential`` so that gpipe can cut them.
+
+Used by the demo, the tests and the benchmarks; each layer of the Sequential is one
+unit a stage boundary can fall between.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import pairwise
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+__all__ = ["GPTConfig", "gpt", "mlp", "convnet"]
+
+
+def mlp(widths: list[int], *, dropout: float = 0.0) -> nn.Sequential:
+    """Linear layers of the given widths with GELU (and dropout) between them."""
+    layers: list[nn.Module] = []
+    for i, (width_in, width_out) in enumerate(pairwise(widths)):
+        layers.append(nn.Linear(width_in, width_out))
+        if i < len(widths) - 2:
+            layers.append(nn.GELU())
+            if dropout:
+                layers.append(nn.Dropout(dropout))
+    return nn.Sequential(*layers)
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    vocab_size: int = 256
+    context: int = 64
+    d_model: int = 64
+    n_heads: int = 4
+    n_layers: int = 4
+    dropout: float = 0.1
+
+
+class Embedding(nn.Module):
+    """Token plus learned position embedding: ids (B, T) -> (B, T, C)."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.token = nn.Embedding(config.vocab_size, config.d_model)
+        self.position = nn.Embedding(config.context, config.d_model)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(ids.shape[1], device=ids.device)
+        return self.dropout(self.token(ids) + self.position(positions))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: causal self-attention, then an MLP."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.n_heads = config.n_heads
+        self.dropout = config.dropout
+        self.ln1 = nn.LayerNorm(config.d_model)
+        self.qkv = nn.Linear(config.d_model, 3 * config.d_model)
+        self.proj = nn.Linear(config.d_model, config.d_model)
+        self.ln2 = nn.LayerNorm(config.d_model)
+        self.mlp = nn.Sequential(
+            nn.Linear(config.d_model, 4 * config.d_model),
+            nn.GELU(),
+            nn.Linear(4 * config.d_model, config.d_model),
+            nn.Dropout(config.dropout),
+        )
+        self.resid_dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(C, dim=2)
+        # (B, T, C) -> (B, nh, T, hs)
+        q, k, v = (t.view(B, T, self.n_heads, C // self.n_heads).transpose(1, 2) for t in (q, k, v))
+        attn_dropout = self.dropout if self.training else 0.0
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=attn_dropout, is_causal=True)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        x = x + self.resid_dropout(self.proj(y))
+        return x + self.mlp(self.ln2(x))
+
+
+class Head(nn.Module):
+    """Final norm and projection to vocabulary logits: (B, T, C) -> (B, T, V)."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(config.d_model)
+        self.out = nn.Linear(config.d_model, config.vocab_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.ln(x))
+
+
+def gpt(config: GPTConfig = GPTConfig()) -> nn.Sequential:
+    """A GPT-style language model: embedding, ``n_layers`` blocks, head (n_layers + 2 layers)."""
+    return nn.Sequential(
+        Embedding(config), *(Block(config) for _ in range(config.n_layers)), Head(config)
+    )
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy: logits (B, T, V), targets (B, T)."""
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+class Residual(nn.Module):
+    """A ResNet basic block: two 3x3 convolutions with batch norm and a skip."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.body = nn.Sequential(
+            nn.Conv2d(channels, channels, 3, padding=1, bias=False),
+            nn.BatchNorm2d(channels),
+            nn.ReLU(),
+            nn.Conv2d(channels, channels, 3, padding=1, bias=False),
+            nn.BatchNorm2d(channels),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.relu(x + self.body(x))
+
+
+def convnet(
+    *, in_channels: int = 1, channels: int = 16, blocks: int = 2, classes: int = 10
+) -> nn.Sequential:
+    """A small ResNet-style CNN with batch norm: images (B, C, H, W) -> logits (B, classes)."""
+    return nn.Sequential(
+        nn.Conv2d(in_channels, channels, 3, padding=1, bias=False),
+        nn.BatchNorm2d(channels),
+        nn.ReLU(),
+        *(Residual(channels) for _ in range(blocks)),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(channels, classes),
+    )

@@ -1,0 +1,107 @@
+"""Partitioning: cut an ``nn.Sequential`` into stages by ``balance`` and check the cut.
+
+Configuration problems are gathered and reported together, each with its values, so a
+user fixes them in one round.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+__all__ = ["PartitionError", "check_partition", "cut", "shared_parameters"]
+
+DeviceLike = torch.device | str | int
+
+
+class PartitionError(ValueError):
+    """A ``balance``/``devices`` combination that cannot cut the model."""
+
+
+def check_partition(
+    module: nn.Module,
+    balance: Sequence[int],
+    devices: Sequence[DeviceLike],
+    *,
+    virtual_stages: int = 1,
+) -> None:
+    """Raise :class:`PartitionError` listing every problem of this configuration.
+
+    ``balance`` has one entry per stage, ``devices`` one per rank; a rank holds
+    ``virtual_stages`` stages.
+    """
+    if not isinstance(module, nn.Sequential):
+        raise TypeError(
+            f"gpipe cuts an nn.Sequential into stages, got {type(module).__name__}; "
+            "wrap the model's layers in order: nn.Sequential(embedding, *blocks, head)"
+        )
+    problems: list[str] = []
+    entries = list(balance)
+    if not entries:
+        problems.append("balance is empty: give the number of layers of each stage, e.g. [2, 2]")
+    bad = [b for b in entries if not isinstance(b, int) or isinstance(b, bool) or b <= 0]
+    if bad:
+        problems.append(
+            f"every balance entry must be a positive int (layers in that stage), got {entries}"
+        )
+    elif entries and sum(entries) != len(module):
+        problems.append(
+            f"module and sum of balance have different length "
+            f"(module: {len(module)}, sum of balance: {sum(entries)}); "
+            f"e.g. balance={_even_balance(len(module), len(entries))} covers all layers"
+        )
+    if virtual_stages == 1 and len(devices) != len(entries):
+        problems.append(
+            f"devices and balance have different length "
+            f"(devices: {len(devices)}, balance: {len(entries)}); give one device per stage"
+        )
+    elif len(devices) * virtual_stages != len(entries):
+        problems.append(
+            f"with virtual_stages={virtual_stages} each device holds {virtual_stages} stages, "
+            f"so balance needs {len(devices) * virtual_stages} entries for {len(devices)} "
+            f"devices, got {len(entries)}"
+        )
+    for device in devices:
+        try:
+            torch.device(device)
+        except (RuntimeError, TypeError):
+            problems.append(f"{device!r} is not a device; use e.g. 'cpu' or 'cuda:0'")
+    if problems:
+        raise PartitionError(
+            "invalid pipeline partition:\n" + "\n".join(f"- {p}" for p in problems)
+        )
+
+
+def _even_balance(layers: int, stages: int) -> list[int]:
+    stages = max(1, min(stages, layers))
+    base, extra = divmod(layers, stages)
+    return [base + (1 if i < extra else 0) for i in range(stages)]
+
+
+def cut(module: nn.Sequential, balance: Sequence[int]) -> list[list[tuple[str, nn.Module]]]:
+    """The (name, layer) pairs of each stage, in order."""
+    # _modules, not named_children(): the latter skips a layer repeated in the Sequential.
+    named = list(module._modules.items())
+    stages, start = [], 0
+    for size in balance:
+        stages.append(named[start : start + size])
+        start += size
+    return stages
+
+
+def shared_parameters(stages: Sequence[Sequence[tuple[str, nn.Module]]]) -> list[str]:
+    """Descriptions of parameters used by more than one stage (unsupported without ties)."""
+    owners: dict[int, tuple[int, str]] = {}
+    problems = []
+    for index, layers in enumerate(stages):
+        for name, layer in layers:
+            for pname, param in layer.named_parameters(remove_duplicate=False):
+                first = owners.setdefault(id(param), (index, f"{name}.{pname}"))
+                if first[0] != index:
+                    problems.append(
+                        f"parameter {first[1]} (stage {first[0]}) is also {name}.{pname} "
+                        f"(stage {index})"
+                    )
+    return problems

@@ -1,0 +1,77 @@
+"""Random numbers that do not depend on how the model is cut or scheduled.
+
+Dropout draws from the generator of the device it runs on. In a pipeline the order in
+which (layer, micro-batch) pairs run depends on K, the schedule and the process layout,
+so drawing from one shared stream would give different masks for every configuration,
+and a recomputed forward would draw new ones. gpipe instead seeds the device generator
+before every layer of every micro-batch with :func:`layer_seed` of (step seed, layer
+index, micro-batch), so masks are the same for any cut and schedule, and re-running a
+forward (re-materialization) replays them exactly. The caller's generator state is
+restored afterwards: a step consumes one draw of the global generator (its seed).
+
+A non-pipelined reference reproduces the same masks with :func:`seeded`::
+
+    for m, (x_m, y_m) in enumerate(zip(xs, ys)):
+        for i, layer in enumerate(model):
+            with gpipe.rng.seeded(gpipe.rng.layer_seed(seed, i, m), x_m.device):
+                x_m = layer(x_m)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+__all__ = ["draw_step_seed", "layer_seed", "seeded", "device_generator"]
+
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(value: int) -> int:
+    # A well-mixed 64-bit hash so that neighbouring (layer, micro-batch) pairs get
+    # unrelated seeds.
+    value = (value + 0x9E3779B97F4A7C15) & _MASK64
+    value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return value ^ (value >> 31)
+
+
+def layer_seed(step_seed: int, layer: int, microbatch: int) -> int:
+    """The seed for one layer (index in the whole model) on one micro-batch."""
+    mixed = _splitmix64(_splitmix64(_splitmix64(step_seed) ^ layer) ^ microbatch)
+    return mixed >> 1  # torch seeds must fit a signed 64-bit integer
+
+
+def draw_step_seed() -> int:
+    """One draw from torch's global CPU generator: the seed of a training step."""
+    return int(torch.randint(0, 2**62, (), dtype=torch.int64).item())
+
+
+def device_generator(device: torch.device) -> torch.Generator:
+    """The default generator that random ops on ``device`` draw from."""
+    if device.type == "cpu":
+        return torch.default_generator
+    module = torch.get_device_module(device.type)
+    index = device.index if device.index is not None else module.current_device()
+    return module.default_generators[index]
+
+
+@contextmanager
+def preserved(device: torch.device) -> Iterator[torch.Generator]:
+    """Restore ``device``'s generator state on exit; yields the generator."""
+    generator = device_generator(device)
+    state = generator.get_state()
+    try:
+        yield generator
+    finally:
+        generator.set_state(state)
+
+
+@contextmanager
+def seeded(seed: int, device: torch.device | str) -> Iterator[None]:
+    """Run the enclosed code with ``device``'s generator seeded by ``seed``, then restore it."""
+    with preserved(torch.device(device)) as generator:
+        generator.manual_seed(seed)
+        yield

@@ -1,0 +1,146 @@
+"""Runtime: walks each rank's action list, asking the transport for inputs.
+
+The runtime knows nothing about schedules beyond their data (``gpipe.schedule``) and
+nothing about where the neighbouring stages live (``gpipe.transport``). It drives:
+
+* one process holding every stage: the ranks' lists are advanced round-robin, one
+  action per rank per sweep, an action running as soon as its input has arrived. That
+  is the clock-cycle order of the schedule, so on accelerators, where kernels are
+  launched asynchronously, the devices work at once;
+* one process per stage (or per group of virtual stages): a single list whose receives
+  block until the neighbour has sent.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from gpipe.schedule import Action, Kind, Schedule, TimedAction
+from gpipe.stage import LossSpec, Stage
+from gpipe.transport import Channel, Message
+
+__all__ = ["Runtime", "StepInputs", "StepResult"]
+
+
+class Transport(Protocol):
+    def send(self, message: Message, value: Any) -> None: ...
+    def ready(self, message: Message) -> bool: ...
+    def recv(self, message: Message) -> Any: ...
+
+
+@dataclass
+class StepInputs:
+    """Everything a step needs besides the model: micro-batches, losses, policy."""
+
+    microbatches: Sequence[Any]  # inputs of stage 0, one per micro-batch
+    seed: int
+    remat: Sequence[bool]  # re-materialize micro-batch m?
+    losses: Sequence[LossSpec] | None = None  # None: inference (forward only)
+
+
+@dataclass
+class StepResult:
+    losses: dict[int, torch.Tensor] = field(default_factory=dict)  # weighted, detached
+    outputs: dict[int, Any] = field(default_factory=dict)  # inference outputs
+    trace: list[TimedAction] = field(default_factory=list)
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type != "cpu":
+        torch.get_device_module(device.type).synchronize(device)
+
+
+class Runtime:
+    """Executes ``schedule`` for the stages this process holds."""
+
+    def __init__(
+        self, schedule: Schedule, stages: Mapping[int, Stage], transport: Transport
+    ) -> None:
+        self.schedule = schedule
+        self.stages = dict(stages)
+        self.transport = transport
+        self.ranks = sorted({schedule.stage_to_rank[s] for s in self.stages})
+        self._last = schedule.num_stages - 1
+
+    def run(self, step: StepInputs, *, trace: bool = False) -> StepResult:
+        training = step.losses is not None
+        lists = {
+            rank: [a for a in self.schedule.actions[rank] if training or a.kind is Kind.FORWARD]
+            for rank in self.ranks
+        }
+        cursors = dict.fromkeys(self.ranks, 0)
+        result = StepResult()
+        origin = time.perf_counter()
+        remaining = sum(len(actions) for actions in lists.values())
+        while remaining:
+            progressed = False
+            for rank in self.ranks:
+                actions = lists[rank]
+                if cursors[rank] == len(actions) or not self._ready(actions[cursors[rank]]):
+                    continue
+                action = actions[cursors[rank]]
+                start = time.perf_counter() - origin
+                self._execute(action, step, result, training)
+                if trace:
+                    _synchronize(self.stages[action.stage].device)
+                    end = time.perf_counter() - origin
+                    result.trace.append(TimedAction(rank, action, start, end))
+                cursors[rank] += 1
+                remaining -= 1
+                progressed = True
+            if not progressed:
+                waiting = ", ".join(
+                    f"rank {r}: {lists[r][cursors[r]]}"
+                    for r in self.ranks
+                    if cursors[r] < len(lists[r])
+                )
+                raise RuntimeError(
+                    f"schedule {self.schedule.name!r} cannot make progress; waiting: {waiting}. "
+                    "Check it with Schedule.validate()."
+                )
+        return result
+
+    def _ready(self, action: Action) -> bool:
+        if action.kind is Kind.FORWARD and action.stage > 0:
+            return self.transport.ready(
+                Message(Channel.ACTIVATION, action.stage, action.microbatch)
+            )
+        if action.kind is Kind.BACKWARD and action.stage < self._last:
+            return self.transport.ready(Message(Channel.GRADIENT, action.stage, action.microbatch))
+        return True
+
+    def _execute(
+        self, action: Action, step: StepInputs, result: StepResult, training: bool
+    ) -> None:
+        stage, m = self.stages[action.stage], action.microbatch
+        if action.kind is Kind.FORWARD:
+            if stage.index == 0:
+                inputs = step.microbatches[m]
+            else:
+                inputs = self.transport.recv(Message(Channel.ACTIVATION, stage.index, m))
+            loss = step.losses[m] if training and stage.is_last else None
+            outputs, loss_value = stage.forward(
+                m, inputs, seed=step.seed, remat=step.remat[m], loss=loss, keep=training
+            )
+            if stage.is_last:
+                if training:
+                    result.losses[m] = loss_value
+                else:
+                    result.outputs[m] = outputs
+            else:
+                self.transport.send(Message(Channel.ACTIVATION, stage.index + 1, m), outputs)
+        elif action.kind is Kind.BACKWARD:
+            grads = None
+            if not stage.is_last:
+                grads = self.transport.recv(Message(Channel.GRADIENT, stage.index, m))
+            split = self.schedule.splits_backward(stage.index, m)
+            grad_inputs = stage.backward(m, grads, split=split)
+            if stage.index > 0:
+                self.transport.send(Message(Channel.GRADIENT, stage.index - 1, m), grad_inputs)
+        else:
+            stage.backward_weight(m)

@@ -1,0 +1,287 @@
+"""A stage: a contiguous slice of an ``nn.Sequential`` on one device.
+
+A stage runs one micro-batch at a time, forward or backward, and keeps per micro-batch
+only what its backward needs:
+
+* without re-materialization, the autograd graph of the forward (all inner activations);
+* with re-materialization, only its boundary input. The forward runs under
+  ``torch.no_grad`` and is recomputed, with the same random numbers, right before that
+  micro-batch's backward.
+
+Why not ``torch.utils.checkpoint``: it recomputes lazily, when autograd first needs a
+saved tensor, i.e. in the middle of the backward pass. A pipeline wants to choose when to
+recompute (at the start of ``B``, so that with several processes the recomputation can
+overlap the wait for the incoming gradient), and it already holds the input itself, so a
+plain no-grad forward plus an explicit recomputation is both simpler and earlier.
+
+Stage boundaries carry a tensor or a (nested) tuple/list/dict of tensors. Each stage
+runs on detached copies of its inputs (leaves), so autograd graphs never span stages:
+the gradient of a stage's inputs is what its backward hands to the previous stage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_map
+
+from gpipe import rng
+from gpipe.batchnorm import DeferredBatchNorm
+from gpipe.remat import recomputing
+from gpipe.split_backward import WeightWork, backward_input, backward_weight
+
+if TYPE_CHECKING:
+    from gpipe.memory import ActivationMeter
+
+__all__ = ["LossSpec", "Stage", "tensors_of"]
+
+LossFn = Callable[[Any, Any], torch.Tensor]
+
+
+def tensors_of(value: Any) -> list[torch.Tensor]:
+    """The tensors of a boundary value, in a fixed (pytree) order."""
+    return [leaf for leaf in tree_flatten(value)[0] if isinstance(leaf, torch.Tensor)]
+
+
+@dataclass
+class LossSpec:
+    """What the last stage needs to turn a micro-batch's output into its loss."""
+
+    loss_fn: LossFn
+    target: Any
+    weight: float  # this micro-batch's share of the mini-batch loss
+
+
+@dataclass
+class _Stored:
+    """What a stage keeps between the forward and backward of one micro-batch."""
+
+    inputs: Any
+    remat: bool
+    seed: int
+    loss: LossSpec | None
+    outputs: Any = None  # with autograd graph; None until recomputed under remat
+    loss_value: torch.Tensor | None = None  # weighted, with graph (last stage)
+    held: list[Any] = field(default_factory=list)  # memory-meter tokens
+
+
+@contextmanager
+def _running_stats_frozen(layers: Sequence[nn.Module]) -> Iterator[None]:
+    # A plain BatchNorm updates its running statistics on every forward; a recomputation
+    # must not update them a second time. With track_running_stats off it still
+    # normalizes by batch statistics (training mode) but leaves the buffers alone.
+    # DeferredBatchNorm checks gpipe.is_recomputing() itself.
+    frozen = [
+        m
+        for layer in layers
+        for m in layer.modules()
+        if isinstance(m, nn.modules.batchnorm._BatchNorm)
+        and not isinstance(m, DeferredBatchNorm)
+        and m.track_running_stats
+    ]
+    for module in frozen:
+        module.track_running_stats = False
+    try:
+        yield
+    finally:
+        for module in frozen:
+            module.track_running_stats = True
+
+
+class Stage:
+    """Layers ``first_layer .. first_layer + len(layers) - 1`` of the model on ``device``.
+
+    ``forward`` and ``backward`` are the F and B actions of a schedule for one
+    micro-batch. The last stage also computes the loss: its ``forward`` takes a
+    :class:`LossSpec` and its ``backward`` starts from that loss.
+    """
+
+    def __init__(
+        self,
+        index: int,
+        layers: Sequence[nn.Module],
+        *,
+        first_layer: int,
+        device: torch.device,
+        is_last: bool,
+    ) -> None:
+        self.index = index
+        self.layers = list(layers)
+        self.first_layer = first_layer
+        self.device = device
+        self.is_last = is_last
+        self.meter: ActivationMeter | None = None
+        self._stored: dict[int, _Stored] = {}
+        self._weight_work: dict[int, WeightWork] = {}
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        for layer in self.layers:
+            yield from layer.parameters()
+
+    def __repr__(self) -> str:
+        last = self.first_layer + len(self.layers) - 1
+        return f"Stage({self.index}, layers {self.first_layer}..{last}, device={self.device})"
+
+    # -- running layers -------------------------------------------------------------------
+
+    def _run(self, inputs: Any, microbatch: int, seed: int) -> Any:
+        x = inputs
+        with rng.preserved(self.device) as generator:
+            for offset, layer in enumerate(self.layers):
+                generator.manual_seed(rng.layer_seed(seed, self.first_layer + offset, microbatch))
+                x = layer(x)
+        return x
+
+    def _metered(self):
+        return self.meter.saved_tensors(self.index) if self.meter is not None else nullcontext()
+
+    def _outputs_and_loss(self, stored: _Stored, microbatch: int) -> None:
+        stored.outputs = self._run(stored.inputs, microbatch, stored.seed)
+        if stored.loss is not None:
+            stored.loss_value = _compute_loss(stored.loss, stored.outputs) * stored.loss.weight
+
+    # -- actions ----------------------------------------------------------------------------
+
+    def forward(
+        self,
+        microbatch: int,
+        inputs: Any,
+        *,
+        seed: int,
+        remat: bool,
+        loss: LossSpec | None = None,
+        keep: bool = True,
+    ) -> tuple[Any, torch.Tensor | None]:
+        """Run F for one micro-batch.
+
+        ``inputs`` must already be on this stage's device, as leaves (detached, with
+        ``requires_grad`` where the previous stage's output needs a gradient). Returns the
+        output and, on the last stage, the weighted loss, both detached. With
+        ``keep=False`` (inference) nothing is stored for a backward.
+        """
+        if loss is not None and not self.is_last:
+            raise RuntimeError(f"stage {self.index} is not the last stage; it computes no loss")
+        stored = _Stored(inputs=inputs, remat=remat, seed=seed, loss=loss)
+        grad_mode = torch.enable_grad() if keep and not remat else torch.no_grad()
+        with grad_mode, self._metered():
+            self._outputs_and_loss(stored, microbatch)
+        outputs, loss_value = stored.outputs, stored.loss_value
+        if keep:
+            if remat:
+                stored.outputs = stored.loss_value = None  # dropped: recomputed in backward
+            if self.meter is not None:
+                stored.held = self.meter.hold(self.index, tensors_of(inputs))
+            self._stored[microbatch] = stored
+        detached_loss = loss_value.detach() if loss_value is not None else None
+        if not keep:
+            return _detached(outputs, lambda t: False), detached_loss
+        if remat:
+            # Computed without a graph: a float output will need a gradient whenever
+            # anything upstream of it (an input or a parameter of this stage) does.
+            upstream = any(t.requires_grad for t in tensors_of(inputs)) or any(
+                p.requires_grad for p in self.parameters()
+            )
+            return _detached(outputs, lambda t: upstream and t.is_floating_point()), detached_loss
+        return _detached(outputs, lambda t: t.requires_grad), detached_loss
+
+    def backward(
+        self,
+        microbatch: int,
+        grad_outputs: Sequence[torch.Tensor | None] | None,
+        *,
+        split: bool = False,
+    ) -> list[torch.Tensor | None]:
+        """Run B for one micro-batch and return the gradients of its inputs.
+
+        ``grad_outputs`` aligns with :func:`tensors_of` of this stage's output (``None``
+        for the last stage, whose backward starts from its loss); the result aligns with
+        :func:`tensors_of` of its inputs. Parameter gradients are accumulated now, or
+        with ``split=True`` left for :meth:`backward_weight` (zero-bubble schedules).
+        """
+        stored = self._stored.pop(microbatch, None)
+        if stored is None:
+            raise RuntimeError(
+                f"stage {self.index} has no stored forward of micro-batch {microbatch}; "
+                "a schedule must run F before B for each micro-batch"
+            )
+        with torch.enable_grad():
+            if stored.remat:
+                with recomputing(), _running_stats_frozen(self.layers), self._metered():
+                    self._outputs_and_loss(stored, microbatch)
+            roots, grads = self._roots(stored, grad_outputs, microbatch)
+            inputs = tensors_of(stored.inputs)
+            if split:
+                grad_inputs, work = backward_input(roots, grads, inputs, list(self.parameters()))
+                work.held = stored.held  # activations stay until W has run
+                self._weight_work[microbatch] = work
+                return grad_inputs
+            if roots:
+                torch.autograd.backward(roots, grads)
+        stored.held.clear()
+        return [t.grad if t.requires_grad else None for t in inputs]
+
+    def backward_weight(self, microbatch: int) -> None:
+        """Run W for one micro-batch: the parameter gradients its split B left."""
+        work = self._weight_work.pop(microbatch, None)
+        if work is None:
+            raise RuntimeError(
+                f"stage {self.index} has no split backward of micro-batch {microbatch} "
+                "waiting; a schedule must run B (split) before W"
+            )
+        with torch.enable_grad():
+            backward_weight(work)
+        work.held.clear()
+
+    def _roots(self, stored: _Stored, grad_outputs, microbatch: int):
+        """The tensors backward starts from, with their gradients (None: a scalar loss)."""
+        if self.is_last:
+            loss = stored.loss_value
+            return ([loss], [None]) if loss is not None and loss.requires_grad else ([], [])
+        outputs = tensors_of(stored.outputs)
+        grads = list(grad_outputs or [])
+        if len(grads) != len(outputs):
+            raise RuntimeError(
+                f"stage {self.index} produced {len(outputs)} output tensors for micro-batch "
+                f"{microbatch} but received {len(grads)} gradients"
+            )
+        pairs = [
+            (t, g) for t, g in zip(outputs, grads, strict=True) if t.requires_grad and g is not None
+        ]
+        return [t for t, _ in pairs], [g for _, g in pairs]
+
+    def clear(self) -> None:
+        """Forget every stored micro-batch (after a failed step)."""
+        self._stored.clear()
+        self._weight_work.clear()
+
+    @property
+    def pending(self) -> list[int]:
+        """Micro-batches whose backward (or weight gradient) has not run yet."""
+        return sorted(set(self._stored) | set(self._weight_work))
+
+
+def _compute_loss(spec: LossSpec, outputs: Any) -> torch.Tensor:
+    loss = spec.loss_fn(outputs, spec.target)
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+        shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise ValueError(
+            f"loss_fn must return a scalar tensor, got {shape}; reduce it inside loss_fn "
+            "(reduction='mean' or 'sum') and tell Pipe.step which one with reduction=..."
+        )
+    return loss
+
+
+def _detached(value: Any, needs_grad: Callable[[torch.Tensor], bool]) -> Any:
+    """Detached copies for the next stage, marked ``requires_grad`` where it needs a gradient."""
+
+    def detach(leaf: Any) -> Any:
+        if not isinstance(leaf, torch.Tensor):
+            return leaf
+        return leaf.detach().requires_grad_(needs_grad(leaf))
+
+    return tree_map(detach, value)
