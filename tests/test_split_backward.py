@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from reference import relative_error
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from gpipe.models import GPTConfig, convnet, gpt
 from gpipe.split_backward import backward_input, backward_weight
+from reference import relative_error
 
 
 class TwiceUsed(nn.Module):

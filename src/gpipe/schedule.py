@@ -293,7 +293,10 @@ class _Checker:
 
     def _check_shape(self) -> None:
         s = self.s
-        for label, value in (("num_stages", s.num_stages), ("num_microbatches", s.num_microbatches)):
+        for label, value in (
+            ("num_stages", s.num_stages),
+            ("num_microbatches", s.num_microbatches),
+        ):
             if not isinstance(value, int) or value < 1:
                 self.fail(f"{label} must be a positive integer, got {value!r}")
         if s.num_ranks < 1:

@@ -22,11 +22,11 @@ costs (and of ``activation_bytes``), e.g. ``Costs(forward=1/v, backward=1/v, wei
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from gpipe.schedule import Action, Kind, Schedule, TimedAction
+from gpipe.schedule import Kind, Schedule, TimedAction
 
 __all__ = ["Costs", "SimulationResult", "simulate"]
 
@@ -80,7 +80,7 @@ class SimulationResult:
     peak_bytes_per_stage: tuple[float, ...] | None  # given activation_bytes
     peak_bytes_per_rank: tuple[float, ...] | None
     # Start and end of each action, per rank in list order; `events` is built from them.
-    _times: tuple[list[float], ...] = field(repr=False, compare=False)
+    _starts: tuple[list[float], ...] = field(repr=False, compare=False)
     _ends: tuple[list[float], ...] = field(repr=False, compare=False)
 
     @property
@@ -94,7 +94,7 @@ class SimulationResult:
         events = [
             TimedAction(r, a, start, end)
             for r, acts in enumerate(self.schedule.actions)
-            for a, start, end in zip(acts, self._times[r], self._ends[r], strict=True)
+            for a, start, end in zip(acts, self._starts[r], self._ends[r], strict=True)
         ]
         events.sort(key=lambda e: (e.start, e.rank))
         return events
@@ -121,7 +121,9 @@ def simulate(
     fwd, bwd, wgt = (costs or Costs()).per_stage(S)
     if isinstance(transfer, bool) or not (isinstance(transfer, int | float) and transfer >= 0):
         raise ValueError(f"transfer must be a non-negative latency, got {transfer!r}")
-    sizes = None if activation_bytes is None else _per_stage("activation_bytes", activation_bytes, S)
+    sizes = (
+        None if activation_bytes is None else _per_stage("activation_bytes", activation_bytes, S)
+    )
     rank_of = schedule.stage_to_rank
     split = {(s, m) for s in range(S) for m in range(M) if schedule.splits_backward(s, m)}
 
@@ -129,17 +131,17 @@ def simulate(
     # Each rank's program, flat for speed: key, cost, and up to two inputs (key or -1, and
     # the latency to add when the input comes from another rank).
     SM = S * M
-    FORWARD, BACKWARD, WEIGHT = Kind.FORWARD, Kind.BACKWARD, Kind.WEIGHT
+    FORWARD, BACKWARD = Kind.FORWARD, Kind.BACKWARD
     programs = []
     wakes: dict[int, int] = {}  # key -> the other rank that consumes its result
     for r, acts in enumerate(schedule.actions):
-        keys, costs_, in1, lat1, in2, lat2 = [], [], [], [], [], []
+        keys, durations, in1, lat1, in2, lat2 = [], [], [], [], [], []
         for a in acts:
             s, m = a.stage, a.microbatch
             kind = a.kind
             if kind is FORWARD:
                 keys.append(s * M + m)
-                costs_.append(fwd[s])
+                durations.append(fwd[s])
                 prev = s - 1 if s > 0 else -1  # stage whose forward this one needs
                 in1.append((prev * M + m) if prev >= 0 else -1)
                 in2.append(-1)
@@ -147,7 +149,7 @@ def simulate(
                 cross = prev >= 0 and rank_of[prev] != r
             elif kind is BACKWARD:
                 keys.append(SM + s * M + m)
-                costs_.append(bwd[s] if (s, m) in split else bwd[s] + wgt[s])
+                durations.append(bwd[s] if (s, m) in split else bwd[s] + wgt[s])
                 in2.append(s * M + m)  # own forward, same rank
                 lat2.append(0.0)
                 nxt = s + 1 if s < S - 1 else -1  # stage whose input gradient this needs
@@ -155,7 +157,7 @@ def simulate(
                 cross = nxt >= 0 and rank_of[nxt] != r
             else:
                 keys.append(2 * SM + s * M + m)
-                costs_.append(wgt[s])
+                durations.append(wgt[s])
                 in1.append(SM + s * M + m)
                 in2.append(-1)
                 lat2.append(0.0)
@@ -163,16 +165,15 @@ def simulate(
             lat1.append(transfer if cross else 0.0)
             if cross:
                 wakes[in1[-1]] = r
-        programs.append((keys, costs_, in1, lat1, in2, lat2))
+        programs.append((keys, durations, in1, lat1, in2, lat2))
 
     end: list[float | None] = [None] * (3 * SM)
-    times: tuple[list[float], ...] = tuple([] for _ in range(R))
+    begin = [0.0] * (3 * SM)  # start times, kept exact for the live intervals
     pc, clock = [0] * R, [0.0] * R
     pending = list(range(R))
     while pending:
         r = pending.pop()
-        keys, costs_, in1, lat1, in2, lat2 = programs[r]
-        started = times[r]
+        keys, durations, in1, lat1, in2, lat2 = programs[r]
         i, now, n = pc[r], clock[r], len(keys)
         while i < n:
             start = now
@@ -188,10 +189,9 @@ def simulate(
                     break
                 if done + lat2[i] > start:
                     start = done + lat2[i]
-            now = start + costs_[i]
+            now = start + durations[i]
             key = keys[i]
-            end[key] = now
-            started.append(start)
+            end[key], begin[key] = now, start
             i += 1
             if (other := wakes.get(key)) is not None:
                 pending.append(other)
@@ -200,6 +200,7 @@ def simulate(
         # Cannot happen for a validated schedule; guards this function's own logic.
         raise RuntimeError(f"simulation of {schedule.name!r} stalled; please report this")
 
+    starts = tuple([begin[k] for k in p[0]] for p in programs)
     ends = tuple([end[k] for k in p[0]] for p in programs)
     makespan = max(clock, default=0.0)
     busy = tuple(float(sum(p[1])) for p in programs)
@@ -211,7 +212,7 @@ def simulate(
         for m in range(M):
             k = s * M + m
             last = end[2 * SM + k] if (s, m) in split else end[SM + k]
-            intervals.append((s, end[k] - fwd[s], last))  # type: ignore[operator]
+            intervals.append((s, begin[k], last))
     live_stage, live_rank, bytes_stage, bytes_rank = _peaks(intervals, rank_of, R, sizes)
     return SimulationResult(
         schedule=schedule,
@@ -223,7 +224,7 @@ def simulate(
         peak_live_per_rank=live_rank,
         peak_bytes_per_stage=bytes_stage,
         peak_bytes_per_rank=bytes_rank,
-        _times=times,
+        _starts=starts,
         _ends=ends,  # type: ignore[arg-type]
     )
 
