@@ -161,9 +161,12 @@ def draw(
     # the constrained layout runs: close enough). A digit is ~0.64 em wide.
     axes_inches = ax.get_position().width * ax.figure.get_figwidth()
     inches_per_unit = axes_inches / max(end - origin, 1e-300)
-    fontsize = 7.0
     digits = len(str(max(e.action.microbatch for e in events)))
-    fits = (digits * 0.64 * fontsize / 72 + 0.03) / inches_per_unit  # narrowest box numbered
+    median = sorted(e.end - e.start for e in events)[len(events) // 2]
+    for fontsize in (7.0, 6.0, 5.0):  # the largest that numbers at least half the boxes
+        fits = (digits * 0.64 * fontsize / 72 + 0.03) / inches_per_unit  # narrowest numbered
+        if median >= fits:
+            break
     height = 0.8
     for e in events:
         x, width = (e.start - origin) * scale, (e.end - e.start) * scale
