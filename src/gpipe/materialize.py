@@ -9,7 +9,7 @@ their whole-model names (``"7.qkv.weight"``).
 Why not just ``torch.manual_seed(s); factory()``: eager construction draws every layer's weights
 from one stream in order, so layer 7's weights depend on the sizes of layers 0-6 and on having
 built them. Here each layer ``i`` is initialized from its own generator seed,
-``gpipe.rng.layer_seed(seed, i, 0)``, by calling the ``reset_parameters()`` of its modules. The
+``gpipe.rng.layer_seed(seed, i, INIT)``, by calling the ``reset_parameters()`` of its modules. The
 result is the same for any cut: layer 7 of a 4-stage build equals layer 7 of
 :func:`build_full` (the one-process reference) bit for bit, given the same seed, device type and
 dtype. Equality across device types is *not* promised: CPU and CUDA generators draw different
@@ -46,6 +46,10 @@ from gpipe.rng import layer_seed, preserved
 
 __all__ = ["build", "build_full", "materialized_bytes"]
 
+# The "micro-batch" of initialization: no real micro-batch has it, so initial weights are
+# never correlated with the dropout masks of a step whose seed equals the build seed.
+INIT = -1
+
 _REMEDY = (
     "give that module a reset_parameters() that initializes it, "
     "or build the model without meta (one process)"
@@ -65,7 +69,7 @@ def build(
     Args:
         factory: builds the whole model; called once, under ``torch.device("meta")``. It must
             not place tensors on a device explicitly.
-        seed: layer ``i`` is initialized from ``gpipe.rng.layer_seed(seed, i, 0)``.
+        seed: layer ``i`` is initialized from ``gpipe.rng.layer_seed(seed, i, INIT)``.
         layers: whole-model indices of the layers to materialize (default: all). Need not be
             contiguous (virtual stages).
         device: where the local layers live and are initialized.
@@ -106,7 +110,7 @@ def build(
         if device.type != "cpu":
             generators.append(stack.enter_context(preserved(device)))
         for i in local:
-            problems += _initialize(model[i], str(i), layer_seed(seed, i, 0), generators, device)
+            problems += _initialize(model[i], str(i), layer_seed(seed, i, INIT), generators, device)
     if problems:
         listing = "\n".join(f"  - {p}" for p in problems)
         raise ValueError(

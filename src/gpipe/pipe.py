@@ -1,13 +1,17 @@
-"""``Pipe``: the front end that trains an ``nn.Sequential`` as a pipeline in one process.
+"""``Pipe``: the front end that trains an ``nn.Sequential`` as a pipeline.
 
 It cuts the model into stages (``gpipe.partition``), builds the schedule
 (``gpipe.schedule``), splits each mini-batch into micro-batches (``gpipe.microbatch``) and
-lets the runtime (``gpipe.runtime``) walk the schedule over the stages.
+lets the runtime (``gpipe.runtime``) walk the schedule over the stages. The same class
+serves one process holding every stage and, with ``group=``, one process per rank of a
+pipeline spread over processes and machines (``torch.distributed``).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
+from datetime import timedelta
 from typing import Any, Literal
 
 import torch
@@ -15,27 +19,33 @@ from torch import nn
 
 from gpipe import microbatch, rng
 from gpipe.batchnorm import DeferredBatchNorm
+from gpipe.data_parallel import GradientReducer
+from gpipe.materialize import build
 from gpipe.partition import DeviceLike, PartitionError, check_partition, cut, shared_parameters
-from gpipe.runtime import Runtime, StepInputs
+from gpipe.runtime import Runtime, StepInputs, StepResult
 from gpipe.schedule import SCHEDULES, Schedule, TimedAction, build_schedule
 from gpipe.stage import LossSpec, Stage
-from gpipe.transport import LocalTransport, to_device
+from gpipe.transport import DistributedTransport, LocalTransport, PipelineError, to_device
 
 __all__ = ["CHECKPOINT_MODES", "Pipe"]
 
 CHECKPOINT_MODES = ("always", "except_last", "never")
 Checkpoint = Literal["always", "except_last", "never"]
 Reduction = Literal["mean", "sum"]
+ModelOrFactory = nn.Sequential | Callable[[], nn.Sequential]
 
 
 class Pipe(nn.Module):
     """An ``nn.Sequential`` cut into stages on devices, trained by micro-batch pipelining.
 
     Args:
-        module: the model, an ``nn.Sequential``. Its layers move to their stage's device
-            (in place, like ``Module.to``).
+        module: the model, an ``nn.Sequential`` (its layers move to their stage's device,
+            in place), or a function that builds it: then each process builds only its own
+            layers (on ``meta`` first, see ``gpipe.materialize``), initialized per layer
+            from ``init_seed`` so that every cut gives the same weights.
         balance: layers per stage; ``len(balance)`` is the number of stages.
-        devices: one device per rank (default: all ``"cpu"``); a rank holds one stage, or
+        devices: one device per rank (default: all ``"cpu"``; with ``group``, this
+            process's ``cuda:LOCAL_RANK`` under NCCL). A rank holds one stage, or
             ``virtual_stages`` stages with ``"interleaved-1f1b"``.
         chunks: micro-batches per mini-batch (M).
         checkpoint: re-materialization: ``"always"``, ``"except_last"`` (every
@@ -44,11 +54,17 @@ class Pipe(nn.Module):
         schedule: a name from ``gpipe.schedule.SCHEDULES`` (``"gpipe"``, ``"1f1b"``,
             ``"interleaved-1f1b"``, ``"zb-h1"``) or a ``Schedule`` of your own for these
             stages and M micro-batches.
+        deferred_batch_norm: replace BatchNorm layers by ``DeferredBatchNorm`` so that
+            running statistics are updated once per mini-batch, as without splitting.
         virtual_stages: stages per device for ``"interleaved-1f1b"`` (stage s lives on
             ``devices[s % len(devices)]``); see ``gpipe.schedule.interleaved_1f1b`` for
             the constraint on ``chunks``.
-        deferred_batch_norm: replace BatchNorm layers by ``DeferredBatchNorm`` so that
-            running statistics are updated once per mini-batch, as without splitting.
+        group: a ``torch.distributed`` process group whose ranks are the pipeline's
+            ranks; each process then holds only its own stages. ``None``: one process.
+        data_parallel_group: with ``group``, the replicas of this rank's stages; their
+            gradients are averaged over it once per step (bucketed all-reduce).
+        init_seed: seed of the per-layer initialization when ``module`` is a function.
+        timeout: seconds any rank waits for another before raising (multi-process).
 
     Example::
 
@@ -58,12 +74,13 @@ class Pipe(nn.Module):
         opt.step(); opt.zero_grad()
 
     Parameters keep their names in the whole model (``"3.weight"``), so
-    ``pipe.state_dict()`` and ``model.state_dict()`` are interchangeable.
+    ``pipe.state_dict()`` and ``model.state_dict()`` are interchangeable (with ``group``,
+    a rank's state dict is its shard of the whole model's).
     """
 
     def __init__(
         self,
-        module: nn.Sequential,
+        module: ModelOrFactory,
         *,
         balance: Sequence[int],
         devices: Sequence[DeviceLike] | None = None,
@@ -72,6 +89,10 @@ class Pipe(nn.Module):
         schedule: str | Schedule = "gpipe",
         deferred_batch_norm: bool = False,
         virtual_stages: int = 1,
+        group: Any = None,
+        data_parallel_group: Any = None,
+        init_seed: int = 0,
+        timeout: float = 60.0,
     ) -> None:
         super().__init__()
         balance = list(balance)
@@ -79,22 +100,34 @@ class Pipe(nn.Module):
             raise PartitionError(
                 f"virtual_stages must be a positive int (stages per device), got {virtual_stages!r}"
             )
-        if devices is None:
+        self.group, self.timeout = group, float(timeout)
+        self.rank: int | None = None
+        if group is not None:
+            import torch.distributed as dist
+
+            self.rank = dist.get_rank(group)
+            num_ranks = dist.get_world_size(group)
+            if devices is None:
+                devices = [_default_device(group)] * num_ranks
+        elif devices is None:
             devices = ["cpu"] * max(1, len(balance) // virtual_stages)
         devices = list(devices)
-        try:
-            check_partition(module, balance, devices, virtual_stages=virtual_stages)
-            problems = []
-        except PartitionError as error:
-            problems = str(error).splitlines()[1:]
-        if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
-            problems.append(f"- chunks must be a positive int (micro-batches), got {chunks!r}")
-        if checkpoint not in CHECKPOINT_MODES:
-            problems.append(
-                f"- checkpoint must be one of {', '.join(CHECKPOINT_MODES)}, got {checkpoint!r}"
+        factory = None if isinstance(module, nn.Module) else module
+        if factory is not None and not callable(factory):
+            raise TypeError(
+                f"module must be an nn.Sequential or a function that builds one, got "
+                f"{type(module).__name__}"
             )
-        if isinstance(schedule, str) and schedule not in SCHEDULES:
-            problems.append(f"- unknown schedule {schedule!r}; known: {', '.join(SCHEDULES)}")
+        # A factory is first built on meta (no memory) to check the configuration.
+        shape_model = build(factory, seed=init_seed, layers=[]) if factory else module
+        problems = _problems(
+            shape_model, balance, devices, virtual_stages, chunks, checkpoint, schedule
+        )
+        if group is not None and len(devices) != dist.get_world_size(group):
+            problems.append(
+                f"- devices has {len(devices)} entries but the process group has "
+                f"{dist.get_world_size(group)} ranks; give one device per rank"
+            )
         if problems:
             raise PartitionError("invalid Pipe configuration:\n" + "\n".join(problems))
 
@@ -105,6 +138,16 @@ class Pipe(nn.Module):
         self.virtual_stages = virtual_stages
         self.schedule = self._build_schedule(schedule)
         stage_devices = [self.devices[rank] for rank in self.schedule.stage_to_rank]
+        local = (
+            list(range(self.num_stages))
+            if self.rank is None
+            else list(self.schedule.stages_of(self.rank))
+        )
+        starts = [sum(balance[:s]) for s in range(self.num_stages)]
+        if factory is not None:
+            local_layers = [i for s in local for i in range(starts[s], starts[s] + balance[s])]
+            device = stage_devices[local[0]] if self.rank is not None else "cpu"
+            module = build(factory, seed=init_seed, layers=local_layers, device=device)
         stage_layers = cut(module, balance)
         shared = shared_parameters(stage_layers)
         if shared:
@@ -115,21 +158,38 @@ class Pipe(nn.Module):
             )
 
         self.stages: list[Stage] = []
-        first = 0
-        for index, (layers, device) in enumerate(zip(stage_layers, stage_devices, strict=True)):
+        for index in local:
             placed = []
-            for name, layer in layers:
+            for name, layer in stage_layers[index]:
                 if deferred_batch_norm:
                     layer = DeferredBatchNorm.convert(layer)
-                layer = layer.to(device)
+                layer = layer.to(stage_devices[index])
                 self.add_module(name, layer)
                 placed.append(layer)
-            last = index == len(balance) - 1
-            self.stages.append(Stage(index, placed, first_layer=first, device=device, is_last=last))
-            first += len(layers)
+            last = index == self.num_stages - 1
+            device = stage_devices[index]
+            self.stages.append(
+                Stage(index, placed, first_layer=starts[index], device=device, is_last=last)
+            )
 
-        self._transport = LocalTransport(stage_devices)
-        self._runtime = Runtime(self.schedule, dict(enumerate(self.stages)), self._transport)
+        if self.rank is None:
+            self._transport: Any = LocalTransport(stage_devices)
+        else:
+            self._transport = DistributedTransport(
+                self.schedule, self.rank, group, stage_devices, timeout=self.timeout
+            )
+        self._reducer = (
+            GradientReducer(self.stages, data_parallel_group, timeout=self.timeout)
+            if data_parallel_group is not None
+            else None
+        )
+        self._runtime = Runtime(
+            self.schedule,
+            {stage.index: stage for stage in self.stages},
+            self._transport,
+            after_backward=self._reducer.stage_done if self._reducer else None,
+        )
+        self._broken: str | None = None
         self.last_trace: list[TimedAction] = []
 
     def _build_schedule(self, schedule: str | Schedule) -> Schedule:
@@ -153,6 +213,9 @@ class Pipe(nn.Module):
     @property
     def num_stages(self) -> int:
         return len(self.balance)
+
+    def _holds(self, stage: int) -> bool:
+        return any(s.index == stage for s in self.stages)
 
     # -- training and inference -----------------------------------------------------------
 
@@ -184,66 +247,209 @@ class Pipe(nn.Module):
 
               pipe.step(x, y, loss_fn, reduction="sum")
 
-
         ``seed`` fixes the random numbers (dropout) of this step (default: drawn from
-        torch's global generator); see ``gpipe.rng``. With ``trace=True`` the start and
-        end of every action is recorded in ``self.last_trace``.
+        torch's global generator — on pipeline rank 0 when multi-process); see
+        ``gpipe.rng``. With ``trace=True`` the start and end of every action is recorded
+        in ``self.last_trace``.
 
-        Returns the mini-batch loss, detached, on the last stage's device.
+        With ``group``, every rank calls ``step``; ``inputs`` matter only where the first
+        stage lives and ``targets`` where the last does (elsewhere they may be ``None``).
+        With ``data_parallel_group`` the gradients are averaged over the replicas: zero
+        them before each step.
+
+        Returns the mini-batch loss, detached (on every rank when multi-process).
         """
         if reduction not in ("mean", "sum"):
             raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
-        inputs_mb = microbatch.split(inputs, self.chunks, name="inputs")
-        targets_mb = microbatch.split(targets, self.chunks, name="targets")
-        sizes = [microbatch.batch_size(x, name="inputs") for x in inputs_mb]
-        target_sizes = [microbatch.batch_size(y, name="targets") for y in targets_mb]
-        if sizes != target_sizes:
-            raise ValueError(
-                f"inputs and targets have different batch sizes "
-                f"({sum(sizes)} and {sum(target_sizes)}); give one target per sample"
-            )
-        total = sum(sizes)
-        weights = [n / total if reduction == "mean" else 1.0 for n in sizes]
-        last_device = self.stages[-1].device
-        losses = [
-            LossSpec(loss_fn, to_device(y, last_device), w)
-            for y, w in zip(targets_mb, weights, strict=True)
-        ]
+        first, last = self._holds(0), self._holds(self.num_stages - 1)
+        inputs_mb = microbatch.split(inputs, self.chunks, name="inputs") if first else None
+        losses: list[LossSpec | None] = [None] * self.chunks
+        if last:
+            targets_mb = microbatch.split(targets, self.chunks, name="targets")
+            sizes = [microbatch.batch_size(y, name="targets") for y in targets_mb]
+            if first:
+                input_sizes = [microbatch.batch_size(x, name="inputs") for x in inputs_mb]
+                if input_sizes != sizes:
+                    raise ValueError(
+                        f"inputs and targets have different batch sizes "
+                        f"({sum(input_sizes)} and {sum(sizes)}); give one target per sample"
+                    )
+            total = sum(sizes)
+            device = self.stages[-1].device
+            losses = [
+                LossSpec(loss_fn, to_device(y, device), n / total if reduction == "mean" else 1.0)
+                for y, n in zip(targets_mb, sizes, strict=True)
+            ]
         result = self._run(inputs_mb, losses, seed, trace)
-        return torch.stack([result.losses[m] for m in range(self.chunks)]).sum()
+        return result.loss
 
     def forward(self, inputs: Any) -> Any:
-        """Pipelined inference (no gradients): outputs joined on the last stage's device."""
+        """Pipelined inference (no gradients): outputs joined on the last stage's device.
+
+        Multi-process: every rank calls it; the rank of the last stage gets the output,
+        the others ``None``.
+        """
+        first = self._holds(0)
+        inputs_mb = microbatch.split(inputs, self.chunks, name="inputs") if first else None
         with torch.no_grad():
-            result = self._run(
-                microbatch.split(inputs, self.chunks, name="inputs"), None, None, False
-            )
+            result = self._run(inputs_mb, None, None, False)
+        if not self._holds(self.num_stages - 1):
+            return None
         return microbatch.join([result.outputs[m] for m in range(self.chunks)])
 
-    def _run(self, inputs_mb: list, losses: list[LossSpec] | None, seed, trace: bool):
-        first_device = self.stages[0].device
+    def _run(self, inputs_mb, losses, seed: int | None, trace: bool) -> StepResult:
+        if self._broken is not None:
+            raise PipelineError(
+                f"this pipeline failed in an earlier step ({self._broken}); "
+                "its ranks may disagree on what was sent: build a new Pipe",
+            )
+        if inputs_mb is not None:
+            inputs_mb = [to_device(x, self.stages[0].device) for x in inputs_mb]
         step = StepInputs(
-            microbatches=[to_device(x, first_device) for x in inputs_mb],
-            seed=rng.draw_step_seed() if seed is None else seed,
+            microbatches=inputs_mb or [None] * self.chunks,
+            seed=self._step_seed(seed),
             remat=[self._remat(m) for m in range(self.chunks)],
             losses=losses,
         )
         try:
+            if self.rank is not None:
+                self._transport.begin(training=losses is not None)
             result = self._runtime.run(step, trace=trace)
-        except BaseException:
-            # Leave the Pipe ready for the next step: nothing of this one survives.
+            if self.rank is not None:
+                self._transport.finish()
+            if self._reducer is not None and losses is not None:
+                self._reducer.finish()
+        except BaseException as error:
+            # Nothing of this step survives; one process is ready for the next step.
             self._transport.clear()
             for stage in self.stages:
                 stage.clear()
             for module in self.modules():
                 if isinstance(module, DeferredBatchNorm):
                     module.reset_accumulators()
+            if self._reducer is not None:
+                self._reducer.reset()
+            if self.rank is not None:
+                self._fail(error)
             raise
         for module in self.modules():
             if isinstance(module, DeferredBatchNorm):
                 module.commit()
+        local_loss = None
+        if losses is not None and self._holds(self.num_stages - 1):
+            local_loss = torch.stack([result.losses[m] for m in range(self.chunks)]).sum()
+        result.loss = local_loss
+        if self.rank is not None:
+            result.loss = self._agree(local_loss)
         self.last_trace = result.trace
         return result
+
+    def _step_seed(self, seed: int | None) -> int:
+        if seed is not None:
+            return seed
+        if self.rank is None:
+            return rng.draw_step_seed()
+        import torch.distributed as dist
+
+        drawn = torch.tensor([rng.draw_step_seed() if self.rank == 0 else 0], dtype=torch.int64)
+        drawn = drawn.to(self._transport.wire_device)
+        work = dist.broadcast(drawn, dist.get_global_rank(self.group, 0), self.group, async_op=True)
+        work.wait(timeout=timedelta(seconds=self.timeout))
+        return int(drawn.item())
+
+    # -- agreement between ranks (multi-process) ------------------------------------------
+
+    def _gather(self, value: float, failed: int) -> torch.Tensor:
+        """Every rank's (value, failed rank + 1 or 0), one row per pipeline rank."""
+        import torch.distributed as dist
+
+        wire = self._transport.wire_device
+        rows = torch.zeros(dist.get_world_size(self.group), 2, dtype=torch.float64, device=wire)
+        rows[self.rank] = torch.tensor([value, failed + 1], dtype=torch.float64)
+        work = dist.all_reduce(rows, group=self.group, async_op=True)  # each row set once
+        work.wait(timeout=timedelta(seconds=self.timeout))
+        return rows.cpu()
+
+    def _agree(self, local_loss: torch.Tensor | None) -> torch.Tensor:
+        """The loss on every rank (it lives on the last stage's), and a last health check."""
+        value = float(local_loss) if local_loss is not None else 0.0
+        try:
+            rows = self._gather(value, failed=-1)
+        except Exception as error:
+            self._broken = f"a rank did not reach the end of the step: {error}"
+            raise PipelineError(
+                f"rank {self.rank}: the pipeline group did not complete the step "
+                f"(a process died or stalled?): {error}"
+            ) from error
+        if rows[:, 1].any():
+            self._raise_remote(rows)
+        if local_loss is not None:
+            return local_loss
+        last_rank = self.schedule.stage_to_rank[-1]
+        # float64 holds a float32 or float64 loss exactly
+        return torch.tensor(float(rows[last_rank, 0]), dtype=torch.float64)
+
+    def _fail(self, error: BaseException) -> None:
+        """Tell the other ranks this step failed here (or upstream), then agree on who."""
+        if isinstance(error, PipelineError) and error.rank is not None:
+            origin, message = error.rank, str(error)
+        else:
+            origin = self.rank
+            stages = ", ".join(str(s.index) for s in self.stages)
+            message = f"rank {self.rank} (stage {stages}) raised {type(error).__name__}: {error}"
+            if hasattr(error, "add_note"):
+                error.add_note(f"raised in pipeline rank {self.rank} (stage {stages})")
+        self._broken = message
+        self._transport.announce_failure({"rank": origin, "message": message})
+        try:
+            self._gather(0.0, failed=origin)
+            self._share_failures(message if origin == self.rank else "")
+        except Exception:
+            pass
+
+    def _share_failures(self, message: str) -> list[str]:
+        import torch.distributed as dist
+
+        messages: list[str] = [""] * dist.get_world_size(self.group)
+        dist.all_gather_object(messages, message, group=self.group)
+        return messages
+
+    def _raise_remote(self, rows: torch.Tensor) -> None:
+        origin = int(rows[rows[:, 1] > 0, 1].min().item()) - 1
+        messages = self._share_failures("")
+        message = messages[origin] or next((m for m in messages if m), f"rank {origin} failed")
+        self._broken = message
+        raise PipelineError(f"rank {self.rank}: the step failed elsewhere: {message}", rank=origin)
+
+    # -- gradients ------------------------------------------------------------------------
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the gradients of the whole model (every stage, every replica) by their norm.
+
+        The norm is over all stages' gradients together, as for the un-split model, and is
+        returned on every rank.
+        """
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        device = self.stages[0].device
+        p = float(norm_type)
+        if grads:
+            norms = torch.stack([g.detach().norm(p).to(device, torch.float64) for g in grads])
+            local = norms.max() if p == float("inf") else norms.pow(p).sum()
+        else:
+            local = torch.zeros((), dtype=torch.float64, device=device)
+        if self.rank is not None:
+            import torch.distributed as dist
+
+            # Replicas hold equal gradients after averaging: reduce over the pipeline only.
+            op = dist.ReduceOp.MAX if p == float("inf") else dist.ReduceOp.SUM
+            wire = local.reshape(1).to(self._transport.wire_device)
+            dist.all_reduce(wire, op=op, group=self.group)
+            local = wire.reshape(()).to(device)
+        total = local if p == float("inf") else local.pow(1.0 / p)
+        scale = (max_norm / (total + 1e-6)).clamp(max=1.0)
+        for g in grads:
+            g.mul_(scale.to(g.device, g.dtype))
+        return total.float()
 
     def _remat(self, m: int) -> bool:
         if self.checkpoint == "always":
@@ -277,8 +483,35 @@ class Pipe(nn.Module):
         )
 
     def extra_repr(self) -> str:
+        where = "" if self.rank is None else f", rank={self.rank}"
         return (
             f"balance={self.balance}, devices={[str(d) for d in self.devices]}, "
             f"chunks={self.chunks}, checkpoint={self.checkpoint!r}, "
-            f"schedule={self.schedule.name!r}, virtual_stages={self.virtual_stages}"
+            f"schedule={self.schedule.name!r}, virtual_stages={self.virtual_stages}{where}"
         )
+
+
+def _problems(module, balance, devices, virtual_stages, chunks, checkpoint, schedule) -> list[str]:
+    """Every configuration problem, each a line of the one error raised."""
+    try:
+        check_partition(module, balance, devices, virtual_stages=virtual_stages)
+        problems = []
+    except PartitionError as error:
+        problems = str(error).splitlines()[1:]
+    if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
+        problems.append(f"- chunks must be a positive int (micro-batches), got {chunks!r}")
+    if checkpoint not in CHECKPOINT_MODES:
+        problems.append(
+            f"- checkpoint must be one of {', '.join(CHECKPOINT_MODES)}, got {checkpoint!r}"
+        )
+    if isinstance(schedule, str) and schedule not in SCHEDULES:
+        problems.append(f"- unknown schedule {schedule!r}; known: {', '.join(SCHEDULES)}")
+    return problems
+
+
+def _default_device(group: Any) -> torch.device:
+    import torch.distributed as dist
+
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")

@@ -14,7 +14,7 @@ nothing about where the neighbouring stages live (``gpipe.transport``). It drive
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -48,6 +48,7 @@ class StepResult:
     losses: dict[int, torch.Tensor] = field(default_factory=dict)  # weighted, detached
     outputs: dict[int, Any] = field(default_factory=dict)  # inference outputs
     trace: list[TimedAction] = field(default_factory=list)
+    loss: torch.Tensor | None = None  # the mini-batch loss, filled in by the front end
 
 
 def _synchronize(device: torch.device) -> None:
@@ -59,13 +60,29 @@ class Runtime:
     """Executes ``schedule`` for the stages this process holds."""
 
     def __init__(
-        self, schedule: Schedule, stages: Mapping[int, Stage], transport: Transport
+        self,
+        schedule: Schedule,
+        stages: Mapping[int, Stage],
+        transport: Transport,
+        *,
+        after_backward: Callable[[Stage], None] | None = None,
     ) -> None:
         self.schedule = schedule
         self.stages = dict(stages)
         self.transport = transport
         self.ranks = sorted({schedule.stage_to_rank[s] for s in self.stages})
         self._last = schedule.num_stages - 1
+        # Called when a stage has run its last backward action of the step: its
+        # gradients are final (data parallelism starts reducing them there).
+        self._after_backward = after_backward
+        self._final_backward: set[Action] = set()
+        for stage in self.stages:
+            rank = schedule.stage_to_rank[stage]
+            done = [
+                a for a in schedule.actions[rank] if a.stage == stage and a.kind is not Kind.FORWARD
+            ]
+            if done:
+                self._final_backward.add(done[-1])
 
     def run(self, step: StepInputs, *, trace: bool = False) -> StepResult:
         training = step.losses is not None
@@ -86,6 +103,8 @@ class Runtime:
                 action = actions[cursors[rank]]
                 start = time.perf_counter() - origin
                 self._execute(action, step, result, training)
+                if self._after_backward is not None and action in self._final_backward:
+                    self._after_backward(self.stages[action.stage])
                 if trace:
                     _synchronize(self.stages[action.stage].device)
                     end = time.perf_counter() - origin

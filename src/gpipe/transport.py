@@ -6,19 +6,39 @@ same runtime works whether the neighbouring stage lives on another device of thi
 process or in another process.
 
 :class:`LocalTransport` serves stages held by one process: a message is a device copy
-(``Tensor.to``) put in a mailbox; nothing is serialized.
+(``Tensor.to``) put in a mailbox; nothing is serialized. :class:`DistributedTransport`
+serves one rank of a pipeline spread over processes, with ``torch.distributed``
+point-to-point operations (gloo on CPU, NCCL on GPU).
 """
 
 from __future__ import annotations
 
+import contextlib
+import pickle
+import queue
+import threading
 from dataclasses import dataclass
+from datetime import timedelta
 from enum import StrEnum
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import (
+    tree_flatten,
+    tree_map,
+    tree_unflatten,
+    treespec_dumps,
+    treespec_loads,
+)
 
-__all__ = ["Channel", "LocalTransport", "Message", "to_device"]
+__all__ = [
+    "Channel",
+    "DistributedTransport",
+    "LocalTransport",
+    "Message",
+    "PipelineError",
+    "to_device",
+]
 
 
 class Channel(StrEnum):
@@ -74,3 +94,287 @@ class LocalTransport:
 
     def clear(self) -> None:
         self._mailbox.clear()
+
+
+# -- many processes --------------------------------------------------------------------------
+
+
+class PipelineError(RuntimeError):
+    """A failure elsewhere in the pipeline (another rank raised, died or stalled)."""
+
+    def __init__(self, message: str, *, rank: int | None = None) -> None:
+        super().__init__(message)
+        self.rank = rank  # the pipeline rank that failed first, when known
+
+
+@dataclass(frozen=True)
+class _TensorMeta:
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    requires_grad: bool
+
+
+class DistributedTransport:
+    """Point-to-point transport between processes through ``torch.distributed``.
+
+    Every message to another rank is framed as: a one-element ``int64`` header, the
+    pickled description of the value (its structure, and each tensor's dtype, shape and
+    ``requires_grad``) when it differs from the previous message of that kind to that
+    peer, then the tensors themselves — all queued together with ``batch_isend_irecv``.
+    Shapes may therefore change from step to step; an unchanged step costs one extra
+    8-byte message.
+
+    Messages between two ranks are received in the order the sender sends them, which
+    the schedule fixes: a receiver waiting for message X first takes (and buffers) any
+    that its peer sent before X. That keeps the wire order identical on both sides, as
+    NCCL requires, without tags.
+
+    Sends never block the runtime. A background thread waits for each send to complete
+    and then drops its tensors, so sent buffers are freed as soon as the peer has them.
+    A negative header announces a failure: the message that follows describes it, and
+    the receiver raises :class:`PipelineError` and passes the news on to its own peers.
+    """
+
+    def __init__(
+        self,
+        schedule: Any,
+        rank: int,
+        group: Any,
+        devices: list[torch.device],
+        *,
+        timeout: float,
+    ) -> None:
+        import torch.distributed as dist
+
+        self._dist = dist
+        self.schedule = schedule
+        self.rank = rank
+        self.group = group
+        self.timeout = timeout
+        self._devices = devices  # device of each stage (meaningful for local stages)
+        backend = dist.get_backend(group)
+        local = devices[schedule.stages_of(rank)[0]]
+        # Headers and descriptions travel on a device the backend supports.
+        self.wire_device = local if backend == "nccl" else torch.device("cpu")
+        self._mailbox: dict[Message, Any] = {}
+        self._sent_meta: dict[tuple[int, Channel], bytes] = {}
+        self._recv_meta: dict[tuple[int, Channel], Any] = {}
+        self._plans = {training: self._plan(training) for training in (True, False)}
+        self._incoming: dict[int, list[Message]] = {}
+        self._cursor: dict[int, int] = {}
+        self._outgoing: dict[int, list[Message]] = {}
+        self._sent: dict[int, int] = {}
+        self._reaper = _SendReaper(timeout)
+        self.failure: str | None = None
+
+    # -- the order of messages on each wire ------------------------------------------------
+
+    def _plan(self, training: bool) -> tuple[dict[int, list[Message]], dict[int, list[Message]]]:
+        """Per peer: messages this rank receives from it, and sends to it, in order."""
+        s2r, last = self.schedule.stage_to_rank, self.schedule.num_stages - 1
+        incoming: dict[int, list[Message]] = {}
+        outgoing: dict[int, list[Message]] = {}
+        for rank, actions in enumerate(self.schedule.actions):
+            for a in actions:
+                if a.kind.value == "F" and a.stage < last:
+                    message, dst = (
+                        Message(Channel.ACTIVATION, a.stage + 1, a.microbatch),
+                        s2r[a.stage + 1],
+                    )
+                elif a.kind.value == "B" and a.stage > 0 and training:
+                    message, dst = (
+                        Message(Channel.GRADIENT, a.stage - 1, a.microbatch),
+                        s2r[a.stage - 1],
+                    )
+                else:
+                    continue
+                if rank == dst:
+                    continue
+                if dst == self.rank:
+                    incoming.setdefault(rank, []).append(message)
+                if rank == self.rank:
+                    outgoing.setdefault(dst, []).append(message)
+        return incoming, outgoing
+
+    def begin(self, training: bool) -> None:
+        """Start a step: reset the per-peer positions in the message sequences."""
+        self._incoming, self._outgoing = self._plans[training]
+        self._cursor = dict.fromkeys(self._incoming, 0)
+        self._sent = dict.fromkeys(self._outgoing, 0)
+        self._mailbox.clear()
+
+    def finish(self) -> None:
+        """End a step: wait until every send has completed."""
+        self._reaper.drain()
+
+    def _global(self, rank: int) -> int:
+        return self._dist.get_global_rank(self.group, rank)
+
+    # -- sending ----------------------------------------------------------------------------
+
+    def send(self, message: Message, value: Any) -> None:
+        dst = self.schedule.stage_to_rank[message.stage]
+        if dst == self.rank:
+            as_leaves = message.channel is Channel.ACTIVATION
+            self._mailbox[message] = to_device(
+                value, self._devices[message.stage], as_leaves=as_leaves
+            )
+            return
+        leaves, spec = tree_flatten(value)
+        tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+        described = [
+            _TensorMeta(leaf.dtype, tuple(leaf.shape), leaf.requires_grad)
+            if isinstance(leaf, torch.Tensor)
+            else leaf
+            for leaf in leaves
+        ]
+        meta = pickle.dumps((treespec_dumps(spec), described))
+        key = (dst, message.channel)
+        changed = self._sent_meta.get(key) != meta
+        self._sent_meta[key] = meta
+        payload = [t.detach().contiguous() for t in tensors]
+        self._post(dst, len(meta) if changed else 0, meta if changed else None, payload)
+        self._sent[dst] += 1
+
+    def _post(self, dst: int, header: int, meta: bytes | None, tensors: list[torch.Tensor]) -> None:
+        dist = self._dist
+        peer = self._global(dst)
+        frames = [torch.tensor([header], dtype=torch.int64, device=self.wire_device)]
+        if meta is not None:
+            frames.append(_bytes_tensor(meta, self.wire_device))
+        ops = [dist.P2POp(dist.isend, t, peer, self.group) for t in frames + tensors]
+        works = dist.batch_isend_irecv(ops)
+        self._reaper.add(works, frames + tensors, dst)
+
+    # -- receiving --------------------------------------------------------------------------
+
+    def ready(self, message: Message) -> bool:
+        return True  # receiving blocks until the message is here
+
+    def recv(self, message: Message) -> Any:
+        if message in self._mailbox:
+            return self._mailbox.pop(message)
+        src = self.schedule.stage_to_rank[
+            message.stage - 1 if message.channel is Channel.ACTIVATION else message.stage + 1
+        ]
+        while message not in self._mailbox:
+            sequence = self._incoming.get(src, [])
+            position = self._cursor.get(src, 0)
+            if position >= len(sequence):
+                raise RuntimeError(f"rank {self.rank} expects no more messages from rank {src}")
+            expected = sequence[position]
+            self._mailbox[expected] = self._receive(src, expected)
+            self._cursor[src] = position + 1
+        return self._mailbox.pop(message)
+
+    def _receive(self, src: int, message: Message) -> Any:
+        header = torch.empty(1, dtype=torch.int64, device=self.wire_device)
+        self._wait([self._irecv(header, src)], src, message)
+        size = int(header.item())
+        key = (src, message.channel)
+        if size != 0:
+            meta = torch.empty(abs(size), dtype=torch.uint8, device=self.wire_device)
+            self._wait([self._irecv(meta, src)], src, message)
+            decoded = pickle.loads(meta.cpu().numpy().tobytes())
+            if size < 0:
+                raise PipelineError(decoded["message"], rank=decoded["rank"])
+            self._recv_meta[key] = (treespec_loads(decoded[0]), decoded[1])
+        spec, described = self._recv_meta[key]
+        device = self._devices[message.stage]
+        leaves = [
+            torch.empty(d.shape, dtype=d.dtype, device=device) if isinstance(d, _TensorMeta) else d
+            for d in described
+        ]
+        tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+        if tensors:
+            self._wait([self._irecv(t, src) for t in tensors], src, message)
+        for leaf, d in zip(leaves, described, strict=True):
+            if (
+                isinstance(d, _TensorMeta)
+                and d.requires_grad
+                and message.channel is Channel.ACTIVATION
+            ):
+                leaf.requires_grad_(True)
+        return tree_unflatten(leaves, spec)
+
+    def _irecv(self, tensor: torch.Tensor, src: int):
+        dist = self._dist
+        op = dist.P2POp(dist.irecv, tensor, self._global(src), self.group)
+        return dist.batch_isend_irecv([op])[0]
+
+    def _wait(self, works: list, src: int, message: Message) -> None:
+        try:
+            for work in works:
+                work.wait(timeout=timedelta(seconds=self.timeout))
+        except Exception as error:  # a dead peer or a timeout: gloo and NCCL differ
+            text = str(error).splitlines()[0] if str(error) else type(error).__name__
+            if "imed out" in text or "imeout" in text:
+                raise PipelineError(
+                    f"rank {self.rank} waited {self.timeout:g} s for {message.channel} of "
+                    f"micro-batch {message.microbatch} from rank {src} without an answer; "
+                    "raise Pipe(timeout=...) if stages are this slow",
+                    rank=src,
+                ) from error
+            raise PipelineError(
+                f"rank {self.rank} lost rank {src} while waiting for its {message.channel} "
+                f"of micro-batch {message.microbatch} (did that process die?): {text}",
+                rank=src,
+            ) from error
+
+    # -- failures ---------------------------------------------------------------------------
+
+    def announce_failure(self, description: dict) -> None:
+        """Tell every peer still expecting a message from this rank in this step."""
+        meta = pickle.dumps(description)
+        for dst, sequence in self._outgoing.items():
+            if self._sent.get(dst, 0) < len(sequence):
+                with contextlib.suppress(Exception):
+                    self._post(dst, -len(meta), meta, [])
+        self._reaper.abandon()
+
+    def clear(self) -> None:
+        self._mailbox.clear()
+
+
+def _bytes_tensor(data: bytes, device: torch.device) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+
+
+class _SendReaper:
+    """Waits for sends in a background thread and drops their buffers once complete."""
+
+    def __init__(self, timeout: float) -> None:
+        self._timeout = timeout
+        self._queue: queue.Queue = queue.Queue()
+        self._errors: list[str] = []
+        self._thread = threading.Thread(target=self._run, name="gpipe-send-reaper", daemon=True)
+        self._thread.start()
+
+    def add(self, works: list, tensors: list[torch.Tensor], dst: int) -> None:
+        self._queue.put((works, tensors, dst))
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is None:
+                    continue
+                works, tensors, dst = item
+                try:
+                    for work in works:
+                        work.wait(timeout=timedelta(seconds=self._timeout))
+                except Exception as error:
+                    self._errors.append(f"send to rank {dst} failed: {error}")
+                del works, tensors, item  # the buffers go as soon as the send is done
+            finally:
+                self._queue.task_done()
+
+    def drain(self) -> None:
+        self._queue.join()
+        if self._errors:
+            errors, self._errors = self._errors, []
+            raise PipelineError("; ".join(errors))
+
+    def abandon(self) -> None:
+        """After a failure: stop caring about sends the peers will never receive."""
+        self._errors.clear()

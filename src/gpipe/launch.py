@@ -1,0 +1,186 @@
+"""Start K local processes that form a pipeline, from a plain ``python`` command.
+
+``torchrun`` is the launcher for real jobs and for several machines::
+
+    torchrun --nproc-per-node 2 train.py                       # one machine
+    torchrun --nnodes 2 --node-rank 0 --nproc-per-node 2 \\
+        --rdzv-backend c10d --rdzv-endpoint HOST:29500 train.py  # first of two machines
+
+and a script written for it works unchanged under :func:`launch`, which sets the same
+environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``/``PORT``),
+initializes the default process group (gloo on CPU, NCCL when every process gets a GPU)
+and calls ``fn(rank, *args)`` in each process::
+
+    def train(rank):
+        pipe = gpipe.Pipe(make_model, balance=[3, 3], chunks=8, group=dist.group.WORLD)
+        ...
+
+    gpipe.launch(train, nprocs=2)
+
+When a process fails, the others are given ``grace`` seconds to notice and raise their own
+error (the pipeline's ``timeout`` bounds that), then any still alive are killed: no process
+outlives :func:`launch`. The error raised names each failed rank and its message.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+__all__ = ["LaunchError", "free_port", "launch"]
+
+
+class LaunchError(RuntimeError):
+    """One or more launched processes failed; ``failures`` maps rank to its error text."""
+
+    def __init__(self, message: str, failures: dict[int, str], results: dict[int, Any]) -> None:
+        super().__init__(message)
+        self.failures = failures
+        self.results = results  # what the ranks that did finish returned
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(
+    rank: int,
+    fn: Callable[..., Any],
+    args: tuple,
+    world_size: int,
+    port: int,
+    backend: str,
+    timeout: float,
+    results: Any,
+) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    try:
+        dist.init_process_group(
+            backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout)
+        )
+        value = fn(rank, *args)
+        # Pickled by value here: tensors sent through shared memory would vanish with
+        # this process before the parent reads them.
+        results.put((rank, "ok", pickle.dumps(value)))
+    except BaseException as error:  # reported to the parent, which decides what to raise
+        text = f"{type(error).__name__}: {error}\n{traceback.format_exc()}"
+        results.put((rank, "error", text))
+        raise SystemExit(1) from None
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def launch(
+    fn: Callable[..., Any],
+    nprocs: int,
+    *,
+    args: tuple = (),
+    backend: str | None = None,
+    timeout: float = 60.0,
+    grace: float | None = None,
+) -> list[Any]:
+    """Run ``fn(rank, *args)`` in ``nprocs`` new processes forming one process group.
+
+    Returns the values ``fn`` returned, by rank (they must be picklable). ``backend``
+    defaults to NCCL when CUDA offers ``nprocs`` devices, else gloo. ``timeout`` is the
+    process group's; ``grace`` (default ``timeout + 10``) is how long the others may run
+    on after a process has failed.
+    """
+    if not isinstance(nprocs, int) or nprocs < 1:
+        raise ValueError(f"nprocs must be a positive int, got {nprocs!r}")
+    if backend is None:
+        cuda = torch.cuda.is_available() and torch.cuda.device_count() >= nprocs
+        backend = "nccl" if cuda else "gloo"
+    grace = timeout + 10.0 if grace is None else grace
+    context = mp.get_context("spawn")
+    results = context.SimpleQueue()
+    port = free_port()
+    processes = [
+        context.Process(
+            target=_worker,
+            args=(rank, fn, args, nprocs, port, backend, timeout, results),
+            name=f"gpipe-rank-{rank}",
+            daemon=False,
+        )
+        for rank in range(nprocs)
+    ]
+    for process in processes:
+        process.start()
+    outcomes: dict[int, tuple[str, Any]] = {}
+    first_failure: float | None = None
+    try:
+        while True:
+            while not results.empty():
+                rank, status, value = results.get()
+                outcomes[rank] = (status, value)
+            alive = [p for p in processes if p.is_alive()]
+            failed = [r for r, p in enumerate(processes) if p.exitcode not in (None, 0)] + [
+                r for r, (status, _) in outcomes.items() if status == "error"
+            ]
+            if failed and first_failure is None:
+                first_failure = time.monotonic()
+            if not alive:
+                break
+            if first_failure is not None and time.monotonic() - first_failure > grace:
+                break
+            time.sleep(0.05)
+    finally:
+        for process in processes:
+            if process.is_alive():
+                process.terminate()
+        for process in processes:
+            process.join(5)
+            if process.is_alive():
+                process.kill()
+                process.join()
+        while not results.empty():
+            rank, status, value = results.get()
+            outcomes[rank] = (status, value)
+
+    failures: dict[int, str] = {}
+    for rank, process in enumerate(processes):
+        status, value = outcomes.get(rank, (None, None))
+        if status == "error":
+            failures[rank] = value
+        elif status != "ok":
+            code = process.exitcode
+            if code is not None and code < 0:
+                failures[rank] = f"killed by signal {-code}"
+            else:
+                failures[rank] = f"exited with code {code} without a result"
+    if failures:
+        summary = "\n".join(
+            f"- rank {rank}: {text.splitlines()[0]}" for rank, text in sorted(failures.items())
+        )
+        first = min(failures)
+        raise LaunchError(
+            f"{len(failures)} of {nprocs} processes failed:\n{summary}\n\n"
+            f"rank {first}'s error:\n{failures[first]}",
+            failures,
+            {r: pickle.loads(v) for r, (status, v) in outcomes.items() if status == "ok"},
+        )
+    return [pickle.loads(outcomes[rank][1]) for rank in range(nprocs)]

@@ -1,0 +1,148 @@
+"""Code that runs inside the processes test_distributed.py launches.
+
+It lives in a module (not in the test file) so that spawned processes can import it.
+Every function returns plain data; the references are computed by the tests.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn import functional as F
+
+import gpipe
+from gpipe.models import GPTConfig, convnet, gpt, lm_loss
+from gpipe.transport import PipelineError
+
+GPT = GPTConfig(vocab_size=32, context=8, d_model=16, n_heads=2, n_layers=4, dropout=0.1)
+INIT_SEED = 3
+BATCH = 12
+
+
+def gpt_factory() -> nn.Sequential:
+    return gpt(GPT).double()
+
+
+def cnn_factory() -> nn.Sequential:
+    return convnet(channels=4, blocks=2).double()
+
+
+FACTORIES = {"gpt": gpt_factory, "cnn": cnn_factory}
+
+
+def batch(model: str, step: int, length: int = GPT.context, replica: int = 0):
+    """The (inputs, targets) of one step; the same in every process and in the test."""
+    generator = torch.Generator().manual_seed(1000 * replica + step)
+    if model == "gpt":
+        x = torch.randint(0, GPT.vocab_size, (BATCH, length), generator=generator)
+        y = torch.randint(0, GPT.vocab_size, (BATCH, length), generator=generator)
+        return x, y
+    x = torch.randn(BATCH, 1, 6, 6, generator=generator, dtype=torch.float64)
+    return x, torch.randint(0, 10, (BATCH,), generator=generator)
+
+
+def loss_of(model: str):
+    return lm_loss if model == "gpt" else F.cross_entropy
+
+
+def train_steps(rank, cases, group=None, data_parallel_group=None, replica=0):
+    """Run each case's steps; return its last loss, gradients, buffers and gradient norm."""
+    torch.set_num_threads(1)
+    group = group or dist.group.WORLD
+    results = []
+    for case in cases:
+        model = case["model"]
+        pipe = gpipe.Pipe(
+            FACTORIES[model],
+            balance=case["balance"],
+            chunks=case["chunks"],
+            checkpoint=case["checkpoint"],
+            schedule=case["schedule"],
+            virtual_stages=case.get("virtual", 1),
+            deferred_batch_norm=model == "cnn",
+            group=group,
+            data_parallel_group=data_parallel_group,
+            init_seed=INIT_SEED,
+            timeout=30,
+        )
+        losses = []
+        for step, length in enumerate(case.get("lengths", [GPT.context])):
+            pipe.zero_grad(set_to_none=True)
+            x, y = batch(model, step, length, replica)
+            losses.append(float(pipe.step(x, y, loss_of(model), seed=100 + step)))
+        norm = float(pipe.clip_grad_norm_(case.get("clip", 1e12)))
+        results.append(
+            {
+                "losses": losses,
+                "norm": norm,
+                "grads": {n: p.grad.clone() for n, p in pipe.named_parameters()},
+                "buffers": {n: b.clone() for n, b in pipe.named_buffers()},
+            }
+        )
+    return results
+
+
+def data_and_pipeline(rank, cases):
+    """DP2 x PP2 on four processes: a 2-D mesh of replicas and stages."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
+    replica = mesh.get_local_rank("dp")
+    results = train_steps(
+        rank,
+        cases,
+        group=mesh.get_group("pp"),
+        data_parallel_group=mesh.get_group("dp"),
+        replica=replica,
+    )
+    return {"replica": replica, "results": results}
+
+
+class Fault(nn.Module):
+    """Identity that fails on one micro-batch's forward: raises, or kills its process."""
+
+    def __init__(self, microbatch: int, how: str) -> None:
+        super().__init__()
+        self.microbatch, self.how, self.calls = microbatch, how, 0
+
+    def forward(self, x):
+        if not gpipe.is_recomputing():
+            self.calls += 1
+            if self.calls == self.microbatch + 1:
+                if self.how == "kill":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                raise KeyError(f"injected fault at micro-batch {self.microbatch}")
+        return x
+
+
+def faulty(rank, stages, fault_stage, microbatch, how, timeout):
+    """A pipeline whose stage ``fault_stage`` fails; report what this rank raised, and when."""
+    torch.set_num_threads(1)
+
+    def factory():
+        layers = []
+        for s in range(stages):
+            layers += [nn.Linear(8, 8), Fault(microbatch, how) if s == fault_stage else nn.ReLU()]
+        return nn.Sequential(*layers)
+
+    pipe = gpipe.Pipe(
+        factory, balance=[2] * stages, chunks=4, group=dist.group.WORLD, timeout=timeout
+    )
+    x = torch.randn(8, 8)
+    start = time.monotonic()
+    try:
+        pipe.step(x, torch.randn(8, 8), F.mse_loss)
+    except BaseException as error:  # what each rank raised is the test's subject
+        return {
+            "type": type(error).__name__,
+            "message": str(error),
+            "rank": getattr(error, "rank", None),
+            "seconds": time.monotonic() - start,
+            "pipeline_error": isinstance(error, PipelineError),
+        }
+    return {"type": None, "seconds": time.monotonic() - start}

@@ -1,0 +1,280 @@
+"""The pipeline over processes (gloo on 127.0.0.1): the same gradients as one process.
+
+Each launch runs many configurations in the same processes to keep start-up costs down;
+every configuration is compared, parameter by parameter, with the un-split model.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from distributed_cases import (
+    FACTORIES,
+    GPT,
+    INIT_SEED,
+    batch,
+    data_and_pipeline,
+    faulty,
+    loss_of,
+    train_steps,
+)
+from gpipe.launch import LaunchError, free_port, launch
+from gpipe.materialize import build_full
+from reference import reference_step, relative_error, running_stats_of_unsplit_batch
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def reference(case, replicas=(0,)):
+    """Loss, gradients (averaged over replicas) and BN statistics of the un-split model."""
+    model_name = case["model"]
+    lengths = case.get("lengths", [GPT.context])
+    step = len(lengths) - 1
+    grads, losses, stats = {}, [], {}
+    for replica in replicas:
+        model = build_full(FACTORIES[model_name], seed=INIT_SEED)
+        x, y = batch(model_name, step, lengths[step], replica)
+        if model_name == "cnn":
+            stats = running_stats_of_unsplit_batch(model, x, case["chunks"])
+        losses.append(
+            reference_step(model, x, y, loss_of(model_name), chunks=case["chunks"], seed=100 + step)
+        )
+        for name, p in model.named_parameters():
+            grads[name] = grads.get(name, 0) + p.grad / len(replicas)
+    return losses, grads, stats
+
+
+def check(case, per_rank_results, replicas=(0,)):
+    losses, grads, stats = reference(case, replicas)
+    merged = {}
+    for result in per_rank_results:
+        merged.update(result["grads"])
+        assert (
+            relative_error(torch.tensor(result["losses"][-1], dtype=torch.float64), losses[0])
+            <= 1e-10
+        )
+    assert set(merged) == set(grads)
+    for name, grad in grads.items():
+        assert relative_error(merged[name], grad) <= 1e-10, (case, name)
+    buffers = {}
+    for result in per_rank_results:
+        buffers.update(result["buffers"])
+    for key, value in stats.items():
+        if "running" in key or "num_batches" in key:
+            assert relative_error(buffers[key], value) <= 1e-10, (case, key)
+    total = torch.sqrt(sum(g.double().pow(2).sum() for g in grads.values()))
+    for result in per_rank_results:
+        assert abs(result["norm"] - total.item()) <= 1e-6 * total.item()
+
+
+TWO_STAGE_CASES = [
+    {"model": model, "schedule": schedule, "checkpoint": checkpoint, **shape}
+    for model, balance, virtual_balance in (
+        ("gpt", [3, 3], [2, 1, 2, 1]),
+        ("cnn", [4, 4], [2, 2, 2, 2]),
+    )
+    for checkpoint in ("always", "never")
+    for schedule, shape in (
+        ("gpipe", {"balance": balance, "chunks": 4}),
+        ("1f1b", {"balance": balance, "chunks": 4}),
+        ("zb-h1", {"balance": balance, "chunks": 5}),
+        ("interleaved-1f1b", {"balance": virtual_balance, "chunks": 4, "virtual": 2}),
+    )
+]
+for _case in TWO_STAGE_CASES:
+    if _case["model"] == "gpt":
+        _case["lengths"] = [8, 5, 7]  # another sequence length every step
+
+
+def test_two_processes_every_schedule_and_remat_mode():
+    results = launch(train_steps, 2, args=(TWO_STAGE_CASES,), timeout=60)
+    for index, case in enumerate(TWO_STAGE_CASES):
+        check(case, [results[0][index], results[1][index]])
+
+
+FOUR_STAGE_CASES = [
+    {
+        "model": "gpt",
+        "balance": [2, 2, 1, 1],
+        "chunks": 4,
+        "schedule": s,
+        "checkpoint": "except_last",
+    }
+    for s in ("gpipe", "1f1b", "zb-h1")
+] + [
+    {
+        "model": "cnn",
+        "balance": [2, 2, 2, 2],
+        "chunks": 6,
+        "schedule": "1f1b",
+        "checkpoint": "always",
+    },
+    {
+        "model": "cnn",
+        "balance": [1] * 8,
+        "chunks": 4,
+        "schedule": "interleaved-1f1b",
+        "virtual": 2,
+        "checkpoint": "never",
+    },
+]
+
+
+def test_four_processes():
+    results = launch(train_steps, 4, args=(FOUR_STAGE_CASES,), timeout=60)
+    for index, case in enumerate(FOUR_STAGE_CASES):
+        check(case, [r[index] for r in results])
+
+
+def test_data_parallel_times_pipeline_parallel():
+    cases = [
+        {
+            "model": "gpt",
+            "balance": [3, 3],
+            "chunks": 4,
+            "schedule": "1f1b",
+            "checkpoint": "always",
+        },
+        {
+            "model": "cnn",
+            "balance": [4, 4],
+            "chunks": 3,
+            "schedule": "zb-h1",
+            "checkpoint": "never",
+        },
+    ]
+    outcomes = launch(data_and_pipeline, 4, args=(cases,), timeout=60)
+    assert sorted(o["replica"] for o in outcomes) == [0, 0, 1, 1]
+    for index, case in enumerate(cases):
+        if case["model"] == "cnn":
+            continue  # replicas keep their own running statistics, as DDP does
+        losses, grads, _ = reference(case, replicas=(0, 1))
+        merged = {}
+        for outcome in outcomes:
+            merged.update(outcome["results"][index]["grads"])  # replicas agree
+            replica_loss = outcome["results"][index]["losses"][-1]
+            assert (
+                relative_error(
+                    torch.tensor(replica_loss, dtype=torch.float64), losses[outcome["replica"]]
+                )
+                <= 1e-10
+            )
+        for name, grad in grads.items():
+            assert relative_error(merged[name], grad) <= 1e-10, name
+    # Replicas hold identical averaged gradients.
+    by_replica = {}
+    for outcome in outcomes:
+        for index in range(len(cases)):
+            for name, grad in outcome["results"][index]["grads"].items():
+                by_replica.setdefault((index, name), []).append(grad)
+    for grads in by_replica.values():
+        assert len(grads) == 2 and torch.equal(grads[0], grads[1])
+
+
+def test_clip_grad_norm_uses_the_global_norm():
+    case = {
+        "model": "gpt",
+        "balance": [3, 3],
+        "chunks": 2,
+        "schedule": "gpipe",
+        "checkpoint": "never",
+        "clip": 0.05,
+    }
+    results = launch(train_steps, 2, args=([case],), timeout=60)
+    _, grads, _ = reference(case)
+    total = torch.sqrt(sum(g.pow(2).sum() for g in grads.values()))
+    scale = min(1.0, 0.05 / (total.item() + 1e-6))  # as torch.nn.utils.clip_grad_norm_
+    assert scale < 0.5, "the case must actually clip"
+    merged = {**results[0][0]["grads"], **results[1][0]["grads"]}
+    for name in grads:
+        assert relative_error(merged[name], grads[name] * scale) <= 1e-9, name
+    for result in results:
+        assert abs(result[0]["norm"] - total.item()) <= 1e-6 * total.item()
+
+
+def test_two_machines_with_torchrun(tmp_path):
+    """Two torchrun launches ("nodes") on 127.0.0.1 rendezvous into one 2-stage pipeline."""
+    port = free_port()
+    script = Path(__file__).parent / "torchrun_job.py"
+    nodes = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes",
+                "2",
+                "--nproc-per-node",
+                "1",
+                "--node-rank",
+                str(node),
+                "--rdzv-backend",
+                "c10d",
+                "--rdzv-endpoint",
+                f"127.0.0.1:{port}",
+                "--rdzv-id",
+                "gpipe-test",
+                str(script),
+                str(tmp_path),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for node in range(2)
+    ]
+    outputs = []
+    for node in nodes:
+        try:
+            outputs.append(node.communicate(timeout=240)[0])
+        finally:
+            node.kill()
+    assert all(node.returncode == 0 for node in nodes), "\n".join(outputs)
+    from torchrun_job import CASE
+
+    check(CASE, [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)])
+
+
+@pytest.mark.parametrize(
+    ("stages", "fault_stage"), [(2, 1), (2, 0), (3, 1)], ids=["last", "first", "middle"]
+)
+def test_exception_in_one_stage_reaches_every_rank(stages, fault_stage):
+    outcomes = launch(faulty, stages, args=(stages, fault_stage, 2, "raise", 20.0), timeout=30)
+    for rank, outcome in enumerate(outcomes):
+        assert "injected fault at micro-batch 2" in outcome["message"]
+        assert outcome["seconds"] < 20
+        if rank == fault_stage:
+            assert outcome["type"] == "KeyError"  # the original exception, unchanged
+        else:
+            assert outcome["pipeline_error"]
+            assert outcome["rank"] == fault_stage
+            assert f"rank {fault_stage}" in outcome["message"]
+    assert not multiprocessing.active_children()
+
+
+def test_killed_rank_makes_the_others_fail_within_the_timeout():
+    with pytest.raises(LaunchError) as info:
+        launch(faulty, 2, args=(2, 1, 1, "kill", 10.0), timeout=30, grace=40)
+    error = info.value
+    assert error.failures[1] == "killed by signal 9"
+    survivor = error.results[0]
+    assert survivor["pipeline_error"], survivor
+    assert "rank 1" in survivor["message"]
+    assert survivor["seconds"] < 10 + 5
+    assert not multiprocessing.active_children()
+
+
+def test_launch_reports_the_failing_rank_and_leaves_no_process():
+    with pytest.raises(LaunchError, match=r"rank 1: ZeroDivisionError"):
+        launch(_divide_on_rank_one, 2, timeout=10)
+    assert not multiprocessing.active_children()
+
+
+def _divide_on_rank_one(rank):
+    return 1 / (1 - rank)

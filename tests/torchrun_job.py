@@ -1,0 +1,32 @@
+"""A training script as a user writes it for torchrun; test_distributed.py launches it.
+
+    torchrun --nnodes 2 --nproc-per-node 1 --rdzv-backend c10d \\
+        --rdzv-endpoint 127.0.0.1:PORT tests/torchrun_job.py OUT_DIR
+"""
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).parent))
+from distributed_cases import train_steps
+
+CASE = {
+    "model": "gpt",
+    "balance": [3, 3],
+    "chunks": 4,
+    "checkpoint": "except_last",
+    "schedule": "1f1b",
+    "lengths": [8, 6],
+}
+
+if __name__ == "__main__":
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    result = train_steps(rank, [CASE])[0]
+    torch.save(result, Path(sys.argv[1]) / f"rank{rank}.pt")
+    print(f"rank {rank} of {dist.get_world_size()} on node {os.environ.get('GROUP_RANK')} done")
+    dist.destroy_process_group()
