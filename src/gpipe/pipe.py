@@ -250,7 +250,8 @@ class Pipe(nn.Module):
         ``seed`` fixes the random numbers (dropout) of this step (default: drawn from
         torch's global generator — on pipeline rank 0 when multi-process); see
         ``gpipe.rng``. With ``trace=True`` the start and end of every action is recorded
-        in ``self.last_trace``.
+        in ``self.last_trace`` (seconds from the step's start; multi-process: this rank's
+        actions, in ``time.perf_counter`` seconds, which all ranks of a machine share).
 
         With ``group``, every rank calls ``step``; ``inputs`` matter only where the first
         stage lives and ``targets`` where the last does (elsewhere they may be ``None``).
@@ -314,7 +315,9 @@ class Pipe(nn.Module):
         try:
             if self.rank is not None:
                 self._transport.begin(training=losses is not None)
-            result = self._runtime.run(step, trace=trace)
+            # Multi-process: absolute times, so that the ranks' traces line up.
+            origin = None if self.rank is None else 0.0
+            result = self._runtime.run(step, trace=trace, clock_origin=origin)
             if self.rank is not None:
                 self._transport.finish()
             if self._reducer is not None and losses is not None:
