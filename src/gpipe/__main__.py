@@ -1,89 +1,33 @@
-"""The ``gpipe`` command line.
+"""The ``gpipe`` command line: ``gpipe COMMAND --help`` for each command.
 
-gpipe demo            # train a small GPT through a 2-stage pipeline; loss and throughput
-python -m gpipe demo --stages 3 --chunks 8 --steps 60
+    gpipe demo     # train a small GPT through a pipeline in one process: loss and throughput
+
+Each command is a module of ``gpipe.cli`` with ``configure(parser)`` and ``run(args)``.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
-import time
-from pathlib import Path
-
-import torch
 
 __all__ = ["main"]
 
-
-def _corpus(max_bytes: int) -> torch.Tensor:
-    """Bytes of the Python standard library's own source: real text present everywhere."""
-    root = Path(argparse.__file__).parent
-    chunks, total = [], 0
-    for path in sorted(root.glob("*.py")):
-        data = path.read_bytes()
-        chunks.append(data)
-        total += len(data)
-        if total >= max_bytes:
-            break
-    return torch.frombuffer(bytearray(b"".join(chunks)[:max_bytes]), dtype=torch.uint8).long()
+COMMANDS = {
+    "demo": ("gpipe.cli.demo", "train a small GPT through a pipeline in one process"),
+}
 
 
-def demo(args: argparse.Namespace) -> None:
-    import gpipe
-    from gpipe.models import GPTConfig, gpt, lm_loss
-
-    torch.manual_seed(args.seed)
-    torch.set_num_threads(max(1, torch.get_num_threads()))
-    config = GPTConfig(context=args.seq, d_model=128, n_heads=4, n_layers=4, dropout=0.1)
-    model = gpt(config)
-    layers = len(model)
-    if not 1 <= args.stages <= layers:
-        raise SystemExit(f"gpipe demo: --stages must be in 1..{layers}, got {args.stages}")
-    base, extra = divmod(layers, args.stages)
-    balance = [base + (1 if i < extra else 0) for i in range(args.stages)]
-    pipe = gpipe.Pipe(model, balance=balance, chunks=args.chunks, checkpoint=args.checkpoint)
-    optimizer = torch.optim.AdamW(pipe.parameters(), lr=args.lr)
-
-    data = _corpus(400_000)
-    generator = torch.Generator().manual_seed(args.seed)
-    print(
-        f"gpipe demo: GPT {layers} layers, {sum(p.numel() for p in pipe.parameters()):,} "
-        f"parameters, balance={balance}, chunks={args.chunks}, checkpoint={args.checkpoint}, "
-        f"{len(data):,} bytes of stdlib source"
-    )
-    tokens = 0
-    start = time.perf_counter()
-    for step in range(1, args.steps + 1):
-        offsets = torch.randint(0, len(data) - args.seq - 1, (args.batch,), generator=generator)
-        window = torch.stack([data[o : o + args.seq + 1] for o in offsets])
-        loss = pipe.step(window[:, :-1], window[:, 1:], lm_loss)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        tokens += args.batch * args.seq
-        if step == 1 or step % args.log_every == 0 or step == args.steps:
-            elapsed = time.perf_counter() - start
-            print(f"step {step:4d}  loss {loss.item():.3f}  {tokens / elapsed:,.0f} tokens/s")
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="gpipe", description=__doc__.splitlines()[0])
-    commands = parser.add_subparsers(dest="command", required=True)
-    d = commands.add_parser("demo", help="train a small GPT through a pipeline")
-    d.add_argument("--stages", type=int, default=2)
-    d.add_argument("--chunks", type=int, default=4)
-    d.add_argument(
-        "--checkpoint", default="except_last", choices=["always", "except_last", "never"]
-    )
-    d.add_argument("--batch", type=int, default=16)
-    d.add_argument("--seq", type=int, default=64)
-    d.add_argument("--steps", type=int, default=150)
-    d.add_argument("--lr", type=float, default=3e-3)
-    d.add_argument("--seed", type=int, default=0)
-    d.add_argument("--log-every", type=int, default=25)
-    d.set_defaults(run=demo)
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="gpipe", description="micro-batch pipeline parallelism")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    modules = {}
+    for name, (module_name, summary) in COMMANDS.items():
+        module = importlib.import_module(module_name)
+        module.configure(commands.add_parser(name, help=summary, description=module.__doc__))
+        modules[name] = module
     args = parser.parse_args(argv)
-    args.run(args)
+    return modules[args.command].run(args) or 0
 
 
 if __name__ == "__main__":

@@ -43,7 +43,9 @@ class Pipe(nn.Module):
             in place), or a function that builds it: then each process builds only its own
             layers (on ``meta`` first, see ``gpipe.materialize``), initialized per layer
             from ``init_seed`` so that every cut gives the same weights.
-        balance: layers per stage; ``len(balance)`` is the number of stages.
+        balance: layers per stage; ``len(balance)`` is the number of stages. ``"auto"``:
+            profile the model on ``sample`` (one micro-batch of inputs) and choose the cuts
+            that minimise the slowest stage (``gpipe.balance.balance_by_time``).
         devices: one device per rank (default: all ``"cpu"``; with ``group``, this
             process's ``cuda:LOCAL_RANK`` under NCCL). A rank holds one stage, or
             ``virtual_stages`` stages with ``"interleaved-1f1b"``.
@@ -65,6 +67,7 @@ class Pipe(nn.Module):
             gradients are averaged over it once per step (bucketed all-reduce).
         init_seed: seed of the per-layer initialization when ``module`` is a function.
         timeout: seconds any rank waits for another before raising (multi-process).
+        sample: a micro-batch of inputs, for ``balance="auto"``.
 
     Example::
 
@@ -82,7 +85,7 @@ class Pipe(nn.Module):
         self,
         module: ModelOrFactory,
         *,
-        balance: Sequence[int],
+        balance: Sequence[int] | Literal["auto"],
         devices: Sequence[DeviceLike] | None = None,
         chunks: int = 1,
         checkpoint: Checkpoint = "except_last",
@@ -93,8 +96,11 @@ class Pipe(nn.Module):
         data_parallel_group: Any = None,
         init_seed: int = 0,
         timeout: float = 60.0,
+        sample: Any = None,
     ) -> None:
         super().__init__()
+        if isinstance(balance, str):
+            balance = _auto_balance(module, balance, sample, devices, virtual_stages, group)
         balance = list(balance)
         if not isinstance(virtual_stages, int) or virtual_stages < 1:
             raise PartitionError(
@@ -510,6 +516,26 @@ def _problems(module, balance, devices, virtual_stages, chunks, checkpoint, sche
     if isinstance(schedule, str) and schedule not in SCHEDULES:
         problems.append(f"- unknown schedule {schedule!r}; known: {', '.join(SCHEDULES)}")
     return problems
+
+
+def _auto_balance(module, balance, sample, devices, virtual_stages, group) -> list[int]:
+    if balance != "auto":
+        raise PartitionError(f"balance must be a list of ints or 'auto', got {balance!r}")
+    if sample is None:
+        raise PartitionError(
+            "balance='auto' profiles the model: pass sample=<one micro-batch of inputs>"
+        )
+    if not isinstance(module, nn.Module):
+        raise PartitionError("balance='auto' needs the built model, not a factory")
+    from gpipe.balance import balance_by_time
+
+    if group is not None:
+        import torch.distributed as dist
+
+        ranks = dist.get_world_size(group)
+    else:
+        ranks = len(devices) if devices is not None else 1
+    return balance_by_time(module, sample, stages=ranks * virtual_stages)
 
 
 def _default_device(group: Any) -> torch.device:
