@@ -533,8 +533,12 @@ def _auto_balance(module, balance, sample, devices, virtual_stages, group) -> li
         import torch.distributed as dist
 
         ranks = dist.get_world_size(group)
+    elif devices is None:
+        raise PartitionError(
+            "balance='auto' needs to know the number of stages: pass devices=[...], one per stage"
+        )
     else:
-        ranks = len(devices) if devices is not None else 1
+        ranks = len(devices)
     return balance_by_time(module, sample, stages=ranks * virtual_stages)
 
 
