@@ -16,7 +16,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import gpipe
-from gpipe.models import GPTConfig, convnet, gpt, lm_loss
+from gpipe.models import GPTConfig, convnet, gpt, lm_loss, unet
 from gpipe.transport import PipelineError
 
 GPT = GPTConfig(vocab_size=32, context=8, d_model=16, n_heads=2, n_layers=4, dropout=0.1)
@@ -32,7 +32,11 @@ def cnn_factory() -> nn.Sequential:
     return convnet(channels=4, blocks=2).double()
 
 
-FACTORIES = {"gpt": gpt_factory, "cnn": cnn_factory}
+def unet_factory() -> nn.Sequential:
+    return unet(channels=4).double()
+
+
+FACTORIES = {"gpt": gpt_factory, "cnn": cnn_factory, "unet": unet_factory}
 
 
 def batch(model: str, step: int, length: int = GPT.context, replica: int = 0):
@@ -42,6 +46,9 @@ def batch(model: str, step: int, length: int = GPT.context, replica: int = 0):
         x = torch.randint(0, GPT.vocab_size, (BATCH, length), generator=generator)
         y = torch.randint(0, GPT.vocab_size, (BATCH, length), generator=generator)
         return x, y
+    if model == "unet":
+        x = torch.randn(BATCH, 1, 8, 8, generator=generator, dtype=torch.float64)
+        return x, torch.randint(0, 3, (BATCH, 8, 8), generator=generator)
     x = torch.randn(BATCH, 1, 6, 6, generator=generator, dtype=torch.float64)
     return x, torch.randint(0, 10, (BATCH,), generator=generator)
 

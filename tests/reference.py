@@ -35,7 +35,7 @@ def reference_step(
     for m, (x_m, y_m) in enumerate(zip(xs, ys, strict=True)):
         h = x_m
         for i, layer in enumerate(model):
-            with rng.seeded(rng.layer_seed(seed, i, m), h.device):
+            with rng.seeded(rng.layer_seed(seed, i, m), x_m.device):
                 h = layer(h)
         weight = len(x_m) / len(x) if reduction == "mean" else 1.0
         loss = loss_fn(h, y_m) * weight

@@ -98,32 +98,40 @@ def test_two_processes_every_schedule_and_remat_mode():
         check(case, [results[0][index], results[1][index]])
 
 
-FOUR_STAGE_CASES = [
-    {
-        "model": "gpt",
-        "balance": [2, 2, 1, 1],
-        "chunks": 4,
-        "schedule": s,
-        "checkpoint": "except_last",
-    }
-    for s in ("gpipe", "1f1b", "zb-h1")
-] + [
-    {
-        "model": "cnn",
-        "balance": [2, 2, 2, 2],
-        "chunks": 6,
-        "schedule": "1f1b",
-        "checkpoint": "always",
-    },
-    {
-        "model": "cnn",
-        "balance": [1] * 8,
-        "chunks": 4,
-        "schedule": "interleaved-1f1b",
-        "virtual": 2,
-        "checkpoint": "never",
-    },
-]
+FOUR_STAGE_CASES = (
+    [
+        {
+            "model": "gpt",
+            "balance": [2, 2, 1, 1],
+            "chunks": 4,
+            "schedule": s,
+            "checkpoint": "except_last",
+        }
+        for s in ("gpipe", "1f1b", "zb-h1")
+    ]
+    + [
+        {
+            "model": "cnn",
+            "balance": [2, 2, 2, 2],
+            "chunks": 6,
+            "schedule": "1f1b",
+            "checkpoint": "always",
+        },
+        {
+            "model": "cnn",
+            "balance": [1] * 8,
+            "chunks": 4,
+            "schedule": "interleaved-1f1b",
+            "virtual": 2,
+            "checkpoint": "never",
+        },
+    ]
+    + [
+        # Skips from stage 0 to stage 3 and from stage 1 to stage 2, point to point.
+        {"model": "unet", "balance": [2, 2, 1, 2], "chunks": 4, "schedule": s, "checkpoint": c}
+        for s, c in (("gpipe", "always"), ("1f1b", "never"), ("zb-h1", "except_last"))
+    ]
+)
 
 
 def test_four_processes():

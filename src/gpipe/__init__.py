@@ -10,9 +10,22 @@ same gradients as the un-split model::
 """
 
 from gpipe.batchnorm import DeferredBatchNorm
+from gpipe.launch import launch
 from gpipe.memory import measure_activations
 from gpipe.pipe import Pipe
 from gpipe.remat import is_recomputing
+from gpipe.skip import pop, skippable, stash
+from gpipe.transport import PipelineError
 
-__all__ = ["DeferredBatchNorm", "Pipe", "is_recomputing", "measure_activations"]
+__all__ = [
+    "DeferredBatchNorm",
+    "Pipe",
+    "PipelineError",
+    "is_recomputing",
+    "launch",
+    "measure_activations",
+    "pop",
+    "skippable",
+    "stash",
+]
 __version__ = "0.1.0"

@@ -13,7 +13,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-__all__ = ["GPTConfig", "gpt", "mlp", "convnet"]
+from gpipe.skip import pop, skippable, stash
+
+__all__ = ["GPTConfig", "convnet", "gpt", "mlp", "unet"]
 
 
 def mlp(widths: list[int], *, dropout: float = 0.0) -> nn.Sequential:
@@ -136,4 +138,79 @@ def convnet(
         nn.AdaptiveAvgPool2d(1),
         nn.Flatten(),
         nn.Linear(channels, classes),
+    )
+
+
+# -- U-Net: long skip connections across stages ----------------------------------------------
+
+
+def _conv(c_in: int, c_out: int, dropout: float) -> nn.Sequential:
+    return nn.Sequential(
+        nn.Conv2d(c_in, c_out, 3, padding=1), nn.GroupNorm(1, c_out), nn.GELU(), nn.Dropout(dropout)
+    )
+
+
+@skippable(stash=["skip1"])
+class Down1(nn.Module):
+    """Full resolution features, kept for the last up-block; then half resolution."""
+
+    def __init__(self, c: int, dropout: float) -> None:
+        super().__init__()
+        self.conv = _conv(c, c, dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.conv(x)
+        stash("skip1", x)
+        return F.max_pool2d(x, 2)
+
+
+@skippable(stash=["skip2"])
+class Down2(nn.Module):
+    def __init__(self, c: int, dropout: float) -> None:
+        super().__init__()
+        self.conv = _conv(c, 2 * c, dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.conv(x)
+        stash("skip2", x)
+        return F.max_pool2d(x, 2)
+
+
+@skippable(pop=["skip2"])
+class Up2(nn.Module):
+    def __init__(self, c: int, dropout: float) -> None:
+        super().__init__()
+        self.conv = _conv(4 * c, c, dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.interpolate(x, scale_factor=2.0, mode="nearest")
+        return self.conv(torch.cat([x, pop("skip2")], dim=1))
+
+
+@skippable(pop=["skip1"])
+class Up1(nn.Module):
+    def __init__(self, c: int, dropout: float) -> None:
+        super().__init__()
+        self.conv = _conv(2 * c, c, dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.interpolate(x, scale_factor=2.0, mode="nearest")
+        return self.conv(torch.cat([x, pop("skip1")], dim=1))
+
+
+def unet(*, in_channels: int = 1, channels: int = 8, classes: int = 3, dropout: float = 0.1):
+    """A small U-Net for per-pixel classification: (B, C, H, W) -> (B, classes, H, W).
+
+    Seven layers; the skip from layer 1 to layer 5 spans the middle of the network, so
+    with balance [2, 2, 1, 2] it leaves stage 0 and arrives at stage 3 directly.
+    """
+    c = channels
+    return nn.Sequential(
+        _conv(in_channels, c, dropout),  # 0 stem
+        Down1(c, dropout),  # 1 stash skip1
+        Down2(c, dropout),  # 2 stash skip2
+        _conv(2 * c, 2 * c, dropout),  # 3 bottleneck
+        Up2(c, dropout),  # 4 pop skip2
+        Up1(c, dropout),  # 5 pop skip1
+        nn.Conv2d(c, classes, 1),  # 6 head
     )

@@ -24,8 +24,9 @@ from gpipe.materialize import build
 from gpipe.partition import DeviceLike, PartitionError, check_partition, cut, shared_parameters
 from gpipe.runtime import Runtime, StepInputs, StepResult
 from gpipe.schedule import SCHEDULES, Schedule, TimedAction, build_schedule
+from gpipe.skip import SkipLayout
 from gpipe.stage import LossSpec, Stage
-from gpipe.transport import DistributedTransport, LocalTransport, PipelineError, to_device
+from gpipe.transport import DistributedTransport, LocalTransport, PipelineError, Routes, to_device
 
 __all__ = ["CHECKPOINT_MODES", "Pipe"]
 
@@ -163,6 +164,16 @@ class Pipe(nn.Module):
                 + "\nmove the layers that share it into one stage (change balance)"
             )
 
+        # Skip connections: declared by the layers, read from the whole (maybe meta) model.
+        layout = SkipLayout.of([layer for layers in stage_layers for _, layer in layers])
+        stage_of_layer = [s for s, size in enumerate(balance) for _ in range(size)]
+        skips = (
+            {s: layout.stage_view(stage_of_layer, s) for s in range(self.num_stages)}
+            if layout
+            else {}
+        )
+        routes = Routes(self.num_stages, skips)
+
         self.stages: list[Stage] = []
         for index in local:
             placed = []
@@ -175,14 +186,21 @@ class Pipe(nn.Module):
             last = index == self.num_stages - 1
             device = stage_devices[index]
             self.stages.append(
-                Stage(index, placed, first_layer=starts[index], device=device, is_last=last)
+                Stage(
+                    index,
+                    placed,
+                    first_layer=starts[index],
+                    device=device,
+                    is_last=last,
+                    skips=skips.get(index),
+                )
             )
 
         if self.rank is None:
             self._transport: Any = LocalTransport(stage_devices)
         else:
             self._transport = DistributedTransport(
-                self.schedule, self.rank, group, stage_devices, timeout=self.timeout
+                self.schedule, self.rank, group, stage_devices, timeout=self.timeout, routes=routes
             )
         self._reducer = (
             GradientReducer(self.stages, data_parallel_group, timeout=self.timeout)
@@ -193,6 +211,7 @@ class Pipe(nn.Module):
             self.schedule,
             {stage.index: stage for stage in self.stages},
             self._transport,
+            routes=routes,
             after_backward=self._reducer.stage_done if self._reducer else None,
         )
         self._broken: str | None = None

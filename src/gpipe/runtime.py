@@ -22,7 +22,7 @@ import torch
 
 from gpipe.schedule import Action, Kind, Schedule, TimedAction
 from gpipe.stage import LossSpec, Stage
-from gpipe.transport import Channel, Message
+from gpipe.transport import Message, Routes
 
 __all__ = ["Runtime", "StepInputs", "StepResult"]
 
@@ -65,11 +65,13 @@ class Runtime:
         stages: Mapping[int, Stage],
         transport: Transport,
         *,
+        routes: Routes | None = None,
         after_backward: Callable[[Stage], None] | None = None,
     ) -> None:
         self.schedule = schedule
         self.stages = dict(stages)
         self.transport = transport
+        self.routes = routes or Routes(schedule.num_stages)
         self.ranks = sorted({schedule.stage_to_rank[s] for s in self.stages})
         self._last = schedule.num_stages - 1
         # Called when a stage has run its last backward action of the step: its
@@ -134,41 +136,47 @@ class Runtime:
         return result
 
     def _ready(self, action: Action) -> bool:
-        if action.kind is Kind.FORWARD and action.stage > 0:
-            return self.transport.ready(
-                Message(Channel.ACTIVATION, action.stage, action.microbatch)
-            )
-        if action.kind is Kind.BACKWARD and action.stage < self._last:
-            return self.transport.ready(Message(Channel.GRADIENT, action.stage, action.microbatch))
-        return True
+        return all(self.transport.ready(message) for message in self.routes.incoming(action))
 
     def _execute(
         self, action: Action, step: StepInputs, result: StepResult, training: bool
     ) -> None:
         stage, m = self.stages[action.stage], action.microbatch
+        received = [self.transport.recv(message) for message in self.routes.incoming(action)]
+        outgoing = self.routes.outgoing(action)
         if action.kind is Kind.FORWARD:
             if stage.index == 0:
-                inputs = step.microbatches[m]
-            else:
-                inputs = self.transport.recv(Message(Channel.ACTIVATION, stage.index, m))
+                received.insert(0, step.microbatches[m])
+            value, popped = received[0], received[1:]
+            if stage.skips is not None:
+                value = (value, dict(zip(stage.skips.inputs, popped, strict=True)))
             loss = step.losses[m] if training and stage.is_last else None
             outputs, loss_value = stage.forward(
-                m, inputs, seed=step.seed, remat=step.remat[m], loss=loss, keep=training
+                m, value, seed=step.seed, remat=step.remat[m], loss=loss, keep=training
             )
             if stage.is_last:
                 if training:
                     result.losses[m] = loss_value
                 else:
-                    result.outputs[m] = outputs
-            else:
-                self.transport.send(Message(Channel.ACTIVATION, stage.index + 1, m), outputs)
+                    result.outputs[m] = stage.value_of(outputs)
+            sent = [stage.value_of(outputs)] if not stage.is_last else []
+            if stage.skips is not None:
+                sent += list(outputs[1].values())
         elif action.kind is Kind.BACKWARD:
+            # Gradients of this stage's output tensors, then of its stashes (one each).
             grads = None
-            if not stage.is_last:
-                grads = self.transport.recv(Message(Channel.GRADIENT, stage.index, m))
+            if received:
+                head = [] if stage.is_last else list(received.pop(0))
+                grads = head + [g for (g,) in received]
             split = self.schedule.splits_backward(stage.index, m)
             grad_inputs = stage.backward(m, grads, split=split)
-            if stage.index > 0:
-                self.transport.send(Message(Channel.GRADIENT, stage.index - 1, m), grad_inputs)
+            popped = len(stage.skips.inputs) if stage.skips is not None else 0
+            value_grads = grad_inputs[: len(grad_inputs) - popped]
+            sent = ([value_grads] if stage.index > 0 else []) + [
+                [g] for g in grad_inputs[len(grad_inputs) - popped :]
+            ]
         else:
             stage.backward_weight(m)
+            sent = []
+        for message, value in zip(outgoing, sent, strict=True):
+            self.transport.send(message, value)

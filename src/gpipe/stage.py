@@ -33,6 +33,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from gpipe import rng
 from gpipe.batchnorm import DeferredBatchNorm
 from gpipe.remat import recomputing
+from gpipe.skip import SkipError, StageSkips, tracking
 from gpipe.split_backward import WeightWork, backward_input, backward_weight
 
 if TYPE_CHECKING:
@@ -109,8 +110,11 @@ class Stage:
         first_layer: int,
         device: torch.device,
         is_last: bool,
+        skips: StageSkips | None = None,
     ) -> None:
         self.index = index
+        # With skip connections, inputs and outputs are packets (value, {name: tensor}).
+        self.skips = skips
         self.layers = list(layers)
         self.first_layer = first_layer
         self.device = device
@@ -130,12 +134,29 @@ class Stage:
     # -- running layers -------------------------------------------------------------------
 
     def _run(self, inputs: Any, microbatch: int, seed: int) -> Any:
-        x = inputs
+        if self.skips is None:
+            return self._run_layers(inputs, microbatch, seed)
+        value, skip_inputs = inputs
+        with tracking(self.skips.local, skip_inputs) as tracker:
+            value = self._run_layers(value, microbatch, seed)
+        missing = [name for name in self.skips.outputs if name not in tracker.outputs]
+        if missing:
+            raise SkipError(
+                f"stage {self.index} declared stashes {missing} but its layers did not stash "
+                f"them for micro-batch {microbatch}"
+            )
+        return value, {name: tracker.outputs[name] for name in self.skips.outputs}
+
+    def _run_layers(self, x: Any, microbatch: int, seed: int) -> Any:
         with rng.preserved(self.device) as generator:
             for offset, layer in enumerate(self.layers):
                 generator.manual_seed(rng.layer_seed(seed, self.first_layer + offset, microbatch))
                 x = layer(x)
         return x
+
+    def value_of(self, packet: Any) -> Any:
+        """The model's own value in a stage output (without skip tensors)."""
+        return packet[0] if self.skips is not None else packet
 
     def _metered(self):
         return self.meter.saved_tensors(self.index) if self.meter is not None else nullcontext()
@@ -143,7 +164,8 @@ class Stage:
     def _outputs_and_loss(self, stored: _Stored, microbatch: int) -> None:
         stored.outputs = self._run(stored.inputs, microbatch, stored.seed)
         if stored.loss is not None:
-            stored.loss_value = _compute_loss(stored.loss, stored.outputs) * stored.loss.weight
+            outputs = self.value_of(stored.outputs)
+            stored.loss_value = _compute_loss(stored.loss, outputs) * stored.loss.weight
 
     # -- actions ----------------------------------------------------------------------------
 

@@ -33,6 +33,7 @@ from torch.utils._pytree import (
 
 __all__ = [
     "Channel",
+    "Routes",
     "DistributedTransport",
     "LocalTransport",
     "Message",
@@ -44,6 +45,13 @@ __all__ = [
 class Channel(StrEnum):
     ACTIVATION = "activation"  # output of stage s-1, input of stage s
     GRADIENT = "gradient"  # gradient of stage s+1's input, for stage s's output
+    SKIP = "skip"  # a stashed tensor, from the stage that stashes it to the one that pops it
+    SKIP_GRADIENT = "skip gradient"  # its gradient, back to the stage that stashed it
+
+    @property
+    def forward(self) -> bool:
+        """Carries a stage's inputs (which need ``requires_grad`` leaves on arrival)."""
+        return self in (Channel.ACTIVATION, Channel.SKIP)
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +59,60 @@ class Message:
     channel: Channel
     stage: int  # the stage that receives it
     microbatch: int
+    name: str = ""  # the skip connection's name, for SKIP and SKIP_GRADIENT
+
+
+class Routes:
+    """Which messages each action receives and sends: the one place that knows the wiring.
+
+    ``F(m)@s`` receives the activation into ``s`` (unless s is the first stage) and the
+    skip tensors ``s`` pops, and sends its output to ``s+1`` and its stashes to the stages
+    that pop them. ``B(m)@s`` receives the gradient of its output and of its stashes and
+    sends its input's gradient back, and the gradients of what it popped to their
+    stashing stages. ``W`` moves nothing.
+    """
+
+    def __init__(self, num_stages: int, skips: dict[int, Any] | None = None) -> None:
+        self.last = num_stages - 1
+        self.skips = skips or {}  # stage -> gpipe.skip.StageSkips
+
+    def _skips(self, stage: int) -> tuple[dict[str, int], dict[str, int]]:
+        view = self.skips.get(stage)
+        return (view.inputs, view.outputs) if view is not None else ({}, {})
+
+    def incoming(self, action: Any) -> list[Message]:
+        s, m = action.stage, action.microbatch
+        popped, stashed = self._skips(s)
+        if action.kind.value == "F":
+            head = [Message(Channel.ACTIVATION, s, m)] if s > 0 else []
+            return head + [Message(Channel.SKIP, s, m, name) for name in popped]
+        if action.kind.value == "B":
+            head = [Message(Channel.GRADIENT, s, m)] if s < self.last else []
+            return head + [Message(Channel.SKIP_GRADIENT, s, m, name) for name in stashed]
+        return []
+
+    def outgoing(self, action: Any) -> list[Message]:
+        s, m = action.stage, action.microbatch
+        popped, stashed = self._skips(s)
+        if action.kind.value == "F":
+            head = [Message(Channel.ACTIVATION, s + 1, m)] if s < self.last else []
+            return head + [Message(Channel.SKIP, stage, m, n) for n, stage in stashed.items()]
+        if action.kind.value == "B":
+            head = [Message(Channel.GRADIENT, s - 1, m)] if s > 0 else []
+            return head + [
+                Message(Channel.SKIP_GRADIENT, stage, m, n) for n, stage in popped.items()
+            ]
+        return []
+
+    def sender(self, message: Message) -> int:
+        """The stage that sends ``message``."""
+        popped, stashed = self._skips(message.stage)
+        return {
+            Channel.ACTIVATION: lambda: message.stage - 1,
+            Channel.GRADIENT: lambda: message.stage + 1,
+            Channel.SKIP: lambda: popped[message.name],
+            Channel.SKIP_GRADIENT: lambda: stashed[message.name],
+        }[message.channel]()
 
 
 def to_device(value: Any, device: torch.device, *, as_leaves: bool = False) -> Any:
@@ -83,8 +145,7 @@ class LocalTransport:
 
     def send(self, message: Message, value: Any) -> None:
         device = self._devices[message.stage]
-        as_leaves = message.channel is Channel.ACTIVATION
-        self._mailbox[message] = to_device(value, device, as_leaves=as_leaves)
+        self._mailbox[message] = to_device(value, device, as_leaves=message.channel.forward)
 
     def ready(self, message: Message) -> bool:
         return message in self._mailbox
@@ -143,11 +204,13 @@ class DistributedTransport:
         devices: list[torch.device],
         *,
         timeout: float,
+        routes: Routes | None = None,
     ) -> None:
         import torch.distributed as dist
 
         self._dist = dist
         self.schedule = schedule
+        self.routes = routes or Routes(schedule.num_stages)
         self.rank = rank
         self.group = group
         self.timeout = timeout
@@ -157,8 +220,8 @@ class DistributedTransport:
         # Headers and descriptions travel on a device the backend supports.
         self.wire_device = local if backend == "nccl" else torch.device("cpu")
         self._mailbox: dict[Message, Any] = {}
-        self._sent_meta: dict[tuple[int, Channel], bytes] = {}
-        self._recv_meta: dict[tuple[int, Channel], Any] = {}
+        self._sent_meta: dict[tuple[int, Channel, str], bytes] = {}
+        self._recv_meta: dict[tuple[int, Channel, str], Any] = {}
         self._plans = {training: self._plan(training) for training in (True, False)}
         self._incoming: dict[int, list[Message]] = {}
         self._cursor: dict[int, int] = {}
@@ -171,29 +234,21 @@ class DistributedTransport:
 
     def _plan(self, training: bool) -> tuple[dict[int, list[Message]], dict[int, list[Message]]]:
         """Per peer: messages this rank receives from it, and sends to it, in order."""
-        s2r, last = self.schedule.stage_to_rank, self.schedule.num_stages - 1
+        s2r = self.schedule.stage_to_rank
         incoming: dict[int, list[Message]] = {}
         outgoing: dict[int, list[Message]] = {}
         for rank, actions in enumerate(self.schedule.actions):
-            for a in actions:
-                if a.kind.value == "F" and a.stage < last:
-                    message, dst = (
-                        Message(Channel.ACTIVATION, a.stage + 1, a.microbatch),
-                        s2r[a.stage + 1],
-                    )
-                elif a.kind.value == "B" and a.stage > 0 and training:
-                    message, dst = (
-                        Message(Channel.GRADIENT, a.stage - 1, a.microbatch),
-                        s2r[a.stage - 1],
-                    )
-                else:
+            for action in actions:
+                if not training and action.kind.value != "F":
                     continue
-                if rank == dst:
-                    continue
-                if dst == self.rank:
-                    incoming.setdefault(rank, []).append(message)
-                if rank == self.rank:
-                    outgoing.setdefault(dst, []).append(message)
+                for message in self.routes.outgoing(action):
+                    dst = s2r[message.stage]
+                    if rank == dst:
+                        continue
+                    if dst == self.rank:
+                        incoming.setdefault(rank, []).append(message)
+                    if rank == self.rank:
+                        outgoing.setdefault(dst, []).append(message)
         return incoming, outgoing
 
     def begin(self, training: bool) -> None:
@@ -215,10 +270,8 @@ class DistributedTransport:
     def send(self, message: Message, value: Any) -> None:
         dst = self.schedule.stage_to_rank[message.stage]
         if dst == self.rank:
-            as_leaves = message.channel is Channel.ACTIVATION
-            self._mailbox[message] = to_device(
-                value, self._devices[message.stage], as_leaves=as_leaves
-            )
+            device = self._devices[message.stage]
+            self._mailbox[message] = to_device(value, device, as_leaves=message.channel.forward)
             return
         leaves, spec = tree_flatten(value)
         tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
@@ -229,7 +282,7 @@ class DistributedTransport:
             for leaf in leaves
         ]
         meta = pickle.dumps((treespec_dumps(spec), described))
-        key = (dst, message.channel)
+        key = (dst, message.channel, message.name)
         changed = self._sent_meta.get(key) != meta
         self._sent_meta[key] = meta
         payload = [t.detach().contiguous() for t in tensors]
@@ -254,9 +307,7 @@ class DistributedTransport:
     def recv(self, message: Message) -> Any:
         if message in self._mailbox:
             return self._mailbox.pop(message)
-        src = self.schedule.stage_to_rank[
-            message.stage - 1 if message.channel is Channel.ACTIVATION else message.stage + 1
-        ]
+        src = self.schedule.stage_to_rank[self.routes.sender(message)]
         while message not in self._mailbox:
             sequence = self._incoming.get(src, [])
             position = self._cursor.get(src, 0)
@@ -271,7 +322,7 @@ class DistributedTransport:
         header = torch.empty(1, dtype=torch.int64, device=self.wire_device)
         self._wait([self._irecv(header, src)], src, message)
         size = int(header.item())
-        key = (src, message.channel)
+        key = (src, message.channel, message.name)
         if size != 0:
             meta = torch.empty(abs(size), dtype=torch.uint8, device=self.wire_device)
             self._wait([self._irecv(meta, src)], src, message)
@@ -289,11 +340,7 @@ class DistributedTransport:
         if tensors:
             self._wait([self._irecv(t, src) for t in tensors], src, message)
         for leaf, d in zip(leaves, described, strict=True):
-            if (
-                isinstance(d, _TensorMeta)
-                and d.requires_grad
-                and message.channel is Channel.ACTIVATION
-            ):
+            if isinstance(d, _TensorMeta) and d.requires_grad and message.channel.forward:
                 leaf.requires_grad_(True)
         return tree_unflatten(leaves, spec)
 
