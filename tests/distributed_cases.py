@@ -16,7 +16,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import gpipe
-from gpipe.models import GPTConfig, convnet, gpt, lm_loss, unet
+from gpipe.models import GPTConfig, convnet, gpt, gpt_tied_names, lm_loss, unet
 from gpipe.transport import PipelineError
 
 GPT = GPTConfig(vocab_size=32, context=8, d_model=16, n_heads=2, n_layers=4, dropout=0.1)
@@ -36,13 +36,23 @@ def unet_factory() -> nn.Sequential:
     return unet(channels=4).double()
 
 
-FACTORIES = {"gpt": gpt_factory, "cnn": cnn_factory, "unet": unet_factory}
+def gpt_tied_factory() -> nn.Sequential:
+    return gpt(GPT, tie_embeddings=True).double()
+
+
+GPT_TIED = gpt_tied_names(GPT)
+FACTORIES = {
+    "gpt": gpt_factory,
+    "gpt-tied": gpt_tied_factory,
+    "cnn": cnn_factory,
+    "unet": unet_factory,
+}
 
 
 def batch(model: str, step: int, length: int = GPT.context, replica: int = 0):
     """The (inputs, targets) of one step; the same in every process and in the test."""
     generator = torch.Generator().manual_seed(1000 * replica + step)
-    if model == "gpt":
+    if model.startswith("gpt"):
         x = torch.randint(0, GPT.vocab_size, (BATCH, length), generator=generator)
         y = torch.randint(0, GPT.vocab_size, (BATCH, length), generator=generator)
         return x, y
@@ -54,7 +64,7 @@ def batch(model: str, step: int, length: int = GPT.context, replica: int = 0):
 
 
 def loss_of(model: str):
-    return lm_loss if model == "gpt" else F.cross_entropy
+    return lm_loss if model.startswith("gpt") else F.cross_entropy
 
 
 def train_steps(rank, cases, group=None, data_parallel_group=None, replica=0):
@@ -76,12 +86,16 @@ def train_steps(rank, cases, group=None, data_parallel_group=None, replica=0):
             data_parallel_group=data_parallel_group,
             init_seed=INIT_SEED,
             timeout=30,
+            tied=[GPT_TIED] if model == "gpt-tied" else (),
         )
         losses = []
+        optimizer = torch.optim.AdamW(pipe.parameters(), lr=1e-2) if case.get("train") else None
         for step, length in enumerate(case.get("lengths", [GPT.context])):
             pipe.zero_grad(set_to_none=True)
             x, y = batch(model, step, length, replica)
             losses.append(float(pipe.step(x, y, loss_of(model), seed=100 + step)))
+            if optimizer is not None and step < len(case["lengths"]) - 1:
+                optimizer.step()
         norm = float(pipe.clip_grad_norm_(case.get("clip", 1e12)))
         results.append(
             {
@@ -89,6 +103,7 @@ def train_steps(rank, cases, group=None, data_parallel_group=None, replica=0):
                 "norm": norm,
                 "grads": {n: p.grad.clone() for n, p in pipe.named_parameters()},
                 "buffers": {n: b.clone() for n, b in pipe.named_buffers()},
+                "params": {n: p.detach().clone() for n, p in pipe.named_parameters()},
             }
         )
     return results

@@ -17,6 +17,7 @@ import torch
 from distributed_cases import (
     FACTORIES,
     GPT,
+    GPT_TIED,
     INIT_SEED,
     batch,
     data_and_pipeline,
@@ -59,6 +60,9 @@ def check(case, per_rank_results, replicas=(0,)):
             relative_error(torch.tensor(result["losses"][-1], dtype=torch.float64), losses[0])
             <= 1e-10
         )
+    if case["model"] == "gpt-tied":  # the head's copy of the embedding, same gradient
+        embedding, head = GPT_TIED
+        assert torch.equal(merged.pop(head), merged[embedding])
     assert set(merged) == set(grads)
     for name, grad in grads.items():
         assert relative_error(merged[name], grad) <= 1e-10, (case, name)
@@ -86,6 +90,10 @@ TWO_STAGE_CASES = [
         ("zb-h1", {"balance": balance, "chunks": 5}),
         ("interleaved-1f1b", {"balance": virtual_balance, "chunks": 4, "virtual": 2}),
     )
+]
+TWO_STAGE_CASES += [
+    {"model": "gpt-tied", "balance": [3, 3], "chunks": 4, "schedule": s, "checkpoint": "never"}
+    for s in ("gpipe", "zb-h1")
 ]
 for _case in TWO_STAGE_CASES:
     if _case["model"] == "gpt":
@@ -286,3 +294,19 @@ def test_launch_reports_the_failing_rank_and_leaves_no_process():
 
 def _divide_on_rank_one(rank):
     return 1 / (1 - rank)
+
+
+def test_tied_copies_in_two_processes_stay_identical_through_training():
+    case = {
+        "model": "gpt-tied",
+        "balance": [3, 3],
+        "chunks": 2,
+        "schedule": "1f1b",
+        "checkpoint": "except_last",
+        "lengths": [8] * 10,
+        "train": True,
+    }
+    first, second = launch(train_steps, 2, args=([case],), timeout=60)
+    embedding, head = GPT_TIED
+    assert torch.equal(first[0]["params"][embedding], second[0]["params"][head])
+    assert first[0]["losses"][-1] < first[0]["losses"][0]

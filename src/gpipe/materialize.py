@@ -63,6 +63,7 @@ def build(
     layers: range | Sequence[int] | None = None,
     device: torch.device | str = "cpu",
     dtype: torch.dtype | None = None,
+    tied: bool = False,
 ) -> nn.Sequential:
     """Construct ``factory()`` on ``meta`` and materialize only ``layers`` on ``device``.
 
@@ -75,6 +76,8 @@ def build(
         device: where the local layers live and are initialized.
         dtype: floating-point dtype for the local layers (default: as built). Initialization runs
             in this dtype, so results differ between dtypes.
+        tied: accept weights tied across the cut (the caller keeps the copies equal, as
+            ``Pipe(tied=...)`` does); the local side is initialized by its own layers.
 
     Returns:
         The Sequential returned by ``factory``: local layers on ``device``, initialized; the
@@ -96,7 +99,7 @@ def build(
         raise ValueError("device='meta' materializes nothing; pass the device the stage runs on")
     model = _build_on_meta(factory)
     local = _local_layers(layers, len(model))
-    slots = _tensor_slots(model, local)
+    slots = _tensor_slots(model, local, allow_crossing=tied)
     for i in local:
         if dtype is not None:
             model[i].to(dtype)  # on meta: free
@@ -186,8 +189,13 @@ class _Slot:
     local: bool
 
 
-def _tensor_slots(model: nn.Sequential, local: list[int]) -> dict[int, list[_Slot]]:
-    """Every registration of every meta tensor, grouped by tensor; rejects ties across the cut."""
+def _tensor_slots(
+    model: nn.Sequential, local: list[int], *, allow_crossing: bool = False
+) -> dict[int, list[_Slot]]:
+    """The local registrations of every meta tensor, grouped by tensor.
+
+    Rejects ties across the cut unless ``allow_crossing``.
+    """
     slots: dict[int, list[_Slot]] = {}
     local_set = set(local)
     for i, layer in enumerate(model):
@@ -202,13 +210,14 @@ def _tensor_slots(model: nn.Sequential, local: list[int]) -> dict[int, list[_Slo
         for group in slots.values()
         if any(s.local for s in group) and not all(s.local for s in group)
     ]
-    if crossing:
+    if crossing and not allow_crossing:
         raise ValueError(
             f"tensors tied across the local layers' boundary: {'; '.join(crossing)}. Each stage "
             f"would hold its own copy, initialized and trained apart; put tied layers in one "
             f"stage, or untie them"
         )
-    return {key: group for key, group in slots.items() if group[0].local}
+    local_slots = {key: [s for s in group if s.local] for key, group in slots.items()}
+    return {key: group for key, group in local_slots.items() if group}
 
 
 def _retie(slots: dict[int, list[_Slot]]) -> None:

@@ -15,7 +15,7 @@ from torch.nn import functional as F
 
 from gpipe.skip import pop, skippable, stash
 
-__all__ = ["GPTConfig", "convnet", "gpt", "mlp", "unet"]
+__all__ = ["GPTConfig", "convnet", "gpt", "gpt_tied_names", "mlp", "unet"]
 
 
 def mlp(widths: list[int], *, dropout: float = 0.0) -> nn.Sequential:
@@ -97,11 +97,23 @@ class Head(nn.Module):
         return self.out(self.ln(x))
 
 
-def gpt(config: GPTConfig = GPTConfig()) -> nn.Sequential:
-    """A GPT-style language model: embedding, ``n_layers`` blocks, head (n_layers + 2 layers)."""
-    return nn.Sequential(
+def gpt(config: GPTConfig = GPTConfig(), *, tie_embeddings: bool = False) -> nn.Sequential:
+    """A GPT-style language model: embedding, ``n_layers`` blocks, head (n_layers + 2 layers).
+
+    With ``tie_embeddings`` the head's output projection is the token embedding (one
+    tensor, as in GPT-2): in a Pipe declare it with ``tied=[gpt_tied_names(config)]``.
+    """
+    model = nn.Sequential(
         Embedding(config), *(Block(config) for _ in range(config.n_layers)), Head(config)
     )
+    if tie_embeddings:
+        model[-1].out.weight = model[0].token.weight
+    return model
+
+
+def gpt_tied_names(config: GPTConfig) -> tuple[str, str]:
+    """The whole-model names of the tied embedding and output weights of :func:`gpt`."""
+    return ("0.token.weight", f"{config.n_layers + 1}.out.weight")
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

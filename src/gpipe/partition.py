@@ -91,13 +91,17 @@ def cut(module: nn.Sequential, balance: Sequence[int]) -> list[list[tuple[str, n
     return stages
 
 
-def shared_parameters(stages: Sequence[Sequence[tuple[str, nn.Module]]]) -> list[str]:
-    """Descriptions of parameters used by more than one stage (unsupported without ties)."""
+def shared_parameters(
+    stages: Sequence[Sequence[tuple[str, nn.Module]]], tied: set[str] = frozenset()
+) -> list[str]:
+    """Descriptions of parameters used by more than one stage and not declared ``tied``."""
     owners: dict[int, tuple[int, str]] = {}
     problems = []
     for index, layers in enumerate(stages):
         for name, layer in layers:
             for pname, param in layer.named_parameters(remove_duplicate=False):
+                if f"{name}.{pname}" in tied:
+                    continue
                 first = owners.setdefault(id(param), (index, f"{name}.{pname}"))
                 if first[0] != index:
                     problems.append(

@@ -26,6 +26,7 @@ from gpipe.runtime import Runtime, StepInputs, StepResult
 from gpipe.schedule import SCHEDULES, Schedule, TimedAction, build_schedule
 from gpipe.skip import SkipLayout
 from gpipe.stage import LossSpec, Stage
+from gpipe.tied import TiedParameters
 from gpipe.transport import DistributedTransport, LocalTransport, PipelineError, Routes, to_device
 
 __all__ = ["CHECKPOINT_MODES", "Pipe"]
@@ -69,6 +70,9 @@ class Pipe(nn.Module):
         init_seed: seed of the per-layer initialization when ``module`` is a function.
         timeout: seconds any rank waits for another before raising (multi-process).
         sample: a micro-batch of inputs, for ``balance="auto"``.
+        tied: groups of whole-model parameter names that are one tensor used by several
+            stages, e.g. ``[("0.token.weight", "9.out.weight")]``: each stage keeps a copy,
+            their gradients are summed once per step, and the copies stay equal.
 
     Example::
 
@@ -98,6 +102,7 @@ class Pipe(nn.Module):
         init_seed: int = 0,
         timeout: float = 60.0,
         sample: Any = None,
+        tied: Sequence[Sequence[str]] = (),
     ) -> None:
         super().__init__()
         if isinstance(balance, str):
@@ -154,14 +159,17 @@ class Pipe(nn.Module):
         if factory is not None:
             local_layers = [i for s in local for i in range(starts[s], starts[s] + balance[s])]
             device = stage_devices[local[0]] if self.rank is not None else "cpu"
-            module = build(factory, seed=init_seed, layers=local_layers, device=device)
+            module = build(
+                factory, seed=init_seed, layers=local_layers, device=device, tied=bool(tied)
+            )
         stage_layers = cut(module, balance)
-        shared = shared_parameters(stage_layers)
+        shared = shared_parameters(stage_layers, {name for group in tied for name in group})
         if shared:
             raise PartitionError(
                 "a parameter is shared by two stages, which would train two copies:\n"
                 + "\n".join(f"- {s}" for s in shared)
-                + "\nmove the layers that share it into one stage (change balance)"
+                + "\nmove the layers that share it into one stage (change balance), or declare "
+                "it tied: tied=[(name, other_name)]"
             )
 
         # Skip connections: declared by the layers, read from the whole (maybe meta) model.
@@ -196,6 +204,18 @@ class Pipe(nn.Module):
                 )
             )
 
+        self._tied = None
+        if tied:
+            self._tied = TiedParameters(
+                module,
+                tied,
+                stage_of_layer={
+                    name: s for s, layers in enumerate(stage_layers) for name, _ in layers
+                },
+                local_stages=set(local),
+                devices=stage_devices,
+            )
+
         if self.rank is None:
             self._transport: Any = LocalTransport(stage_devices)
         else:
@@ -216,6 +236,17 @@ class Pipe(nn.Module):
         )
         self._broken: str | None = None
         self.last_trace: list[TimedAction] = []
+        if self._tied is not None and self.rank is not None:
+            self._tied.check_one_copy_per_process()
+            self._tied.broadcast_values(*self._tie_wiring())
+
+    def _tie_wiring(self) -> tuple[Any, Any, float, torch.device]:
+        return (
+            lambda stage: self.schedule.stage_to_rank[stage],
+            self.group,
+            self.timeout,
+            self._transport.wire_device,
+        )
 
     def _build_schedule(self, schedule: str | Schedule) -> Schedule:
         if isinstance(schedule, str):
@@ -347,6 +378,11 @@ class Pipe(nn.Module):
                 self._transport.finish()
             if self._reducer is not None and losses is not None:
                 self._reducer.finish()
+            if self._tied is not None and losses is not None:
+                if self.rank is None:
+                    self._tied.sync_gradients()
+                else:
+                    self._tied.sync_gradients_across(*self._tie_wiring())
         except BaseException as error:
             # Nothing of this step survives; one process is ready for the next step.
             self._transport.clear()
@@ -458,10 +494,13 @@ class Pipe(nn.Module):
         returned on every rank.
         """
         grads = [p.grad for p in self.parameters() if p.grad is not None]
+        # A tied tensor counts once, as in the un-split model, though every holder has a copy.
+        extra = self._tied.extra_copies() if self._tied is not None else set()
+        counted = [p.grad for p in self.parameters() if p.grad is not None and id(p) not in extra]
         device = self.stages[0].device
         p = float(norm_type)
-        if grads:
-            norms = torch.stack([g.detach().norm(p).to(device, torch.float64) for g in grads])
+        if counted:
+            norms = torch.stack([g.detach().norm(p).to(device, torch.float64) for g in counted])
             local = norms.max() if p == float("inf") else norms.pow(p).sum()
         else:
             local = torch.zeros((), dtype=torch.float64, device=device)

@@ -1,0 +1,174 @@
+"""Tied weights: one parameter used by several stages (an embedding and the output head).
+
+A tied parameter cannot live on two devices or in two processes, so every stage that uses
+it holds a copy, and the copies are kept equal the way the un-split model keeps its one
+tensor: they start equal (the copy of the last stage that uses it is the reference, as
+when a model is initialized layer by layer and the last initialization wins), and once
+per step each copy's gradient is replaced by the sum over all copies — the gradient of
+the one shared tensor. Equal values, equal gradients and the same optimizer keep them
+equal, bit for bit.
+
+Copies on the same process are summed in stage order on the reference copy's device;
+across processes the holders exchange their gradients point to point and every holder
+adds them in the same (stage) order, so all copies get the same bits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["TiedError", "TiedParameters"]
+
+
+class TiedError(ValueError):
+    """A ``tied=`` declaration that does not match the model."""
+
+
+@dataclass
+class _Tie:
+    names: list[str]  # whole-model parameter names, as declared
+    stages: list[int]  # the stages holding them, ascending, without repeats
+    copies: dict[int, nn.Parameter]  # stage -> this process's copy (local stages only)
+
+
+def _owner(root: nn.Module, name: str) -> tuple[nn.Module, str]:
+    prefix, _, attr = name.rpartition(".")
+    return (root.get_submodule(prefix) if prefix else root), attr
+
+
+class TiedParameters:
+    """The tie groups of a Pipe and the copies this process holds."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        groups: Sequence[Sequence[str]],
+        *,
+        stage_of_layer: dict[str, int],
+        local_stages: set[int],
+        devices: Sequence[torch.device],
+    ) -> None:
+        every = dict(model.named_parameters(remove_duplicate=False))
+        problems, self.ties = [], []
+        for group in groups:
+            names = list(group)
+            unknown = [n for n in names if n not in every]
+            if unknown:
+                problems.append(f"tied names {unknown} are not parameters of the model")
+                continue
+            shapes = {tuple(every[n].shape) for n in names}
+            if len(shapes) > 1:
+                problems.append(f"tied parameters {names} have different shapes {sorted(shapes)}")
+                continue
+            stages = sorted({stage_of_layer[n.split(".")[0]] for n in names})
+            self.ties.append(_Tie(names, stages, {}))
+        if problems:
+            raise TiedError("invalid tied=:\n" + "\n".join(f"- {p}" for p in problems))
+        # Give every local holder stage its own copy; names in one stage share it. In a
+        # process that builds only its own layers the reference may be on meta: start from
+        # the local value, which broadcast_values() then replaces.
+        for tie in self.ties:
+            for stage in tie.stages:
+                if stage not in local_stages:
+                    continue
+                here = [n for n in tie.names if stage_of_layer[n.split(".")[0]] == stage]
+                source = every[tie.names[-1]]
+                if source.device.type == "meta":
+                    source = every[here[0]]
+                if stage == tie.stages[-1]:
+                    copy = every[here[-1]]
+                else:
+                    copy = nn.Parameter(
+                        source.detach().to(devices[stage], copy=True),
+                        requires_grad=source.requires_grad,
+                    )
+                for name in here:
+                    module, attr = _owner(model, name)
+                    setattr(module, attr, copy)
+                tie.copies[stage] = copy
+
+    def names(self) -> set[str]:
+        return {name for tie in self.ties for name in tie.names}
+
+    def extra_copies(self) -> set[int]:
+        """ids of the local copies other than the reference: the un-split model has none."""
+        return {
+            id(copy)
+            for tie in self.ties
+            for stage, copy in tie.copies.items()
+            if stage != tie.stages[-1]
+        }
+
+    # -- one process -----------------------------------------------------------------------
+
+    def sync_gradients(self) -> None:
+        """Every copy's gradient becomes the sum over all copies (all local)."""
+        for tie in self.ties:
+            reference = tie.copies[tie.stages[-1]]
+            total = torch.zeros_like(reference)
+            for stage in tie.stages:
+                grad = tie.copies[stage].grad
+                if grad is not None:
+                    total += grad.to(total.device)
+            for stage in tie.stages:
+                tie.copies[stage].grad = total.to(tie.copies[stage].device, copy=True)
+
+    # -- many processes --------------------------------------------------------------------
+
+    def _exchange(self, tie: _Tie, mine: torch.Tensor, rank_of: Any, group: Any, timeout: float):
+        """Send ``mine`` to every other holder; return every holder's tensor by stage."""
+        import torch.distributed as dist
+
+        stage = next(iter(tie.copies))
+        received: dict[int, torch.Tensor] = {stage: mine}
+        ops = []
+        for other in tie.stages:
+            if other == stage:
+                continue
+            peer = dist.get_global_rank(group, rank_of(other))
+            received[other] = torch.empty_like(mine)
+            ops.append(dist.P2POp(dist.isend, mine, peer, group))
+            ops.append(dist.P2POp(dist.irecv, received[other], peer, group))
+        if ops:
+            for work in dist.batch_isend_irecv(ops):
+                work.wait(timeout=timedelta(seconds=timeout))
+        return received
+
+    def check_one_copy_per_process(self) -> None:
+        for tie in self.ties:
+            if len(tie.copies) > 1:
+                raise TiedError(
+                    f"tied parameters {tie.names} are used by stages {sorted(tie.copies)}, which "
+                    "this process holds together (virtual stages); across processes each "
+                    "process may hold one of them: change balance or the schedule"
+                )
+
+    def broadcast_values(self, rank_of: Any, group: Any, timeout: float, wire: torch.device):
+        """Make every copy equal to the reference copy (the last holder's)."""
+        for tie in self.ties:
+            if not tie.copies:
+                continue
+            (stage, copy), *_ = tie.copies.items()
+            value = copy.detach().to(wire)
+            received = self._exchange(tie, value, rank_of, group, timeout)
+            with torch.no_grad():
+                copy.copy_(received[tie.stages[-1]])
+
+    def sync_gradients_across(self, rank_of: Any, group: Any, timeout: float, wire: torch.device):
+        """Like :meth:`sync_gradients` for holders in several processes."""
+        for tie in self.ties:
+            if not tie.copies:
+                continue
+            (stage, copy), *_ = tie.copies.items()
+            mine = (copy.grad if copy.grad is not None else torch.zeros_like(copy)).to(wire)
+            received = self._exchange(tie, mine.contiguous(), rank_of, group, timeout)
+            total = torch.zeros_like(mine)
+            for holder in tie.stages:  # the same order on every holder: the same bits
+                total += received[holder]
+            copy.grad = total.to(copy.device)
