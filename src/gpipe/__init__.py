@@ -9,10 +9,13 @@ same gradients as the un-split model::
     optimizer.step(); optimizer.zero_grad()
 """
 
+from gpipe.balance import balance_by_size, balance_by_time
 from gpipe.batchnorm import DeferredBatchNorm
 from gpipe.launch import launch
 from gpipe.memory import measure_activations
 from gpipe.pipe import Pipe
+from gpipe.plan import plan
+from gpipe.profile import profile
 from gpipe.remat import is_recomputing
 from gpipe.skip import pop, skippable, stash
 from gpipe.transport import PipelineError
@@ -21,10 +24,14 @@ __all__ = [
     "DeferredBatchNorm",
     "Pipe",
     "PipelineError",
+    "balance_by_size",
+    "balance_by_time",
     "is_recomputing",
     "launch",
     "measure_activations",
+    "plan",
     "pop",
+    "profile",
     "skippable",
     "stash",
 ]

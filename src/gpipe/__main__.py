@@ -15,6 +15,9 @@ __all__ = ["main"]
 
 COMMANDS = {
     "demo": ("gpipe.cli.demo", "train a small GPT through a pipeline in one process"),
+    "plan": ("gpipe.cli.plan", "rank K, M, schedule and re-materialization for a memory budget"),
+    "train": ("gpipe.cli.train", "the main job: train through K processes, with checkpoints"),
+    "export": ("gpipe.cli.export", "merge a checkpoint's shards into one plain state dict"),
 }
 
 

@@ -154,7 +154,7 @@ class TiedParameters:
         for tie in self.ties:
             if not tie.copies:
                 continue
-            (stage, copy), *_ = tie.copies.items()
+            copy = next(iter(tie.copies.values()))
             value = copy.detach().to(wire)
             received = self._exchange(tie, value, rank_of, group, timeout)
             with torch.no_grad():
@@ -165,7 +165,7 @@ class TiedParameters:
         for tie in self.ties:
             if not tie.copies:
                 continue
-            (stage, copy), *_ = tie.copies.items()
+            copy = next(iter(tie.copies.values()))
             mine = (copy.grad if copy.grad is not None else torch.zeros_like(copy)).to(wire)
             received = self._exchange(tie, mine.contiguous(), rank_of, group, timeout)
             total = torch.zeros_like(mine)
