@@ -15,11 +15,11 @@ demo: $(VENV)/.installed
 	$(PY) -m gpipe demo
 
 test: $(VENV)/.installed
-	$(PY) -m ruff check src tests benchmarks
+	$(PY) -m ruff check src tests benchmarks examples
 	$(PY) -m pytest -q
 
 lint: $(VENV)/.installed
-	$(PY) -m ruff check src tests benchmarks
+	$(PY) -m ruff check src tests benchmarks examples
 
 format: $(VENV)/.installed
-	$(PY) -m ruff format src tests benchmarks
+	$(PY) -m ruff format src tests benchmarks examples
