@@ -112,13 +112,14 @@ class Runtime:
                 if cursors[rank] == len(actions) or not self._ready(actions[cursors[rank]]):
                     continue
                 action = actions[cursors[rank]]
-                start = time.perf_counter() - origin
                 self._execute(action, step, result, training)
                 if self._after_backward is not None and action in self._final_backward:
                     self._after_backward(self.stages[action.stage])
                 if trace:
                     _synchronize(self.stages[action.stage].device)
                     end = time.perf_counter() - origin
+                    # From the moment its inputs were there: waiting is idle, not work.
+                    start = self._inputs_ready_at - origin
                     result.trace.append(TimedAction(rank, action, start, end))
                 cursors[rank] += 1
                 remaining -= 1
@@ -143,6 +144,7 @@ class Runtime:
     ) -> None:
         stage, m = self.stages[action.stage], action.microbatch
         received = [self.transport.recv(message) for message in self.routes.incoming(action)]
+        self._inputs_ready_at = time.perf_counter()
         outgoing = self.routes.outgoing(action)
         if action.kind is Kind.FORWARD:
             if stage.index == 0:

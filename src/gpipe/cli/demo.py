@@ -68,7 +68,9 @@ def demo(args: argparse.Namespace) -> None:
 def configure(d: argparse.ArgumentParser) -> None:
     d.add_argument("--stages", type=int, default=2)
     d.add_argument("--chunks", type=int, default=4)
-    d.add_argument("--checkpoint", default="except_last", choices=["always", "except_last", "never"])
+    d.add_argument(
+        "--checkpoint", default="except_last", choices=["always", "except_last", "never"]
+    )
     d.add_argument("--batch", type=int, default=16)
     d.add_argument("--seq", type=int, default=64)
     d.add_argument("--steps", type=int, default=150)

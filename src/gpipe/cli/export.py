@@ -1,0 +1,84 @@
+"""Merge a checkpoint's shards into one plain state dict for the un-split model.
+
+    gpipe export runs/gpt-small-20250101-120000              # newest checkpoint of a run
+    gpipe export runs/.../checkpoints/step-000300 -o gpt.pt
+
+``gpipe train`` saves one shard per pipeline rank (``gpipe.checkpoint``); the exported file
+is an ordinary ``torch.save``-d state dict with the whole model's names, which loads into the
+model built without gpipe::
+
+    model = gpipe.models.gpt(gpipe.models.GPTConfig(...))   # printed by this command
+    model.load_state_dict(torch.load("gpt.pt"))
+
+A ``.json`` file beside it records the model's kind and constructor arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from gpipe import checkpoint as ckpt
+
+__all__ = ["configure", "export", "run"]
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.add_argument("checkpoint", help="checkpoint folder, its checkpoints/ or its run folder")
+    parser.add_argument(
+        "-o", "--out", help="output file (default: RUN/model-step-NNNNNN.pt beside checkpoints/)"
+    )
+    parser.add_argument(
+        "--dtype", choices=["float32", "bfloat16", "float16"], help="cast floating tensors"
+    )
+
+
+def export(checkpoint: str | Path, out: str | Path | None = None, dtype: str | None = None) -> Path:
+    """Write the merged state dict of ``checkpoint`` to ``out`` (and its ``.json``); return it."""
+    manifest = ckpt.read_manifest(checkpoint)
+    folder = Path(manifest["path"])
+    if out is None:
+        run_folder = folder.parent.parent if folder.parent.name == "checkpoints" else Path(".")
+        out = run_folder / f"model-{ckpt.step_folder(manifest['step'])}.pt"
+    out = Path(out)
+    state = ckpt.export_state_dict(folder)
+    if dtype is not None:
+        cast = getattr(torch, dtype)
+        state = {k: v.to(cast) if v.is_floating_point() else v for k, v in state.items()}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, out)
+    info = {"model": manifest.get("model"), "step": manifest["step"], "source": str(folder)}
+    out.with_suffix(".json").write_text(json.dumps(info, indent=1) + "\n")
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        out = export(args.checkpoint, args.out, args.dtype)
+    except ckpt.CheckpointError as error:
+        print(f"gpipe export: error: {error}", file=sys.stderr)
+        return 2
+    manifest = ckpt.read_manifest(args.checkpoint)
+    state = torch.load(out, weights_only=True, mmap=True)
+    count = sum(t.numel() for t in state.values())
+    print(
+        f"gpipe export: step {manifest['step']} of {manifest['path']}: {len(state)} tensors, "
+        f"{count:,} numbers -> {out}"
+    )
+    spec = manifest.get("model")
+    if spec:
+        from gpipe.cli.train import constructor
+
+        print("load it into the plain model:")
+        print("    import torch, gpipe.models")
+        print(f"    model = {constructor(spec)}")
+        print(f"    model.load_state_dict(torch.load({str(out)!r}))")
+    return 0

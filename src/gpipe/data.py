@@ -1,0 +1,258 @@
+"""The data sets of ``gpipe train``: real data that every machine already has, no download.
+
+* **stdlib corpus** (the language model's): the bytes of the Python standard library's own
+  top-level ``.py`` files — several MB of real text nobody here wrote, present on every
+  Python install. Split by *file* into train and validation (a file's name decides, so the
+  split is the same on every machine with the same Python), concatenated, and cached once
+  as a tensor file (``$GPIPE_CACHE_DIR``, else ``$XDG_CACHE_HOME/gpipe``, else
+  ``~/.cache/gpipe``).
+* **digits** (the CNN's): scikit-learn's bundled 8x8 handwritten digits, 1,797 images in
+  10 classes (``pip install 'gpipe[digits]'``), split once with a fixed permutation.
+
+Batches come from :class:`EpochSampler`: each epoch visits every item once in an order
+fixed by (seed, epoch), and its whole state is two integers, so a checkpoint can store the
+data position and a resumed run sees exactly the batches an uninterrupted one would::
+
+    corpus = stdlib_corpus()
+    windows = TokenWindows(corpus.train, seq=64)
+    sampler = EpochSampler(len(windows), seed=0)
+    x, y = windows[sampler.take(16)]          # (16, 64) inputs and next-byte targets
+    state = sampler.state_dict()              # {"seed": 0, "epoch": 0, "index": 16}
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+import sysconfig
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+__all__ = [
+    "Corpus",
+    "Digits",
+    "EpochSampler",
+    "TokenWindows",
+    "cache_dir",
+    "digits",
+    "stdlib_corpus",
+    "stdlib_files",
+]
+
+VALIDATION_PERCENT = 10  # share of the stdlib's files held out for validation
+_FORMAT = 1  # bump when the cached corpus changes meaning
+
+
+def cache_dir() -> Path:
+    """Where built data sets are cached (``$GPIPE_CACHE_DIR`` or the XDG cache)."""
+    explicit = os.environ.get("GPIPE_CACHE_DIR")
+    if explicit:
+        return Path(explicit)
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "gpipe"
+
+
+# -- the stdlib corpus -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Corpus:
+    """Bytes of the stdlib's source: ``train`` and ``val`` are 1-D uint8 tensors."""
+
+    train: torch.Tensor
+    val: torch.Tensor
+    train_files: int
+    val_files: int
+    source: str  # the folder the files were read from
+
+    def describe(self) -> str:
+        return (
+            f"{len(self.train):,} train bytes ({self.train_files} files), "
+            f"{len(self.val):,} validation bytes ({self.val_files} files) of {self.source}"
+        )
+
+
+def stdlib_files(root: Path | None = None) -> list[Path]:
+    """The standard library's top-level ``.py`` files, sorted by name."""
+    root = Path(sysconfig.get_paths()["stdlib"]) if root is None else Path(root)
+    files = sorted(p for p in root.glob("*.py") if p.is_file())
+    if not files:
+        raise FileNotFoundError(
+            f"no .py files in {root}: this Python install has no standard-library source "
+            f"(some slim images ship only .pyc files); install the full Python or pass root="
+        )
+    return files
+
+
+def is_validation(path: Path) -> bool:
+    """A file's split, from its name alone: ~``VALIDATION_PERCENT``% are validation files."""
+    return zlib.crc32(path.name.encode()) % 100 < VALIDATION_PERCENT
+
+
+def stdlib_corpus(*, root: Path | None = None, cache: Path | None = None) -> Corpus:
+    """The stdlib corpus, built on first use and then read from the cache.
+
+    The cache key covers the Python version, the folder and every file's name and size, so
+    a different Python (or an edited stdlib) builds its own entry. The cache file is written
+    to a temporary name and renamed, so processes building it at once do not clash.
+    """
+    files = stdlib_files(root)
+    source = str(files[0].parent)
+    key = hashlib.sha256(f"{_FORMAT}|{sys.version}|{source}".encode())
+    for path in files:
+        key.update(f"|{path.name}:{path.stat().st_size}".encode())
+    folder = cache_dir() if cache is None else Path(cache)
+    cached = (
+        folder / f"stdlib-py{sys.version_info[0]}{sys.version_info[1]}-{key.hexdigest()[:16]}.pt"
+    )
+    if cached.exists():
+        try:
+            saved = torch.load(cached, weights_only=True)
+            return Corpus(saved["train"], saved["val"], *saved["files"], source=source)
+        except Exception:  # a damaged cache file is rebuilt, not fatal
+            pass
+    train, val = [], []
+    for path in files:
+        (val if is_validation(path) else train).append(path.read_bytes())
+    corpus = Corpus(_bytes_tensor(train), _bytes_tensor(val), len(train), len(val), source=source)
+    folder.mkdir(parents=True, exist_ok=True)
+    temporary = cached.with_name(f"{cached.name}.tmp-{os.getpid()}")
+    torch.save(
+        {"train": corpus.train, "val": corpus.val, "files": [len(train), len(val)]}, temporary
+    )
+    os.replace(temporary, cached)
+    return corpus
+
+
+def _bytes_tensor(texts: list[bytes]) -> torch.Tensor:
+    joined = b"\n".join(texts)  # files are separated by a blank line
+    return torch.frombuffer(bytearray(joined), dtype=torch.uint8).clone()
+
+
+class TokenWindows:
+    """Non-overlapping windows of ``seq + 1`` bytes: item i is (input, next-byte target).
+
+    Window i covers bytes ``[i*seq, i*seq + seq]``; consecutive windows share one byte, so
+    every byte but the first is a target exactly once per epoch.
+    """
+
+    def __init__(self, data: torch.Tensor, *, seq: int) -> None:
+        if seq < 1:
+            raise ValueError(f"seq must be >= 1, got {seq}")
+        if len(data) < seq + 1:
+            raise ValueError(f"{len(data)} bytes hold no window of seq + 1 = {seq + 1} bytes")
+        self.data, self.seq = data, seq
+        self._starts = torch.arange((len(data) - 1) // seq) * seq
+
+    def __len__(self) -> int:
+        return len(self._starts)
+
+    def __getitem__(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, targets), both (len(indices), seq) int64."""
+        offsets = self._starts[indices].unsqueeze(1) + torch.arange(self.seq + 1)
+        window = self.data[offsets].long()  # (B, seq + 1)
+        return window[:, :-1], window[:, 1:]
+
+    def evenly_spaced(self, count: int) -> torch.Tensor:
+        """Indices of ``count`` windows spread over the whole data (a fixed evaluation set)."""
+        count = min(count, len(self))
+        return torch.linspace(0, len(self) - 1, count).round().long()
+
+
+# -- digits --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Digits:
+    """8x8 digit images, normalized: ``images`` (N, 1, 8, 8) float32, ``labels`` (N,) int64."""
+
+    train_images: torch.Tensor
+    train_labels: torch.Tensor
+    val_images: torch.Tensor
+    val_labels: torch.Tensor
+
+    def describe(self) -> str:
+        return (
+            f"{len(self.train_labels):,} train and {len(self.val_labels):,} validation 8x8 "
+            f"images of scikit-learn's digits"
+        )
+
+
+def digits(*, val_size: int = 297) -> Digits:
+    """scikit-learn's digits, split by a fixed permutation; needs the ``digits`` extra."""
+    try:
+        from sklearn.datasets import load_digits
+    except ImportError as error:
+        raise ImportError(
+            "the digits data set comes with scikit-learn: pip install 'gpipe[digits]' "
+            "(or pip install scikit-learn)"
+        ) from error
+    raw = load_digits()
+    images = torch.tensor(raw.images, dtype=torch.float32).unsqueeze(1) / 16.0  # (N, 1, 8, 8)
+    labels = torch.tensor(raw.target, dtype=torch.int64)
+    order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(0))
+    val, train = order[:val_size], order[val_size:]
+    mean, std = images[train].mean(), images[train].std()
+    images = (images - mean) / std
+    return Digits(images[train], labels[train], images[val], labels[val])
+
+
+# -- sampling ------------------------------------------------------------------------------
+
+
+class EpochSampler:
+    """Shuffled indices without replacement, epoch after epoch; resumable from two integers.
+
+    Epoch e's order is ``randperm(num_items)`` from a generator seeded by (seed, e); a batch
+    that runs past an epoch's end continues into the next one.
+    """
+
+    def __init__(self, num_items: int, *, seed: int) -> None:
+        if num_items < 1:
+            raise ValueError(f"num_items must be >= 1, got {num_items}")
+        self.num_items, self.seed = num_items, seed
+        self.epoch, self.index = 0, 0
+        self._order = self._permutation(0)
+
+    def _permutation(self, epoch: int) -> torch.Tensor:
+        generator = torch.Generator().manual_seed(hash_seed(self.seed, epoch))
+        return torch.randperm(self.num_items, generator=generator)
+
+    def take(self, count: int) -> torch.Tensor:
+        """The next ``count`` indices."""
+        parts, needed = [], count
+        while needed > 0:
+            if self.index == self.num_items:
+                self.epoch, self.index = self.epoch + 1, 0
+                self._order = self._permutation(self.epoch)
+            part = self._order[self.index : self.index + needed]
+            self.index += len(part)
+            needed -= len(part)
+            parts.append(part)
+        return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
+
+    def state_dict(self) -> dict[str, int]:
+        return {"seed": self.seed, "epoch": self.epoch, "index": self.index}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        if state["seed"] != self.seed:
+            raise ValueError(
+                f"sampler state is for seed {state['seed']}, this sampler has seed {self.seed}"
+            )
+        if not 0 <= state["index"] <= self.num_items:
+            raise ValueError(
+                f"sampler position {state['index']} is outside an epoch of {self.num_items} "
+                f"items: the checkpoint was made with other data (seq or data set changed?)"
+            )
+        self.epoch, self.index = state["epoch"], state["index"]
+        self._order = self._permutation(self.epoch)
+
+
+def hash_seed(*values: int) -> int:
+    """A well-mixed non-negative 63-bit seed from integers (e.g. run seed, step, replica)."""
+    digest = hashlib.blake2b(",".join(map(str, values)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1

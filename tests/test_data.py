@@ -1,0 +1,94 @@
+"""The data sets of ``gpipe train``: the stdlib corpus, digits, and the resumable sampler."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gpipe import data
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("GPIPE_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def test_corpus_is_the_stdlib_split_by_file_and_cached_once(cache):
+    files = data.stdlib_files()
+    val_files = [f for f in files if data.is_validation(f)]
+    assert len(files) > 50 and 0 < len(val_files) < len(files) / 4
+
+    corpus = data.stdlib_corpus()
+    assert corpus.train.dtype == torch.uint8 and corpus.val.dtype == torch.uint8
+    assert (corpus.train_files, corpus.val_files) == (len(files) - len(val_files), len(val_files))
+    # Every byte of a validation file is in the validation text, none of a train file's.
+    val_text, train_text = bytes(corpus.val.tolist()), bytes(corpus.train.tolist())
+    sample = val_files[0].read_bytes()[:2000]
+    assert sample in val_text and sample not in train_text
+    assert len(train_text) + len(val_text) >= sum(f.stat().st_size for f in files)
+
+    cached = list(cache.glob("stdlib-*.pt"))
+    assert len(cached) == 1
+    stamp = cached[0].stat().st_mtime_ns
+    again = data.stdlib_corpus()
+    assert cached[0].stat().st_mtime_ns == stamp  # read, not rebuilt
+    assert torch.equal(again.train, corpus.train) and torch.equal(again.val, corpus.val)
+
+    cached[0].write_bytes(b"damaged")  # a broken cache is rebuilt, not fatal
+    assert torch.equal(data.stdlib_corpus().val, corpus.val)
+
+
+def test_missing_stdlib_source_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"no \.py files"):
+        data.stdlib_files(tmp_path)
+
+
+def test_windows_pair_each_byte_with_the_next():
+    text = torch.arange(50, dtype=torch.uint8)
+    windows = data.TokenWindows(text, seq=8)
+    assert len(windows) == 6  # (50 - 1) // 8
+    x, y = windows[torch.tensor([0, 5])]
+    assert x.shape == y.shape == (2, 8) and x.dtype == torch.int64
+    assert torch.equal(x[0], torch.arange(8)) and torch.equal(y[0], torch.arange(1, 9))
+    assert torch.equal(y[1], torch.arange(41, 49))
+    assert windows.evenly_spaced(3).tolist() == [0, 2, 5]
+    with pytest.raises(ValueError, match="no window"):
+        data.TokenWindows(text[:5], seq=8)
+
+
+def test_sampler_visits_every_item_once_per_epoch_and_resumes_exactly():
+    sampler = data.EpochSampler(10, seed=7)
+    first = sampler.take(4).tolist() + sampler.take(6).tolist()
+    assert sorted(first) == list(range(10))
+    crossing = sampler.take(7)  # epoch 1: 7 of 10
+    state = sampler.state_dict()
+    assert state == {"seed": 7, "epoch": 1, "index": 7}
+    expected = sampler.take(9)  # runs into epoch 2
+
+    resumed = data.EpochSampler(10, seed=7)
+    resumed.load_state_dict(state)
+    assert torch.equal(resumed.take(9), expected)
+    assert sorted(crossing.tolist() + expected[:3].tolist()) == list(range(10))
+    assert data.EpochSampler(10, seed=8).take(10).tolist() != first  # the seed matters
+
+    with pytest.raises(ValueError, match="seed 7"):
+        data.EpochSampler(10, seed=1).load_state_dict(state)
+    with pytest.raises(ValueError, match="other data"):
+        data.EpochSampler(5, seed=7).load_state_dict(state)
+
+
+def test_hash_seed_is_stable_and_mixes():
+    assert data.hash_seed(0, 1) == data.hash_seed(0, 1)
+    seeds = {data.hash_seed(0, step, replica) for step in range(100) for replica in range(2)}
+    assert len(seeds) == 200 and all(0 <= s < 2**63 for s in seeds)
+
+
+def test_digits_are_normalized_and_split_once():
+    pytest.importorskip("sklearn")
+    digits = data.digits()
+    assert digits.train_images.shape == (1500, 1, 8, 8) and digits.val_images.shape[0] == 297
+    assert abs(float(digits.train_images.mean())) < 1e-4
+    assert set(digits.train_labels.tolist()) == set(range(10))
+    again = data.digits()
+    assert torch.equal(again.val_images, digits.val_images)  # the same split every time
