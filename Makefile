@@ -1,15 +1,18 @@
-# One command from nothing: `make demo` (the main job) and `make test` (the whole suite).
+# One command from nothing: `make train` (the main job) and `make test` (the whole suite).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo test lint format
+.PHONY: train demo test lint format
 
 $(VENV)/.installed: requirements-dev.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install --quiet --disable-pip-version-check -r requirements-dev.txt
 	$(VENV)/bin/pip install --quiet --disable-pip-version-check --no-deps -e .
 	touch $@
+
+train: $(VENV)/.installed
+	$(PY) -m gpipe train
 
 demo: $(VENV)/.installed
 	$(PY) -m gpipe demo
