@@ -1,0 +1,203 @@
+"""Recommend K, M, schedule and re-materialization for a preset model and a memory budget.
+
+The model is profiled layer by layer on this machine (one thread by default, as each
+pipeline process gets), every configuration is simulated with those costs, and those that
+fit the budget are ranked by predicted throughput::
+
+    gpipe plan --model gpt --layers 8 --vocab 8192 --batch 32 --devices 2 --memory 2GiB
+    gpipe plan --model resnet --blocks 2 --channels 32 --devices 2 --measure-link --verify 3
+
+``--verify N`` then trains the top N for a few steps on K local processes and prints the
+measured throughput next to the prediction. From Python, ``gpipe.plan(model, sample, ...)``
+takes any ``nn.Sequential``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import time
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+__all__ = ["configure", "parse_bytes", "resnet", "run"]
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "m": 10**6,
+    "mb": 10**6,
+    "g": 10**9,
+    "gb": 10**9,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+    "tb": 10**12,
+}
+
+
+def parse_bytes(text: str) -> float:
+    """``"2GiB"`` -> 2147483648.0; also ``"500MB"``, ``"1.5gib"``, ``"1e9"`` (bytes)."""
+    match = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([a-z]*)\s*", text.lower())
+    if match is None or match.group(2) not in _UNITS:
+        raise argparse.ArgumentTypeError(
+            f"cannot read {text!r} as a size; use e.g. 2GiB, 512MiB, 1.5GB or 1e9"
+        )
+    return float(match.group(1)) * _UNITS[match.group(2)]
+
+
+def resnet(
+    *,
+    widths: Sequence[int] = (32, 64, 128),
+    blocks: int = 2,
+    in_channels: int = 3,
+    classes: int = 10,
+) -> nn.Sequential:
+    """A ResNet-style CNN that halves the resolution and doubles the width at each stage.
+
+    Every residual block then costs about the same time while its parameters grow four
+    times per stage: the usual case where balancing by parameter count goes wrong.
+    (``gpipe.models.convnet`` keeps one resolution and width throughout.)
+    """
+    from gpipe.models import Residual
+
+    def conv(c_in: int, c_out: int, stride: int) -> nn.Sequential:
+        return nn.Sequential(
+            nn.Conv2d(c_in, c_out, 3, stride=stride, padding=1, bias=False),
+            nn.BatchNorm2d(c_out),
+            nn.ReLU(),
+        )
+
+    layers: list[nn.Module] = [conv(in_channels, widths[0], 1)]
+    for i, width in enumerate(widths):
+        if i > 0:
+            layers.append(conv(widths[i - 1], width, 2))  # (B, C, H, W) -> (B, 2C, H/2, W/2)
+        layers += [Residual(width) for _ in range(blocks)]
+    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(widths[-1], classes)]
+    return nn.Sequential(*layers)
+
+
+def build(args: argparse.Namespace):
+    """(model, sample inputs, targets, loss_fn, description) of the chosen preset."""
+    from torch.nn import functional as F
+
+    from gpipe.models import GPTConfig, gpt, lm_loss
+
+    torch.manual_seed(args.seed)
+    if args.model == "gpt":
+        config = GPTConfig(
+            vocab_size=args.vocab,
+            context=args.seq,
+            d_model=args.d_model,
+            n_heads=args.heads,
+            n_layers=args.layers,
+            dropout=0.1,
+        )
+        model = gpt(config)
+        x = torch.randint(0, args.vocab, (args.batch, args.seq))
+        y = torch.randint(0, args.vocab, (args.batch, args.seq))
+        what = (
+            f"GPT {args.layers} blocks, d_model {args.d_model}, vocab {args.vocab}, seq {args.seq}"
+        )
+        return model, x, y, lm_loss, what
+    widths = (args.channels, 2 * args.channels, 4 * args.channels)
+    model = resnet(widths=widths, blocks=args.blocks)
+    x = torch.randn(args.batch, 3, args.image, args.image)
+    y = torch.randint(0, 10, (args.batch,))
+    what = f"ResNet-style CNN, widths {widths} x {args.blocks} blocks, {args.image}px images"
+    return model, x, y, F.cross_entropy, what
+
+
+def configure(p: argparse.ArgumentParser) -> None:
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.add_argument("--model", choices=["gpt", "resnet"], default="gpt")
+    p.add_argument("--devices", type=int, default=2, help="devices (processes) available")
+    p.add_argument("--memory", type=parse_bytes, default=None, help="budget per device, e.g. 2GiB")
+    p.add_argument("--batch", type=int, default=32, help="samples per mini-batch")
+    g = p.add_argument_group("gpt preset")
+    g.add_argument("--layers", type=int, default=6, help="transformer blocks")
+    g.add_argument("--d-model", type=int, default=128)
+    g.add_argument("--heads", type=int, default=4)
+    g.add_argument("--seq", type=int, default=64)
+    g.add_argument("--vocab", type=int, default=4096, help="a large vocabulary: heavy head")
+    g = p.add_argument_group("resnet preset")
+    g.add_argument("--blocks", type=int, default=2, help="residual blocks per resolution")
+    g.add_argument("--channels", type=int, default=32, help="width at full resolution")
+    g.add_argument("--image", type=int, default=32, help="image side in pixels")
+    g = p.add_argument_group("search")
+    g.add_argument("--chunks", type=int, nargs="+", help="micro-batch counts M to try")
+    g.add_argument("--schedules", nargs="+", help="schedules to try (default: all)")
+    g.add_argument("--checkpoints", nargs="+", help="checkpoint modes to try (default: all)")
+    g.add_argument("--virtual", type=int, nargs="+", default=[1, 2], help="virtual stages")
+    g.add_argument("--optimizer-state", type=float, default=2.0, help="x parameter bytes")
+    g.add_argument("--latency", type=float, default=100e-6, help="seconds per transfer")
+    g.add_argument("--bandwidth", type=parse_bytes, default=2e9, help="bytes/s between devices")
+    g.add_argument(
+        "--measure-link",
+        action="store_true",
+        help="measure latency and bandwidth between two local processes instead",
+    )
+    g.add_argument(
+        "--overhead", type=float, default=100e-6, help="seconds of runtime cost per action"
+    )
+    g = p.add_argument_group("measuring")
+    g.add_argument("--device", default="cpu", help="where to profile")
+    g.add_argument("--threads", type=int, default=1, help="torch threads while profiling")
+    g.add_argument("--repeats", type=int, default=5, help="timed runs per layer (median)")
+    g.add_argument("--warmup", type=int, default=2)
+    g.add_argument("--top", type=int, default=10, help="rows to print")
+    g.add_argument("--verify", type=int, default=0, metavar="N", help="run the top N for real")
+    g.add_argument("--steps", type=int, default=10, help="timed steps per verified run")
+    g.add_argument("--seed", type=int, default=0)
+
+
+def run(args: argparse.Namespace) -> int:
+    import gpipe
+    from gpipe.balance import MemoryModel
+    from gpipe.plan import Link, verify
+
+    model, x, y, loss_fn, what = build(args)
+    link = Link(latency=args.latency, bandwidth=args.bandwidth)
+    if args.measure_link:
+        link = Link.measure()
+    params = sum(p.numel() for p in model.parameters())
+    threads = torch.get_num_threads()
+    torch.set_num_threads(args.threads)
+    start = time.perf_counter()
+    try:
+        result = gpipe.plan(
+            model,
+            x,
+            devices=args.devices,
+            memory_budget=args.memory,
+            target=y,
+            loss_fn=loss_fn,
+            device=args.device,
+            repeats=args.repeats,
+            warmup=args.warmup,
+            chunks=args.chunks,
+            schedules=args.schedules,
+            checkpoints=args.checkpoints,
+            virtual_stages=args.virtual,
+            memory=MemoryModel(optimizer_state=args.optimizer_state),
+            link=link,
+            overhead=args.overhead,
+        )
+    finally:
+        torch.set_num_threads(threads)
+    print(
+        f"gpipe plan: {what} ({len(model)} layers, {params:,} parameters); profiled on "
+        f"{args.device}, {args.threads} thread(s), {len(result.profiles)} micro-batch sizes "
+        f"in {time.perf_counter() - start:.1f} s"
+    )
+    print(result.table(top=args.top))
+    if args.verify:
+        result.verified = verify(result, model, x, y, loss_fn, top=args.verify, steps=args.steps)
+        print()
+        print(result.verify_table())
+    return 0 if result.candidates else 1

@@ -1,0 +1,120 @@
+"""Per-layer profile: shapes of the numbers, no side effects, and memory that matches a Pipe."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+import gpipe
+from gpipe.balance import held_microbatches, stage_memory
+from gpipe.models import GPTConfig, convnet, gpt, lm_loss
+from gpipe.profile import Profile
+from gpipe.schedule import build_schedule
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Timings on one thread: steadier on a shared machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_every_layer_is_measured_with_its_bytes():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    x = torch.randn(5, 8)
+    prof = gpipe.profile(model, x, repeats=2, warmup=1)
+    assert [layer.name for layer in prof.layers] == ["0 (Linear)", "1 (ReLU)", "2 (Linear)"]
+    assert prof.batch_size == 5 and prof.device == "cpu"
+    first, relu, last = prof.layers
+    assert first.param_bytes == (8 * 16 + 16) * 4 and relu.param_bytes == 0
+    assert [lay.input_bytes for lay in prof.layers] == [5 * 8 * 4, 5 * 16 * 4, 5 * 16 * 4]
+    assert [lay.output_bytes for lay in prof.layers] == [5 * 16 * 4, 5 * 16 * 4, 5 * 4 * 4]
+    # Linear saves its input; ReLU its output; nothing else.
+    assert first.saved_bytes == first.saved_input_bytes == 5 * 8 * 4
+    assert relu.saved_bytes == relu.saved_output_bytes == 5 * 16 * 4
+    assert last.saved_bytes == last.saved_input_bytes == 5 * 16 * 4
+    assert all(lay.inner_bytes == 0 for lay in prof.layers)
+    for lay in prof.layers:
+        assert lay.forward > 0 and lay.backward > 0
+        assert lay.backward_input >= 0 and lay.backward_weight >= 0
+    assert first.backward_input < first.backward  # the model's input needs no gradient
+    assert "fwd ms" in prof.table()
+
+
+def test_profiling_leaves_the_model_and_generators_alone():
+    torch.manual_seed(0)
+    model = convnet(channels=4, blocks=1)
+    model[0].weight.grad = torch.ones_like(model[0].weight)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    x = torch.randn(4, 1, 6, 6)
+    rng_state = torch.get_rng_state()
+    gpipe.profile(model, x, repeats=1, warmup=0)
+    assert torch.equal(torch.get_rng_state(), rng_state)
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, before[key]), key  # running statistics too
+    assert torch.equal(model[0].weight.grad, torch.ones_like(model[0].weight))
+    assert all(p.grad is None for p in model[1:].parameters())
+
+
+def test_loss_is_profiled_with_the_last_layer():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 32))
+    x, y = torch.randn(6, 4), torch.randint(0, 32, (6,))
+    plain = gpipe.profile(model, x, repeats=1, warmup=0)
+    with_loss = gpipe.profile(model, x, target=y, loss_fn=F.cross_entropy, repeats=1, warmup=0)
+    # cross-entropy saves its log-softmax: one more logits-sized tensor
+    assert with_loss.layers[1].saved_bytes >= plain.layers[1].saved_bytes + 6 * 32 * 4
+    with pytest.raises(ValueError, match="both target and loss_fn"):
+        gpipe.profile(model, x, target=y)
+
+
+def test_scaled_profile_is_linear_except_parameters():
+    prof = Profile.from_costs([1.0, 2.0], param_bytes=[10, 20], activation_bytes=8, batch_size=4)
+    double = prof.scaled(2)
+    assert double.batch_size == 8
+    assert double.forward == [2.0, 4.0] and double.backward == [4.0, 8.0]
+    assert double.param_bytes == [10, 20]
+    assert [lay.output_bytes for lay in double.layers] == [16, 16]
+
+
+def test_bad_arguments_are_reported():
+    model = nn.Sequential(nn.Linear(2, 2))
+    with pytest.raises(TypeError, match=r"nn\.Sequential"):
+        gpipe.profile(nn.Linear(2, 2), torch.randn(1, 2))
+    with pytest.raises(ValueError, match="repeats"):
+        gpipe.profile(model, torch.randn(1, 2), repeats=0)
+    with pytest.raises(ValueError, match="meta"):
+        gpipe.profile(model, torch.randn(1, 2), device="meta")
+
+
+CONFIG = GPTConfig(vocab_size=64, context=16, d_model=32, n_heads=2, n_layers=4)
+
+
+@pytest.fixture(scope="module")
+def gpt_case():
+    torch.manual_seed(0)
+    model = gpt(CONFIG)
+    x, y = torch.randint(0, 64, (8, 16)), torch.randint(0, 64, (8, 16))
+    prof = gpipe.profile(model, x[:2], target=y[:2], loss_fn=lm_loss, repeats=1, warmup=0)
+    return model, x, y, prof
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+def test_memory_model_matches_the_activations_a_pipe_stores(gpt_case, schedule, checkpoint):
+    """Boundary inputs × held + inner activations × held, against the meter of a real step."""
+    model, x, y, prof = gpt_case
+    K, M, balance = 2, 4, [3, 3]
+    held = held_microbatches(build_schedule(schedule, num_ranks=K, num_microbatches=M), checkpoint)
+    predicted = [m.boundary + m.inner for m in stage_memory(prof, balance, held)]
+    pipe = gpipe.Pipe(model, balance=balance, chunks=M, checkpoint=checkpoint, schedule=schedule)
+    with gpipe.measure_activations(pipe) as meter:
+        pipe.step(x, y, lm_loss)
+    pipe.zero_grad(set_to_none=True)
+    for measured, expected in zip(meter.peak_bytes, predicted, strict=True):
+        assert measured == pytest.approx(expected, rel=0.02)
