@@ -106,7 +106,17 @@ class Pipe(nn.Module):
     ) -> None:
         super().__init__()
         if isinstance(balance, str):
-            balance = _auto_balance(module, balance, sample, devices, virtual_stages, group)
+            balance = _auto_balance(
+                module,
+                balance,
+                sample,
+                devices,
+                group,
+                chunks=chunks,
+                checkpoint=checkpoint,
+                schedule=schedule,
+                virtual_stages=virtual_stages,
+            )
         balance = list(balance)
         if not isinstance(virtual_stages, int) or virtual_stages < 1:
             raise PartitionError(
@@ -576,7 +586,12 @@ def _problems(module, balance, devices, virtual_stages, chunks, checkpoint, sche
     return problems
 
 
-def _auto_balance(module, balance, sample, devices, virtual_stages, group) -> list[int]:
+def _auto_balance(module, balance, sample, devices, group, **plan) -> list[int]:
+    """Cuts that minimise the slowest stage, measured on ``sample`` on the first device.
+
+    With a process group, rank 0 profiles and every rank takes its answer: timings differ
+    from process to process, and all must cut alike.
+    """
     if balance != "auto":
         raise PartitionError(f"balance must be a list of ints or 'auto', got {balance!r}")
     if sample is None:
@@ -587,17 +602,22 @@ def _auto_balance(module, balance, sample, devices, virtual_stages, group) -> li
         raise PartitionError("balance='auto' needs the built model, not a factory")
     from gpipe.balance import balance_by_time
 
+    virtual = plan["virtual_stages"]
     if group is not None:
         import torch.distributed as dist
 
         ranks = dist.get_world_size(group)
-    elif devices is None:
+        device = devices[0] if devices is not None else _default_device(group)
+        found = [None]
+        if dist.get_rank(group) == 0:
+            found = [balance_by_time(module, sample, stages=ranks * virtual, device=device, **plan)]
+        dist.broadcast_object_list(found, src=dist.get_global_rank(group, 0), group=group)
+        return found[0]
+    if devices is None:
         raise PartitionError(
             "balance='auto' needs to know the number of stages: pass devices=[...], one per stage"
         )
-    else:
-        ranks = len(devices)
-    return balance_by_time(module, sample, stages=ranks * virtual_stages)
+    return balance_by_time(module, sample, stages=len(devices) * virtual, device=devices[0], **plan)
 
 
 def _default_device(group: Any) -> torch.device:
