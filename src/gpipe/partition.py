@@ -11,7 +11,9 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-__all__ = ["PartitionError", "check_partition", "cut", "shared_parameters"]
+from gpipe.microbatch import chunk_sizes
+
+__all__ = ["PartitionError", "check_partition", "cut", "even_balance", "shared_parameters"]
 
 DeviceLike = torch.device | str | int
 
@@ -50,7 +52,7 @@ def check_partition(
         problems.append(
             f"module and sum of balance have different length "
             f"(module: {len(module)}, sum of balance: {sum(entries)}); "
-            f"e.g. balance={_even_balance(len(module), len(entries))} covers all layers"
+            f"e.g. balance={even_balance(len(module), len(entries))} covers all layers"
         )
     if virtual_stages == 1 and len(devices) != len(entries):
         problems.append(
@@ -74,10 +76,9 @@ def check_partition(
         )
 
 
-def _even_balance(layers: int, stages: int) -> list[int]:
-    stages = max(1, min(stages, layers))
-    base, extra = divmod(layers, stages)
-    return [base + (1 if i < extra else 0) for i in range(stages)]
+def even_balance(layers: int, stages: int) -> list[int]:
+    """Layers per stage, as even as possible (earlier stages take the remainder)."""
+    return chunk_sizes(layers, max(1, min(stages, layers)))
 
 
 def cut(module: nn.Sequential, balance: Sequence[int]) -> list[list[tuple[str, nn.Module]]]:

@@ -31,6 +31,7 @@ def _corpus(max_bytes: int) -> torch.Tensor:
 def demo(args: argparse.Namespace) -> None:
     import gpipe
     from gpipe.models import GPTConfig, gpt, lm_loss
+    from gpipe.partition import even_balance
 
     torch.manual_seed(args.seed)
     torch.set_num_threads(max(1, torch.get_num_threads()))
@@ -39,8 +40,7 @@ def demo(args: argparse.Namespace) -> None:
     layers = len(model)
     if not 1 <= args.stages <= layers:
         raise SystemExit(f"gpipe demo: --stages must be in 1..{layers}, got {args.stages}")
-    base, extra = divmod(layers, args.stages)
-    balance = [base + (1 if i < extra else 0) for i in range(args.stages)]
+    balance = even_balance(layers, args.stages)
     pipe = gpipe.Pipe(model, balance=balance, chunks=args.chunks, checkpoint=args.checkpoint)
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=args.lr)
 
