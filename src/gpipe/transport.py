@@ -227,6 +227,7 @@ class DistributedTransport:
         self._cursor: dict[int, int] = {}
         self._outgoing: dict[int, list[Message]] = {}
         self._sent: dict[int, int] = {}
+        self._headers: dict[int, tuple[Any, torch.Tensor]] = {}  # posted ahead, by peer
         self._reaper = _SendReaper(timeout)
         self.failure: str | None = None
 
@@ -257,6 +258,19 @@ class DistributedTransport:
         self._cursor = dict.fromkeys(self._incoming, 0)
         self._sent = dict.fromkeys(self._outgoing, 0)
         self._mailbox.clear()
+        self._headers.clear()
+        for src in self._incoming:
+            self._post_header(src)
+
+    def _post_header(self, src: int) -> None:
+        """Post the receive of the next header from ``src`` now, if this step has one.
+
+        Receiving ahead lets the header land while this rank computes; only the tensors'
+        receive, whose sizes the header decides, waits for the action that needs them.
+        """
+        if self._cursor[src] < len(self._incoming[src]):
+            header = torch.empty(1, dtype=torch.int64, device=self.wire_device)
+            self._headers[src] = (self._irecv(header, src), header)
 
     def finish(self) -> None:
         """End a step: wait until every send has completed."""
@@ -314,14 +328,14 @@ class DistributedTransport:
             if position >= len(sequence):
                 raise RuntimeError(f"rank {self.rank} expects no more messages from rank {src}")
             expected = sequence[position]
-            self._mailbox[expected] = self._receive(src, expected)
+            work, header = self._headers.pop(src)
+            self._wait([work], src, expected)
             self._cursor[src] = position + 1
+            self._mailbox[expected] = self._receive(src, expected, int(header.item()))
         return self._mailbox.pop(message)
 
-    def _receive(self, src: int, message: Message) -> Any:
-        header = torch.empty(1, dtype=torch.int64, device=self.wire_device)
-        self._wait([self._irecv(header, src)], src, message)
-        size = int(header.item())
+    def _receive(self, src: int, message: Message, size: int) -> Any:
+        """The rest of a message whose header (``size``) has arrived."""
         key = (src, message.channel, message.name)
         if size != 0:
             meta = torch.empty(abs(size), dtype=torch.uint8, device=self.wire_device)
@@ -337,8 +351,10 @@ class DistributedTransport:
             for d in described
         ]
         tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
-        if tensors:
-            self._wait([self._irecv(t, src) for t in tensors], src, message)
+        works = [self._irecv(t, src) for t in tensors]
+        self._post_header(src)  # the next message's header may come in behind these
+        if works:
+            self._wait(works, src, message)
         for leaf, d in zip(leaves, described, strict=True):
             if isinstance(d, _TensorMeta) and d.requires_grad and message.channel.forward:
                 leaf.requires_grad_(True)
