@@ -1,0 +1,330 @@
+"""Measured timelines of a 2-process pipeline next to their simulation with measured costs.
+
+    python benchmarks/measured_timeline.py [--quick] [--out docs/benchmarks.md]
+
+Two processes (one thread each) train the GPT of ``benchmarks/pipeline_throughput.py``
+with M=8 micro-batches under the schedules gpipe, 1f1b and zb-h1. Each rank records its
+actions (``Pipe.step(..., trace=True)``); the parent gathers both ranks' traces, derives
+the median cost of F, B and W per stage, simulates the same schedule with those costs
+(``gpipe.simulate``) and draws simulated above measured into
+``docs/img/measured-vs-simulated-<schedule>.png``. It prints the predicted and measured
+makespan and bubble; with ``--out`` it writes them into the "Measured timelines" section
+of that markdown file (the rest of the file is left alone).
+
+A traced action starts when its inputs are there (the runtime's receive has returned),
+so the white space in a measured row is time spent waiting: the bubble and transfers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import statistics
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+import gpipe
+from gpipe import timeline
+from gpipe.launch import launch
+from gpipe.models import GPTConfig, gpt, lm_loss
+from gpipe.schedule import Action, Kind, Schedule, TimedAction, build_schedule
+from gpipe.simulate import Costs, SimulationResult, simulate
+
+ROOT = Path(__file__).resolve().parents[1]
+SCHEDULES = ("gpipe", "1f1b", "zb-h1")
+SECTION = "measured-timeline"
+
+# -- traces, costs and bubbles -------------------------------------------------------------
+
+
+def shifted(events: Sequence[TimedAction], origin: float) -> list[TimedAction]:
+    return [replace(e, start=e.start - origin, end=e.end - origin) for e in events]
+
+
+def measured_costs(schedule: Schedule, events: Sequence[TimedAction], scale: float = 1.0) -> Costs:
+    """Median duration of F, B and W per stage (times ``scale``), as simulation costs.
+
+    A stage whose backward is not split gets its whole backward as ``backward`` and
+    ``weight=0`` (the simulator charges an unsplit B ``backward + weight``).
+    """
+    durations: dict[tuple[Kind, int], list[float]] = {}
+    for e in events:
+        durations.setdefault((e.action.kind, e.action.stage), []).append(e.duration * scale)
+
+    def median(kind: Kind, stage: int) -> float:
+        values = durations.get((kind, stage))
+        return statistics.median(values) if values else 0.0
+
+    stages = range(schedule.num_stages)
+    return Costs(
+        forward=[median(Kind.FORWARD, s) for s in stages],
+        backward=[median(Kind.BACKWARD, s) for s in stages],
+        weight=[median(Kind.WEIGHT, s) for s in stages],
+    )
+
+
+def bubble(events: Sequence[TimedAction], num_ranks: int) -> tuple[float, float]:
+    """(makespan, idle share 1 - busy / (ranks * makespan)) of a measured step."""
+    start = min(e.start for e in events)
+    makespan = max(e.end for e in events) - start
+    busy = sum(e.duration for e in events)
+    return makespan, 1.0 - busy / (num_ranks * makespan)
+
+
+def transfer_latency(events: Sequence[TimedAction], schedule: Schedule) -> float:
+    """Median seconds from a producer's end to the start of its consumer on another rank.
+
+    Counted only where the consumer's rank was idle when the producer ended (it was
+    waiting for that message), so the gap is the transfer as the runtime sees it.
+    """
+    ends = {e.action: e.end for e in events}
+    by_rank: dict[int, list[TimedAction]] = {}
+    for e in sorted(events, key=lambda e: e.start):
+        by_rank.setdefault(e.rank, []).append(e)
+    gaps = []
+    for rank_events in by_rank.values():
+        for before, e in itertools.pairwise(rank_events):
+            kind, stage, m = e.action.kind, e.action.stage, e.action.microbatch
+            if kind is Kind.FORWARD and stage > 0:
+                producer = Action(Kind.FORWARD, stage - 1, m)
+            elif kind is Kind.BACKWARD and stage < schedule.num_stages - 1:
+                producer = Action(Kind.BACKWARD, stage + 1, m)
+            else:
+                continue
+            if schedule.stage_to_rank[producer.stage] == e.rank or producer not in ends:
+                continue
+            if before.end <= ends[producer] <= e.start:
+                gaps.append(e.start - ends[producer])
+    return statistics.median(gaps) if gaps else 0.0
+
+
+@dataclass
+class Timeline:
+    """One measured step of one schedule, both ranks, with its simulation."""
+
+    schedule: str
+    measured: list[TimedAction]  # shifted to start at 0, seconds
+    simulated: SimulationResult  # with the measured per-stage costs, in ms
+    transfer_ms: float
+
+    def row(self) -> list[str]:
+        span, idle = bubble(self.measured, self.simulated.schedule.num_ranks)
+        predicted = self.simulated.makespan
+        return [
+            self.schedule,
+            f"{predicted:.0f}",
+            f"{span * 1e3:.0f}",
+            f"{span * 1e3 / predicted:.3f}",
+            f"{self.simulated.bubble_fraction:.1%}",
+            f"{idle:.1%}",
+            f"{self.transfer_ms:.2f}",
+        ]
+
+
+# -- the run ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Setup:
+    config: GPTConfig
+    batch: int
+    chunks: int
+    warmup: int
+    steps: int  # traced steps; the one with the median makespan is drawn
+
+
+FULL = Setup(
+    GPTConfig(vocab_size=256, context=128, d_model=256, n_heads=8, n_layers=8, dropout=0.0),
+    batch=32,
+    chunks=8,
+    warmup=2,
+    steps=3,
+)
+QUICK = Setup(
+    GPTConfig(vocab_size=64, context=32, d_model=64, n_heads=4, n_layers=4),
+    batch=16,
+    chunks=8,
+    warmup=1,
+    steps=2,
+)
+
+
+def balance(num_layers: int, num_stages: int) -> list[int]:
+    """Blocks split evenly; the embedding joins the first stage and the head the last."""
+    blocks = num_layers - 2
+    if blocks % num_stages:
+        raise ValueError(f"{blocks} blocks do not split evenly into {num_stages} stages")
+    cut = [blocks // num_stages] * num_stages
+    cut[0] += 1
+    cut[-1] += 1
+    return cut
+
+
+def _traced(rank: int, setup: Setup) -> list[dict]:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    generator = torch.Generator().manual_seed(0)
+    shape = (setup.batch, setup.config.context)
+    x = torch.randint(0, setup.config.vocab_size, shape, generator=generator)
+    y = torch.randint(0, setup.config.vocab_size, shape, generator=generator)
+    results = []
+    for name in SCHEDULES:
+        torch.manual_seed(0)
+        model = gpt(setup.config)
+        pipe = gpipe.Pipe(
+            model,
+            balance=balance(len(model), 2),
+            chunks=setup.chunks,
+            checkpoint="never",
+            schedule=name,
+            group=dist.group.WORLD,
+        )
+        for step in range(setup.warmup + setup.steps):
+            pipe.zero_grad(set_to_none=True)
+            dist.barrier()
+            pipe.step(x, y, lm_loss, trace=step >= setup.warmup)
+            if step >= setup.warmup:
+                results.append({"schedule": name, "trace": pipe.last_trace})
+    return results
+
+
+def timelines(setup: Setup) -> list[Timeline]:
+    """Run the traced steps in 2 launched processes and simulate each schedule."""
+    per_rank = launch(_traced, 2, args=(setup,), timeout=300)
+    out = []
+    for name in SCHEDULES:
+        steps = [[r["trace"] for r in ranks if r["schedule"] == name] for ranks in per_rank]
+        both = [[e for rank in steps for e in rank[i]] for i in range(setup.steps)]
+        both.sort(key=lambda events: bubble(events, 2)[0])
+        events = both[len(both) // 2]  # the step with the median makespan
+        schedule = build_schedule(name, num_ranks=2, num_microbatches=setup.chunks)
+        transfer = transfer_latency(events, schedule)
+        simulated = simulate(
+            schedule, measured_costs(schedule, events, scale=1e3), transfer=transfer * 1e3
+        )
+        origin = min(e.start for e in events)
+        out.append(Timeline(name, shifted(events, origin), simulated, transfer * 1e3))
+    return out
+
+
+# -- report -------------------------------------------------------------------------------------
+
+
+def write_section(path: Path, name: str, text: str) -> None:
+    """Replace the section between ``<!-- name:begin -->`` and ``<!-- name:end -->``.
+
+    Appends it when the file has no such section (creating the file if needed).
+    """
+    begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
+    block = f"{begin}\n{text.rstrip()}\n{end}\n"
+    old = path.read_text() if path.exists() else ""
+    if begin in old and end in old:
+        head, rest = old.split(begin, 1)
+        new = head + block + rest.split(end, 1)[1].lstrip("\n")
+    else:
+        new = (old.rstrip() + "\n\n" if old.strip() else "") + block
+    path.write_text(new)
+
+
+def machine() -> str:
+    import platform
+
+    model = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return (
+        f"{model or platform.processor() or 'unknown CPU'}, {os.cpu_count()} cores, "
+        f"Linux {platform.release()}, Python {platform.python_version()}, "
+        f"torch {torch.__version__}"
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny model, one traced step")
+    parser.add_argument("--out", type=Path, default=None, help="markdown file to update")
+    parser.add_argument(
+        "--img", type=Path, default=ROOT / "docs" / "img", help="folder for the pictures"
+    )
+    args = parser.parse_args(argv)
+    setup = QUICK if args.quick else FULL
+    args.img.mkdir(parents=True, exist_ok=True)
+    load_before = os.getloadavg()[0]
+    header = [
+        "schedule",
+        "predicted makespan (ms)",
+        "measured makespan (ms)",
+        "measured / predicted",
+        "predicted bubble",
+        "measured bubble",
+        "transfer (ms)",
+    ]
+    rows = []
+    images = []
+    for line in timelines(setup):
+        path = args.img / f"measured-vs-simulated-{line.schedule}.png"
+        timeline.compare_png(
+            line.simulated,
+            line.measured,
+            path,
+            titles=(
+                f"{line.schedule} simulated, measured costs (1 unit = 1 ms)",
+                f"{line.schedule} measured",
+            ),
+        )
+        images.append(path)
+        rows.append(line.row())
+        print(" | ".join(rows[-1]), flush=True)
+    table = "\n".join(
+        ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        + ["| " + " | ".join(r) + " |" for r in rows]
+    )
+    load = f"{load_before:.1f} before, {os.getloadavg()[0]:.1f} after"
+    print(f"1-minute load average {load}")
+    if args.out is None:
+        return
+    cfg = setup.config
+    pictures = "\n\n".join(
+        f"![{p.stem}]({p.resolve().relative_to(args.out.resolve().parent).as_posix()})"
+        if p.resolve().is_relative_to(args.out.resolve().parent)
+        else f"![{p.stem}]({p})"
+        for p in images
+    )
+    text = f"""## Measured timelines
+
+Regenerate: `python benchmarks/measured_timeline.py --out docs/benchmarks.md`
+
+GPT {cfg.n_layers} blocks, d_model {cfg.d_model}, sequence {cfg.context}, batch {setup.batch}, \
+M={setup.chunks}, K=2 processes × 1 thread, `checkpoint="never"`, balance \
+{balance(cfg.n_layers + 2, 2)}. Machine: {machine()}; measured on a shared 2-core machine \
+(1-minute load average {load}), so timings vary from run to run.
+
+Each schedule ran {setup.warmup} warm-up steps and {setup.steps} traced steps \
+(`Pipe.step(..., trace=True)`, both ranks' `pipe.last_trace` on one clock); the step with the \
+median makespan is drawn, shifted to start at 0. A measured box starts when the action's \
+inputs had arrived, so white space is waiting. The simulation (`gpipe.simulate`) replays the \
+same schedule with that step's median F, B and W per stage and the median transfer (a \
+producer's end to its consumer's start, where the consumer was waiting): it is what the \
+schedule allows for the measured compute, and the gap to the measured makespan is what the \
+runtime loses on top (jitter, slower first actions, per-action overhead).
+
+{table}
+
+{pictures}
+"""
+    write_section(args.out, SECTION, text)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

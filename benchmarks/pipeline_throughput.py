@@ -1,0 +1,556 @@
+"""Throughput and pipeline efficiency of gpipe, side by side with torch.distributed.pipelining.
+
+    python benchmarks/pipeline_throughput.py [--quick] [--out docs/benchmarks.md]
+
+A GPT (8 blocks, d_model 256, sequence 128, batch 32) is trained by K=2 processes with
+one thread each, for M in {1, 2, 4, 8, 16} micro-batches under every schedule (gpipe,
+1f1b, zb-h1, interleaved-1f1b with 2 virtual stages where M % K == 0), without
+re-materialization, plus gpipe with ``checkpoint="except_last"`` at M=8 to show its cost.
+
+The peer is PyTorch's own ``torch.distributed.pipelining`` (``ScheduleGPipe``,
+``Schedule1F1B``, ``ScheduleInterleavedZeroBubble`` with one stage per rank, the ZB-H1
+analogue, and ``ScheduleInterleaved1F1B``) on the same two stage modules (the same layers,
+copied before gpipe sees them, so the same initial weights), the same batch and loss, in
+the same processes: for each configuration the two libraries' steps alternate, so they
+see the same machine. Each step is bracketed by barriers, so a step time is that of the
+slower rank.
+
+**Pipeline efficiency** = pipelined throughput / (K × throughput of the whole model in one
+process with one thread, plain forward and backward of the mini-batch). That one-process
+step is timed in the same processes, on both ranks at once (as K devices would each run
+the model), in every round: a round is one gpipe step, one peer step and one one-process
+step; efficiency and gpipe / peer are ratios of the medians. Next to them: the schedule's
+ideal, 1 - bubble of ``gpipe.simulate`` with equal F, B, W costs (M/(M+K-1) for gpipe and
+1f1b), and the same simulation with the per-stage costs measured in a traced gpipe step
+of that configuration (stage imbalance and real B/W ratios).
+
+``--quick`` runs a tiny model for a few steps (well under a minute) to check that it works.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+import gpipe
+from gpipe.launch import launch
+from gpipe.models import GPTConfig, gpt, lm_loss
+from gpipe.schedule import build_schedule
+from gpipe.simulate import simulate
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from measured_timeline import (  # a sibling script
+    balance,
+    machine,
+    measured_costs,
+    write_section,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+K = 2
+SECTION = "pipeline-throughput"
+
+
+@dataclass(frozen=True)
+class Case:
+    """One row: a gpipe schedule, its peer in torch.distributed.pipelining, M, checkpoint."""
+
+    schedule: str
+    chunks: int
+    virtual: int = 1
+    checkpoint: str = "never"
+
+    @property
+    def label(self) -> str:
+        name = self.schedule + (f" (v={self.virtual})" if self.virtual > 1 else "")
+        return name + (f", {self.checkpoint}" if self.checkpoint != "never" else "")
+
+
+PEERS = {
+    "gpipe": "ScheduleGPipe",
+    "1f1b": "Schedule1F1B",
+    "zb-h1": "ScheduleInterleavedZeroBubble",  # one stage per rank: ZB-H1's analogue
+    "interleaved-1f1b": "ScheduleInterleaved1F1B",
+}
+
+
+@dataclass(frozen=True)
+class Setup:
+    config: GPTConfig
+    batch: int
+    chunks: tuple[int, ...]
+    warmup: int  # untimed steps of each library per case
+    steps: int  # timed steps of each library per case, alternating
+
+    def cases(self) -> list[Case]:
+        cases = []
+        for m in self.chunks:
+            cases += [Case("gpipe", m), Case("1f1b", m), Case("zb-h1", m)]
+            if m % K == 0:
+                cases.append(Case("interleaved-1f1b", m, virtual=2))
+            if m == 8:
+                cases.append(Case("gpipe", m, checkpoint="except_last"))
+        return cases
+
+
+FULL = Setup(
+    GPTConfig(vocab_size=256, context=128, d_model=256, n_heads=8, n_layers=8, dropout=0.0),
+    batch=32,
+    chunks=(1, 2, 4, 8, 16),
+    warmup=2,
+    steps=5,
+)
+QUICK = Setup(
+    GPTConfig(vocab_size=64, context=32, d_model=64, n_heads=4, n_layers=4, dropout=0.0),
+    batch=16,
+    chunks=(1, 2, 4, 8, 16),
+    warmup=1,
+    steps=2,
+)
+
+
+# -- inside each launched process ----------------------------------------------------------
+
+
+@dataclass
+class Measured:
+    """What one rank measured for one case (times in seconds)."""
+
+    case: Case
+    gpipe: list[float] = field(default_factory=list)
+    peer: list[float] = field(default_factory=list)
+    baseline: list[float] = field(default_factory=list)  # this rank's own one-process steps
+    peer_error: str | None = None
+    loss_gpipe: float = float("nan")
+    loss_peer: float = float("nan")
+    grad_error: float = float("nan")  # worst relative gradient difference, this rank
+    trace: list = field(default_factory=list)  # one traced gpipe step
+
+
+def _timed(step: Callable[[], object]) -> float:
+    import torch.distributed as dist
+
+    dist.barrier()
+    start = time.perf_counter()
+    step()
+    dist.barrier()
+    return time.perf_counter() - start
+
+
+def _peer(rank: int, case: Case, model: nn.Sequential, bounds: list[tuple[int, int]]):
+    """The torch.distributed.pipelining schedule for ``case`` on this rank, and its modules."""
+    import torch.distributed as dist
+    from torch.distributed import pipelining
+
+    num_stages = K * case.virtual
+    mine = [s for s in range(num_stages) if s % K == rank]
+    modules = [nn.Sequential(*copy.deepcopy(list(model[a:b]))) for a, b in bounds]
+    stages = [
+        pipelining.PipelineStage(
+            modules[s], s, num_stages, torch.device("cpu"), group=dist.group.WORLD
+        )
+        for s in mine
+    ]
+    cls = getattr(pipelining, PEERS[case.schedule])
+    if cls in (pipelining.ScheduleGPipe, pipelining.Schedule1F1B):
+        schedule = cls(stages[0], n_microbatches=case.chunks, loss_fn=lm_loss)
+    else:
+        schedule = cls(stages, n_microbatches=case.chunks, loss_fn=lm_loss)
+    return schedule, [modules[s] for s in mine]
+
+
+def _relative_error(ours: Sequence[nn.Parameter], theirs: Sequence[nn.Parameter]) -> float:
+    worst = 0.0
+    for a, b in zip(ours, theirs, strict=True):
+        if a.grad is None or b.grad is None:
+            return float("inf")
+        scale = b.grad.abs().max().clamp_min(1e-12)
+        worst = max(worst, float((a.grad - b.grad).abs().max() / scale))
+    return worst
+
+
+def _worker(rank: int, setup: Setup) -> list[Measured]:
+    torch.set_num_threads(1)
+    cfg = setup.config
+    generator = torch.Generator().manual_seed(0)
+    shape = (setup.batch, cfg.context)
+    x = torch.randint(0, cfg.vocab_size, shape, generator=generator)
+    y = torch.randint(0, cfg.vocab_size, shape, generator=generator)
+    torch.manual_seed(0)
+    whole = gpt(cfg)  # every rank builds the same weights
+    lm_loss(whole(x), y).backward()  # warm-up of the one-process step
+    results = []
+    for case in setup.cases():
+        results.append(_measure(rank, case, setup, whole, x, y))
+        out = results[-1]
+        print(
+            f"rank {rank}: {case.label} M={case.chunks}: gpipe "
+            f"{statistics.median(out.gpipe):.3f} s"
+            + (f", peer {statistics.median(out.peer):.3f} s" if out.peer else "")
+            + f", one process {statistics.median(out.baseline):.3f} s",
+            flush=True,
+        )
+    return results
+
+
+def _measure(
+    rank: int, case: Case, setup: Setup, whole: nn.Sequential, x: torch.Tensor, y: torch.Tensor
+) -> Measured:
+    """Alternate gpipe, peer and one-process steps for one case, in both processes."""
+    import torch.distributed as dist
+
+    out = Measured(case)
+    bal = balance(len(whole), K * case.virtual)
+    starts = [sum(bal[:s]) for s in range(len(bal))]
+    model = copy.deepcopy(whole)
+    try:
+        bounds = [(a, a + n) for a, n in zip(starts, bal, strict=True)]
+        peer, peer_modules = _peer(rank, case, model, bounds)
+    except Exception as error:  # e.g. a schedule it lacks for this M: shown in the table
+        peer, peer_modules = None, []
+        out.peer_error = f"{type(error).__name__}: {error}".splitlines()[0]
+    pipe = gpipe.Pipe(
+        model,
+        balance=bal,
+        chunks=case.chunks,
+        checkpoint=case.checkpoint,
+        schedule=case.schedule,
+        virtual_stages=case.virtual,
+        group=dist.group.WORLD,
+    )
+    holds_last = rank == (K * case.virtual - 1) % K
+    losses: list[torch.Tensor] = []
+
+    def gpipe_step() -> None:
+        out.loss_gpipe = float(pipe.step(x, y, lm_loss))
+
+    def peer_step() -> None:
+        losses.clear()
+        if rank == 0:
+            peer.step(x, return_outputs=False)
+        else:
+            peer.step(target=y, losses=losses, return_outputs=False)
+        if holds_last:  # micro-batch losses are means over equal micro-batches
+            out.loss_peer = float(torch.stack(losses).detach().mean())
+
+    def one_process() -> float:  # this rank's own time; both ranks run it at once
+        whole.zero_grad(set_to_none=True)
+        dist.barrier()
+        start = time.perf_counter()
+        lm_loss(whole(x), y).backward()
+        return time.perf_counter() - start
+
+    def zero() -> None:
+        pipe.zero_grad(set_to_none=True)
+        for module in peer_modules:
+            module.zero_grad(set_to_none=True)
+
+    for i in range(setup.warmup):
+        zero()
+        _timed(gpipe_step)
+        if peer is not None:
+            _timed(peer_step)
+            if i == 0:  # same gradients after one step from the same weights?
+                ours = list(pipe.parameters())
+                theirs = [p for module in peer_modules for p in module.parameters()]
+                out.grad_error = _relative_error(ours, theirs)
+    for _ in range(setup.steps):  # one round: the three steps see the same machine
+        zero()
+        out.gpipe.append(_timed(gpipe_step))
+        if peer is not None:
+            out.peer.append(_timed(peer_step))
+        out.baseline.append(one_process())
+    zero()
+    dist.barrier()
+    pipe.step(x, y, lm_loss, trace=True)
+    out.trace = pipe.last_trace
+    return out
+
+
+# -- in the parent: the table and the plot --------------------------------------------------
+
+
+@dataclass
+class Row:
+    case: Case
+    gpipe: float  # median step seconds
+    peer: float | None
+    single: float  # median one-process step seconds, timed in the same rounds
+    efficiency: float  # single / (K * gpipe)
+    peer_efficiency: float | None
+    ratio: float | None  # peer / gpipe step time: gpipe's throughput over the peer's
+    rounds: tuple[list[float], list[float], list[float]]  # gpipe, peer, one-process
+    ideal: float
+    simulated: float  # 1 - bubble with the measured per-stage costs
+    loss_error: float
+    grad_error: float
+    peer_error: str | None
+
+
+def ideal(case: Case) -> float:
+    """1 - bubble of the schedule with equal F, B, W costs (M/(M+K-1) for gpipe, 1f1b)."""
+    schedule = build_schedule(
+        case.schedule, num_ranks=K, num_microbatches=case.chunks, virtual_stages=case.virtual
+    )
+    return 1.0 - simulate(schedule).bubble_fraction
+
+
+def rows(per_rank: list[list[Measured]]) -> list[Row]:
+    """Both ranks' measurements of each case, reduced to medians and their ratios."""
+    median = statistics.median
+    out = []
+    for index, measured in enumerate(per_rank[0]):
+        both = [ranks[index] for ranks in per_rank]
+        case = measured.case
+        schedule = build_schedule(
+            case.schedule, num_ranks=K, num_microbatches=case.chunks, virtual_stages=case.virtual
+        )
+        trace = [e for m in both for e in m.trace]
+        sim = simulate(schedule, measured_costs(schedule, trace))
+        # One round = a gpipe step, a peer step and a one-process step (on both ranks).
+        single = [statistics.mean(r) for r in zip(*(m.baseline for m in both), strict=True)]
+        ours, peer = median(measured.gpipe), median(measured.peer) if measured.peer else None
+        loss_p = next((m.loss_peer for m in both if m.loss_peer == m.loss_peer), float("nan"))
+        out.append(
+            Row(
+                case,
+                gpipe=ours,
+                peer=peer,
+                single=median(single),
+                efficiency=median(single) / (K * ours),
+                peer_efficiency=median(single) / (K * peer) if peer else None,
+                ratio=peer / ours if peer else None,
+                rounds=(measured.gpipe, measured.peer, single),
+                ideal=ideal(case),
+                simulated=1.0 - sim.bubble_fraction,
+                loss_error=abs(measured.loss_gpipe - loss_p) / abs(loss_p),
+                grad_error=max(m.grad_error for m in both),
+                peer_error=next((m.peer_error for m in both if m.peer_error), None),
+            )
+        )
+    return out
+
+
+def table(results: list[Row], batch: int) -> str:
+    lines = [
+        "| schedule | M | gpipe samples/s | efficiency | ideal | sim. (measured costs) | "
+        "peer samples/s | peer efficiency | gpipe / peer | 1-process samples/s |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        if r.peer:
+            peer = [f"{batch / r.peer:.2f}", f"{r.peer_efficiency:.3f}", f"{r.ratio:.3f}"]
+        else:
+            peer = ["n/a (below)", "", ""]
+        cells = [
+            r.case.label,
+            str(r.case.chunks),
+            f"{batch / r.gpipe:.2f}",
+            f"{r.efficiency:.3f}",
+            f"{r.ideal:.3f}",
+            f"{r.simulated:.3f}",
+            *peer,
+            f"{batch / r.single:.2f}",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    notes = [
+        f"Peer n/a for {r.case.label} M={r.case.chunks}: {r.peer_error}"
+        for r in results
+        if r.peer_error
+    ]
+    return "\n".join(lines + (["", *notes] if notes else []))
+
+
+def raw(results: list[Row]) -> str:
+    """Every timed step, for re-analysis: a collapsed block of the markdown."""
+    lines = [
+        "<details><summary>Every timed step (seconds; one-process: mean of the two ranks)"
+        "</summary>",
+        "",
+        "| schedule | M | gpipe | peer | one process |",
+        "|---|---|---|---|---|",
+    ]
+    for r in results:
+        cells = [" ".join(f"{t:.3f}" for t in times) for times in r.rounds]
+        lines.append(f"| {r.case.label} | {r.case.chunks} | " + " | ".join(cells) + " |")
+    return "\n".join([*lines, "", "</details>"])
+
+
+def targets(results: list[Row]) -> list[str]:
+    """The two targets, each as a sentence with the numbers."""
+    lines = []
+    for r in results:
+        if r.case == Case("gpipe", 8):
+            gap = 1.0 - r.efficiency / r.ideal
+            verdict = "met" if gap <= 0.05 else "missed"
+            where = f"{gap:.1%} below" if gap > 0 else f"{-gap:.1%} above"
+            lines.append(
+                f"Target gpipe efficiency at M=8 within 5% of M/(M+K-1): {verdict} "
+                f"({r.efficiency:.3f} vs {r.ideal:.3f}, {where})."
+            )
+    compared = [r for r in results if r.ratio is not None]
+    behind = [r for r in compared if r.ratio < 1.0]
+    lines.append(
+        f"Target gpipe at least as fast as the peer: {len(compared) - len(behind)} of "
+        f"{len(compared)} rows"
+        + (
+            "; behind in "
+            + ", ".join(f"{r.case.label} M={r.case.chunks} ({r.ratio:.3f})" for r in behind)
+            if behind
+            else ""
+        )
+        + "."
+    )
+    return lines
+
+
+def plot(results: list[Row], path: Path) -> None:
+    """Efficiency vs M with the ideal curves; gpipe / peer throughput vs M."""
+    from matplotlib.figure import Figure
+
+    colours = {
+        "gpipe": "#0072B2",
+        "1f1b": "#E69F00",
+        "zb-h1": "#009E73",
+        "interleaved-1f1b": "#CC79A7",
+    }
+    fig = Figure(figsize=(11, 4.2), layout="constrained")
+    left, right = fig.subplots(1, 2)
+    for name, colour in colours.items():
+        mine = [r for r in results if r.case.schedule == name and r.case.checkpoint == "never"]
+        if not mine:
+            continue
+        ms = [r.case.chunks for r in mine]
+        label = mine[0].case.label
+        left.plot(ms, [r.efficiency for r in mine], "o-", color=colour, label=label)
+        left.plot(ms, [r.ideal for r in mine], "--", color=colour, alpha=0.7, linewidth=1)
+        ratios = [(r.case.chunks, r.ratio) for r in mine if r.ratio is not None]
+        right.plot(*zip(*ratios, strict=True), "o-", color=colour, label=label)
+    for r in results:
+        if r.case.checkpoint != "never" and r.ratio is not None:
+            right.plot(
+                [r.case.chunks],
+                [r.ratio],
+                "s",
+                color=colours[r.case.schedule],
+                fillstyle="none",
+                label=r.case.label,
+            )
+    right.axhline(1.0, color="#555555", linewidth=0.8)
+    for ax in (left, right):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks([1, 2, 4, 8, 16], ["1", "2", "4", "8", "16"])
+        ax.set_xlabel("micro-batches M")
+        ax.grid(color="#dddddd", linewidth=0.6)
+        for side in ("top", "right"):
+            ax.spines[side].set_visible(False)
+    left.set_ylim(0, max([1.0] + [r.efficiency + 0.02 for r in results]))
+    left.set_ylabel("pipeline efficiency")
+    left.set_title("gpipe efficiency (solid) and the schedule's ideal (dashed)", loc="left")
+    left.legend(fontsize=8, loc="lower right", frameon=False)
+    low = min([r.ratio for r in results if r.ratio is not None] + [0.9])
+    high = max([r.ratio for r in results if r.ratio is not None] + [1.1])
+    right.set_ylim(low - 0.05, high + 0.05)
+    right.set_ylabel("gpipe samples/s ÷ peer samples/s")
+    right.set_title("gpipe vs the peer (above 1: gpipe is faster)", loc="left")
+    right.legend(fontsize=8, loc="best", frameon=False, ncol=2)
+    fig.savefig(path, dpi=150, facecolor="white")
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny model, few steps (< 1 min)")
+    parser.add_argument("--out", type=Path, default=None, help="markdown file to update")
+    parser.add_argument(
+        "--img",
+        type=Path,
+        default=ROOT / "docs" / "img" / "benchmark-throughput.png",
+        help="where the plot goes (with --out)",
+    )
+    args = parser.parse_args(argv)
+    setup = QUICK if args.quick else FULL
+    started, load_before = time.perf_counter(), os.getloadavg()[0]
+    per_rank = launch(_worker, K, args=(setup,), timeout=600)
+    minutes = (time.perf_counter() - started) / 60
+    load = f"{load_before:.1f} before, {os.getloadavg()[0]:.1f} after"
+    results = rows(per_rank)
+    text = table(results, setup.batch)
+    verdicts = targets(results)
+    print(text)
+    print("\n".join(verdicts))
+    print(f"run took {minutes:.1f} min; 1-minute load average {load}")
+    for r in results:
+        print(
+            f"sanity {r.case.label} M={r.case.chunks}: loss differs by {r.loss_error:.1e}, "
+            f"gradients by {r.grad_error:.1e} (relative)"
+        )
+    if args.out is None:
+        return
+    args.img.parent.mkdir(parents=True, exist_ok=True)
+    plot(results, args.img)
+    cfg = setup.config
+    folder = args.out.resolve().parent
+    image = (
+        args.img.resolve().relative_to(folder).as_posix()
+        if args.img.resolve().is_relative_to(folder)
+        else str(args.img)
+    )
+    command = "python benchmarks/pipeline_throughput.py" + (" --quick" if args.quick else "")
+    compared = [r for r in results if r.peer]
+    worst_loss = max((r.loss_error for r in compared), default=float("nan"))
+    worst_grad = max((r.grad_error for r in compared), default=float("nan"))
+    singles = [r.single for r in results]
+    peers = ", ".join(f"{k} → `{v}`" for k, v in PEERS.items())
+    section = f"""## Throughput and pipeline efficiency
+
+Regenerate: `{command} --out docs/benchmarks.md` ({minutes:.0f} minutes; with `--quick`, a \
+tiny model and few steps, it checks in under a minute that everything runs).
+
+GPT {cfg.n_layers} blocks, d_model {cfg.d_model}, {cfg.n_heads} heads, sequence {cfg.context}, \
+vocabulary {cfg.vocab_size}, float32, mini-batch {setup.batch} sequences; K={K} processes × 1 \
+thread, gloo; `checkpoint="never"` unless stated; balance {balance(cfg.n_layers + 2, K)} \
+(interleaved: {balance(cfg.n_layers + 2, 2 * K)} over 4 virtual stages). Machine: {machine()}. \
+**Measured on a shared 2-core machine**, one process per core (1-minute load average \
+{load}), so absolute numbers move from run to run. Each row alternates, in the same two \
+processes, rounds of one gpipe step, one peer step and one one-process step ({setup.steps} \
+rounds, after {setup.warmup} warm-up steps of each library); samples/s are medians, and \
+efficiency and gpipe / peer are ratios of those medians.
+
+* **efficiency** = gpipe samples/s / (K × samples/s of the whole model in one process with \
+one thread: plain forward and backward of the mini-batch, no micro-batches). That \
+one-process step runs on both ranks at once, as K devices would each run it; its time is \
+in the last column (median over rows {statistics.median(singles):.2f} s, \
+{min(singles):.2f}–{max(singles):.2f} s).
+* **ideal** = 1 − bubble of the schedule with equal F, B, W costs (`gpipe.simulate`): \
+M/(M+K−1) for gpipe and 1f1b. **sim. (measured costs)** = the same with the median F, B and W \
+per stage of a traced gpipe step of that row (stage imbalance, the real B : W split, no \
+communication). Below it, the measured efficiency loses what the runtime adds: waiting on \
+messages, per-action overhead, compute slower than in one process.
+* **peer** = `torch.distributed.pipelining` ({peers}) on the same stage modules with the \
+same initial weights, batch and loss. Both compute the same numbers: worst relative \
+difference of the loss {worst_loss:.1e}, of any gradient {worst_grad:.1e} (float32). The \
+peer does no re-materialization; the `except_last` row shows what gpipe's costs.
+
+{text}
+
+{chr(10).join(f"* {v}" for v in verdicts)}
+
+![throughput]({image})
+
+{raw(results)}
+"""
+    write_section(args.out, SECTION, section)
+
+
+if __name__ == "__main__":
+    main()
