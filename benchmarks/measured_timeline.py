@@ -250,6 +250,21 @@ def machine() -> str:
     )
 
 
+def source() -> str:
+    """The gpipe commit measured, and whether src/ had uncommitted changes."""
+    import subprocess
+
+    def git(*args: str) -> str:
+        done = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True)
+        return done.stdout.strip() if done.returncode == 0 else ""
+
+    commit = git("rev-parse", "--short", "HEAD")
+    if not commit:
+        return "gpipe (not a git checkout)"
+    dirty = git("status", "--porcelain", "--", "src")
+    return f"gpipe at commit {commit}" + (" with uncommitted changes in src/" if dirty else "")
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny model, one traced step")
@@ -260,7 +275,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parser.parse_args(argv)
     setup = QUICK if args.quick else FULL
     args.img.mkdir(parents=True, exist_ok=True)
-    load_before = os.getloadavg()[0]
+    load_before, code = os.getloadavg()[0], source()
     header = [
         "schedule",
         "predicted makespan (ms)",
@@ -307,7 +322,7 @@ Regenerate: `python benchmarks/measured_timeline.py --out docs/benchmarks.md`
 
 GPT {cfg.n_layers} blocks, d_model {cfg.d_model}, sequence {cfg.context}, batch {setup.batch}, \
 M={setup.chunks}, K=2 processes × 1 thread, `checkpoint="never"`, balance \
-{balance(cfg.n_layers + 2, 2)}. Machine: {machine()}; measured on a shared 2-core machine \
+{balance(cfg.n_layers + 2, 2)}; {code}. Machine: {machine()}; measured on a shared 2-core machine \
 (1-minute load average {load}), so timings vary from run to run.
 
 Each schedule ran {setup.warmup} warm-up steps and {setup.steps} traced steps \

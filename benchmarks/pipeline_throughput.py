@@ -53,6 +53,7 @@ from measured_timeline import (  # a sibling script
     balance,
     machine,
     measured_costs,
+    source,
     write_section,
 )
 
@@ -479,7 +480,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     args = parser.parse_args(argv)
     setup = QUICK if args.quick else FULL
-    started, load_before = time.perf_counter(), os.getloadavg()[0]
+    started, load_before, code = time.perf_counter(), os.getloadavg()[0], source()
     per_rank = launch(_worker, K, args=(setup,), timeout=600)
     minutes = (time.perf_counter() - started) / 60
     load = f"{load_before:.1f} before, {os.getloadavg()[0]:.1f} after"
@@ -519,7 +520,8 @@ tiny model and few steps, it checks in under a minute that everything runs).
 GPT {cfg.n_layers} blocks, d_model {cfg.d_model}, {cfg.n_heads} heads, sequence {cfg.context}, \
 vocabulary {cfg.vocab_size}, float32, mini-batch {setup.batch} sequences; K={K} processes × 1 \
 thread, gloo; `checkpoint="never"` unless stated; balance {balance(cfg.n_layers + 2, K)} \
-(interleaved: {balance(cfg.n_layers + 2, 2 * K)} over 4 virtual stages). Machine: {machine()}. \
+(interleaved: {balance(cfg.n_layers + 2, 2 * K)} over 4 virtual stages); {code}. \
+Machine: {machine()}. \
 **Measured on a shared 2-core machine**, one process per core (1-minute load average \
 {load}), so absolute numbers move from run to run. Each row alternates, in the same two \
 processes, rounds of one gpipe step, one peer step and one one-process step ({setup.steps} \
