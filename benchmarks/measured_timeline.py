@@ -226,7 +226,8 @@ def write_section(path: Path, name: str, text: str) -> None:
     old = path.read_text() if path.exists() else ""
     if begin in old and end in old:
         head, rest = old.split(begin, 1)
-        new = head + block + rest.split(end, 1)[1].lstrip("\n")
+        tail = rest.split(end, 1)[1].lstrip("\n")
+        new = head + block + ("\n" + tail if tail else "")
     else:
         new = (old.rstrip() + "\n\n" if old.strip() else "") + block
     path.write_text(new)
@@ -270,11 +271,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="tiny model, one traced step")
     parser.add_argument("--out", type=Path, default=None, help="markdown file to update")
     parser.add_argument(
-        "--img", type=Path, default=ROOT / "docs" / "img", help="folder for the pictures"
+        "--img",
+        type=Path,
+        default=None,
+        help="folder for the pictures (default with --out: img/ next to it; else none)",
     )
     args = parser.parse_args(argv)
     setup = QUICK if args.quick else FULL
-    args.img.mkdir(parents=True, exist_ok=True)
+    if args.img is None and args.out is not None:
+        args.img = args.out.parent / "img"
+    if args.img is not None:
+        args.img.mkdir(parents=True, exist_ok=True)
     load_before, code = os.getloadavg()[0], source()
     header = [
         "schedule",
@@ -288,17 +295,18 @@ def main(argv: Sequence[str] | None = None) -> None:
     rows = []
     images = []
     for line in timelines(setup):
-        path = args.img / f"measured-vs-simulated-{line.schedule}.png"
-        timeline.compare_png(
-            line.simulated,
-            line.measured,
-            path,
-            titles=(
-                f"{line.schedule} simulated, measured costs (1 unit = 1 ms)",
-                f"{line.schedule} measured",
-            ),
-        )
-        images.append(path)
+        if args.img is not None:
+            path = args.img / f"measured-vs-simulated-{line.schedule}.png"
+            timeline.compare_png(
+                line.simulated,
+                line.measured,
+                path,
+                titles=(
+                    f"{line.schedule} simulated, measured costs (1 unit = 1 ms)",
+                    f"{line.schedule} measured",
+                ),
+            )
+            images.append(path)
         rows.append(line.row())
         print(" | ".join(rows[-1]), flush=True)
     table = "\n".join(
@@ -310,6 +318,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.out is None:
         return
     cfg = setup.config
+    command = "python benchmarks/measured_timeline.py" + (" --quick" if args.quick else "")
     pictures = "\n\n".join(
         f"![{p.stem}]({p.resolve().relative_to(args.out.resolve().parent).as_posix()})"
         if p.resolve().is_relative_to(args.out.resolve().parent)
@@ -318,7 +327,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     text = f"""## Measured timelines
 
-Regenerate: `python benchmarks/measured_timeline.py --out docs/benchmarks.md`
+Regenerate: `{command} --out docs/benchmarks.md`
 
 GPT {cfg.n_layers} blocks, d_model {cfg.d_model}, sequence {cfg.context}, batch {setup.batch}, \
 M={setup.chunks}, K=2 processes × 1 thread, `checkpoint="never"`, balance \

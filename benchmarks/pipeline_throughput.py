@@ -57,7 +57,6 @@ from measured_timeline import (  # a sibling script
     write_section,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
 K = 2
 SECTION = "pipeline-throughput"
 
@@ -475,8 +474,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument(
         "--img",
         type=Path,
-        default=ROOT / "docs" / "img" / "benchmark-throughput.png",
-        help="where the plot goes (with --out)",
+        default=None,
+        help="where the plot goes (default with --out: img/benchmark-throughput.png next to it)",
     )
     args = parser.parse_args(argv)
     setup = QUICK if args.quick else FULL
@@ -497,6 +496,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         )
     if args.out is None:
         return
+    if args.img is None:
+        args.img = args.out.parent / "img" / "benchmark-throughput.png"
     args.img.parent.mkdir(parents=True, exist_ok=True)
     plot(results, args.img)
     cfg = setup.config
@@ -530,8 +531,8 @@ efficiency and gpipe / peer are ratios of those medians.
 
 * **efficiency** = gpipe samples/s / (K × samples/s of the whole model in one process with \
 one thread: plain forward and backward of the mini-batch, no micro-batches). That \
-one-process step runs on both ranks at once, as K devices would each run it; its time is \
-in the last column (median over rows {statistics.median(singles):.2f} s, \
+one-process step runs on both ranks at once, as K devices would each run it; its throughput is \
+the last column (its step took {statistics.median(singles):.2f} s, median over rows, \
 {min(singles):.2f}–{max(singles):.2f} s).
 * **ideal** = 1 − bubble of the schedule with equal F, B, W costs (`gpipe.simulate`): \
 M/(M+K−1) for gpipe and 1f1b. **sim. (measured costs)** = the same with the median F, B and W \
@@ -541,7 +542,7 @@ messages, per-action overhead, compute slower than in one process.
 * **peer** = `torch.distributed.pipelining` ({peers}) on the same stage modules with the \
 same initial weights, batch and loss. Both compute the same numbers: worst relative \
 difference of the loss {worst_loss:.1e}, of any gradient {worst_grad:.1e} (float32). The \
-peer does no re-materialization; the `except_last` row shows what gpipe's costs.
+peer does no re-materialization; the `except_last` row shows what gpipe's re-materialization costs.
 
 {text}
 
