@@ -93,9 +93,6 @@ class TiedParameters:
                     setattr(module, attr, copy)
                 tie.copies[stage] = copy
 
-    def names(self) -> set[str]:
-        return {name for tie in self.ties for name in tie.names}
-
     def extra_copies(self) -> set[int]:
         """ids of the local copies other than the reference: the un-split model has none."""
         return {

@@ -229,7 +229,6 @@ class DistributedTransport:
         self._sent: dict[int, int] = {}
         self._headers: dict[int, tuple[Any, torch.Tensor]] = {}  # posted ahead, by peer
         self._reaper = _SendReaper(timeout)
-        self.failure: str | None = None
 
     # -- the order of messages on each wire ------------------------------------------------
 
