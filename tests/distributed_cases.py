@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -74,20 +75,10 @@ def train_steps(rank, cases, group=None, data_parallel_group=None, replica=0):
     results = []
     for case in cases:
         model = case["model"]
-        pipe = gpipe.Pipe(
-            FACTORIES[model],
-            balance=case["balance"],
-            chunks=case["chunks"],
-            checkpoint=case["checkpoint"],
-            schedule=case["schedule"],
-            virtual_stages=case.get("virtual", 1),
-            deferred_batch_norm=model == "cnn",
-            group=group,
-            data_parallel_group=data_parallel_group,
-            init_seed=INIT_SEED,
-            timeout=30,
-            tied=[GPT_TIED] if model == "gpt-tied" else (),
-        )
+        # "ordered": post receives as on NCCL (at the plan's points), though gloo carries them.
+        ahead = frozenset() if case.get("ordered") else gpipe.transport.RECEIVE_AHEAD_BACKENDS
+        with mock.patch.object(gpipe.transport, "RECEIVE_AHEAD_BACKENDS", ahead):
+            pipe = _pipe_of(case, group, data_parallel_group)
         losses = []
         optimizer = torch.optim.AdamW(pipe.parameters(), lr=1e-2) if case.get("train") else None
         for step, length in enumerate(case.get("lengths", [GPT.context])):
@@ -104,9 +95,28 @@ def train_steps(rank, cases, group=None, data_parallel_group=None, replica=0):
                 "grads": {n: p.grad.clone() for n, p in pipe.named_parameters()},
                 "buffers": {n: b.clone() for n, b in pipe.named_buffers()},
                 "params": {n: p.detach().clone() for n, p in pipe.named_parameters()},
+                "receive_ahead": pipe._transport.receive_ahead,
             }
         )
     return results
+
+
+def _pipe_of(case, group, data_parallel_group):
+    model = case["model"]
+    return gpipe.Pipe(
+        FACTORIES[model],
+        balance=case["balance"],
+        chunks=case["chunks"],
+        checkpoint=case["checkpoint"],
+        schedule=case["schedule"],
+        virtual_stages=case.get("virtual", 1),
+        deferred_batch_norm=model == "cnn",
+        group=group,
+        data_parallel_group=data_parallel_group,
+        init_seed=INIT_SEED,
+        timeout=30,
+        tied=[GPT_TIED] if model == "gpt-tied" else (),
+    )
 
 
 def data_and_pipeline(rank, cases):
@@ -128,34 +138,44 @@ def data_and_pipeline(rank, cases):
 class Fault(nn.Module):
     """Identity that fails on one micro-batch's forward: raises, or kills its process."""
 
-    def __init__(self, microbatch: int, how: str) -> None:
+    def __init__(self, microbatch: int, how: str, after_steps: int = 0, chunks: int = 4) -> None:
         super().__init__()
         self.microbatch, self.how, self.calls = microbatch, how, 0
+        self.fault_at = after_steps * chunks + microbatch + 1  # forward calls, counting from 1
 
     def forward(self, x):
         if not gpipe.is_recomputing():
             self.calls += 1
-            if self.calls == self.microbatch + 1:
+            if self.calls == self.fault_at:
                 if self.how == "kill":
                     os.kill(os.getpid(), signal.SIGKILL)
                 raise KeyError(f"injected fault at micro-batch {self.microbatch}")
         return x
 
 
-def faulty(rank, stages, fault_stage, microbatch, how, timeout):
-    """A pipeline whose stage ``fault_stage`` fails; report what this rank raised, and when."""
+def faulty(rank, stages, fault_stage, microbatch, how, timeout, after_steps=0, ordered=False):
+    """A pipeline whose stage ``fault_stage`` fails; report what this rank raised, and when.
+
+    ``after_steps`` good steps come first (receives of a fixed shape are then posted
+    ahead); ``ordered`` posts receives as on NCCL.
+    """
     torch.set_num_threads(1)
 
     def factory():
         layers = []
         for s in range(stages):
-            layers += [nn.Linear(8, 8), Fault(microbatch, how) if s == fault_stage else nn.ReLU()]
+            fault = Fault(microbatch, how, after_steps)
+            layers += [nn.Linear(8, 8), fault if s == fault_stage else nn.ReLU()]
         return nn.Sequential(*layers)
 
-    pipe = gpipe.Pipe(
-        factory, balance=[2] * stages, chunks=4, group=dist.group.WORLD, timeout=timeout
-    )
+    ahead = frozenset() if ordered else gpipe.transport.RECEIVE_AHEAD_BACKENDS
+    with mock.patch.object(gpipe.transport, "RECEIVE_AHEAD_BACKENDS", ahead):
+        pipe = gpipe.Pipe(
+            factory, balance=[2] * stages, chunks=4, group=dist.group.WORLD, timeout=timeout
+        )
     x = torch.randn(8, 8)
+    for _ in range(after_steps):
+        pipe.step(x, torch.randn(8, 8), F.mse_loss)
     start = time.monotonic()
     try:
         pipe.step(x, torch.randn(8, 8), F.mse_loss)

@@ -55,6 +55,7 @@ def check(case, per_rank_results, replicas=(0,)):
     losses, grads, stats = reference(case, replicas)
     merged = {}
     for result in per_rank_results:
+        assert result["receive_ahead"] is not case.get("ordered", False)
         merged.update(result["grads"])
         assert (
             relative_error(torch.tensor(result["losses"][-1], dtype=torch.float64), losses[0])
@@ -98,6 +99,24 @@ TWO_STAGE_CASES += [
 for _case in TWO_STAGE_CASES:
     if _case["model"] == "gpt":
         _case["lengths"] = [8, 5, 7]  # another sequence length every step
+# A shape that held for steps (so its receives are posted ahead), then changes: the
+# posted buffers get placeholders. And receives posted as on NCCL (see test_transport.py).
+TWO_STAGE_CASES += [
+    {
+        "model": "gpt",
+        "balance": [3, 3],
+        "chunks": 4,
+        "schedule": s,
+        "checkpoint": "never",
+        "lengths": [8, 8, 8, 5],
+    }
+    for s in ("gpipe", "zb-h1")
+]
+TWO_STAGE_CASES += [
+    {**case, "ordered": True}
+    for case in TWO_STAGE_CASES
+    if case["model"] == "gpt" and case["checkpoint"] == "never"
+]
 
 
 def test_two_processes_every_schedule_and_remat_mode():
@@ -140,6 +159,17 @@ FOUR_STAGE_CASES = (
         for s, c in (("gpipe", "always"), ("1f1b", "never"), ("zb-h1", "except_last"))
     ]
 )
+# Three steps each (the last is checked), so receives are posted ahead by then (not for
+# the CNN, whose reference holds one step of batch-norm statistics); and some cases again
+# with receives posted as on NCCL.
+for _case in FOUR_STAGE_CASES:
+    if _case["model"] != "cnn":
+        _case["lengths"] = [8, 8, 8]
+FOUR_STAGE_CASES += [
+    {**case, "ordered": True}
+    for case in FOUR_STAGE_CASES
+    if case["model"] in ("unet", "cnn") and case["checkpoint"] != "except_last"
+]
 
 
 def test_four_processes():
@@ -258,10 +288,13 @@ def test_two_machines_with_torchrun(tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("stages", "fault_stage"), [(2, 1), (2, 0), (3, 1)], ids=["last", "first", "middle"]
+    ("stages", "fault_stage", "after_steps", "ordered"),
+    [(2, 1, 0, False), (2, 0, 0, False), (3, 1, 0, False), (3, 1, 2, False), (3, 2, 2, True)],
+    ids=["last", "first", "middle", "middle-after-steady-steps", "last-nccl-order"],
 )
-def test_exception_in_one_stage_reaches_every_rank(stages, fault_stage):
-    outcomes = launch(faulty, stages, args=(stages, fault_stage, 2, "raise", 20.0), timeout=30)
+def test_exception_in_one_stage_reaches_every_rank(stages, fault_stage, after_steps, ordered):
+    args = (stages, fault_stage, 2, "raise", 20.0, after_steps, ordered)
+    outcomes = launch(faulty, stages, args=args, timeout=30)
     for rank, outcome in enumerate(outcomes):
         assert "injected fault at micro-batch 2" in outcome["message"]
         assert outcome["seconds"] < 20

@@ -28,6 +28,7 @@ __all__ = ["Runtime", "StepInputs", "StepResult"]
 
 
 class Transport(Protocol):
+    def prepare(self, action: Action) -> None: ...
     def send(self, message: Message, value: Any) -> None: ...
     def ready(self, message: Message) -> bool: ...
     def recv(self, message: Message) -> Any: ...
@@ -143,6 +144,7 @@ class Runtime:
         self, action: Action, step: StepInputs, result: StepResult, training: bool
     ) -> None:
         stage, m = self.stages[action.stage], action.microbatch
+        self.transport.prepare(action)
         received = [self.transport.recv(message) for message in self.routes.incoming(action)]
         self._inputs_ready_at = time.perf_counter()
         outgoing = self.routes.outgoing(action)

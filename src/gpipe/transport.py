@@ -14,10 +14,12 @@ point-to-point operations (gloo on CPU, NCCL on GPU).
 from __future__ import annotations
 
 import contextlib
+import functools
 import pickle
 import queue
 import threading
-from dataclasses import dataclass
+import weakref
+from dataclasses import dataclass, field
 from datetime import timedelta
 from enum import StrEnum
 from typing import Any
@@ -38,6 +40,8 @@ __all__ = [
     "LocalTransport",
     "Message",
     "PipelineError",
+    "RECEIVE_AHEAD_BACKENDS",
+    "receive_points",
     "to_device",
 ]
 
@@ -143,6 +147,9 @@ class LocalTransport:
         self._devices = devices  # device of each stage
         self._mailbox: dict[Message, Any] = {}
 
+    def prepare(self, action: Any) -> None:
+        pass  # copies between devices of one process are never posted ahead
+
     def send(self, message: Message, value: Any) -> None:
         device = self._devices[message.stage]
         self._mailbox[message] = to_device(value, device, as_leaves=message.channel.forward)
@@ -175,25 +182,89 @@ class _TensorMeta:
     requires_grad: bool
 
 
+class _History:
+    """What one message (one peer, one kind, one micro-batch) looked like last time.
+
+    Sender and receiver update theirs identically, so both know whether the receiver
+    posted the message's buffers ahead (it does when the message is *stable*: the same
+    description the last two times).
+    """
+
+    __slots__ = ("_decoded", "last", "stable")
+
+    def __init__(self) -> None:
+        self.last: bytes | None = None
+        self.stable = False
+        self._decoded: Any = None
+
+    def update(self, meta: bytes) -> None:
+        self.stable = meta == self.last
+        if not self.stable:
+            self.last, self._decoded = meta, None
+
+    @property
+    def decoded(self) -> tuple[Any, list[Any]]:
+        """(tree spec, leaves with a ``_TensorMeta`` for each tensor) of the last message."""
+        if self._decoded is None:
+            spec, described = pickle.loads(self.last)
+            self._decoded = (treespec_loads(spec), described)
+        return self._decoded
+
+    def tensor_metas(self) -> list[_TensorMeta]:
+        return [d for d in self.decoded[1] if isinstance(d, _TensorMeta)]
+
+
+@dataclass
+class _Posted:
+    """Receives posted for one incoming message: its header, and maybe its tensors."""
+
+    message: Message
+    history: _History
+    header: torch.Tensor
+    header_work: Any
+    leaves: list[Any] | None = None  # buffers posted before the header said what comes
+    works: list[Any] = field(default_factory=list)
+
+
+# Backends whose point-to-point operations proceed independently of each other, so that
+# receives may be posted long before they are needed. NCCL is not one: it runs a
+# process's operations on a stream in the order they were issued, and a receive posted
+# early holds back every later send.
+RECEIVE_AHEAD_BACKENDS = frozenset({"gloo"})
+
+
 class DistributedTransport:
     """Point-to-point transport between processes through ``torch.distributed``.
 
-    Every message to another rank is framed as: a one-element ``int64`` header, the
+    Every message to another rank is framed as a one-element ``int64`` header, the
     pickled description of the value (its structure, and each tensor's dtype, shape and
-    ``requires_grad``) when it differs from the previous message of that kind to that
-    peer, then the tensors themselves — all queued together with ``batch_isend_irecv``.
-    Shapes may therefore change from step to step; an unchanged step costs one extra
-    8-byte message.
+    ``requires_grad``) when it differs from the last time this message was sent, then the
+    tensors themselves. Shapes may therefore change from step to step.
 
     Messages between two ranks are received in the order the sender sends them, which
     the schedule fixes: a receiver waiting for message X first takes (and buffers) any
     that its peer sent before X. That keeps the wire order identical on both sides, as
     NCCL requires, without tags.
 
+    When receives are posted depends on the backend:
+
+    * gloo (:data:`RECEIVE_AHEAD_BACKENDS`): as soon as one message from a peer is in,
+      the receive of the next one is posted, so it lands while this rank computes. When
+      the message is *stable* (same description the last two times, as when training at
+      a fixed shape) its tensors' receives are posted too, shaped as before; otherwise
+      only its header is. If a stable message changes after all, the sender fills the
+      posted buffers with placeholders, then sends the description and real tensors: a
+      rare extra transfer instead of a guess that could corrupt the wire.
+    * NCCL: a process's operations run in issue order, so a receive posted early would
+      hold back later sends and can deadlock. Headers and descriptions travel on a gloo
+      side group (independent, received ahead); each tensor receive is posted at the
+      point of :func:`receive_points`, where the sender's send falls in one global order
+      of all the pipeline's transfers.
+
     Sends never block the runtime. A background thread waits for each send to complete
     and then drops its tensors, so sent buffers are freed as soon as the peer has them.
-    A negative header announces a failure: the message that follows describes it, and
-    the receiver raises :class:`PipelineError` and passes the news on to its own peers.
+    A negative header announces a failure: the description that follows it says what
+    failed, and the receiver raises :class:`PipelineError` and passes the news on.
     """
 
     def __init__(
@@ -215,20 +286,41 @@ class DistributedTransport:
         self.group = group
         self.timeout = timeout
         self._devices = devices  # device of each stage (meaningful for local stages)
+        self._local_device = devices[schedule.stages_of(rank)[0]]
         backend = dist.get_backend(group)
-        local = devices[schedule.stages_of(rank)[0]]
-        # Headers and descriptions travel on a device the backend supports.
-        self.wire_device = local if backend == "nccl" else torch.device("cpu")
+        # Collectives of the front end (loss, health check) use a device the backend supports.
+        self.wire_device = self._local_device if backend == "nccl" else torch.device("cpu")
+        self.receive_ahead = backend in RECEIVE_AHEAD_BACKENDS
+        # Headers and descriptions: on the group itself where receiving ahead is safe,
+        # otherwise on a gloo side group of the same processes.
+        self._meta_group = group if self.receive_ahead else _gloo_twin(group)
         self._mailbox: dict[Message, Any] = {}
-        self._sent_meta: dict[tuple[int, Channel, str], bytes] = {}
-        self._recv_meta: dict[tuple[int, Channel, str], Any] = {}
         self._plans = {training: self._plan(training) for training in (True, False)}
+        self._points = (
+            {}
+            if self.receive_ahead
+            else {
+                training: receive_points(schedule, self.routes, rank, training)
+                for training in (True, False)
+            }
+        )
+        self._training = True
         self._incoming: dict[int, list[Message]] = {}
         self._cursor: dict[int, int] = {}
         self._outgoing: dict[int, list[Message]] = {}
         self._sent: dict[int, int] = {}
-        self._headers: dict[int, tuple[Any, torch.Tensor]] = {}  # posted ahead, by peer
+        # What each message looked like last time, on both ends of its wire.
+        self._sent_meta: dict[tuple, _History] = {}
+        self._recv_meta: dict[tuple, _History] = {}
+        self._pending: dict[int, _Posted] = {}  # the next message from each peer, posted
+        self._arriving: dict[Message, _Posted] = {}  # NCCL: tensors posted, not yet waited for
         self._reaper = _SendReaper(timeout)
+        # The reaper's thread ends with this transport (or at close()).
+        self._finalizer = weakref.finalize(self, self._reaper.close)
+
+    def close(self) -> None:
+        """Stop the background send thread; the transport cannot send afterwards."""
+        self._finalizer()
 
     # -- the order of messages on each wire ------------------------------------------------
 
@@ -252,24 +344,23 @@ class DistributedTransport:
         return incoming, outgoing
 
     def begin(self, training: bool) -> None:
-        """Start a step: reset the per-peer positions in the message sequences."""
+        """Start a step: reset the per-peer positions and post the first receives."""
+        self._training = training
         self._incoming, self._outgoing = self._plans[training]
         self._cursor = dict.fromkeys(self._incoming, 0)
         self._sent = dict.fromkeys(self._outgoing, 0)
         self._mailbox.clear()
-        self._headers.clear()
+        self._pending.clear()
+        self._arriving.clear()
         for src in self._incoming:
-            self._post_header(src)
+            self._post_next(src)
 
-    def _post_header(self, src: int) -> None:
-        """Post the receive of the next header from ``src`` now, if this step has one.
-
-        Receiving ahead lets the header land while this rank computes; only the tensors'
-        receive, whose sizes the header decides, waits for the action that needs them.
-        """
-        if self._cursor[src] < len(self._incoming[src]):
-            header = torch.empty(1, dtype=torch.int64, device=self.wire_device)
-            self._headers[src] = (self._irecv(header, src), header)
+    def prepare(self, action: Any) -> None:
+        """This rank is about to run ``action``: post the tensor receives due here (NCCL)."""
+        if self.receive_ahead:
+            return
+        for src, message in self._points[self._training].get(action, ()):
+            self._take_header(src, message)
 
     def finish(self) -> None:
         """End a step: wait until every send has completed."""
@@ -277,6 +368,10 @@ class DistributedTransport:
 
     def _global(self, rank: int) -> int:
         return self._dist.get_global_rank(self.group, rank)
+
+    def _key(self, peer: int, message: Message) -> tuple:
+        # Inference sends no gradients along: its descriptions differ from training's.
+        return (peer, self._training, message)
 
     # -- sending ----------------------------------------------------------------------------
 
@@ -287,30 +382,49 @@ class DistributedTransport:
             self._mailbox[message] = to_device(value, device, as_leaves=message.channel.forward)
             return
         leaves, spec = tree_flatten(value)
-        tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
         described = [
             _TensorMeta(leaf.dtype, tuple(leaf.shape), leaf.requires_grad)
             if isinstance(leaf, torch.Tensor)
             else leaf
             for leaf in leaves
         ]
-        meta = pickle.dumps((treespec_dumps(spec), described))
-        key = (dst, message.channel, message.name)
-        changed = self._sent_meta.get(key) != meta
-        self._sent_meta[key] = meta
-        payload = [t.detach().contiguous() for t in tensors]
-        self._post(dst, len(meta) if changed else 0, meta if changed else None, payload)
+        meta = pickle.dumps((_spec_text(spec), described))
+        payload = [leaf.detach().contiguous() for leaf in leaves if isinstance(leaf, torch.Tensor)]
+        history = self._sent_meta.setdefault(self._key(dst, message), _History())
+        changed = meta != history.last
+        frames = [self._header(len(meta) if changed else 0)]
+        if self.receive_ahead and history.stable and changed:
+            frames += self._placeholders(history)  # the receiver posted buffers of these shapes
+        if changed:
+            frames.append(_bytes_tensor(meta, self._meta_device))
+        if self.receive_ahead:
+            self._post(dst, frames + payload, self.group)
+        else:
+            self._post(dst, frames, self._meta_group)
+            self._post(dst, payload, self.group)
+        history.update(meta)
         self._sent[dst] += 1
 
-    def _post(self, dst: int, header: int, meta: bytes | None, tensors: list[torch.Tensor]) -> None:
+    @property
+    def _meta_device(self) -> torch.device:
+        return self.wire_device if self.receive_ahead else torch.device("cpu")
+
+    def _header(self, value: int) -> torch.Tensor:
+        return torch.tensor([value], dtype=torch.int64, device=self._meta_device)
+
+    def _placeholders(self, history: _History) -> list[torch.Tensor]:
+        return [
+            torch.empty(d.shape, dtype=d.dtype, device=self._local_device)
+            for d in history.tensor_metas()
+        ]
+
+    def _post(self, dst: int, frames: list[torch.Tensor], group: Any) -> None:
+        if not frames:
+            return
         dist = self._dist
         peer = self._global(dst)
-        frames = [torch.tensor([header], dtype=torch.int64, device=self.wire_device)]
-        if meta is not None:
-            frames.append(_bytes_tensor(meta, self.wire_device))
-        ops = [dist.P2POp(dist.isend, t, peer, self.group) for t in frames + tensors]
-        works = dist.batch_isend_irecv(ops)
-        self._reaper.add(works, frames + tensors, dst)
+        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, t, peer, group) for t in frames])
+        self._reaper.add(works, frames, dst)
 
     # -- receiving --------------------------------------------------------------------------
 
@@ -321,48 +435,95 @@ class DistributedTransport:
         if message in self._mailbox:
             return self._mailbox.pop(message)
         src = self.schedule.stage_to_rank[self.routes.sender(message)]
+        if not self.receive_ahead:
+            if message not in self._arriving:  # not due yet by the plan: a caller's error
+                self._take_header(src, message)
+            return self._finish(src, self._arriving.pop(message))
         while message not in self._mailbox:
-            sequence = self._incoming.get(src, [])
-            position = self._cursor.get(src, 0)
-            if position >= len(sequence):
+            posted = self._pending.pop(src, None)
+            if posted is None:
                 raise RuntimeError(f"rank {self.rank} expects no more messages from rank {src}")
-            expected = sequence[position]
-            work, header = self._headers.pop(src)
-            self._wait([work], src, expected)
-            self._cursor[src] = position + 1
-            self._mailbox[expected] = self._receive(src, expected, int(header.item()))
+            self._mailbox[posted.message] = self._finish(src, self._complete_header(src, posted))
         return self._mailbox.pop(message)
 
-    def _receive(self, src: int, message: Message, size: int) -> Any:
-        """The rest of a message whose header (``size``) has arrived."""
-        key = (src, message.channel, message.name)
-        if size != 0:
-            meta = torch.empty(abs(size), dtype=torch.uint8, device=self.wire_device)
-            self._wait([self._irecv(meta, src)], src, message)
-            decoded = pickle.loads(meta.cpu().numpy().tobytes())
-            if size < 0:
-                raise PipelineError(decoded["message"], rank=decoded["rank"])
-            self._recv_meta[key] = (treespec_loads(decoded[0]), decoded[1])
-        spec, described = self._recv_meta[key]
+    def _post_next(self, src: int) -> None:
+        """Post the receive of the next message from ``src``, if this step has one."""
+        position = self._cursor[src]
+        if position == len(self._incoming[src]):
+            return
+        self._cursor[src] = position + 1
+        message = self._incoming[src][position]
+        history = self._recv_meta.setdefault(self._key(src, message), _History())
+        header = torch.empty(1, dtype=torch.int64, device=self._meta_device)
+        posted = _Posted(message, history, header, None)
+        if self.receive_ahead and history.stable:
+            posted.leaves = self._allocate(history, message)
+        ops = [(header, self._meta_group)]
+        ops += [(t, self.group) for t in _tensors(posted.leaves or [])]
+        works = self._irecv(ops, src)
+        posted.header_work, posted.works = works[0], works[1:]
+        self._pending[src] = posted
+
+    def _take_header(self, src: int, message: Message) -> None:
+        """NCCL: receive ``message``'s header and post its tensors' receive."""
+        while message not in self._arriving:
+            posted = self._pending.pop(src, None)
+            if posted is None:
+                raise RuntimeError(f"rank {self.rank} expects no more messages from rank {src}")
+            self._arriving[posted.message] = self._complete_header(src, posted)
+
+    def _allocate(self, history: _History, message: Message) -> list[Any]:
         device = self._devices[message.stage]
-        leaves = [
+        return [
             torch.empty(d.shape, dtype=d.dtype, device=device) if isinstance(d, _TensorMeta) else d
-            for d in described
+            for d in history.decoded[1]
         ]
-        tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
-        works = [self._irecv(t, src) for t in tensors]
-        self._post_header(src)  # the next message's header may come in behind these
-        if works:
-            self._wait(works, src, message)
+
+    def _complete_header(self, src: int, posted: _Posted) -> _Posted:
+        """Wait for a message's header; post the receives of whatever else of it comes."""
+        message, history = posted.message, posted.history
+        self._wait([posted.header_work], src, message)
+        size = int(posted.header.item())
+        if size == 0 and posted.leaves is not None:
+            history.update(history.last)  # as posted: nothing else of it is on the wire
+        else:
+            if posted.leaves is not None:  # placeholders: the message changed after all
+                self._wait(posted.works, src, message)
+            if size != 0:
+                meta = torch.empty(abs(size), dtype=torch.uint8, device=self._meta_device)
+                self._wait(self._irecv([(meta, self._meta_group)], src), src, message)
+                data = meta.cpu().numpy().tobytes()
+                if size < 0:
+                    failure = pickle.loads(data)
+                    raise PipelineError(failure["message"], rank=failure["rank"])
+                history.update(data)
+            elif history.last is None:
+                raise PipelineError(f"rank {src} sent {message} without describing it", rank=src)
+            else:
+                history.update(history.last)
+            posted.leaves = self._allocate(history, message)
+            posted.works = self._irecv([(t, self.group) for t in _tensors(posted.leaves)], src)
+        self._post_next(src)  # its frames come in behind this message's
+        return posted
+
+    def _finish(self, src: int, posted: _Posted) -> Any:
+        """Wait for a message's tensors; its value, with inputs that require grad."""
+        message = posted.message
+        self._wait(posted.works, src, message)
+        spec, described = posted.history.decoded
+        leaves = posted.leaves
+        assert leaves is not None
         for leaf, d in zip(leaves, described, strict=True):
             if isinstance(d, _TensorMeta) and d.requires_grad and message.channel.forward:
                 leaf.requires_grad_(True)
         return tree_unflatten(leaves, spec)
 
-    def _irecv(self, tensor: torch.Tensor, src: int):
+    def _irecv(self, ops: list[tuple[torch.Tensor, Any]], src: int) -> list[Any]:
+        if not ops:
+            return []
         dist = self._dist
-        op = dist.P2POp(dist.irecv, tensor, self._global(src), self.group)
-        return dist.batch_isend_irecv([op])[0]
+        peer = self._global(src)
+        return dist.batch_isend_irecv([dist.P2POp(dist.irecv, t, peer, g) for t, g in ops])
 
     def _wait(self, works: list, src: int, message: Message) -> None:
         try:
@@ -389,13 +550,80 @@ class DistributedTransport:
         """Tell every peer still expecting a message from this rank in this step."""
         meta = pickle.dumps(description)
         for dst, sequence in self._outgoing.items():
-            if self._sent.get(dst, 0) < len(sequence):
-                with contextlib.suppress(Exception):
-                    self._post(dst, -len(meta), meta, [])
+            position = self._sent.get(dst, 0)
+            if position >= len(sequence):
+                continue
+            frames = [self._header(-len(meta))]
+            history = self._sent_meta.get(self._key(dst, sequence[position]))
+            if self.receive_ahead and history is not None and history.stable:
+                frames += self._placeholders(history)  # fill what the peer posted
+            frames.append(_bytes_tensor(meta, self._meta_device))
+            with contextlib.suppress(Exception):
+                self._post(dst, frames, self._meta_group)
         self._reaper.abandon()
 
     def clear(self) -> None:
         self._mailbox.clear()
+        self._arriving.clear()
+
+
+def receive_points(
+    schedule: Any, routes: Routes, rank: int, training: bool
+) -> dict[Any, list[tuple[int, Message]]]:
+    """Where ``rank`` posts each receive so that no transfer waits on a later one.
+
+    The ranks' action lists are run in clock order (round robin, an action as soon as
+    its inputs exist). A message from another rank is received at the point of
+    ``rank``'s list where that rank stood when the message was sent: before the action
+    returned here as key. Every process then issues its sends and receives in the order
+    of one global sequence in which each send is followed by its receive, which is what
+    backends that run operations in issue order (NCCL) need to never deadlock.
+    """
+    s2r = schedule.stage_to_rank
+    lists = [
+        [a for a in actions if training or a.kind.value == "F"] for actions in schedule.actions
+    ]
+    cursors = [0] * len(lists)
+    produced: set[Message] = set()
+    points: dict[Any, list[tuple[int, Message]]] = {}
+    remaining = sum(map(len, lists))
+    while remaining:
+        progressed = False
+        for r, actions in enumerate(lists):
+            if cursors[r] == len(actions):
+                continue
+            action = actions[cursors[r]]
+            if not all(message in produced for message in routes.incoming(action)):
+                continue
+            cursors[r] += 1
+            remaining -= 1
+            progressed = True
+            for message in routes.outgoing(action):
+                produced.add(message)
+                if s2r[message.stage] == rank != r:
+                    # rank has not consumed it yet, so its cursor is on a later action
+                    points.setdefault(lists[rank][cursors[rank]], []).append((r, message))
+        if not progressed:
+            raise RuntimeError(f"schedule {schedule.name!r} cannot run: check Schedule.validate()")
+    return points
+
+
+@functools.lru_cache(maxsize=256)
+def _spec_text(spec: Any) -> str:
+    # Serializing a tree spec costs ~0.1 ms; a pipeline sends the same few over and over.
+    return treespec_dumps(spec)
+
+
+def _gloo_twin(group: Any) -> Any:
+    """A gloo group of the same processes, for small host-side messages."""
+    import torch.distributed as dist
+
+    ranks = dist.get_process_group_ranks(group)
+    return dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
+
+
+def _tensors(leaves: list[Any]) -> list[torch.Tensor]:
+    return [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
 
 
 def _bytes_tensor(data: bytes, device: torch.device) -> torch.Tensor:
@@ -419,8 +647,8 @@ class _SendReaper:
         while True:
             item = self._queue.get()
             try:
-                if item is None:
-                    continue
+                if item is None:  # close()
+                    return
                 works, tensors, dst = item
                 try:
                     for work in works:
@@ -440,3 +668,8 @@ class _SendReaper:
     def abandon(self) -> None:
         """After a failure: stop caring about sends the peers will never receive."""
         self._errors.clear()
+
+    def close(self) -> None:
+        """End the thread once the sends queued so far are done (or timed out)."""
+        if self._thread.is_alive():
+            self._queue.put(None)
