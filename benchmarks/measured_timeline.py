@@ -302,9 +302,10 @@ def main(argv: Sequence[str] | None = None) -> None:
                 line.measured,
                 path,
                 titles=(
-                    f"{line.schedule} simulated, measured costs (1 unit = 1 ms)",
+                    f"{line.schedule} simulated with measured costs",
                     f"{line.schedule} measured",
                 ),
+                simulated_unit="ms",
             )
             images.append(path)
         rows.append(line.row())

@@ -216,3 +216,9 @@ def test_missing_matplotlib_names_the_extra(monkeypatch):
         timeline.draw(simulated("gpipe"))
     # The Chrome trace does not need it.
     assert timeline.to_chrome_trace(simulated("gpipe"))["traceEvents"]
+
+
+def test_makespan_in_the_title_is_written_without_exponent(mpl):
+    long = simulate(build_schedule("gpipe", num_ranks=4, num_microbatches=500))
+    title = timeline.draw(long).get_title(loc="left")
+    assert f"makespan {long.makespan:.0f} cost units" in title and "e+" not in title

@@ -30,8 +30,11 @@ j+1 is already up), as one ``batch_isend_irecv``. One action ahead is what 1F1B 
 is Megatron's ``send_forward_recv_backward``: with strictly one transfer at a time, rank 0
 sending ``F1`` and rank 1 sending ``B0`` would wait on each other forever); Megatron's
 interleaved 1F1B exchanges a forward's and a backward's tensors in one batch and needs two.
-A runtime that posts receives earlier, or whose sends do not block (``isend``), can only
-make more progress, so a schedule that passes is safe for it too.
+On a backend whose operations proceed independently (gloo), a runtime that posts receives
+earlier, or whose sends do not block (``isend``), can only make more progress, so a schedule
+that passes is safe for it too. A backend that runs a process's operations in issue order
+(NCCL) is different: an early receive holds back later sends. For those the transport posts
+each receive at the point :func:`gpipe.transport.receive_points` derives from the schedule.
 """
 
 from __future__ import annotations

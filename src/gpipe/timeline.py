@@ -203,7 +203,7 @@ def draw(
     ax.grid(axis="x", color="#dddddd", linewidth=0.6)
     for side in ("top", "right", "left"):
         ax.spines[side].set_visible(False)
-    stats = f"makespan {(end - origin) * scale:.3g} {label}"
+    stats = f"makespan {_amount((end - origin) * scale)} {label}"
     if bubble is not None:
         stats += f", bubble {bubble:.1%}"
     heading = f"{title} — {stats}" if title else stats
@@ -267,22 +267,29 @@ def compare_png(
     path: str | Path,
     *,
     titles: tuple[str, str] = ("simulated", "measured"),
+    simulated_unit: str = _COST_UNITS,
 ) -> Path:
     """Simulated timeline above the measured one, each on its own time axis; return the path.
 
-    The measured trace is drawn in ms from the step's start and the simulated one in cost
-    units, each axis spanning its own step, so the two shapes line up for comparison.
+    The measured trace is drawn in ms from the step's start and the simulated one in
+    ``simulated_unit`` (``"ms"`` when it was simulated with measured costs in ms), each
+    axis spanning its own step, so the two shapes line up for comparison.
     """
     return stack_png(
         [simulated, measured],
         path,
         titles=titles,
-        time_units=[_COST_UNITS, "s"],
+        time_units=[simulated_unit, "s"],
         share_x=False,
     )
 
 
 # -- helpers -----------------------------------------------------------------------------------
+
+
+def _amount(value: float) -> str:
+    """3 significant digits without exponents: 0.0123, 4.56, 1520."""
+    return f"{value:.0f}" if abs(value) >= 100 else f"{value:.3g}"
 
 
 def _matplotlib():
