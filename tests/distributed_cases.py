@@ -79,6 +79,7 @@ def train_steps(rank, cases, group=None, data_parallel_group=None, replica=0):
         ahead = frozenset() if case.get("ordered") else gpipe.transport.RECEIVE_AHEAD_BACKENDS
         with mock.patch.object(gpipe.transport, "RECEIVE_AHEAD_BACKENDS", ahead):
             pipe = _pipe_of(case, group, data_parallel_group)
+        early = _count_buckets_started_during_backward(pipe, case.get("bucket_bytes"))
         losses = []
         optimizer = torch.optim.AdamW(pipe.parameters(), lr=1e-2) if case.get("train") else None
         for step, length in enumerate(case.get("lengths", [GPT.context])):
@@ -96,9 +97,27 @@ def train_steps(rank, cases, group=None, data_parallel_group=None, replica=0):
                 "buffers": {n: b.clone() for n, b in pipe.named_buffers()},
                 "params": {n: p.detach().clone() for n, p in pipe.named_parameters()},
                 "receive_ahead": pipe._transport.receive_ahead,
+                "buckets_started_during_backward": early,
             }
         )
     return results
+
+
+def _count_buckets_started_during_backward(pipe, bucket_bytes):
+    """Per step: gradient buckets whose all-reduce began before their stage's backward ended."""
+    reducer, counts = pipe._reducer, []
+    if reducer is None:
+        return counts
+    if bucket_bytes is not None:  # small buckets, so that a stage has several
+        reducer.bucket_bytes = bucket_bytes
+        reducer._buckets = {stage.index: reducer._bucket(stage) for stage in pipe.stages}
+
+    def counted(stage):
+        counts.append(len(reducer._pending))
+        reducer.stage_done(stage)
+
+    pipe._runtime._after_backward = counted  # the runtime calls it after the last backward
+    return counts
 
 
 def _pipe_of(case, group, data_parallel_group):

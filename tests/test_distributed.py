@@ -194,8 +194,26 @@ def test_data_parallel_times_pipeline_parallel():
             "schedule": "zb-h1",
             "checkpoint": "never",
         },
+        # Small buckets: most start reducing while the last backward still runs (B/W
+        # split or not).
+        *(
+            {
+                "model": "gpt",
+                "balance": [3, 3],
+                "chunks": 4,
+                "schedule": schedule,
+                "checkpoint": "never",
+                "bucket_bytes": 4096,
+            }
+            for schedule in ("gpipe", "zb-h1")
+        ),
     ]
     outcomes = launch(data_and_pipeline, 4, args=(cases,), timeout=60)
+    for index, case in enumerate(cases):
+        if "bucket_bytes" in case:
+            for outcome in outcomes:
+                (early,) = outcome["results"][index]["buckets_started_during_backward"]
+                assert early >= 2, (case, early)
     assert sorted(o["replica"] for o in outcomes) == [0, 0, 1, 1]
     for index, case in enumerate(cases):
         if case["model"] == "cnn":

@@ -242,6 +242,7 @@ class Pipe(nn.Module):
             {stage.index: stage for stage in self.stages},
             self._transport,
             routes=routes,
+            before_final_backward=self._reducer.arm if self._reducer else None,
             after_backward=self._reducer.stage_done if self._reducer else None,
         )
         self._broken: str | None = None

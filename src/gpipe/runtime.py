@@ -67,6 +67,7 @@ class Runtime:
         transport: Transport,
         *,
         routes: Routes | None = None,
+        before_final_backward: Callable[[Stage], None] | None = None,
         after_backward: Callable[[Stage], None] | None = None,
     ) -> None:
         self.schedule = schedule
@@ -75,8 +76,9 @@ class Runtime:
         self.routes = routes or Routes(schedule.num_stages)
         self.ranks = sorted({schedule.stage_to_rank[s] for s in self.stages})
         self._last = schedule.num_stages - 1
-        # Called when a stage has run its last backward action of the step: its
-        # gradients are final (data parallelism starts reducing them there).
+        # Called around a stage's last backward action of the step, after which its
+        # gradients are final (data parallelism reduces them as they become so).
+        self._before_final_backward = before_final_backward
         self._after_backward = after_backward
         self._final_backward: set[Action] = set()
         for stage in self.stages:
@@ -113,8 +115,11 @@ class Runtime:
                 if cursors[rank] == len(actions) or not self._ready(actions[cursors[rank]]):
                     continue
                 action = actions[cursors[rank]]
+                final = action in self._final_backward
+                if self._before_final_backward is not None and final:
+                    self._before_final_backward(self.stages[action.stage])
                 self._execute(action, step, result, training)
-                if self._after_backward is not None and action in self._final_backward:
+                if self._after_backward is not None and final:
                     self._after_backward(self.stages[action.stage])
                 if trace:
                     _synchronize(self.stages[action.stage].device)

@@ -200,19 +200,12 @@ def backward_weight(work: WeightWork) -> None:
                 if recorded is not None:
                     handles.append(node.register_prehook(lambda _, saved=recorded: saved))
         try:
-            computed = torch.autograd.grad(
-                edges, group.params, grad_outputs, retain_graph=True, allow_unused=True
-            )
+            # Accumulated by autograd itself, so .grad hooks (e.g. data parallelism's
+            # bucket reduction) see it as after any backward.
+            torch.autograd.backward(edges, grad_outputs, retain_graph=True, inputs=group.params)
         finally:
             for handle in handles:
                 handle.remove()
-        for param, grad in zip(group.params, computed, strict=True):
-            if grad is None:
-                continue
-            if param.grad is None:
-                param.grad = grad.clone()  # autograd may hand out a view; own it
-            else:
-                param.grad += grad
     work.groups.clear()
     work.roots.clear()
     work.root_grads.clear()
