@@ -74,8 +74,6 @@ class GradientReducer:
 
     def arm(self, stage: Stage) -> None:
         """``stage`` is about to run its last backward action: reduce buckets as they fill."""
-        if stage.index in self._launched:
-            return
 
         def accumulated(param: torch.Tensor) -> None:
             self._ready.add(id(param))

@@ -294,6 +294,7 @@ class DistributedTransport:
         # Headers and descriptions: on the group itself where receiving ahead is safe,
         # otherwise on a gloo side group of the same processes.
         self._meta_group = group if self.receive_ahead else _gloo_twin(group)
+        self._meta_device = self.wire_device if self.receive_ahead else torch.device("cpu")
         self._mailbox: dict[Message, Any] = {}
         self._plans = {training: self._plan(training) for training in (True, False)}
         self._points = (
@@ -313,7 +314,7 @@ class DistributedTransport:
         self._sent_meta: dict[tuple, _History] = {}
         self._recv_meta: dict[tuple, _History] = {}
         self._pending: dict[int, _Posted] = {}  # the next message from each peer, posted
-        self._arriving: dict[Message, _Posted] = {}  # NCCL: tensors posted, not yet waited for
+        self._arriving: dict[Message, _Posted] = {}  # header in, tensors not yet waited for
         self._reaper = _SendReaper(timeout)
         # The reaper's thread ends with this transport (or at close()).
         self._finalizer = weakref.finalize(self, self._reaper.close)
@@ -360,7 +361,7 @@ class DistributedTransport:
         if self.receive_ahead:
             return
         for src, message in self._points[self._training].get(action, ()):
-            self._take_header(src, message)
+            self._take_headers(src, until=message)
 
     def finish(self) -> None:
         """End a step: wait until every send has completed."""
@@ -405,10 +406,6 @@ class DistributedTransport:
         history.update(meta)
         self._sent[dst] += 1
 
-    @property
-    def _meta_device(self) -> torch.device:
-        return self.wire_device if self.receive_ahead else torch.device("cpu")
-
     def _header(self, value: int) -> torch.Tensor:
         return torch.tensor([value], dtype=torch.int64, device=self._meta_device)
 
@@ -435,16 +432,10 @@ class DistributedTransport:
         if message in self._mailbox:
             return self._mailbox.pop(message)
         src = self.schedule.stage_to_rank[self.routes.sender(message)]
-        if not self.receive_ahead:
-            if message not in self._arriving:  # not due yet by the plan: a caller's error
-                self._take_header(src, message)
-            return self._finish(src, self._arriving.pop(message))
-        while message not in self._mailbox:
-            posted = self._pending.pop(src, None)
-            if posted is None:
-                raise RuntimeError(f"rank {self.rank} expects no more messages from rank {src}")
-            self._mailbox[posted.message] = self._finish(src, self._complete_header(src, posted))
-        return self._mailbox.pop(message)
+        # With receives ahead its header may still be on the way; under NCCL's plan it has
+        # come in at prepare(), before this action.
+        self._take_headers(src, until=message)
+        return self._finish(src, self._arriving.pop(message))
 
     def _post_next(self, src: int) -> None:
         """Post the receive of the next message from ``src``, if this step has one."""
@@ -464,9 +455,9 @@ class DistributedTransport:
         posted.header_work, posted.works = works[0], works[1:]
         self._pending[src] = posted
 
-    def _take_header(self, src: int, message: Message) -> None:
-        """NCCL: receive ``message``'s header and post its tensors' receive."""
-        while message not in self._arriving:
+    def _take_headers(self, src: int, *, until: Message) -> None:
+        """Receive the headers from ``src`` up to ``until``'s; post what else each brings."""
+        while until not in self._arriving:
             posted = self._pending.pop(src, None)
             if posted is None:
                 raise RuntimeError(f"rank {self.rank} expects no more messages from rank {src}")
