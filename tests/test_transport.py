@@ -153,3 +153,41 @@ def test_receiving_ahead_would_deadlock_in_issue_order():
     program = operations(schedule, routes, True, ahead)
     stuck = run_in_issue_order(program, schedule, routes)
     assert stuck[0][0][0] == "recv" and stuck[1][0][0] == "recv"
+
+
+def test_a_packed_message_holds_every_dtype_and_shape_as_views():
+    """Header and tensors in one buffer; the receiver's tensors are views of it, aligned."""
+    import pickle
+
+    import torch
+    from torch.utils._pytree import tree_flatten, treespec_dumps
+
+    from gpipe.transport import _History, _TensorMeta
+
+    value = (
+        torch.randn(3, 5),
+        {"mask": torch.rand(7) > 0.5, "positions": torch.arange(4)},
+        None,
+        torch.tensor(2.5, dtype=torch.float64),
+        torch.empty(0, 3),
+        torch.randn(2, dtype=torch.complex128),
+        11,
+    )
+    leaves, spec = tree_flatten(value)
+    described = [
+        _TensorMeta(x.dtype, tuple(x.shape), False) if isinstance(x, torch.Tensor) else x
+        for x in leaves
+    ]
+    history = _History()
+    history.update(pickle.dumps((treespec_dumps(spec), described)))
+    tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+    packed = history.pack(0, tensors, torch.device("cpu"))
+    assert packed[:8].view(torch.int64).item() == 0
+    unpacked = history.unpack(packed.clone())
+    for original, received in zip(leaves, unpacked, strict=True):
+        if isinstance(original, torch.Tensor):
+            assert received.dtype == original.dtype and torch.equal(received, original)
+            assert received.data_ptr() % 16 == 0 or received.numel() == 0
+        else:
+            assert received == original
+    assert history.pack(-5, None, torch.device("cpu"))[:8].view(torch.int64).item() == -5

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import pickle
 import queue
 import threading
@@ -190,17 +191,18 @@ class _History:
     description the last two times).
     """
 
-    __slots__ = ("_decoded", "last", "stable")
+    __slots__ = ("_decoded", "_layout", "last", "stable")
 
     def __init__(self) -> None:
         self.last: bytes | None = None
         self.stable = False
         self._decoded: Any = None
+        self._layout: Any = None
 
     def update(self, meta: bytes) -> None:
         self.stable = meta == self.last
         if not self.stable:
-            self.last, self._decoded = meta, None
+            self.last, self._decoded, self._layout = meta, None, None
 
     @property
     def decoded(self) -> tuple[Any, list[Any]]:
@@ -210,8 +212,49 @@ class _History:
             self._decoded = (treespec_loads(spec), described)
         return self._decoded
 
-    def tensor_metas(self) -> list[_TensorMeta]:
-        return [d for d in self.decoded[1] if isinstance(d, _TensorMeta)]
+    @property
+    def layout(self) -> tuple[list[tuple[int, int]], int]:
+        """Where a packed message puts each tensor: (offset, bytes) each, and the total.
+
+        The int64 header comes first; every part starts on a 16-byte boundary, so each
+        tensor can be a view of the packed bytes.
+        """
+        if self._layout is None:
+            spans, offset = [], _ALIGN
+            for d in self.decoded[1]:
+                if isinstance(d, _TensorMeta):
+                    size = math.prod(d.shape) * d.dtype.itemsize
+                    spans.append((offset, size))
+                    offset += -(-size // _ALIGN) * _ALIGN
+            self._layout = (spans, offset)
+        return self._layout
+
+    def pack(
+        self, header: int, tensors: list[torch.Tensor] | None, device: torch.device
+    ) -> torch.Tensor:
+        """Header and tensors (contiguous, as described last time) in one byte buffer."""
+        spans, total = self.layout
+        packed = torch.empty(total, dtype=torch.uint8, device=device)
+        packed[:8].view(torch.int64).fill_(header)
+        if tensors is not None:
+            for tensor, (offset, size) in zip(tensors, spans, strict=True):
+                packed[offset : offset + size].copy_(tensor.reshape(-1).view(torch.uint8))
+        return packed
+
+    def unpack(self, packed: torch.Tensor) -> list[Any]:
+        """The message's leaves, its tensors as views of ``packed`` (no copy)."""
+        spans = iter(self.layout[0])
+        leaves = []
+        for d in self.decoded[1]:
+            if isinstance(d, _TensorMeta):
+                offset, size = next(spans)
+                leaves.append(packed[offset : offset + size].view(d.dtype).view(d.shape))
+            else:
+                leaves.append(d)
+        return leaves
+
+
+_ALIGN = 16  # bytes; the widest element (complex128) fits
 
 
 @dataclass
@@ -220,10 +263,11 @@ class _Posted:
 
     message: Message
     history: _History
-    header: torch.Tensor
-    header_work: Any
-    leaves: list[Any] | None = None  # buffers posted before the header said what comes
-    works: list[Any] = field(default_factory=list)
+    header: Any = None  # int64 tensor of one element
+    header_work: Any = None
+    packed: torch.Tensor | None = None  # header and tensors in one buffer (stable message)
+    leaves: list[Any] | None = None
+    works: list[Any] = field(default_factory=list)  # receives of the tensors, when separate
 
 
 # Backends whose point-to-point operations proceed independently of each other, so that
@@ -251,10 +295,12 @@ class DistributedTransport:
     * gloo (:data:`RECEIVE_AHEAD_BACKENDS`): as soon as one message from a peer is in,
       the receive of the next one is posted, so it lands while this rank computes. When
       the message is *stable* (same description the last two times, as when training at
-      a fixed shape) its tensors' receives are posted too, shaped as before; otherwise
-      only its header is. If a stable message changes after all, the sender fills the
-      posted buffers with placeholders, then sends the description and real tensors: a
-      rare extra transfer instead of a guess that could corrupt the wire.
+      a fixed shape) header and tensors travel packed in one buffer, which the receiver
+      posts ahead at the size of last time and reads its tensors from without copying;
+      otherwise only its header is posted and the rest follows. If a stable message
+      changes after all, the sender fills the posted buffer with the header alone, then
+      sends the description and real tensors: a rare extra transfer instead of a guess
+      that could corrupt the wire.
     * NCCL: a process's operations run in issue order, so a receive posted early would
       hold back later sends and can deadlock. Headers and descriptions travel on a gloo
       side group (independent, received ahead); each tensor receive is posted at the
@@ -392,28 +438,32 @@ class DistributedTransport:
         meta = pickle.dumps((_spec_text(spec), described))
         payload = [leaf.detach().contiguous() for leaf in leaves if isinstance(leaf, torch.Tensor)]
         history = self._sent_meta.setdefault(self._key(dst, message), _History())
-        changed = meta != history.last
-        frames = [self._header(len(meta) if changed else 0)]
-        if self.receive_ahead and history.stable and changed:
-            frames += self._placeholders(history)  # the receiver posted buffers of these shapes
-        if changed:
-            frames.append(_bytes_tensor(meta, self._meta_device))
+        header = 0 if meta == history.last else len(meta)
         if self.receive_ahead:
-            self._post(dst, frames + payload, self.group)
+            self._post(dst, self._frames(history, header, meta, payload), self.group)
         else:
-            self._post(dst, frames, self._meta_group)
+            self._post(dst, self._frames(None, header, meta, []), self._meta_group)
             self._post(dst, payload, self.group)
         history.update(meta)
         self._sent[dst] += 1
 
-    def _header(self, value: int) -> torch.Tensor:
-        return torch.tensor([value], dtype=torch.int64, device=self._meta_device)
+    def _frames(
+        self, history: _History | None, header: int, meta: bytes, payload: list[torch.Tensor]
+    ) -> list[torch.Tensor]:
+        """A message on the wire: header (0: described as last time), description, tensors.
 
-    def _placeholders(self, history: _History) -> list[torch.Tensor]:
-        return [
-            torch.empty(d.shape, dtype=d.dtype, device=self._local_device)
-            for d in history.tensor_metas()
-        ]
+        For a stable message the receiver has posted one packed buffer: header and
+        tensors go in it, or the header alone when the message changed or failed.
+        """
+        if history is not None and history.stable:
+            if header == 0:
+                return [history.pack(0, payload, self._local_device)]
+            frames = [history.pack(header, None, self._local_device)]
+        else:
+            frames = [torch.tensor([header], dtype=torch.int64, device=self._meta_device)]
+        if header != 0:
+            frames.append(_bytes_tensor(meta, self._meta_device))
+        return frames + payload
 
     def _post(self, dst: int, frames: list[torch.Tensor], group: Any) -> None:
         if not frames:
@@ -445,14 +495,15 @@ class DistributedTransport:
         self._cursor[src] = position + 1
         message = self._incoming[src][position]
         history = self._recv_meta.setdefault(self._key(src, message), _History())
-        header = torch.empty(1, dtype=torch.int64, device=self._meta_device)
-        posted = _Posted(message, history, header, None)
+        posted = _Posted(message, history)
         if self.receive_ahead and history.stable:
-            posted.leaves = self._allocate(history, message)
-        ops = [(header, self._meta_group)]
-        ops += [(t, self.group) for t in _tensors(posted.leaves or [])]
-        works = self._irecv(ops, src)
-        posted.header_work, posted.works = works[0], works[1:]
+            device = self._devices[message.stage]
+            posted.packed = torch.empty(history.layout[1], dtype=torch.uint8, device=device)
+            posted.header = posted.packed[:8].view(torch.int64)
+            (posted.header_work,) = self._irecv([(posted.packed, self.group)], src)
+        else:
+            posted.header = torch.empty(1, dtype=torch.int64, device=self._meta_device)
+            (posted.header_work,) = self._irecv([(posted.header, self._meta_group)], src)
         self._pending[src] = posted
 
     def _take_headers(self, src: int, *, until: Message) -> None:
@@ -475,11 +526,10 @@ class DistributedTransport:
         message, history = posted.message, posted.history
         self._wait([posted.header_work], src, message)
         size = int(posted.header.item())
-        if size == 0 and posted.leaves is not None:
+        if size == 0 and posted.packed is not None:
             history.update(history.last)  # as posted: nothing else of it is on the wire
+            posted.leaves = history.unpack(posted.packed)
         else:
-            if posted.leaves is not None:  # placeholders: the message changed after all
-                self._wait(posted.works, src, message)
             if size != 0:
                 meta = torch.empty(abs(size), dtype=torch.uint8, device=self._meta_device)
                 self._wait(self._irecv([(meta, self._meta_group)], src), src, message)
@@ -544,11 +594,9 @@ class DistributedTransport:
             position = self._sent.get(dst, 0)
             if position >= len(sequence):
                 continue
-            frames = [self._header(-len(meta))]
+            # In place of the next message: what the peer posted for it gets the header.
             history = self._sent_meta.get(self._key(dst, sequence[position]))
-            if self.receive_ahead and history is not None and history.stable:
-                frames += self._placeholders(history)  # fill what the peer posted
-            frames.append(_bytes_tensor(meta, self._meta_device))
+            frames = self._frames(history if self.receive_ahead else None, -len(meta), meta, [])
             with contextlib.suppress(Exception):
                 self._post(dst, frames, self._meta_group)
         self._reaper.abandon()
