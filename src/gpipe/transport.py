@@ -20,6 +20,7 @@ import pickle
 import queue
 import threading
 import weakref
+from collections import deque
 from dataclasses import dataclass, field
 from datetime import timedelta
 from enum import StrEnum
@@ -254,7 +255,7 @@ class _History:
         return leaves
 
 
-_ALIGN = 16  # bytes; the widest element (complex128) fits
+_ALIGN = 64  # bytes: a cache line, so that vectorized kernels see aligned tensors
 
 
 @dataclass
@@ -263,6 +264,7 @@ class _Posted:
 
     message: Message
     history: _History
+    tag: int  # its position in the peer's sequence: every frame of it carries that tag
     header: Any = None  # int64 tensor of one element
     header_work: Any = None
     packed: torch.Tensor | None = None  # header and tensors in one buffer (stable message)
@@ -359,7 +361,7 @@ class DistributedTransport:
         # What each message looked like last time, on both ends of its wire.
         self._sent_meta: dict[tuple, _History] = {}
         self._recv_meta: dict[tuple, _History] = {}
-        self._pending: dict[int, _Posted] = {}  # the next message from each peer, posted
+        self._pending: dict[int, deque[_Posted]] = {}  # posted, from each peer, in order
         self._arriving: dict[Message, _Posted] = {}  # header in, tensors not yet waited for
         self._reaper = _SendReaper(timeout)
         # The reaper's thread ends with this transport (or at close()).
@@ -397,7 +399,7 @@ class DistributedTransport:
         self._cursor = dict.fromkeys(self._incoming, 0)
         self._sent = dict.fromkeys(self._outgoing, 0)
         self._mailbox.clear()
-        self._pending.clear()
+        self._pending = {src: deque() for src in self._incoming}
         self._arriving.clear()
         for src in self._incoming:
             self._post_next(src)
@@ -439,11 +441,12 @@ class DistributedTransport:
         payload = [leaf.detach().contiguous() for leaf in leaves if isinstance(leaf, torch.Tensor)]
         history = self._sent_meta.setdefault(self._key(dst, message), _History())
         header = 0 if meta == history.last else len(meta)
+        tag = self._sent[dst]
         if self.receive_ahead:
-            self._post(dst, self._frames(history, header, meta, payload), self.group)
+            self._post(dst, self._frames(history, header, meta, payload), self.group, tag)
         else:
-            self._post(dst, self._frames(None, header, meta, []), self._meta_group)
-            self._post(dst, payload, self.group)
+            self._post(dst, self._frames(None, header, meta, []), self._meta_group, tag)
+            self._post(dst, payload, self.group, tag)
         history.update(meta)
         self._sent[dst] += 1
 
@@ -465,12 +468,13 @@ class DistributedTransport:
             frames.append(_bytes_tensor(meta, self._meta_device))
         return frames + payload
 
-    def _post(self, dst: int, frames: list[torch.Tensor], group: Any) -> None:
+    def _post(self, dst: int, frames: list[torch.Tensor], group: Any, tag: int) -> None:
         if not frames:
             return
         dist = self._dist
         peer = self._global(dst)
-        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, t, peer, group) for t in frames])
+        ops = [dist.P2POp(dist.isend, t, peer, group, tag) for t in frames]
+        works = dist.batch_isend_irecv(ops)
         self._reaper.add(works, frames, dst)
 
     # -- receiving --------------------------------------------------------------------------
@@ -482,6 +486,7 @@ class DistributedTransport:
         if message in self._mailbox:
             return self._mailbox.pop(message)
         src = self.schedule.stage_to_rank[self.routes.sender(message)]
+        self._post_while_waiting(src)
         # With receives ahead its header may still be on the way; under NCCL's plan it has
         # come in at prepare(), before this action.
         self._take_headers(src, until=message)
@@ -495,23 +500,34 @@ class DistributedTransport:
         self._cursor[src] = position + 1
         message = self._incoming[src][position]
         history = self._recv_meta.setdefault(self._key(src, message), _History())
-        posted = _Posted(message, history)
+        posted = _Posted(message, history, tag=position)
         if self.receive_ahead and history.stable:
             device = self._devices[message.stage]
             posted.packed = torch.empty(history.layout[1], dtype=torch.uint8, device=device)
             posted.header = posted.packed[:8].view(torch.int64)
-            (posted.header_work,) = self._irecv([(posted.packed, self.group)], src)
+            (posted.header_work,) = self._irecv([(posted.packed, self.group)], src, position)
         else:
             posted.header = torch.empty(1, dtype=torch.int64, device=self._meta_device)
-            (posted.header_work,) = self._irecv([(posted.header, self._meta_group)], src)
-        self._pending[src] = posted
+            (posted.header_work,) = self._irecv([(posted.header, self._meta_group)], src, position)
+        self._pending[src].append(posted)
+
+    def _post_while_waiting(self, src: int) -> None:
+        """Gloo: if the next message from ``src`` is not in yet, post the one after it now.
+
+        Posting costs a little time; spent while the rank would wait anyway, it is off the
+        critical path. Tags keep the frames of the two messages apart.
+        """
+        pending = self._pending.get(src)
+        waiting = bool(pending) and not pending[0].header_work.is_completed()
+        if self.receive_ahead and waiting and len(pending) == 1:
+            self._post_next(src)
 
     def _take_headers(self, src: int, *, until: Message) -> None:
         """Receive the headers from ``src`` up to ``until``'s; post what else each brings."""
         while until not in self._arriving:
-            posted = self._pending.pop(src, None)
-            if posted is None:
+            if not self._pending.get(src):
                 raise RuntimeError(f"rank {self.rank} expects no more messages from rank {src}")
+            posted = self._pending[src].popleft()
             self._arriving[posted.message] = self._complete_header(src, posted)
 
     def _allocate(self, history: _History, message: Message) -> list[Any]:
@@ -532,7 +548,8 @@ class DistributedTransport:
         else:
             if size != 0:
                 meta = torch.empty(abs(size), dtype=torch.uint8, device=self._meta_device)
-                self._wait(self._irecv([(meta, self._meta_group)], src), src, message)
+                received = self._irecv([(meta, self._meta_group)], src, posted.tag)
+                self._wait(received, src, message)
                 data = meta.cpu().numpy().tobytes()
                 if size < 0:
                     failure = pickle.loads(data)
@@ -543,8 +560,10 @@ class DistributedTransport:
             else:
                 history.update(history.last)
             posted.leaves = self._allocate(history, message)
-            posted.works = self._irecv([(t, self.group) for t in _tensors(posted.leaves)], src)
-        self._post_next(src)  # its frames come in behind this message's
+            frames = [(t, self.group) for t in _tensors(posted.leaves)]
+            posted.works = self._irecv(frames, src, posted.tag)
+        if not self._pending[src]:
+            self._post_next(src)  # keep the next message's receive posted
         return posted
 
     def _finish(self, src: int, posted: _Posted) -> Any:
@@ -559,12 +578,12 @@ class DistributedTransport:
                 leaf.requires_grad_(True)
         return tree_unflatten(leaves, spec)
 
-    def _irecv(self, ops: list[tuple[torch.Tensor, Any]], src: int) -> list[Any]:
+    def _irecv(self, ops: list[tuple[torch.Tensor, Any]], src: int, tag: int) -> list[Any]:
         if not ops:
             return []
         dist = self._dist
         peer = self._global(src)
-        return dist.batch_isend_irecv([dist.P2POp(dist.irecv, t, peer, g) for t, g in ops])
+        return dist.batch_isend_irecv([dist.P2POp(dist.irecv, t, peer, g, tag) for t, g in ops])
 
     def _wait(self, works: list, src: int, message: Message) -> None:
         try:
@@ -598,7 +617,7 @@ class DistributedTransport:
             history = self._sent_meta.get(self._key(dst, sequence[position]))
             frames = self._frames(history if self.receive_ahead else None, -len(meta), meta, [])
             with contextlib.suppress(Exception):
-                self._post(dst, frames, self._meta_group)
+                self._post(dst, frames, self._meta_group, position)
         self._reaper.abandon()
 
     def clear(self) -> None:
