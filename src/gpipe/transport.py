@@ -288,14 +288,17 @@ class DistributedTransport:
     tensors themselves. Shapes may therefore change from step to step.
 
     Messages between two ranks are received in the order the sender sends them, which
-    the schedule fixes: a receiver waiting for message X first takes (and buffers) any
-    that its peer sent before X. That keeps the wire order identical on both sides, as
-    NCCL requires, without tags.
+    the schedule fixes: a receiver waiting for message X first takes any that its peer
+    sent before X. That keeps the wire order identical on both sides, as NCCL requires.
+    Every frame also carries the message's position in that sequence as its tag, so
+    that on gloo the receive of the next message can be posted before the current one
+    has fully arrived without taking its frames (NCCL ignores tags and is never asked to).
 
     When receives are posted depends on the backend:
 
-    * gloo (:data:`RECEIVE_AHEAD_BACKENDS`): as soon as one message from a peer is in,
-      the receive of the next one is posted, so it lands while this rank computes. When
+    * gloo (:data:`RECEIVE_AHEAD_BACKENDS`): the next message from each peer is always
+      posted, and the one after it too while the rank waits, so a message lands while
+      the rank computes and posting costs no time on the critical path. When
       the message is *stable* (same description the last two times, as when training at
       a fixed shape) header and tensors travel packed in one buffer, which the receiver
       posts ahead at the size of last time and reads its tensors from without copying;
