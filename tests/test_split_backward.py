@@ -92,3 +92,45 @@ def test_weights_accumulate_across_microbatches():
         backward_weight(work)
         total += torch.ones(3, 2, dtype=torch.float64) @ x.detach()
     assert relative_error(module.weight.grad, total) <= 1e-12
+
+
+def test_memory_released_as_soon_as_unneeded():
+    """After B only what W needs stays; W frees each group's gradients before the next."""
+    import weakref
+
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+    x = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
+    logits = module(x)
+    saved_above = weakref.ref(logits)  # saved by logsumexp's backward, not by the Linear
+    loss = logits.logsumexp(dim=1).sum()  # the part above the top Linear: freed after B
+    del logits
+    _, work = backward_input([loss], [None], [x], list(module.parameters()))
+    del loss
+    assert saved_above() is None and work.roots == []
+
+    # Each call of W sees its own recorded gradients and those of the groups to come only.
+    recorded = [
+        [weakref.ref(g) for g in grads if g is not None]
+        for group in work.groups
+        for grads in group.grads.values()
+    ]
+    alive_at_call = []
+    original = torch.autograd.backward
+
+    def counting(*args, **kwargs):
+        alive_at_call.append(sum(any(r() is not None for r in refs) for refs in recorded))
+        return original(*args, **kwargs)
+
+    torch.autograd.backward = counting
+    try:
+        backward_weight(work)
+    finally:
+        torch.autograd.backward = original
+    assert alive_at_call == [len(recorded) - i for i in range(len(recorded))]
+    # Same gradients as one full backward.
+    expected = [p.grad.clone() for p in module.parameters()]
+    module.zero_grad(set_to_none=True)
+    module(x).logsumexp(dim=1).sum().backward()
+    for got, want in zip(expected, module.parameters(), strict=True):
+        assert relative_error(got, want.grad) <= 1e-12
