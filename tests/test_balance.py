@@ -169,6 +169,11 @@ def test_held_microbatches_follow_the_schedule():
     # zero bubble keeps a recomputed graph until its deferred W
     assert held("zb-h1", "always") == [(4, 1), (4, 2), (4, 3), (4, 4)]
     assert Held(2, 1) == Held(boundary=2, inner=1)
+    # ... of which all but one wait for W past their B (they hold less: see test_profile)
+    schedule = build_schedule("zb-h1", num_ranks=4, num_microbatches=8)
+    assert [h.after_input_grad for h in held_microbatches(schedule, "always")] == [0, 1, 2, 3]
+    one_f_one_b = build_schedule("1f1b", num_ranks=4, num_microbatches=8)
+    assert all(h.after_input_grad == 0 for h in held_microbatches(one_f_one_b, "never"))
 
 
 class Heavy(nn.Module):

@@ -69,6 +69,10 @@ def test_loss_is_profiled_with_the_last_layer():
     with_loss = gpipe.profile(model, x, target=y, loss_fn=F.cross_entropy, repeats=1, warmup=0)
     # cross-entropy saves its log-softmax: one more logits-sized tensor
     assert with_loss.layers[1].saved_bytes >= plain.layers[1].saved_bytes + 6 * 32 * 4
+    # ... which a split backward frees right after B: W starts at the Linear's weight
+    assert with_loss.layers[1].freed_after_input_grad_bytes >= 6 * 32 * 4
+    assert plain.layers[1].freed_after_input_grad_bytes == 0  # a Linear keeps what W needs
+    assert with_loss.layers[0].freed_after_input_grad_bytes == 0  # no input gradient: no B
     with pytest.raises(ValueError, match="both target and loss_fn"):
         gpipe.profile(model, x, target=y)
 

@@ -29,6 +29,8 @@ Memory model of a stage (bytes; :class:`MemoryModel`)::
     + boundary input × micro-batches held                 (kept for backward)
     + inner activations × micro-batches held without re-materialization
                         (with it, those being recomputed: 1, more under zero bubble)
+    − freed after B × micro-batches past B waiting for W (zero bubble: what lies above
+                        the stage's last weights, e.g. the loss's log-softmax)
 
 "Held" comes from simulating the schedule (``gpipe.simulate``): a micro-batch is held
 on a stage from the start of its forward until its backward is complete. Inner
@@ -113,6 +115,8 @@ class Held:
 
     boundary: int
     inner: int
+    # of ``inner``, those past B and waiting for W (zero-bubble), which hold less
+    after_input_grad: int = 0
 
 
 @dataclass(frozen=True)
@@ -302,18 +306,25 @@ def held_in(result: SimulationResult, checkpoint: str) -> list[Held]:
         start[key], end[key] = event.start, event.end
     held = []
     for s in range(schedule.num_stages):
-        points = []
+        points = []  # (time, change of held micro-batches, change of those past B)
         for m in range(M):
             remat = checkpoint == "always" or (checkpoint == "except_last" and m < M - 1)
-            done_key = (Kind.WEIGHT if schedule.splits_backward(s, m) else Kind.BACKWARD, s, m)
             begin = start[(Kind.BACKWARD, s, m)] if remat else start[(Kind.FORWARD, s, m)]
-            points += [(begin, 1), (end[done_key], -1)]
-        points.sort()  # at a tie the release (-1) comes first
-        live = peak = 0
-        for _, delta in points:
-            live += delta
-            peak = max(peak, live)
-        held.append(Held(result.peak_live_per_stage[s], peak))
+            points.append((begin, 1, 0))
+            if schedule.splits_backward(s, m):
+                points += [(end[(Kind.BACKWARD, s, m)], 0, 1), (end[(Kind.WEIGHT, s, m)], -1, -1)]
+            else:
+                points.append((end[(Kind.BACKWARD, s, m)], -1, 0))
+        points.sort()  # at a tie releases come first
+        live = pending = peak = 0
+        fewest_pending = 0  # at the peak: the heaviest moment holds the fewest past B
+        for _, delta, past_b in points:
+            live, pending = live + delta, pending + past_b
+            if live > peak:
+                peak, fewest_pending = live, pending
+            elif live == peak:
+                fewest_pending = min(fewest_pending, pending)
+        held.append(Held(result.peak_live_per_stage[s], peak, fewest_pending))
     return held
 
 
@@ -330,6 +341,7 @@ class _StageMemoryTable:
         self.params = _prefix([lay.param_bytes for lay in layers])
         self.buffers = _prefix([lay.buffer_bytes for lay in layers])
         self.inner = _prefix([lay.inner_bytes for lay in layers])
+        self.has_params = [lay.param_bytes > 0 for lay in layers]
         # the boundary between layers l and l+1 is saved once, by either of them
         self.joint = _prefix(
             [
@@ -347,6 +359,26 @@ class _StageMemoryTable:
             + self.layers[j - 1].saved_output_bytes
         )
 
+    def _freed_after_input_grad(self, i: int, j: int) -> float:
+        """What a split B frees at once: the stage's top layers down to its last weights
+        (W starts at their nodes and keeps everything below alive). The first stage has
+        no input gradient to compute: its B does nothing and W the whole backward."""
+        if i == 0:
+            return 0.0
+        freed = 0.0
+        for layer in range(j - 1, i - 1, -1):
+            freed += self.layers[layer].freed_after_input_grad_bytes
+            if self.has_params[layer]:
+                break
+        return freed
+
+    def _held_inner(self, s: int, i: int, j: int) -> float:
+        held = self.held[s]
+        inner = self._inner(i, j) * held.inner
+        if held.after_input_grad:
+            inner -= self._freed_after_input_grad(i, j) * held.after_input_grad
+        return inner
+
     def __call__(self, s: int, i: int, j: int) -> StageMemory:
         params = self.params[j] - self.params[i]
         held = self.held[s]
@@ -356,7 +388,7 @@ class _StageMemoryTable:
             optimizer=params * self.model.optimizer_state,
             buffers=self.buffers[j] - self.buffers[i],
             boundary=self.layers[i].input_bytes * held.boundary,
-            inner=self._inner(i, j) * held.inner,
+            inner=self._held_inner(s, i, j),
             held=held,
         )
 
@@ -368,7 +400,7 @@ class _StageMemoryTable:
             + self.buffers[j]
             - self.buffers[i]
             + self.layers[i].input_bytes * held.boundary
-            + self._inner(i, j) * held.inner
+            + self._held_inner(s, i, j)
         )
 
 

@@ -74,6 +74,10 @@ class LayerProfile:
     saved_bytes: int  # saved for backward, all of it
     saved_input_bytes: int = 0  # of which the layer's input
     saved_output_bytes: int = 0  # of which the layer's output
+    # Of the saved bytes, what a split backward frees right after B when this layer ends a
+    # stage: everything above the layer's weights (e.g. the loss's log-softmax), since W
+    # starts at the weights' nodes. All of it for a layer without weights.
+    freed_after_input_grad_bytes: int = 0
 
     @property
     def inner_bytes(self) -> int:
@@ -376,6 +380,18 @@ class _LayerRun:
             "output_bytes": _bytes_of(out_tensors),
         }
         del roots
+        # Again, through a split B: what W does not need is freed once the roots go.
+        meter = ActivationMeter(1, self.layer.parameters())
+        with torch.enable_grad(), meter.saved_tensors(0):
+            again, roots, grads = self.run()
+        saved = meter.live_bytes[0]
+        if self.inputs and roots:
+            _, work = backward_input(roots, grads, self.inputs, self.params)
+            del again, roots, grads
+            self.memory["freed_after_input_grad_bytes"] = saved - meter.live_bytes[0]
+            del work
+            for t in self.inputs:
+                t.grad = None
         return _leaves(out, needs_grad=True)
 
     def time_once(self, *, keep: bool) -> None:
