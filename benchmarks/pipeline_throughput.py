@@ -37,7 +37,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -92,8 +92,20 @@ class Setup:
     chunks: tuple[int, ...]
     warmup: int  # untimed steps of each library per case
     steps: int  # timed steps of each library per case, alternating
+    only: tuple[str, ...] = ()  # "schedule:M" labels to run (all when empty)
 
     def cases(self) -> list[Case]:
+        every = self._every()
+        if not self.only:
+            return every
+        chosen = [c for c in every if f"{c.schedule}:{c.chunks}" in self.only]
+        missing = set(self.only) - {f"{c.schedule}:{c.chunks}" for c in chosen}
+        if missing:
+            names = sorted({f"{c.schedule}:{c.chunks}" for c in every})
+            raise SystemExit(f"--cases: no case {sorted(missing)}; choose from {names}")
+        return chosen
+
+    def _every(self) -> list[Case]:
         cases = []
         for m in self.chunks:
             cases += [Case("gpipe", m), Case("1f1b", m), Case("zb-h1", m)]
@@ -497,8 +509,24 @@ def main(argv: Sequence[str] | None = None) -> None:
         default=None,
         help="where the plot goes (default with --out: img/benchmark-throughput.png next to it)",
     )
+    parser.add_argument(
+        "--cases",
+        default="",
+        help="only these rows, e.g. 'zb-h1:2,gpipe:8' (schedule:M), to recheck them; "
+        "the docs section is written only for a full run",
+    )
+    parser.add_argument("--rounds", type=int, default=None, help="timed rounds per case")
     args = parser.parse_args(argv)
     setup = QUICK if args.quick else FULL
+    if args.cases:
+        setup = replace(setup, only=tuple(c.strip() for c in args.cases.split(",") if c.strip()))
+        setup.cases()  # unknown names fail here, before any process starts
+        if args.out is not None:
+            parser.error("--out writes the full table: run without --cases")
+    if args.rounds is not None:
+        if args.rounds < 1:
+            parser.error(f"--rounds must be at least 1, got {args.rounds}")
+        setup = replace(setup, steps=args.rounds)
     started, load_before, code = time.perf_counter(), os.getloadavg()[0], source()
     per_rank = launch(_worker, K, args=(setup,), timeout=600)
     minutes = (time.perf_counter() - started) / 60

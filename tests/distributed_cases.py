@@ -68,8 +68,10 @@ def loss_of(model: str):
     return lm_loss if model.startswith("gpt") else F.cross_entropy
 
 
-def train_steps(rank, cases, group=None, data_parallel_group=None, replica=0):
-    """Run each case's steps; return its last loss, gradients, buffers and gradient norm."""
+def train_steps(rank, cases, group=None, data_parallel_group=None, replica=0, keep=None):
+    """Run each case's steps; return its last loss, gradients, buffers and gradient norm.
+
+    ``keep``: a list the pipes are appended to, to outlive this call."""
     torch.set_num_threads(1)
     group = group or dist.group.WORLD
     results = []
@@ -89,6 +91,8 @@ def train_steps(rank, cases, group=None, data_parallel_group=None, replica=0):
             if optimizer is not None and step < len(case["lengths"]) - 1:
                 optimizer.step()
         norm = float(pipe.clip_grad_norm_(case.get("clip", 1e12)))
+        if keep is not None:
+            keep.append(pipe)
         results.append(
             {
                 "losses": losses,

@@ -191,3 +191,33 @@ def test_a_packed_message_holds_every_dtype_and_shape_as_views():
         else:
             assert received == original
     assert history.pack(-5, None, torch.device("cpu"))[:8].view(torch.int64).item() == -5
+
+
+class _CompletedSend:
+    """Stands for a c10d Work of a send that has completed."""
+
+    def wait(self, timeout=None) -> bool:
+        return True
+
+
+def test_send_reaper_keeps_nothing_of_a_completed_send():
+    """Sent buffers and the Work go at once; close() ends the thread before it returns.
+
+    A Work still held by the thread at interpreter exit made the process abort there
+    ("terminate called without an active exception"), after a job had succeeded.
+    """
+    import weakref
+
+    import torch
+
+    from gpipe.transport import _SendReaper
+
+    reaper = _SendReaper(timeout=5.0)
+    work, buffer = _CompletedSend(), torch.ones(3)
+    kept = [weakref.ref(work), weakref.ref(buffer)]
+    reaper.add([work], [buffer], dst=1)
+    del work, buffer
+    reaper.drain()
+    assert [ref() for ref in kept] == [None, None]
+    reaper.close()
+    assert not reaper._thread.is_alive()

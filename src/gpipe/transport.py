@@ -710,15 +710,22 @@ class _SendReaper:
             try:
                 if item is None:  # close()
                     return
-                works, tensors, dst = item
-                try:
-                    for work in works:
-                        work.wait(timeout=timedelta(seconds=self._timeout))
-                except Exception as error:
-                    self._errors.append(f"send to rank {dst} failed: {error}")
-                del works, tensors, item  # the buffers go as soon as the send is done
+                self._reap(*item)
             finally:
+                # Nothing of a send may outlive it here: a Work object this frame still
+                # held at interpreter exit would be freed by a thread Python is shutting
+                # down, and its C++ destructor then aborts the process ("terminate called
+                # without an active exception").
+                del item
                 self._queue.task_done()
+
+    def _reap(self, works: list, tensors: list[torch.Tensor], dst: int) -> None:
+        """Wait for one message's sends; its buffers go with this frame, once complete."""
+        try:
+            for work in works:
+                work.wait(timeout=timedelta(seconds=self._timeout))
+        except Exception as error:
+            self._errors.append(f"send to rank {dst} failed: {error}")
 
     def drain(self) -> None:
         self._queue.join()
@@ -731,6 +738,12 @@ class _SendReaper:
         self._errors.clear()
 
     def close(self) -> None:
-        """End the thread once the sends queued so far are done (or timed out)."""
+        """End the thread once the sends queued so far are done (or timed out).
+
+        Joined, so that at interpreter exit (``weakref.finalize`` runs then) the thread
+        has finished before Python tears threads down. A send that cannot complete (its
+        peer died) is not waited for past a few seconds: the process is failing anyway.
+        """
         if self._thread.is_alive():
             self._queue.put(None)
+            self._thread.join(timeout=min(self._timeout, 5.0))
