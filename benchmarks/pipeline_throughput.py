@@ -121,7 +121,7 @@ FULL = Setup(
     batch=32,
     chunks=(1, 2, 4, 8, 16),
     warmup=2,
-    steps=7,
+    steps=9,
 )
 QUICK = Setup(
     GPTConfig(vocab_size=64, context=32, d_model=64, n_heads=4, n_layers=4, dropout=0.0),
@@ -303,6 +303,7 @@ class Row:
     peer_efficiency: float | None
     ratio: float | None  # peer / gpipe step time: gpipe's throughput over the peer's
     paired: float | None  # median over rounds of that round's peer / gpipe step time
+    paired_ci: tuple[float, float] | None  # its 95% bootstrap interval
     faster: int  # rounds in which gpipe's step was the shorter
     rounds: tuple[list[float], list[float], list[float]]  # gpipe, peer, one-process
     ideal: float
@@ -318,6 +319,16 @@ def ideal(case: Case) -> float:
         case.schedule, num_ranks=K, num_microbatches=case.chunks, virtual_stages=case.virtual
     )
     return 1.0 - simulate(schedule).bubble_fraction
+
+
+def median_interval(values: Sequence[float], level: float = 0.95) -> tuple[float, float]:
+    """Percentile bootstrap interval of the median (2000 resamples, fixed seed)."""
+    import random
+
+    draw = random.Random(0)
+    medians = sorted(statistics.median(draw.choices(values, k=len(values))) for _ in range(2000))
+    tail = (1.0 - level) / 2
+    return medians[int(tail * len(medians))], medians[int((1.0 - tail) * len(medians)) - 1]
 
 
 def rows(per_rank: list[list[Measured]]) -> list[Row]:
@@ -350,6 +361,7 @@ def rows(per_rank: list[list[Measured]]) -> list[Row]:
                 # Both steps of a round ran back to back: their ratio cancels slow drifts
                 # of the shared machine that the two medians do not.
                 paired=median(b / a for a, b in pairs) if pairs else None,
+                paired_ci=median_interval([b / a for a, b in pairs]) if pairs else None,
                 faster=sum(a < b for a, b in pairs),
                 rounds=(measured.gpipe, measured.peer, single),
                 ideal=ideal(case),
@@ -366,8 +378,8 @@ def table(results: list[Row], batch: int) -> str:
     lines = [
         "| schedule | M | gpipe samples/s | efficiency | ideal | sim. (measured costs) | "
         "peer samples/s | peer efficiency | gpipe / peer | paired gpipe / peer | "
-        "rounds gpipe faster | 1-process samples/s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "paired 95% interval | rounds gpipe faster | 1-process samples/s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         if r.peer:
@@ -376,10 +388,11 @@ def table(results: list[Row], batch: int) -> str:
                 f"{r.peer_efficiency:.3f}",
                 f"{r.ratio:.3f}",
                 f"{r.paired:.3f}",
+                f"{r.paired_ci[0]:.3f}–{r.paired_ci[1]:.3f}",
                 f"{r.faster} of {len(r.rounds[0])}",
             ]
         else:
-            peer = ["n/a (below)", "", "", "", ""]
+            peer = ["n/a (below)", "", "", "", "", ""]
         cells = [
             r.case.label,
             str(r.case.chunks),
@@ -443,6 +456,18 @@ def targets(results: list[Row]) -> list[str]:
             )
             + "."
         )
+    # What the noise allows to say: a row is behind (ahead) only if the whole interval is.
+    behind = [r for r in compared if r.paired_ci[1] < 1.0]
+    ahead = [r for r in compared if r.paired_ci[0] > 1.0]
+    label = lambda rs: ", ".join(f"{r.case.label} M={r.case.chunks}" for r in rs)  # noqa: E731
+    lines.append(
+        f"Beyond noise (95% interval of the paired ratio entirely below or above 1): gpipe "
+        f"behind in {len(behind)} of {len(compared)} rows"
+        + (f" ({label(behind)})" if behind else "")
+        + f", ahead in {len(ahead)}"
+        + (f" ({label(ahead)})" if ahead else "")
+        + "."
+    )
     return lines
 
 
