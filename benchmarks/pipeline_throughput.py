@@ -603,7 +603,11 @@ rounds, after {setup.warmup} warm-up steps of each library); samples/s are media
 efficiency and gpipe / peer are ratios of those medians. **paired gpipe / peer** is the median \
 over rounds of each round's peer step time / gpipe step time: the two steps of a round ran \
 back to back, so their ratio is not moved by the machine getting slower or faster between \
-rounds; **rounds gpipe faster** counts the rounds in which gpipe's step was the shorter.
+rounds; **rounds gpipe faster** counts the rounds in which gpipe's step was the shorter. \
+**paired 95% interval** is a percentile bootstrap interval of that median (2000 resamples \
+of the rounds); a row is behind or ahead beyond noise only when the whole interval lies \
+below or above 1. Rounds of one run share the machine's state of those minutes, so a rerun \
+moves a row by more than its interval suggests.
 
 * **efficiency** = gpipe samples/s / (K × samples/s of the whole model in one process with \
 one thread: plain forward and backward of the mini-batch, no micro-batches). That \
