@@ -390,8 +390,6 @@ class _LayerRun:
             del again, roots, grads
             self.memory["freed_after_input_grad_bytes"] = saved - meter.live_bytes[0]
             del work
-            for t in self.inputs:
-                t.grad = None
         return _leaves(out, needs_grad=True)
 
     def time_once(self, *, keep: bool) -> None:

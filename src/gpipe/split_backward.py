@@ -182,10 +182,9 @@ def backward_weight(work: WeightWork) -> None:
         if pairs:
             torch.autograd.backward([r for r, _ in pairs], [g for _, g in pairs])
         return
-    # Each group's recorded gradients are released as soon as its call is done, and the
-    # roots as soon as no group needs them: the allocator then hands that memory straight
-    # to the next group's products. Holding everything to the end made W ~15% slower on
-    # CPU (fresh pages for every group) — benchmarks/split_backward.py measures it.
+    # Each group's recorded gradients are released as soon as its call is done: the
+    # allocator then hands that memory straight to the next group's products. Holding
+    # them all to the end made W 10–20% slower on CPU (benchmarks/split_backward.py).
     groups, work.groups = work.groups, []
     groups.reverse()
     roots, root_grads = work.roots, work.root_grads
