@@ -221,3 +221,25 @@ def test_send_reaper_keeps_nothing_of_a_completed_send():
     assert [ref() for ref in kept] == [None, None]
     reaper.close()
     assert not reaper._thread.is_alive()
+
+
+def test_send_reaper_closed_from_its_own_thread_does_not_raise():
+    """The garbage collector may finalize a transport in any thread, the reaper's too."""
+    import torch
+
+    from gpipe.transport import _SendReaper
+
+    reaper = _SendReaper(timeout=5.0)
+    errors = []
+
+    class ClosesFromInside(_CompletedSend):
+        def wait(self, timeout=None) -> bool:
+            try:
+                reaper.close()
+            except Exception as error:  # joining the current thread would raise
+                errors.append(error)
+            return True
+
+    reaper.add([ClosesFromInside()], [torch.ones(1)], dst=1)
+    reaper._thread.join(timeout=5.0)
+    assert errors == [] and not reaper._thread.is_alive()

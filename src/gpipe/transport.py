@@ -746,4 +746,6 @@ class _SendReaper:
         """
         if self._thread.is_alive():
             self._queue.put(None)
-            self._thread.join(timeout=min(self._timeout, 5.0))
+            # The garbage collector may run this finalizer in the thread itself.
+            if threading.current_thread() is not self._thread:
+                self._thread.join(timeout=min(self._timeout, 5.0))
