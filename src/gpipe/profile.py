@@ -380,17 +380,23 @@ class _LayerRun:
             "output_bytes": _bytes_of(out_tensors),
         }
         del roots
-        # Again, through a split B: what W does not need is freed once the roots go.
+        if self.inputs:  # without an input gradient B does nothing and frees nothing
+            self.memory["freed_after_input_grad_bytes"] = self._freed_by_split_input_grad()
+        return _leaves(out, needs_grad=True)
+
+    def _freed_by_split_input_grad(self) -> int:
+        """Saved bytes a split B frees: what W does not need goes once the roots go."""
         meter = ActivationMeter(1, self.layer.parameters())
         with torch.enable_grad(), meter.saved_tensors(0):
-            again, roots, grads = self.run()
+            out, roots, grads = self.run()
+        if not roots:
+            return 0
         saved = meter.live_bytes[0]
-        if self.inputs and roots:
-            _, work = backward_input(roots, grads, self.inputs, self.params)
-            del again, roots, grads
-            self.memory["freed_after_input_grad_bytes"] = saved - meter.live_bytes[0]
-            del work
-        return _leaves(out, needs_grad=True)
+        _, work = backward_input(roots, grads, self.inputs, self.params)
+        del out, roots, grads
+        freed = saved - meter.live_bytes[0]
+        del work
+        return freed
 
     def time_once(self, *, keep: bool) -> None:
         """Time forward, whole backward, and the split backward (B, then W) once."""
