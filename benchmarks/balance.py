@@ -8,7 +8,7 @@
    DeepSpeed's ``"parameters"``) and time (``gpipe.balance_by_time``) — then train a few
    steps of each pipeline in one process and report the *measured* max/mean stage time
    (each stage's busy time per step, from ``pipe.step(..., trace=True)``).
-2. ``gpipe.plan`` for each model on 2 devices (transfers priced by ``Link.measure``): the
+2. ``gpipe.planner`` for each model on 2 devices (transfers priced by ``Link.measure``): the
    top 3 configurations on 2 processes, predicted against measured throughput
    (``verify``).
 
@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import gpipe
 from gpipe.cli.plan import resnet
 from gpipe.models import GPTConfig, gpt, lm_loss
-from gpipe.plan import Link
+from gpipe.planner import Link
 from reference import even_balance
 
 STAGES, CHUNKS, CHECKPOINT = (2, 4), 4, "except_last"

@@ -6,7 +6,7 @@ Two processes (one thread each) train the GPT of ``benchmarks/pipeline_throughpu
 with M=8 micro-batches under the schedules gpipe, 1f1b and zb-h1. Each rank records its
 actions (``Pipe.step(..., trace=True)``); the parent gathers both ranks' traces, derives
 the median cost of F, B and W per stage, simulates the same schedule with those costs
-(``gpipe.simulate``) and draws simulated above measured into
+(``gpipe.schedule.simulate``) and draws simulated above measured into
 ``docs/img/measured-vs-simulated-<schedule>.png``. It prints the predicted and measured
 makespan and bubble; with ``--out`` it writes them into the "Measured timelines" section
 of that markdown file (the rest of the file is left alone).
@@ -30,10 +30,10 @@ import torch
 
 import gpipe
 from gpipe import timeline
-from gpipe.launch import launch
 from gpipe.models import GPTConfig, gpt, lm_loss
+from gpipe.parallel.launch import launch
 from gpipe.schedule import Action, Kind, Schedule, TimedAction, build_schedule
-from gpipe.simulate import Costs, SimulationResult, simulate
+from gpipe.schedule.simulate import Costs, SimulationResult, simulate
 
 ROOT = Path(__file__).resolve().parents[1]
 SCHEDULES = ("gpipe", "1f1b", "zb-h1")

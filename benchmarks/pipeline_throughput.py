@@ -21,7 +21,7 @@ step is timed in the same processes, on both ranks at once (as K devices would e
 the model), in every round: a round is one gpipe step, one peer step and one one-process
 step; efficiency and gpipe / peer are ratios of the medians, and the paired gpipe / peer
 is the median of each round's own ratio. Next to them: the schedule's
-ideal, 1 - bubble of ``gpipe.simulate`` with equal F, B, W costs (M/(M+K-1) for gpipe and
+ideal, 1 - bubble of ``gpipe.schedule.simulate`` with equal F, B, W costs (M/(M+K-1) for gpipe and
 1f1b), and the same simulation with the per-stage costs measured in a traced gpipe step
 of that configuration (stage imbalance and real B/W ratios).
 
@@ -44,10 +44,10 @@ import torch
 from torch import nn
 
 import gpipe
-from gpipe.launch import launch
 from gpipe.models import GPTConfig, gpt, lm_loss
+from gpipe.parallel.launch import launch
 from gpipe.schedule import build_schedule
-from gpipe.simulate import simulate
+from gpipe.schedule.simulate import simulate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from measured_timeline import (  # a sibling script

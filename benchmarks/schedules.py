@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from gpipe.schedule import build_schedule
-from gpipe.simulate import Costs, simulate
+from gpipe.schedule.simulate import Costs, simulate
 
 K, V = 4, 2
 

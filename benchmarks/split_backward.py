@@ -30,8 +30,8 @@ from pathlib import Path
 
 import torch
 
+from gpipe.engine.split_backward import backward_input, backward_weight
 from gpipe.models import GPTConfig, gpt, lm_loss
-from gpipe.split_backward import backward_input, backward_weight
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from measured_timeline import balance, machine, source, write_section  # a sibling script

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 import gpipe
-from gpipe.cli.demo import _corpus
+from gpipe.data import stdlib_bytes
 from gpipe.models import GPTConfig, gpt, gpt_tied_names, lm_loss
 
 CONFIG = GPTConfig(context=64, d_model=64, n_heads=4, n_layers=4, dropout=0.0)
@@ -33,7 +33,7 @@ def train(rank: int | None = None) -> float:
         tied=[gpt_tied_names(CONFIG)],
     )
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=3e-3)
-    data = _corpus(200_000)
+    data = stdlib_bytes(200_000)
     g = torch.Generator().manual_seed(0)
     first = last = 0.0
     for step in range(40):

@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import signal
 import time
-from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -17,8 +16,8 @@ from torch import nn
 from torch.nn import functional as F
 
 import gpipe
+from gpipe.errors import PipelineError
 from gpipe.models import GPTConfig, convnet, gpt, gpt_tied_names, lm_loss, unet
-from gpipe.transport import PipelineError
 
 GPT = GPTConfig(vocab_size=32, context=8, d_model=16, n_heads=2, n_layers=4, dropout=0.1)
 INIT_SEED = 3
@@ -77,10 +76,7 @@ def train_steps(rank, cases, group=None, data_parallel_group=None, replica=0, ke
     results = []
     for case in cases:
         model = case["model"]
-        # "ordered": post receives as on NCCL (at the plan's points), though gloo carries them.
-        ahead = frozenset() if case.get("ordered") else gpipe.transport.RECEIVE_AHEAD_BACKENDS
-        with mock.patch.object(gpipe.transport, "RECEIVE_AHEAD_BACKENDS", ahead):
-            pipe = _pipe_of(case, group, data_parallel_group)
+        pipe = _pipe_of(case, group, data_parallel_group)
         early = _count_buckets_started_during_backward(pipe, case.get("bucket_bytes"))
         losses = []
         optimizer = torch.optim.AdamW(pipe.parameters(), lr=1e-2) if case.get("train") else None
@@ -139,6 +135,8 @@ def _pipe_of(case, group, data_parallel_group):
         init_seed=INIT_SEED,
         timeout=30,
         tied=[GPT_TIED] if model == "gpt-tied" else (),
+        # "ordered": post receives as on NCCL (at the plan's points), though gloo carries them.
+        receive_ahead=False if case.get("ordered") else None,
     )
 
 
@@ -191,11 +189,14 @@ def faulty(rank, stages, fault_stage, microbatch, how, timeout, after_steps=0, o
             layers += [nn.Linear(8, 8), fault if s == fault_stage else nn.ReLU()]
         return nn.Sequential(*layers)
 
-    ahead = frozenset() if ordered else gpipe.transport.RECEIVE_AHEAD_BACKENDS
-    with mock.patch.object(gpipe.transport, "RECEIVE_AHEAD_BACKENDS", ahead):
-        pipe = gpipe.Pipe(
-            factory, balance=[2] * stages, chunks=4, group=dist.group.WORLD, timeout=timeout
-        )
+    pipe = gpipe.Pipe(
+        factory,
+        balance=[2] * stages,
+        chunks=4,
+        group=dist.group.WORLD,
+        timeout=timeout,
+        receive_ahead=False if ordered else None,
+    )
     x = torch.randn(8, 8)
     for _ in range(after_steps):
         pipe.step(x, torch.randn(8, 8), F.mse_loss)

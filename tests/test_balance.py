@@ -11,16 +11,10 @@ from torch import nn
 from torch.nn import functional as F
 
 import gpipe
-from gpipe.balance import (
-    BudgetError,
-    Held,
-    MemoryModel,
-    balance_costs,
-    balance_profile,
-    held_microbatches,
-)
-from gpipe.partition import PartitionError
-from gpipe.profile import Profile
+from gpipe.errors import PartitionError
+from gpipe.planning.balance import BudgetError, balance_costs, balance_profile
+from gpipe.planning.memory_model import Held, MemoryModel, held_microbatches
+from gpipe.planning.profile import Profile
 from gpipe.schedule import build_schedule
 from reference import even_balance, reference_step, relative_error, twin, worst_gradient_error
 

@@ -25,8 +25,8 @@ from distributed_cases import (
     loss_of,
     train_steps,
 )
-from gpipe.launch import LaunchError, free_port, launch
 from gpipe.materialize import build_full
+from gpipe.parallel.launch import LaunchError, free_port, launch
 from reference import reference_step, relative_error, running_stats_of_unsplit_batch
 
 pytestmark = pytest.mark.timeout(600)

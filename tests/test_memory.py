@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 import gpipe
-from gpipe.memory import ActivationMeter
+from gpipe.engine.memory import ActivationMeter
 from gpipe.models import GPTConfig, gpt, lm_loss
 
 K, M, BATCH, T = 2, 8, 16, 32

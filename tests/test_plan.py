@@ -11,12 +11,12 @@ from torch.nn import functional as F
 
 import gpipe
 from gpipe.__main__ import main
-from gpipe.balance import MemoryModel
 from gpipe.cli.plan import parse_bytes
-from gpipe.plan import Link, plan_from_profiles
-from gpipe.profile import Profile
+from gpipe.planner import Link, plan_from_profiles
+from gpipe.planning.memory_model import MemoryModel
+from gpipe.planning.profile import Profile
 from gpipe.schedule import build_schedule
-from gpipe.simulate import Costs, simulate
+from gpipe.schedule.simulate import Costs, simulate
 
 BATCH = 8
 FREE_LINK = Link(latency=0.0, bandwidth=1e30)

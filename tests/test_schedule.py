@@ -339,16 +339,14 @@ def test_rejects_a_dependency_cycle_across_ranks():
     assert "rank 1 at F0@1 (position 0) waits to receive from F0@0 on rank 0" in message
 
 
-def test_interleaved_needs_receives_posted_two_actions_ahead(monkeypatch):
+def test_interleaved_needs_receives_posted_two_actions_ahead():
     # Megatron's interleaved order exchanges a forward's and a backward's tensors together:
     # with only one receive posted ahead, ranks 0 and 1 both block sending backwards.
     assert RECV_AHEAD == 2
-    fresh = dataclasses.replace(interleaved_1f1b(2, 4, 2))
-    monkeypatch.setattr(gpipe.schedule, "RECV_AHEAD", 1)
+    schedule = interleaved_1f1b(2, 4, 2)
     with pytest.raises(ScheduleError, match="deadlock at B0@2"):
-        dataclasses.replace(fresh).validate()
-    monkeypatch.setattr(gpipe.schedule, "RECV_AHEAD", 2)
-    fresh.validate()
+        dataclasses.replace(schedule).validate(recv_ahead=1)
+    dataclasses.replace(schedule).validate(recv_ahead=2)
 
 
 def test_rejects_bad_shapes():

@@ -3,7 +3,7 @@ import itertools
 
 import pytest
 
-import gpipe.simulate
+import gpipe.schedule.simulate
 from gpipe.schedule import (
     Action,
     Kind,
@@ -16,7 +16,7 @@ from gpipe.schedule import (
     one_f_one_b,
     zb_h1,
 )
-from gpipe.simulate import Costs, simulate
+from gpipe.schedule.simulate import Costs, simulate
 
 GRID = [(k, m) for k in (1, 2, 3, 4, 8) for m in (1, 2, 3, 4, 7, 8, 16, 32)]
 
@@ -180,4 +180,4 @@ def test_large_pipeline_64_ranks_512_microbatches(name):
 
 
 def test_module_docstring_examples():
-    assert doctest.testmod(gpipe.simulate).failed == 0
+    assert doctest.testmod(gpipe.schedule.simulate).failed == 0

@@ -8,10 +8,10 @@ from torch import nn
 from torch.nn import functional as F
 
 import gpipe
+from gpipe.engine.skip import SkipError, SkipLayout
 from gpipe.models import unet
 from gpipe.schedule import Action, Kind
-from gpipe.skip import SkipError, SkipLayout
-from gpipe.transport import Channel, Message, Routes
+from gpipe.schedule.routes import Channel, Message, Routes
 from reference import reference_step, relative_error, twin, worst_gradient_error
 
 SCHEDULES = [

@@ -7,8 +7,8 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
+from gpipe.engine.split_backward import backward_input, backward_weight
 from gpipe.models import GPTConfig, convnet, gpt
-from gpipe.split_backward import backward_input, backward_weight
 from reference import relative_error
 
 

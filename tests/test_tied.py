@@ -7,9 +7,9 @@ import torch
 from torch import nn
 
 import gpipe
+from gpipe.errors import PartitionError
 from gpipe.models import GPTConfig, gpt, gpt_tied_names, lm_loss
-from gpipe.partition import PartitionError
-from gpipe.tied import TiedError
+from gpipe.parallel.tied import TiedError
 from reference import reference_step, relative_error, twin
 
 CONFIG = GPTConfig(vocab_size=32, context=8, d_model=16, n_heads=2, n_layers=3)

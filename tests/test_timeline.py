@@ -14,7 +14,7 @@ from torch.nn import functional as F
 import gpipe
 from gpipe import timeline
 from gpipe.schedule import TimedAction, build_schedule
-from gpipe.simulate import simulate
+from gpipe.schedule.simulate import simulate
 
 PNG_HEADER = b"\x89PNG\r\n\x1a\n"
 SCHEDULES = [  # (name, virtual stages)

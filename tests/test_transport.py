@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import pytest
 
+from gpipe.engine.skip import SkipLayout
 from gpipe.models import unet
 from gpipe.schedule import Kind, build_schedule
-from gpipe.skip import SkipLayout
-from gpipe.transport import Routes, receive_points
+from gpipe.schedule.comm_plan import receive_points
+from gpipe.schedule.routes import Routes
 
 CASES = [
     ("gpipe", 2, 8, 1),
@@ -162,7 +163,7 @@ def test_a_packed_message_holds_every_dtype_and_shape_as_views():
     import torch
     from torch.utils._pytree import tree_flatten, treespec_dumps
 
-    from gpipe.transport import _History, _TensorMeta
+    from gpipe.transport.framing import History, TensorMeta
 
     value = (
         torch.randn(3, 5),
@@ -175,10 +176,10 @@ def test_a_packed_message_holds_every_dtype_and_shape_as_views():
     )
     leaves, spec = tree_flatten(value)
     described = [
-        _TensorMeta(x.dtype, tuple(x.shape), False) if isinstance(x, torch.Tensor) else x
+        TensorMeta(x.dtype, tuple(x.shape), False) if isinstance(x, torch.Tensor) else x
         for x in leaves
     ]
-    history = _History()
+    history = History()
     history.update(pickle.dumps((treespec_dumps(spec), described)))
     tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
     packed = history.pack(0, tensors, torch.device("cpu"))
@@ -210,9 +211,9 @@ def test_send_reaper_keeps_nothing_of_a_completed_send():
 
     import torch
 
-    from gpipe.transport import _SendReaper
+    from gpipe.transport.sender import SendReaper
 
-    reaper = _SendReaper(timeout=5.0)
+    reaper = SendReaper(timeout=5.0)
     work, buffer = _CompletedSend(), torch.ones(3)
     kept = [weakref.ref(work), weakref.ref(buffer)]
     reaper.add([work], [buffer], dst=1)
@@ -227,9 +228,9 @@ def test_send_reaper_closed_from_its_own_thread_does_not_raise():
     """The garbage collector may finalize a transport in any thread, the reaper's too."""
     import torch
 
-    from gpipe.transport import _SendReaper
+    from gpipe.transport.sender import SendReaper
 
-    reaper = _SendReaper(timeout=5.0)
+    reaper = SendReaper(timeout=5.0)
     errors = []
 
     class ClosesFromInside(_CompletedSend):

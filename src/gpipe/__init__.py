@@ -9,19 +9,21 @@ same gradients as the un-split model::
     optimizer.step(); optimizer.zero_grad()
 """
 
-from gpipe.balance import balance_by_size, balance_by_time
-from gpipe.batchnorm import DeferredBatchNorm
-from gpipe.launch import launch
-from gpipe.memory import measure_activations
+from gpipe.engine.batchnorm import DeferredBatchNorm
+from gpipe.engine.memory import measure_activations
+from gpipe.engine.skip import pop, skippable, stash
+from gpipe.errors import PartitionError, PipelineError
+from gpipe.parallel.launch import launch
 from gpipe.pipe import Pipe
-from gpipe.plan import plan
-from gpipe.profile import profile
+from gpipe.planner import plan
+from gpipe.planning.balance import balance_by_size, balance_by_time
+from gpipe.planning.profile import profile
 from gpipe.remat import is_recomputing
-from gpipe.skip import pop, skippable, stash
-from gpipe.transport import PipelineError
+from gpipe.schedule.simulate import simulate
 
 __all__ = [
     "DeferredBatchNorm",
+    "PartitionError",
     "Pipe",
     "PipelineError",
     "balance_by_size",
@@ -32,6 +34,7 @@ __all__ = [
     "plan",
     "pop",
     "profile",
+    "simulate",
     "skippable",
     "stash",
 ]

@@ -39,6 +39,7 @@ __all__ = [
     "TokenWindows",
     "cache_dir",
     "digits",
+    "stdlib_bytes",
     "stdlib_corpus",
     "stdlib_files",
 ]
@@ -86,6 +87,18 @@ def stdlib_files(root: Path | None = None) -> list[Path]:
             f"(some slim images ship only .pyc files); install the full Python or pass root="
         )
     return files
+
+
+def stdlib_bytes(max_bytes: int, root: Path | None = None) -> torch.Tensor:
+    """The first ``max_bytes`` of the standard library's source, as int64 byte values: a
+    small real text for demos, read straight from the files (no split, no cache)."""
+    chunks, total = [], 0
+    for path in stdlib_files(root):
+        chunks.append(path.read_bytes())
+        total += len(chunks[-1])
+        if total >= max_bytes:
+            break
+    return torch.frombuffer(bytearray(b"".join(chunks)[:max_bytes]), dtype=torch.uint8).long()
 
 
 def is_validation(path: Path) -> bool:

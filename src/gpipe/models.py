@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from gpipe.skip import pop, skippable, stash
+from gpipe.engine.skip import pop, skippable, stash
 
 __all__ = ["GPTConfig", "convnet", "gpt", "gpt_tied_names", "mlp", "unet"]
 

@@ -11,25 +11,20 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from gpipe._utils import DeviceLike
 from gpipe.microbatch import chunk_sizes
 
-__all__ = ["PartitionError", "check_partition", "cut", "even_balance", "shared_parameters"]
-
-DeviceLike = torch.device | str | int
+__all__ = ["cut", "even_balance", "partition_problems", "shared_parameters"]
 
 
-class PartitionError(ValueError):
-    """A ``balance``/``devices`` combination that cannot cut the model."""
-
-
-def check_partition(
+def partition_problems(
     module: nn.Module,
     balance: Sequence[int],
     devices: Sequence[DeviceLike],
     *,
     virtual_stages: int = 1,
-) -> None:
-    """Raise :class:`PartitionError` listing every problem of this configuration.
+) -> list[str]:
+    """Every problem of this configuration, one line each (``"- ..."``); none: it cuts.
 
     ``balance`` has one entry per stage, ``devices`` one per rank; a rank holds
     ``virtual_stages`` stages.
@@ -70,10 +65,7 @@ def check_partition(
             torch.device(device)
         except (RuntimeError, TypeError):
             problems.append(f"{device!r} is not a device; use e.g. 'cpu' or 'cuda:0'")
-    if problems:
-        raise PartitionError(
-            "invalid pipeline partition:\n" + "\n".join(f"- {p}" for p in problems)
-        )
+    return [f"- {p}" for p in problems]
 
 
 def even_balance(layers: int, stages: int) -> list[int]:

@@ -2,37 +2,39 @@
 
 It cuts the model into stages (``gpipe.partition``), builds the schedule
 (``gpipe.schedule``), splits each mini-batch into micro-batches (``gpipe.microbatch``) and
-lets the runtime (``gpipe.runtime``) walk the schedule over the stages. The same class
-serves one process holding every stage and, with ``group=``, one process per rank of a
-pipeline spread over processes and machines (``torch.distributed``).
+lets the runtime (``gpipe.engine.runtime``) walk the schedule over the stages. The same
+class serves one process holding every stage and, with ``group=``, one process per rank of
+a pipeline spread over processes and machines; what differs between the two is
+``gpipe.parallel.group``'s business, so this module never touches ``torch.distributed``.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Sequence
-from datetime import timedelta
 from typing import Any, Literal
 
 import torch
 from torch import nn
 
-from gpipe import microbatch, rng
-from gpipe.batchnorm import DeferredBatchNorm
-from gpipe.data_parallel import GradientReducer
+from gpipe import microbatch, remat
+from gpipe._utils import DeviceLike, to_device
+from gpipe.engine import batchnorm
+from gpipe.engine.batchnorm import DeferredBatchNorm
+from gpipe.engine.runtime import Runtime, StepInputs, StepResult
+from gpipe.engine.skip import SkipLayout
+from gpipe.engine.stage import LossSpec, Stage
+from gpipe.errors import PartitionError, PipelineError
 from gpipe.materialize import build
-from gpipe.partition import DeviceLike, PartitionError, check_partition, cut, shared_parameters
-from gpipe.runtime import Runtime, StepInputs, StepResult
+from gpipe.parallel.data_parallel import GradientReducer
+from gpipe.parallel.group import pipeline_group
+from gpipe.parallel.tied import TiedParameters
+from gpipe.partition import cut, partition_problems, shared_parameters
+from gpipe.planning.auto import auto_balance
 from gpipe.schedule import SCHEDULES, Schedule, TimedAction, build_schedule
-from gpipe.skip import SkipLayout
-from gpipe.stage import LossSpec, Stage
-from gpipe.tied import TiedParameters
-from gpipe.transport import DistributedTransport, LocalTransport, PipelineError, Routes, to_device
+from gpipe.schedule.routes import Routes
 
-__all__ = ["CHECKPOINT_MODES", "Pipe"]
+__all__ = ["Pipe"]
 
-CHECKPOINT_MODES = ("always", "except_last", "never")
-Checkpoint = Literal["always", "except_last", "never"]
 Reduction = Literal["mean", "sum"]
 ModelOrFactory = nn.Sequential | Callable[[], nn.Sequential]
 
@@ -47,7 +49,7 @@ class Pipe(nn.Module):
             from ``init_seed`` so that every cut gives the same weights.
         balance: layers per stage; ``len(balance)`` is the number of stages. ``"auto"``:
             profile the model on ``sample`` (one micro-batch of inputs) and choose the cuts
-            that minimise the slowest stage (``gpipe.balance.balance_by_time``).
+            that minimise the slowest stage (``gpipe.planning.balance.balance_by_time``).
         devices: one device per rank (default: all ``"cpu"``; with ``group``, this
             process's ``cuda:LOCAL_RANK`` under NCCL). A rank holds one stage, or
             ``virtual_stages`` stages with ``"interleaved-1f1b"``.
@@ -69,6 +71,9 @@ class Pipe(nn.Module):
             gradients are averaged over it once per step (bucketed all-reduce).
         init_seed: seed of the per-layer initialization when ``module`` is a function.
         timeout: seconds any rank waits for another before raising (multi-process).
+        receive_ahead: multi-process, how receives are posted (``gpipe.transport.distributed``):
+            ``None`` (default) by backend — ahead on gloo, in NCCL's global order on NCCL;
+            ``False`` runs NCCL's order on gloo (to test it on the CPU).
         sample: a micro-batch of inputs, for ``balance="auto"``.
         tied: groups of whole-model parameter names that are one tensor used by several
             stages, e.g. ``[("0.token.weight", "9.out.weight")]``: each stage keeps a copy,
@@ -93,7 +98,7 @@ class Pipe(nn.Module):
         balance: Sequence[int] | Literal["auto"],
         devices: Sequence[DeviceLike] | None = None,
         chunks: int = 1,
-        checkpoint: Checkpoint = "except_last",
+        checkpoint: remat.Remat = "except_last",
         schedule: str | Schedule = "gpipe",
         deferred_batch_norm: bool = False,
         virtual_stages: int = 1,
@@ -103,15 +108,19 @@ class Pipe(nn.Module):
         timeout: float = 60.0,
         sample: Any = None,
         tied: Sequence[Sequence[str]] = (),
+        receive_ahead: bool | None = None,
     ) -> None:
         super().__init__()
+        self.group, self.timeout = group, float(timeout)
+        self._ranks = pipeline_group(group, timeout=self.timeout, receive_ahead=receive_ahead)
+        self.rank = self._ranks.rank
         if isinstance(balance, str):
-            balance = _auto_balance(
+            balance = auto_balance(
                 module,
                 balance,
                 sample,
-                devices,
-                group,
+                self._ranks.default_devices(0) if devices is None and group else devices,
+                self._ranks.decide,
                 chunks=chunks,
                 checkpoint=checkpoint,
                 schedule=schedule,
@@ -122,17 +131,8 @@ class Pipe(nn.Module):
             raise PartitionError(
                 f"virtual_stages must be a positive int (stages per device), got {virtual_stages!r}"
             )
-        self.group, self.timeout = group, float(timeout)
-        self.rank: int | None = None
-        if group is not None:
-            import torch.distributed as dist
-
-            self.rank = dist.get_rank(group)
-            num_ranks = dist.get_world_size(group)
-            if devices is None:
-                devices = [_default_device(group)] * num_ranks
-        elif devices is None:
-            devices = ["cpu"] * max(1, len(balance) // virtual_stages)
+        if devices is None:
+            devices = self._ranks.default_devices(max(1, len(balance) // virtual_stages))
         devices = list(devices)
         factory = None if isinstance(module, nn.Module) else module
         if factory is not None and not callable(factory):
@@ -145,11 +145,7 @@ class Pipe(nn.Module):
         problems = _problems(
             shape_model, balance, devices, virtual_stages, chunks, checkpoint, schedule
         )
-        if group is not None and len(devices) != dist.get_world_size(group):
-            problems.append(
-                f"- devices has {len(devices)} entries but the process group has "
-                f"{dist.get_world_size(group)} ranks; give one device per rank"
-            )
+        problems += self._ranks.device_problems(devices)
         if problems:
             raise PartitionError("invalid Pipe configuration:\n" + "\n".join(problems))
 
@@ -160,15 +156,11 @@ class Pipe(nn.Module):
         self.virtual_stages = virtual_stages
         self.schedule = self._build_schedule(schedule)
         stage_devices = [self.devices[rank] for rank in self.schedule.stage_to_rank]
-        local = (
-            list(range(self.num_stages))
-            if self.rank is None
-            else list(self.schedule.stages_of(self.rank))
-        )
+        local = self._ranks.local_stages(self.schedule)
         starts = [sum(balance[:s]) for s in range(self.num_stages)]
         if factory is not None:
             local_layers = [i for s in local for i in range(starts[s], starts[s] + balance[s])]
-            device = stage_devices[local[0]] if self.rank is not None else "cpu"
+            device = self._ranks.build_device(stage_devices, local)
             module = build(
                 factory, seed=init_seed, layers=local_layers, device=device, tied=bool(tied)
             )
@@ -226,12 +218,7 @@ class Pipe(nn.Module):
                 devices=stage_devices,
             )
 
-        if self.rank is None:
-            self._transport: Any = LocalTransport(stage_devices)
-        else:
-            self._transport = DistributedTransport(
-                self.schedule, self.rank, group, stage_devices, timeout=self.timeout, routes=routes
-            )
+        self._transport = self._ranks.connect(self.schedule, stage_devices, routes)
         self._reducer = (
             GradientReducer(self.stages, data_parallel_group, timeout=self.timeout)
             if data_parallel_group is not None
@@ -245,19 +232,11 @@ class Pipe(nn.Module):
             before_final_backward=self._reducer.arm if self._reducer else None,
             after_backward=self._reducer.stage_done if self._reducer else None,
         )
-        self._broken: str | None = None
         self.last_trace: list[TimedAction] = []
-        if self._tied is not None and self.rank is not None:
-            self._tied.check_one_copy_per_process()
-            self._tied.broadcast_values(*self._tie_wiring())
-
-    def _tie_wiring(self) -> tuple[Any, Any, float, torch.device]:
-        return (
-            lambda stage: self.schedule.stage_to_rank[stage],
-            self.group,
-            self.timeout,
-            self._transport.wire_device,
-        )
+        if self._tied is not None:
+            if self.rank is not None:
+                self._tied.check_one_copy_per_process()
+            self._tied.sync_values(self._ranks.exchange)
 
     def _build_schedule(self, schedule: str | Schedule) -> Schedule:
         if isinstance(schedule, str):
@@ -366,135 +345,44 @@ class Pipe(nn.Module):
         return microbatch.join([result.outputs[m] for m in range(self.chunks)])
 
     def _run(self, inputs_mb, losses, seed: int | None, trace: bool) -> StepResult:
-        if self._broken is not None:
+        if self._ranks.broken is not None:
             raise PipelineError(
-                f"this pipeline failed in an earlier step ({self._broken}); "
+                f"this pipeline failed in an earlier step ({self._ranks.broken}); "
                 "its ranks may disagree on what was sent: build a new Pipe",
             )
         if inputs_mb is not None:
             inputs_mb = [to_device(x, self.stages[0].device) for x in inputs_mb]
         step = StepInputs(
             microbatches=inputs_mb or [None] * self.chunks,
-            seed=self._step_seed(seed),
-            remat=[self._remat(m) for m in range(self.chunks)],
+            seed=self._ranks.step_seed(seed),
+            remat=[remat.recomputes(self.checkpoint, m, self.chunks) for m in range(self.chunks)],
             losses=losses,
         )
         try:
-            if self.rank is not None:
-                self._transport.begin(training=losses is not None)
-            # Multi-process: absolute times, so that the ranks' traces line up.
-            origin = None if self.rank is None else 0.0
-            result = self._runtime.run(step, trace=trace, clock_origin=origin)
-            if self.rank is not None:
-                self._transport.finish()
+            self._transport.begin(training=losses is not None)
+            result = self._runtime.run(step, trace=trace, clock_origin=self._ranks.clock_origin)
+            self._transport.finish()
             if self._reducer is not None and losses is not None:
                 self._reducer.finish()
             if self._tied is not None and losses is not None:
-                if self.rank is None:
-                    self._tied.sync_gradients()
-                else:
-                    self._tied.sync_gradients_across(*self._tie_wiring())
+                self._tied.sync_gradients(self._ranks.exchange)
         except BaseException as error:
             # Nothing of this step survives; one process is ready for the next step.
             self._transport.clear()
             for stage in self.stages:
                 stage.clear()
-            for module in self.modules():
-                if isinstance(module, DeferredBatchNorm):
-                    module.reset_accumulators()
+            batchnorm.reset_all(self)
             if self._reducer is not None:
                 self._reducer.reset()
-            if self.rank is not None:
-                self._fail(error)
+            self._ranks.fail(error, self.stages)
             raise
-        for module in self.modules():
-            if isinstance(module, DeferredBatchNorm):
-                module.commit()
+        batchnorm.commit_all(self)
         local_loss = None
         if losses is not None and self._holds(self.num_stages - 1):
             local_loss = torch.stack([result.losses[m] for m in range(self.chunks)]).sum()
-        result.loss = local_loss
-        if self.rank is not None:
-            result.loss = self._agree(local_loss)
+        result.loss = self._ranks.agree(local_loss)
         self.last_trace = result.trace
         return result
-
-    def _step_seed(self, seed: int | None) -> int:
-        if seed is not None:
-            return seed
-        if self.rank is None:
-            return rng.draw_step_seed()
-        import torch.distributed as dist
-
-        drawn = torch.tensor([rng.draw_step_seed() if self.rank == 0 else 0], dtype=torch.int64)
-        drawn = drawn.to(self._transport.wire_device)
-        work = dist.broadcast(drawn, dist.get_global_rank(self.group, 0), self.group, async_op=True)
-        work.wait(timeout=timedelta(seconds=self.timeout))
-        return int(drawn.item())
-
-    # -- agreement between ranks (multi-process) ------------------------------------------
-
-    def _gather(self, value: float, failed: int) -> torch.Tensor:
-        """Every rank's (value, failed rank + 1 or 0), one row per pipeline rank."""
-        import torch.distributed as dist
-
-        wire = self._transport.wire_device
-        rows = torch.zeros(dist.get_world_size(self.group), 2, dtype=torch.float64, device=wire)
-        rows[self.rank] = torch.tensor([value, failed + 1], dtype=torch.float64)
-        work = dist.all_reduce(rows, group=self.group, async_op=True)  # each row set once
-        work.wait(timeout=timedelta(seconds=self.timeout))
-        return rows.cpu()
-
-    def _agree(self, local_loss: torch.Tensor | None) -> torch.Tensor:
-        """The loss on every rank (it lives on the last stage's), and a last health check."""
-        value = float(local_loss) if local_loss is not None else 0.0
-        try:
-            rows = self._gather(value, failed=-1)
-        except Exception as error:
-            self._broken = f"a rank did not reach the end of the step: {error}"
-            raise PipelineError(
-                f"rank {self.rank}: the pipeline group did not complete the step "
-                f"(a process died or stalled?): {error}"
-            ) from error
-        if rows[:, 1].any():
-            self._raise_remote(rows)
-        if local_loss is not None:
-            return local_loss
-        last_rank = self.schedule.stage_to_rank[-1]
-        # float64 holds a float32 or float64 loss exactly
-        return torch.tensor(float(rows[last_rank, 0]), dtype=torch.float64)
-
-    def _fail(self, error: BaseException) -> None:
-        """Tell the other ranks this step failed here (or upstream), then agree on who."""
-        if isinstance(error, PipelineError) and error.rank is not None:
-            origin, message = error.rank, str(error)
-        else:
-            origin = self.rank
-            stages = ", ".join(str(s.index) for s in self.stages)
-            message = f"rank {self.rank} (stage {stages}) raised {type(error).__name__}: {error}"
-            if hasattr(error, "add_note"):
-                error.add_note(f"raised in pipeline rank {self.rank} (stage {stages})")
-        self._broken = message
-        self._transport.announce_failure({"rank": origin, "message": message})
-        try:
-            self._gather(0.0, failed=origin)
-            self._share_failures(message if origin == self.rank else "")
-        except Exception:
-            pass
-
-    def _share_failures(self, message: str) -> list[str]:
-        import torch.distributed as dist
-
-        messages: list[str] = [""] * dist.get_world_size(self.group)
-        dist.all_gather_object(messages, message, group=self.group)
-        return messages
-
-    def _raise_remote(self, rows: torch.Tensor) -> None:
-        origin = int(rows[rows[:, 1] > 0, 1].min().item()) - 1
-        messages = self._share_failures("")
-        message = messages[origin] or next((m for m in messages if m), f"rank {origin} failed")
-        self._broken = message
-        raise PipelineError(f"rank {self.rank}: the step failed elsewhere: {message}", rank=origin)
 
     # -- gradients ------------------------------------------------------------------------
 
@@ -515,26 +403,12 @@ class Pipe(nn.Module):
             local = norms.max() if p == float("inf") else norms.pow(p).sum()
         else:
             local = torch.zeros((), dtype=torch.float64, device=device)
-        if self.rank is not None:
-            import torch.distributed as dist
-
-            # Replicas hold equal gradients after averaging: reduce over the pipeline only.
-            op = dist.ReduceOp.MAX if p == float("inf") else dist.ReduceOp.SUM
-            wire = local.reshape(1).to(self._transport.wire_device)
-            dist.all_reduce(wire, op=op, group=self.group)
-            local = wire.reshape(()).to(device)
+        local = self._ranks.norm_total(local, maximum=p == float("inf"))
         total = local if p == float("inf") else local.pow(1.0 / p)
         scale = (max_norm / (total + 1e-6)).clamp(max=1.0)
         for g in grads:
             g.mul_(scale.to(g.device, g.dtype))
         return total.float()
-
-    def _remat(self, m: int) -> bool:
-        if self.checkpoint == "always":
-            return True
-        if self.checkpoint == "except_last":
-            return m < self.chunks - 1
-        return False
 
     # -- devices are fixed at construction --------------------------------------------------
 
@@ -571,59 +445,13 @@ class Pipe(nn.Module):
 
 def _problems(module, balance, devices, virtual_stages, chunks, checkpoint, schedule) -> list[str]:
     """Every configuration problem, each a line of the one error raised."""
-    try:
-        check_partition(module, balance, devices, virtual_stages=virtual_stages)
-        problems = []
-    except PartitionError as error:
-        problems = str(error).splitlines()[1:]
+    problems = partition_problems(module, balance, devices, virtual_stages=virtual_stages)
     if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
         problems.append(f"- chunks must be a positive int (micro-batches), got {chunks!r}")
-    if checkpoint not in CHECKPOINT_MODES:
-        problems.append(
-            f"- checkpoint must be one of {', '.join(CHECKPOINT_MODES)}, got {checkpoint!r}"
-        )
+    try:
+        remat.check_mode(checkpoint)
+    except ValueError as error:
+        problems.append(f"- {error}")
     if isinstance(schedule, str) and schedule not in SCHEDULES:
         problems.append(f"- unknown schedule {schedule!r}; known: {', '.join(SCHEDULES)}")
     return problems
-
-
-def _auto_balance(module, balance, sample, devices, group, **plan) -> list[int]:
-    """Cuts that minimise the slowest stage, measured on ``sample`` on the first device.
-
-    With a process group, rank 0 profiles and every rank takes its answer: timings differ
-    from process to process, and all must cut alike.
-    """
-    if balance != "auto":
-        raise PartitionError(f"balance must be a list of ints or 'auto', got {balance!r}")
-    if sample is None:
-        raise PartitionError(
-            "balance='auto' profiles the model: pass sample=<one micro-batch of inputs>"
-        )
-    if not isinstance(module, nn.Module):
-        raise PartitionError("balance='auto' needs the built model, not a factory")
-    from gpipe.balance import balance_by_time
-
-    virtual = plan["virtual_stages"]
-    if group is not None:
-        import torch.distributed as dist
-
-        ranks = dist.get_world_size(group)
-        device = devices[0] if devices is not None else _default_device(group)
-        found = [None]
-        if dist.get_rank(group) == 0:
-            found = [balance_by_time(module, sample, stages=ranks * virtual, device=device, **plan)]
-        dist.broadcast_object_list(found, src=dist.get_global_rank(group, 0), group=group)
-        return found[0]
-    if devices is None:
-        raise PartitionError(
-            "balance='auto' needs to know the number of stages: pass devices=[...], one per stage"
-        )
-    return balance_by_time(module, sample, stages=len(devices) * virtual, device=devices[0], **plan)
-
-
-def _default_device(group: Any) -> torch.device:
-    import torch.distributed as dist
-
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    return torch.device("cpu")

@@ -8,7 +8,7 @@ printed in the title. The events come from either side of the same schedule::
 
     from gpipe import timeline
     from gpipe.schedule import build_schedule
-    from gpipe.simulate import simulate
+    from gpipe.schedule.simulate import simulate
 
     simulated = simulate(build_schedule("1f1b", num_ranks=2, num_microbatches=4)).events
     pipe.step(x, y, loss_fn, trace=True)            # a Pipe built with schedule="1f1b"
@@ -16,7 +16,7 @@ printed in the title. The events come from either side of the same schedule::
     timeline.save_chrome_trace(pipe.last_trace, "1f1b.json")   # open in ui.perfetto.dev
 
 Times are in cost units when simulated and in seconds when measured. ``time_unit=None``
-tells them apart by where the trace begins: :func:`gpipe.simulate.simulate` starts the first
+tells them apart by where the trace begins: :func:`gpipe.simulate` starts the first
 action at exactly 0, a measured trace a little after the step's clock starts. Pass
 ``time_unit`` when that guess does not hold (e.g. ``"s"`` for a measured trace shifted to 0).
 
@@ -32,12 +32,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from gpipe.schedule import Kind, TimedAction
+from gpipe.schedule.ir import Kind, TimedAction
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
 
-    from gpipe.simulate import SimulationResult
+    from gpipe.schedule.simulate import SimulationResult
 
     Trace = Sequence[TimedAction] | SimulationResult  # a result stands for its events
 
@@ -344,7 +344,7 @@ def _window(events: Sequence[TimedAction]) -> tuple[float, float, float | None]:
     """(origin, end, bubble fraction or None): the step's span and its idle share.
 
     The origin is 0 (the step's start) unless the trace begins well after it, e.g. when its
-    times are absolute; the bubble is that of the span, as in :func:`gpipe.simulate.simulate`.
+    times are absolute; the bubble is that of the span, as in :func:`gpipe.simulate`.
     """
     first = min(e.start for e in events)
     end = max(e.end for e in events)

@@ -8,30 +8,17 @@ from __future__ import annotations
 
 import argparse
 import time
-from pathlib import Path
 
 import torch
 
 __all__ = ["configure", "run"]
 
 
-def _corpus(max_bytes: int) -> torch.Tensor:
-    """Bytes of the Python standard library's own source: real text present everywhere."""
-    root = Path(argparse.__file__).parent
-    chunks, total = [], 0
-    for path in sorted(root.glob("*.py")):
-        data = path.read_bytes()
-        chunks.append(data)
-        total += len(data)
-        if total >= max_bytes:
-            break
-    return torch.frombuffer(bytearray(b"".join(chunks)[:max_bytes]), dtype=torch.uint8).long()
-
-
 def demo(args: argparse.Namespace) -> None:
-    import gpipe
+    from gpipe.data import stdlib_bytes
     from gpipe.models import GPTConfig, gpt, lm_loss
     from gpipe.partition import even_balance
+    from gpipe.pipe import Pipe
 
     torch.manual_seed(args.seed)
     torch.set_num_threads(max(1, torch.get_num_threads()))
@@ -41,10 +28,10 @@ def demo(args: argparse.Namespace) -> None:
     if not 1 <= args.stages <= layers:
         raise SystemExit(f"gpipe demo: --stages must be in 1..{layers}, got {args.stages}")
     balance = even_balance(layers, args.stages)
-    pipe = gpipe.Pipe(model, balance=balance, chunks=args.chunks, checkpoint=args.checkpoint)
+    pipe = Pipe(model, balance=balance, chunks=args.chunks, checkpoint=args.checkpoint)
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=args.lr)
 
-    data = _corpus(400_000)
+    data = stdlib_bytes(400_000)
     generator = torch.Generator().manual_seed(args.seed)
     print(
         f"gpipe demo: GPT {layers} layers, {sum(p.numel() for p in pipe.parameters()):,} "

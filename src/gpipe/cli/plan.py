@@ -157,9 +157,8 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import gpipe
-    from gpipe.balance import MemoryModel
-    from gpipe.plan import Link, verify
+    from gpipe.planner import Link, plan, verify
+    from gpipe.planning.memory_model import MemoryModel
 
     model, x, y, loss_fn, what = build(args)
     link = Link(latency=args.latency, bandwidth=args.bandwidth)
@@ -170,7 +169,7 @@ def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     start = time.perf_counter()
     try:
-        result = gpipe.plan(
+        result = plan(
             model,
             x,
             devices=args.devices,

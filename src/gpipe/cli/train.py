@@ -46,7 +46,7 @@ from torch.nn import functional as F
 
 from gpipe import checkpoint as ckpt
 from gpipe.data import EpochSampler, TokenWindows, hash_seed
-from gpipe.pipe import CHECKPOINT_MODES
+from gpipe.remat import REMAT_MODES
 from gpipe.schedule import SCHEDULES, ScheduleError, build_schedule
 
 __all__ = ["PRESETS", "TrainConfig", "build_model", "configure", "run", "train"]
@@ -188,7 +188,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--virtual-stages", type=int, help="stages per process (interleaved-1f1b: 2)")
     g.add_argument(
         "--checkpoint",
-        choices=CHECKPOINT_MODES,
+        choices=REMAT_MODES,
         help="re-materialization mode (saving: --save-every)",
     )
     g.add_argument("--balance", help="layers per stage, e.g. 3,3 (default: even)")
@@ -378,7 +378,7 @@ def run(args: argparse.Namespace) -> int:
     if torchrun:
         return _run_under_torchrun(config)
     data = _prepare(config)
-    from gpipe.launch import LaunchError, launch
+    from gpipe.parallel.launch import LaunchError, launch
 
     try:
         # gloo: this command trains on CPU, and its own collectives carry CPU tensors.
@@ -882,7 +882,7 @@ class _Trainer:
 
 @contextlib.contextmanager
 def _meter(pipe):
-    from gpipe.memory import measure_activations
+    from gpipe.engine.memory import measure_activations
 
     with measure_activations(pipe) as meter:
         yield meter
@@ -1042,7 +1042,7 @@ class _Reporter:
             lines.append(f"  val loss     {s['val_loss']:.4f}{acc}")
         lines.append(f"  throughput   {s[f'{unit}_per_s']:,.0f} {unit}/s")
         if self.bubble is not None:
-            from gpipe.simulate import simulate
+            from gpipe.schedule.simulate import simulate
 
             schedule = build_schedule(
                 c.schedule,

@@ -20,18 +20,39 @@ from typing import Any, Protocol
 
 import torch
 
-from gpipe.schedule import Action, Kind, Schedule, TimedAction
-from gpipe.stage import LossSpec, Stage
-from gpipe.transport import Message, Routes
+from gpipe._utils import synchronize
+from gpipe.engine.stage import LossSpec, Stage
+from gpipe.schedule.builders import Schedule
+from gpipe.schedule.ir import Action, Kind, TimedAction
+from gpipe.schedule.routes import Message, Routes
 
-__all__ = ["Runtime", "StepInputs", "StepResult"]
+__all__ = ["Runtime", "StepInputs", "StepResult", "Transport"]
 
 
 class Transport(Protocol):
-    def prepare(self, action: Action) -> None: ...
+    """What the runtime and the front end need from a transport (``gpipe.transport``)."""
+
+    def begin(self, training: bool) -> None:
+        """Start a step (training, or forwards only)."""
+
+    def prepare(self, action: Action) -> None:
+        """This rank is about to run ``action``: post what receives are due."""
+
     def send(self, message: Message, value: Any) -> None: ...
-    def ready(self, message: Message) -> bool: ...
+
+    def ready(self, message: Message) -> bool:
+        """Whether ``recv(message)`` would return without waiting for another rank."""
+
     def recv(self, message: Message) -> Any: ...
+
+    def finish(self) -> None:
+        """End a step: every send has completed."""
+
+    def announce_failure(self, description: dict) -> None:
+        """Tell the peers still waiting on this rank that it failed."""
+
+    def clear(self) -> None:
+        """Drop whatever a failed step left in flight."""
 
 
 @dataclass
@@ -50,11 +71,6 @@ class StepResult:
     outputs: dict[int, Any] = field(default_factory=dict)  # inference outputs
     trace: list[TimedAction] = field(default_factory=list)
     loss: torch.Tensor | None = None  # the mini-batch loss, filled in by the front end
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type != "cpu":
-        torch.get_device_module(device.type).synchronize(device)
 
 
 class Runtime:
@@ -122,7 +138,7 @@ class Runtime:
                 if self._after_backward is not None and final:
                     self._after_backward(self.stages[action.stage])
                 if trace:
-                    _synchronize(self.stages[action.stage].device)
+                    synchronize(self.stages[action.stage].device)
                     end = time.perf_counter() - origin
                     # From the moment its inputs were there: waiting is idle, not work.
                     start = self._inputs_ready_at - origin

@@ -26,7 +26,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from gpipe.schedule import Kind, Schedule, TimedAction
+from gpipe.schedule.builders import Schedule
+from gpipe.schedule.ir import Kind, TimedAction
 
 __all__ = ["Costs", "SimulationResult", "simulate"]
 

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from gpipe.stage import Stage
+from gpipe.engine.stage import Stage
 
 __all__ = ["GradientReducer"]
 

@@ -8,22 +8,23 @@ per step each copy's gradient is replaced by the sum over all copies — the gra
 the one shared tensor. Equal values, equal gradients and the same optimizer keep them
 equal, bit for bit.
 
-Copies on the same process are summed in stage order on the reference copy's device;
-across processes the holders exchange their gradients point to point and every holder
-adds them in the same (stage) order, so all copies get the same bits.
+The holders exchange their copies through the Pipe's group (``gpipe.parallel.group``: on
+one process, moves to the reference copy's device; across processes, point to point) and
+every holder adds them in the same (stage) order, so all copies get the same bits.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from datetime import timedelta
-from typing import Any
 
 import torch
 from torch import nn
 
 __all__ = ["TiedError", "TiedParameters"]
+
+# (holder stages, {local stage: tensor}) -> {every holder stage: its tensor}
+Exchange = Callable[[list[int], dict[int, torch.Tensor]], dict[int, torch.Tensor]]
 
 
 class TiedError(ValueError):
@@ -72,7 +73,7 @@ class TiedParameters:
             raise TiedError("invalid tied=:\n" + "\n".join(f"- {p}" for p in problems))
         # Give every local holder stage its own copy; names in one stage share it. In a
         # process that builds only its own layers the reference may be on meta: start from
-        # the local value, which broadcast_values() then replaces.
+        # the local value, which sync_values() then replaces.
         for tie in self.ties:
             for stage in tie.stages:
                 if stage not in local_stages:
@@ -102,42 +103,8 @@ class TiedParameters:
             if stage != tie.stages[-1]
         }
 
-    # -- one process -----------------------------------------------------------------------
-
-    def sync_gradients(self) -> None:
-        """Every copy's gradient becomes the sum over all copies (all local)."""
-        for tie in self.ties:
-            reference = tie.copies[tie.stages[-1]]
-            total = torch.zeros_like(reference)
-            for stage in tie.stages:
-                grad = tie.copies[stage].grad
-                if grad is not None:
-                    total += grad.to(total.device)
-            for stage in tie.stages:
-                tie.copies[stage].grad = total.to(tie.copies[stage].device, copy=True)
-
-    # -- many processes --------------------------------------------------------------------
-
-    def _exchange(self, tie: _Tie, mine: torch.Tensor, rank_of: Any, group: Any, timeout: float):
-        """Send ``mine`` to every other holder; return every holder's tensor by stage."""
-        import torch.distributed as dist
-
-        stage = next(iter(tie.copies))
-        received: dict[int, torch.Tensor] = {stage: mine}
-        ops = []
-        for other in tie.stages:
-            if other == stage:
-                continue
-            peer = dist.get_global_rank(group, rank_of(other))
-            received[other] = torch.empty_like(mine)
-            ops.append(dist.P2POp(dist.isend, mine, peer, group))
-            ops.append(dist.P2POp(dist.irecv, received[other], peer, group))
-        if ops:
-            for work in dist.batch_isend_irecv(ops):
-                work.wait(timeout=timedelta(seconds=timeout))
-        return received
-
     def check_one_copy_per_process(self) -> None:
+        """Across processes each process may hold one copy of a tie (its exchange is 1:1)."""
         for tie in self.ties:
             if len(tie.copies) > 1:
                 raise TiedError(
@@ -146,26 +113,29 @@ class TiedParameters:
                     "process may hold one of them: change balance or the schedule"
                 )
 
-    def broadcast_values(self, rank_of: Any, group: Any, timeout: float, wire: torch.device):
+    def sync_values(self, exchange: Exchange) -> None:
         """Make every copy equal to the reference copy (the last holder's)."""
         for tie in self.ties:
-            if not tie.copies:
-                continue
-            copy = next(iter(tie.copies.values()))
-            value = copy.detach().to(wire)
-            received = self._exchange(tie, value, rank_of, group, timeout)
-            with torch.no_grad():
-                copy.copy_(received[tie.stages[-1]])
+            if tie.copies:
+                mine = {stage: copy.detach() for stage, copy in tie.copies.items()}
+                reference = exchange(tie.stages, mine)[tie.stages[-1]]
+                with torch.no_grad():
+                    for copy in tie.copies.values():
+                        copy.copy_(reference)
 
-    def sync_gradients_across(self, rank_of: Any, group: Any, timeout: float, wire: torch.device):
-        """Like :meth:`sync_gradients` for holders in several processes."""
+    def sync_gradients(self, exchange: Exchange) -> None:
+        """Every copy's gradient becomes the sum over all copies, added in stage order on
+        every holder, so that all copies get the same bits."""
         for tie in self.ties:
             if not tie.copies:
                 continue
-            copy = next(iter(tie.copies.values()))
-            mine = (copy.grad if copy.grad is not None else torch.zeros_like(copy)).to(wire)
-            received = self._exchange(tie, mine.contiguous(), rank_of, group, timeout)
-            total = torch.zeros_like(mine)
-            for holder in tie.stages:  # the same order on every holder: the same bits
-                total += received[holder]
-            copy.grad = total.to(copy.device)
+            mine = {
+                stage: copy.grad if copy.grad is not None else torch.zeros_like(copy)
+                for stage, copy in tie.copies.items()
+            }
+            everyone = exchange(tie.stages, mine)
+            total = torch.zeros_like(everyone[tie.stages[-1]])
+            for holder in tie.stages:
+                total += everyone[holder]
+            for copy in tie.copies.values():
+                copy.grad = total.to(copy.device, copy=True)

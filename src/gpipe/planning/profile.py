@@ -38,6 +38,7 @@ you will run when you can; ``gpipe.plan`` does).
 from __future__ import annotations
 
 import copy
+import functools
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -48,14 +49,11 @@ import torch
 from torch import nn
 
 from gpipe import microbatch, rng
-from gpipe.memory import ActivationMeter
-from gpipe.split_backward import backward_input, backward_weight
-from gpipe.stage import tensors_of
-from gpipe.transport import to_device
+from gpipe._utils import DeviceLike, storage_key, synchronize, tensors_of, to_device
+from gpipe.engine.memory import ActivationMeter
+from gpipe.engine.split_backward import backward_input, backward_weight
 
 __all__ = ["LayerProfile", "Profile", "profile"]
-
-DeviceLike = torch.device | str | int
 
 
 @dataclass(frozen=True)
@@ -247,7 +245,7 @@ def profile(
         batch = microbatch.batch_size(sample, name="sample")
     except ValueError:
         batch = None
-    sync = _synchronizer(device)
+    sync = functools.partial(synchronize, device)
     # Own storages: a sample sliced from a larger batch would otherwise count as all of it.
     x = torch.utils._pytree.tree_map(_compact, to_device(sample, device))
     if target is not None:
@@ -282,20 +280,9 @@ def _resolve_device(model: nn.Module, device: DeviceLike | None) -> torch.device
     return device
 
 
-def _synchronizer(device: torch.device) -> Callable[[], None]:
-    if device.type == "cpu":
-        return lambda: None
-    module = torch.get_device_module(device.type)
-    return lambda: module.synchronize(device)
-
-
-def _storage_key(t: torch.Tensor) -> tuple[torch.device, int]:
-    return t.device, t.untyped_storage().data_ptr()
-
-
 def _bytes_of(tensors: Sequence[torch.Tensor]) -> int:
     """Bytes of the distinct storages behind ``tensors``."""
-    unique = {_storage_key(t): t.untyped_storage().nbytes() for t in tensors}
+    unique = {storage_key(t): t.untyped_storage().nbytes() for t in tensors}
     return sum(unique.values())
 
 
@@ -305,7 +292,7 @@ def _saved_part(meter: ActivationMeter, tensors: Sequence[torch.Tensor]) -> int:
     Holding a storage the meter counts adds no bytes; the token is dropped at once.
     """
     total = 0
-    for t in {_storage_key(t): t for t in tensors}.values():
+    for t in {storage_key(t): t for t in tensors}.values():
         before = meter.live_bytes[0]
         token = meter.hold(0, [t])
         if meter.live_bytes[0] == before:
@@ -368,13 +355,13 @@ class _LayerRun:
         with torch.enable_grad(), meter.saved_tensors(0):
             out, roots, _ = self.run()  # roots keep the loss's graph, if any, alive
         in_tensors, out_tensors = tensors_of(self.x), tensors_of(out)
-        in_keys = {_storage_key(t) for t in in_tensors}
+        in_keys = {storage_key(t) for t in in_tensors}
         self.memory = {
             "saved_bytes": meter.live_bytes[0],
             "saved_input_bytes": _saved_part(meter, in_tensors),
             # an output sharing the input's storage (identity, view) is counted as input
             "saved_output_bytes": _saved_part(
-                meter, [t for t in out_tensors if _storage_key(t) not in in_keys]
+                meter, [t for t in out_tensors if storage_key(t) not in in_keys]
             ),
             "input_bytes": _bytes_of(in_tensors),
             "output_bytes": _bytes_of(out_tensors),

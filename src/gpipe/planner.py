@@ -49,24 +49,26 @@ import torch
 from torch import nn
 
 from gpipe import microbatch
-from gpipe.balance import (
-    BudgetError,
+from gpipe._utils import MiB, tensors_of
+from gpipe.engine.memory import measure_activations
+from gpipe.parallel import mesh
+from gpipe.parallel.launch import launch
+from gpipe.pipe import Pipe
+from gpipe.planning.balance import BudgetError, balance_profile
+from gpipe.planning.memory_model import (
     MemoryModel,
     StageMemory,
-    balance_profile,
     held_in,
     held_microbatches,
-    recompute_fraction,
     stage_memory,
 )
-from gpipe.pipe import CHECKPOINT_MODES
-from gpipe.profile import Profile, profile
+from gpipe.planning.profile import Profile, profile
+from gpipe.remat import REMAT_MODES, recompute_fraction
 from gpipe.schedule import SCHEDULES, Schedule, build_schedule
-from gpipe.simulate import Costs, simulate
+from gpipe.schedule.simulate import Costs, simulate
 
 __all__ = ["Candidate", "Link", "Plan", "Verified", "plan", "plan_from_profiles", "verify"]
 
-_MIB = 2**20
 DEFAULT_OVERHEAD = 100e-6  # seconds of runtime bookkeeping per action, measured on a CPU
 ProfileSource = Profile | Mapping[int, Profile] | Callable[[int], Profile]
 
@@ -99,41 +101,14 @@ class Link:
         """Ping-pong between two new local processes (``gpipe.launch``): the latency of a
         tiny message, and the bandwidth of an ``nbytes`` one — on this machine, as loaded
         as it is now."""
-        from gpipe.launch import launch
-
         sizes = (64, int(nbytes))
-        times = launch(_ping_pong, 2, args=(sizes, rounds), backend=backend)[0]
+        times = launch(mesh.ping_pong, 2, args=(sizes, rounds), backend=backend)[0]
         latency = times[sizes[0]]
         bandwidth = (sizes[1] - sizes[0]) / max(times[sizes[1]] - latency, 1e-9)
         return cls(latency=latency, bandwidth=bandwidth)
 
     def __str__(self) -> str:
         return f"{self.latency * 1e6:.0f} us + bytes / {self.bandwidth / 1e9:.2f} GB/s"
-
-
-def _ping_pong(rank: int, sizes: Sequence[int], rounds: int) -> dict[int, float]:
-    """One-way time of a message of each size (half the median round trip)."""
-    import torch.distributed as dist
-
-    device = torch.device("cuda", rank) if dist.get_backend() == "nccl" else torch.device("cpu")
-    torch.set_num_threads(1)
-    out = {}
-    for size in sizes:
-        message = torch.zeros(max(1, size // 4), device=device)
-        trips = []
-        for _ in range(rounds + 3):
-            start = time.perf_counter()
-            if rank == 0:
-                dist.send(message, 1)
-                dist.recv(message, 1)
-            else:
-                dist.recv(message, 0)
-                dist.send(message, 0)
-            if device.type != "cpu":
-                torch.cuda.synchronize(device)
-            trips.append(time.perf_counter() - start)
-        out[size] = statistics.median(trips[3:]) / 2
-    return out
 
 
 @dataclass(frozen=True)
@@ -206,7 +181,7 @@ class Verified:
     def activations(self) -> str:
         """``measured/predicted`` MiB per device."""
         return ", ".join(
-            f"{got / _MIB:.1f}/{want / _MIB:.1f}"
+            f"{got / MiB:.1f}/{want / MiB:.1f}"
             for got, want in zip(
                 self.activation_bytes, self.predicted_activation_bytes, strict=True
             )
@@ -238,7 +213,7 @@ class Plan:
         budget = (
             "no memory budget"
             if self.memory_budget is None
-            else (f"budget {self.memory_budget / _MIB:,.0f} MiB per device")
+            else (f"budget {self.memory_budget / MiB:,.0f} MiB per device")
         )
         lines = [
             f"batch {self.batch_size}, up to {self.devices} devices, {budget}; "
@@ -283,7 +258,7 @@ def _row(n: int | None, c: Candidate) -> str:
     balance = str(list(c.balance))
     if len(balance) > 19:
         balance = balance[:16] + "..."
-    memory = " / ".join(f"{m / _MIB:.1f}" for m in c.memory)
+    memory = " / ".join(f"{m / MiB:.1f}" for m in c.memory)
     mark = f"{n:>3}" if n is not None else "  -"
     return (
         f"{mark} {c.stages:>2} {c.virtual_stages:>2} {c.chunks:>3} {c.schedule:<17}"
@@ -361,12 +336,12 @@ def plan_from_profiles(
         raise ValueError(f"chunks {too_many} are not in 1..batch_size ({batch_size})")
     schedule_list = sorted(set(schedules)) if schedules is not None else sorted(SCHEDULES)
     unknown = [s for s in schedule_list if s not in SCHEDULES]
-    modes = list(checkpoints) if checkpoints is not None else list(CHECKPOINT_MODES)
-    unknown += [c for c in modes if c not in CHECKPOINT_MODES]
+    modes = list(checkpoints) if checkpoints is not None else list(REMAT_MODES)
+    unknown += [c for c in modes if c not in REMAT_MODES]
     if unknown:
         raise ValueError(
             f"unknown schedule or checkpoint {unknown}; schedules: {', '.join(SCHEDULES)}; "
-            f"checkpoints: {', '.join(CHECKPOINT_MODES)}"
+            f"checkpoints: {', '.join(REMAT_MODES)}"
         )
     stage_list = sorted(set(stages)) if stages is not None else list(range(1, devices + 1))
     if any(not 1 <= k <= devices for k in stage_list):
@@ -464,7 +439,7 @@ def _evaluate(
             bubble=math.nan,
             memory=tuple(per_device),
             fits=False,
-            reason=f"no cut fits: {max(error.missing) / _MIB:.1f} MiB missing on a stage",
+            reason=f"no cut fits: {max(error.missing) / MiB:.1f} MiB missing on a stage",
         )
     costs, transfer = _stage_costs(prof, part.balance, schedule, mode, link, overhead)
     result = simulate(schedule, costs, transfer=transfer)
@@ -476,7 +451,7 @@ def _evaluate(
     reason = ""
     if not fits:
         worst = max(range(k), key=per_device.__getitem__)
-        reason = f"device {worst} needs {per_device[worst] / _MIB:.1f} MiB"
+        reason = f"device {worst} needs {per_device[worst] / MiB:.1f} MiB"
     step = result.makespan
     return Candidate(
         **base,
@@ -576,8 +551,6 @@ def plan(
 
 def _output_square(output: Any, target: Any) -> torch.Tensor:
     """A stand-in loss when none is given: mean square of the output's float tensors."""
-    from gpipe.stage import tensors_of
-
     del target
     return sum(t.float().pow(2).mean() for t in tensors_of(output) if t.is_floating_point())  # type: ignore[return-value]
 
@@ -601,8 +574,6 @@ def verify(
     median step time of rank 0 gives the measured throughput (every rank ends a step
     together). One more step is run under ``gpipe.measure_activations``.
     """
-    from gpipe.launch import launch
-
     if target is None or loss_fn is None:
         loss_fn = _output_square
         target = torch.zeros(microbatch.batch_size(sample, name="sample"))
@@ -644,14 +615,10 @@ def _measure_rank(
     steps: int,
     warmup: int,
 ) -> dict[str, Any]:
-    import torch.distributed as dist
-
-    import gpipe
-
     del rank
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    pipe = gpipe.Pipe(model, group=dist.group.WORLD, **kwargs)
+    pipe = Pipe(model, group=mesh.world(), **kwargs)
     times = []
     for step in range(warmup + steps):
         start = time.perf_counter()
@@ -660,7 +627,7 @@ def _measure_rank(
         pipe.zero_grad(set_to_none=True)
         if step >= warmup:
             times.append(elapsed)
-    with gpipe.measure_activations(pipe) as meter:
+    with measure_activations(pipe) as meter:
         pipe.step(sample, target, loss_fn, seed=0)
     pipe.zero_grad(set_to_none=True)
     held = sum(meter.peak_bytes[s.index] for s in pipe.stages)

@@ -21,18 +21,20 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from gpipe.pipe import Pipe
+from gpipe._utils import storage_key
 
 __all__ = ["ActivationMeter", "measure_activations"]
 
 
-def _storage_key(tensor: torch.Tensor) -> tuple[torch.device, int]:
-    return tensor.device, tensor.untyped_storage().data_ptr()
+class _HasStages(Protocol):
+    num_stages: int
+    stages: list[Any]  # gpipe.engine.stage.Stage, whose ``meter`` this sets
+
+    def parameters(self) -> Iterator[torch.Tensor]: ...
 
 
 class _Held:
@@ -56,7 +58,7 @@ class ActivationMeter:
     """Live and peak bytes of stored activations, per stage."""
 
     def __init__(self, num_stages: int, parameters: Iterable[torch.Tensor] = ()) -> None:
-        self._excluded = {_storage_key(p) for p in parameters}
+        self._excluded = {storage_key(p) for p in parameters}
         self._refs: list[dict[tuple[torch.device, int], list[int]]] = [
             {} for _ in range(num_stages)
         ]
@@ -64,7 +66,7 @@ class ActivationMeter:
         self.peak_bytes = [0] * num_stages
 
     def _acquire(self, stage: int, tensor: torch.Tensor) -> tuple[torch.device, int] | None:
-        key = _storage_key(tensor)
+        key = storage_key(tensor)
         if key in self._excluded or tensor.device.type == "meta":
             return None
         entry = self._refs[stage].setdefault(key, [0, tensor.untyped_storage().nbytes()])
@@ -103,8 +105,12 @@ class ActivationMeter:
 
 
 @contextmanager
-def measure_activations(pipe: Pipe) -> Iterator[ActivationMeter]:
-    """Attach an :class:`ActivationMeter` to every local stage of ``pipe`` for the block."""
+def measure_activations(pipe: _HasStages) -> Iterator[ActivationMeter]:
+    """Attach an :class:`ActivationMeter` to every local stage of ``pipe`` for the block.
+
+    ``pipe`` is a :class:`gpipe.Pipe`, or anything with its ``num_stages``, ``stages`` and
+    ``parameters()``.
+    """
     meter = ActivationMeter(pipe.num_stages, pipe.parameters())
     for stage in pipe.stages:
         stage.meter = meter

@@ -28,25 +28,21 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_map
 
 from gpipe import rng
-from gpipe.batchnorm import DeferredBatchNorm
+from gpipe._utils import tensors_of
+from gpipe.engine.batchnorm import DeferredBatchNorm
+from gpipe.engine.skip import SkipError, StageSkips, tracking
+from gpipe.engine.split_backward import WeightWork, backward_input, backward_weight
 from gpipe.remat import recomputing
-from gpipe.skip import SkipError, StageSkips, tracking
-from gpipe.split_backward import WeightWork, backward_input, backward_weight
 
 if TYPE_CHECKING:
-    from gpipe.memory import ActivationMeter
+    from gpipe.engine.memory import ActivationMeter
 
-__all__ = ["LossSpec", "Stage", "tensors_of"]
+__all__ = ["LossSpec", "Stage"]
 
 LossFn = Callable[[Any, Any], torch.Tensor]
-
-
-def tensors_of(value: Any) -> list[torch.Tensor]:
-    """The tensors of a boundary value, in a fixed (pytree) order."""
-    return [leaf for leaf in tree_flatten(value)[0] if isinstance(leaf, torch.Tensor)]
 
 
 @dataclass

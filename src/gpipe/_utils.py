@@ -1,0 +1,50 @@
+"""Small helpers every layer uses: tensors of a nested value, device moves, byte sizes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_map
+
+__all__ = ["MiB", "DeviceLike", "storage_key", "synchronize", "tensors_of", "to_device"]
+
+DeviceLike = torch.device | str | int
+MiB = 2**20
+
+
+def tensors_of(value: Any) -> list[torch.Tensor]:
+    """The tensors of a nested value (a stage boundary), in a fixed (pytree) order."""
+    return [leaf for leaf in tree_flatten(value)[0] if isinstance(leaf, torch.Tensor)]
+
+
+def to_device(value: Any, device: torch.device, *, as_leaves: bool = False) -> Any:
+    """Copy every tensor of ``value`` to ``device``.
+
+    With ``as_leaves`` the copies are detached leaves that require grad exactly where the
+    originals did, ready to be a stage's inputs.
+    """
+    # A device-to-host copy must finish before the host reads it: only copies onto an
+    # accelerator may be asynchronous.
+    non_blocking = device.type != "cpu"
+
+    def move(leaf: Any) -> Any:
+        if not isinstance(leaf, torch.Tensor):
+            return leaf
+        moved = leaf.detach().to(device, non_blocking=non_blocking)
+        if as_leaves and leaf.requires_grad:
+            moved.requires_grad_(True)
+        return moved
+
+    return tree_map(move, value)
+
+
+def storage_key(tensor: torch.Tensor) -> tuple[torch.device, int]:
+    """What identifies the memory behind a tensor: views of one storage share it."""
+    return tensor.device, tensor.untyped_storage().data_ptr()
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the work queued on ``device`` (a no-op on the CPU), e.g. before timing."""
+    if device.type != "cpu":
+        torch.get_device_module(device.type).synchronize(device)

@@ -1,0 +1,22 @@
+"""The errors a user of gpipe meets, in one place.
+
+Each layer raises its own ``ValueError`` subclass for bad input (``ScheduleError``,
+``SkipError``, ``TiedError``, ``BudgetError``); the two below cross layers: a
+configuration that cannot be cut, and a failure somewhere else in the pipeline.
+"""
+
+from __future__ import annotations
+
+__all__ = ["PartitionError", "PipelineError"]
+
+
+class PartitionError(ValueError):
+    """A ``balance``/``devices`` combination that cannot cut the model."""
+
+
+class PipelineError(RuntimeError):
+    """A failure elsewhere in the pipeline (another rank raised, died or stalled)."""
+
+    def __init__(self, message: str, *, rank: int | None = None) -> None:
+        super().__init__(message)
+        self.rank = rank  # the pipeline rank that failed first, when known

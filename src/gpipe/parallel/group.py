@@ -1,0 +1,270 @@
+"""Where a Pipe's ranks live: all in this process, or one per process of a group.
+
+:func:`pipeline_group` turns ``Pipe(group=...)`` into one of two objects with the same
+methods, so that the front end (``gpipe.pipe``) never asks "which one am I?" and never
+touches ``torch.distributed``:
+
+* :class:`SingleProcess` holds every stage; its transport is device copies, and a failed
+  step leaves it ready for the next one;
+* :class:`MultiProcess` holds the stages of one rank of a ``torch.distributed`` group.
+  Everything the ranks must agree on goes through it: the step's random seed, the loss,
+  who failed first, the gradient norm, tied copies, the automatic balance.
+
+A failure in one rank is announced to its peers through the transport and then agreed on
+by every rank (``fail``/``agree``), so that all ranks raise the same first error instead
+of waiting for messages that will never come.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any, TypeVar
+
+import torch
+
+from gpipe import rng
+from gpipe._utils import DeviceLike
+from gpipe.engine.stage import Stage
+from gpipe.errors import PipelineError
+from gpipe.schedule.builders import Schedule
+from gpipe.schedule.routes import Routes
+from gpipe.transport.distributed import DistributedTransport
+from gpipe.transport.local import LocalTransport
+
+__all__ = ["MultiProcess", "SingleProcess", "pipeline_group"]
+
+T = TypeVar("T")
+ByStage = dict[int, torch.Tensor]  # a tensor per stage
+
+
+def pipeline_group(
+    group: Any, *, timeout: float, receive_ahead: bool | None = None
+) -> SingleProcess | MultiProcess:
+    """The ranks of a Pipe: ``group=None`` is one process, else a process group."""
+    if group is None:
+        return SingleProcess()
+    return MultiProcess(group, timeout=timeout, receive_ahead=receive_ahead)
+
+
+class SingleProcess:
+    """Every stage in this process."""
+
+    rank: int | None = None
+    clock_origin: float | None = None  # traces count from each step's start
+    broken: str | None = None  # never: a failed step is cleared and the next one runs
+
+    def default_devices(self, num_ranks: int) -> list[DeviceLike]:
+        return ["cpu"] * num_ranks
+
+    def device_problems(self, devices: list[DeviceLike]) -> list[str]:
+        return []
+
+    def local_stages(self, schedule: Schedule) -> list[int]:
+        return list(range(schedule.num_stages))
+
+    def build_device(self, stage_devices: list[torch.device], local: list[int]) -> DeviceLike:
+        return "cpu"  # every stage is built, then moved to its own device
+
+    def connect(
+        self, schedule: Schedule, stage_devices: list[torch.device], routes: Routes
+    ) -> LocalTransport:
+        self.schedule = schedule
+        self.transport = LocalTransport(stage_devices)
+        return self.transport
+
+    def step_seed(self, seed: int | None) -> int:
+        return rng.draw_step_seed() if seed is None else seed
+
+    def agree(self, local_loss: torch.Tensor | None) -> torch.Tensor | None:
+        return local_loss
+
+    def fail(self, error: BaseException, stages: list[Stage]) -> None:
+        pass  # nobody else to tell
+
+    def norm_total(self, local: torch.Tensor, *, maximum: bool) -> torch.Tensor:
+        return local
+
+    def exchange(
+        self, holders: list[int], mine: dict[int, torch.Tensor]
+    ) -> dict[int, torch.Tensor]:
+        """Every holder stage's tensor, on the last holder's device (all are local here)."""
+        device = mine[holders[-1]].device
+        return {stage: mine[stage].to(device) for stage in holders}
+
+    def decide(self, choose: Callable[[], T]) -> T:
+        return choose()
+
+
+class MultiProcess:
+    """The stages of one rank of a ``torch.distributed`` process group."""
+
+    clock_origin: float | None = 0.0  # perf_counter is one clock per machine: traces line up
+
+    def __init__(self, group: Any, *, timeout: float, receive_ahead: bool | None) -> None:
+        import torch.distributed as dist
+
+        self._dist = dist
+        self.group = group
+        self.timeout = timeout
+        self.receive_ahead = receive_ahead
+        self.rank: int | None = dist.get_rank(group)
+        self.num_ranks = dist.get_world_size(group)
+        self.backend = dist.get_backend(group)
+        self.broken: str | None = None  # what failed, once a step has: the ranks may disagree
+
+    def _wait(self, work: Any) -> None:
+        work.wait(timeout=timedelta(seconds=self.timeout))
+
+    # -- devices and stages -------------------------------------------------------------------
+
+    def _own_device(self) -> torch.device:
+        if self.backend == "nccl":
+            return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        return torch.device("cpu")
+
+    def default_devices(self, num_ranks: int) -> list[DeviceLike]:
+        return [self._own_device()] * self.num_ranks
+
+    def device_problems(self, devices: list[DeviceLike]) -> list[str]:
+        if len(devices) == self.num_ranks:
+            return []
+        return [
+            f"- devices has {len(devices)} entries but the process group has "
+            f"{self.num_ranks} ranks; give one device per rank"
+        ]
+
+    def local_stages(self, schedule: Schedule) -> list[int]:
+        return list(schedule.stages_of(self.rank))
+
+    def build_device(self, stage_devices: list[torch.device], local: list[int]) -> DeviceLike:
+        return stage_devices[local[0]]  # a process builds only its own layers, in place
+
+    def connect(
+        self, schedule: Schedule, stage_devices: list[torch.device], routes: Routes
+    ) -> DistributedTransport:
+        self.schedule = schedule
+        self.transport = DistributedTransport(
+            schedule,
+            self.rank,
+            self.group,
+            stage_devices,
+            timeout=self.timeout,
+            routes=routes,
+            receive_ahead=self.receive_ahead,
+        )
+        self.wire = self.transport.wire_device  # where collectives' tensors live
+        return self.transport
+
+    def _global(self, rank: int) -> int:
+        return self._dist.get_global_rank(self.group, rank)
+
+    # -- what every rank must agree on ----------------------------------------------------
+
+    def step_seed(self, seed: int | None) -> int:
+        """The step's seed: ``seed``, or one drawn on pipeline rank 0 and broadcast."""
+        if seed is not None:
+            return seed
+        drawn = torch.tensor([rng.draw_step_seed() if self.rank == 0 else 0], dtype=torch.int64)
+        drawn = drawn.to(self.wire)
+        self._wait(self._dist.broadcast(drawn, self._global(0), self.group, async_op=True))
+        return int(drawn.item())
+
+    def _gather(self, value: float, failed: int) -> torch.Tensor:
+        """Every rank's (value, failed rank + 1 or 0), one row per pipeline rank."""
+        rows = torch.zeros(self.num_ranks, 2, dtype=torch.float64, device=self.wire)
+        rows[self.rank] = torch.tensor([value, failed + 1], dtype=torch.float64)
+        # each row is set by one rank only: a sum gathers them
+        self._wait(self._dist.all_reduce(rows, group=self.group, async_op=True))
+        return rows.cpu()
+
+    def agree(self, local_loss: torch.Tensor | None) -> torch.Tensor:
+        """The loss on every rank (it lives on the last stage's), and a last health check."""
+        value = float(local_loss) if local_loss is not None else 0.0
+        try:
+            rows = self._gather(value, failed=-1)
+        except Exception as error:
+            self.broken = f"a rank did not reach the end of the step: {error}"
+            raise PipelineError(
+                f"rank {self.rank}: the pipeline group did not complete the step "
+                f"(a process died or stalled?): {error}"
+            ) from error
+        if rows[:, 1].any():
+            self._raise_remote(rows)
+        if local_loss is not None:
+            return local_loss
+        last_rank = self.schedule.stage_to_rank[-1]
+        # float64 holds a float32 or float64 loss exactly
+        return torch.tensor(float(rows[last_rank, 0]), dtype=torch.float64)
+
+    def fail(self, error: BaseException, stages: list[Stage]) -> None:
+        """Tell the other ranks this step failed here (or upstream), then agree on who."""
+        if isinstance(error, PipelineError) and error.rank is not None:
+            origin, message = error.rank, str(error)
+        else:
+            origin = self.rank
+            held = ", ".join(str(s.index) for s in stages)
+            message = f"rank {self.rank} (stage {held}) raised {type(error).__name__}: {error}"
+            if hasattr(error, "add_note"):
+                error.add_note(f"raised in pipeline rank {self.rank} (stage {held})")
+        self.broken = message
+        self.transport.announce_failure({"rank": origin, "message": message})
+        try:
+            self._gather(0.0, failed=origin)
+            self._share_failures(message if origin == self.rank else "")
+        except Exception:
+            pass  # the peers have the announcement; the original error is what we raise
+
+    def _share_failures(self, message: str) -> list[str]:
+        messages: list[str] = [""] * self.num_ranks
+        self._dist.all_gather_object(messages, message, group=self.group)
+        return messages
+
+    def _raise_remote(self, rows: torch.Tensor) -> None:
+        origin = int(rows[rows[:, 1] > 0, 1].min().item()) - 1
+        messages = self._share_failures("")
+        message = messages[origin] or next((m for m in messages if m), f"rank {origin} failed")
+        self.broken = message
+        raise PipelineError(f"rank {self.rank}: the step failed elsewhere: {message}", rank=origin)
+
+    def norm_total(self, local: torch.Tensor, *, maximum: bool) -> torch.Tensor:
+        """Sum (or max) of a per-rank gradient norm term over the pipeline's ranks.
+
+        Replicas hold equal gradients after averaging: reducing over the pipeline suffices.
+        """
+        dist = self._dist
+        op = dist.ReduceOp.MAX if maximum else dist.ReduceOp.SUM
+        wire = local.reshape(1).to(self.wire)
+        self._wait(dist.all_reduce(wire, op=op, group=self.group, async_op=True))
+        return wire.reshape(()).to(local.device)
+
+    def exchange(
+        self, holders: list[int], mine: dict[int, torch.Tensor]
+    ) -> dict[int, torch.Tensor]:
+        """Send this process's tensor to every other holder stage's rank; get all of them.
+
+        ``mine`` has one entry: a process holds one copy of a tie (checked by the caller).
+        """
+        dist = self._dist
+        ((stage, tensor),) = mine.items()
+        tensor = tensor.to(self.wire).contiguous()
+        received = {stage: tensor}
+        ops = []
+        for other in holders:
+            if other == stage:
+                continue
+            peer = self._global(self.schedule.stage_to_rank[other])
+            received[other] = torch.empty_like(tensor)
+            ops.append(dist.P2POp(dist.isend, tensor, peer, self.group))
+            ops.append(dist.P2POp(dist.irecv, received[other], peer, self.group))
+        if ops:
+            for work in dist.batch_isend_irecv(ops):
+                self._wait(work)
+        return received
+
+    def decide(self, choose: Callable[[], T]) -> T:
+        """``choose()`` on rank 0, its answer on every rank (timings differ by process)."""
+        found: list[Any] = [choose() if self.rank == 0 else None]
+        self._dist.broadcast_object_list(found, src=self._global(0), group=self.group)
+        return found[0]

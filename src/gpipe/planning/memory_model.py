@@ -1,0 +1,258 @@
+"""What a stage holds while training: parameters, optimizer state, activations.
+
+Memory model of a stage (bytes; :class:`MemoryModel`)::
+
+    parameters × (1 + gradients + optimizer_state)        AdamW: optimizer_state = 2
+    + buffers
+    + boundary input × micro-batches held                 (kept for backward)
+    + inner activations × micro-batches held without re-materialization
+                        (with it, those being recomputed: 1, more under zero bubble)
+    − freed after B × micro-batches past B waiting for W (zero bubble: what lies above
+                        the stage's last weights, e.g. the loss's log-softmax)
+
+"Held" comes from simulating the schedule (``gpipe.schedule.simulate``): a micro-batch is held
+on a stage from the start of its forward until its backward is complete. Inner
+activations are what autograd saves inside the stage (the layers' saved tensors, each
+boundary between two layers counted once); a re-materialized micro-batch holds them
+only from the start of its backward. The peaks of the two counts are added, which can
+overstate a little when they do not coincide. Not modelled: the loss's saved tensors
+unless the profile included the loss, allocator fragmentation, temporary buffers of a
+single operation, communication buffers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from gpipe import remat
+from gpipe._utils import MiB
+from gpipe.planning.profile import LayerProfile, Profile
+from gpipe.schedule.builders import Schedule
+from gpipe.schedule.ir import Kind
+from gpipe.schedule.simulate import Costs, SimulationResult, simulate
+
+__all__ = [
+    "Held",
+    "MemoryModel",
+    "StageMemory",
+    "StageMemoryTable",
+    "held_in",
+    "held_microbatches",
+    "layer_times",
+    "prefix_sums",
+    "stage_memory",
+]
+
+
+@dataclass(frozen=True)
+class MemoryModel:
+    """How training memory grows with the parameters (multiples of parameter bytes)."""
+
+    gradients: float = 1.0  # one gradient per parameter
+    optimizer_state: float = 2.0  # AdamW: two moments per parameter; SGD+momentum: 1
+
+    def __post_init__(self) -> None:
+        for label in ("gradients", "optimizer_state"):
+            value = getattr(self, label)
+            if not (isinstance(value, int | float) and value >= 0):
+                raise ValueError(f"{label} must be a non-negative number, got {value!r}")
+
+
+@dataclass(frozen=True)
+class Held:
+    """Micro-batches a stage holds at its peak: boundary inputs, and inner activations."""
+
+    boundary: int
+    inner: int
+    # of ``inner``, those past B and waiting for W (zero-bubble), which hold less
+    after_input_grad: int = 0
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    """A stage's memory by kind, in bytes."""
+
+    parameters: float
+    gradients: float
+    optimizer: float
+    buffers: float
+    boundary: float  # boundary inputs × held micro-batches
+    inner: float  # inner activations × micro-batches holding them
+    held: Held
+
+    @property
+    def total(self) -> float:
+        return (
+            self.parameters
+            + self.gradients
+            + self.optimizer
+            + self.buffers
+            + self.boundary
+            + self.inner
+        )
+
+    def describe(self) -> str:
+        return (
+            f"{self.total / MiB:.1f} MiB (parameters {self.parameters / MiB:.1f} + gradients "
+            f"{self.gradients / MiB:.1f} + optimizer {self.optimizer / MiB:.1f} + buffers "
+            f"{self.buffers / MiB:.1f} + inputs {self.boundary / MiB:.1f} for "
+            f"{self.held.boundary} micro-batches + inner activations {self.inner / MiB:.1f} "
+            f"for {self.held.inner})"
+        )
+
+
+def prefix_sums(values: Sequence[float]) -> list[float]:
+    out = [0.0]
+    for v in values:
+        out.append(out[-1] + v)
+    return out
+
+
+def held_microbatches(
+    schedule: Schedule, checkpoint: str, costs: Costs | None = None
+) -> list[Held]:
+    """Per stage, the most micro-batches holding boundary inputs and inner activations.
+
+    From the simulated timeline (``gpipe.schedule.simulate``; unit costs by default): boundary
+    inputs are held from a micro-batch's forward until its backward is complete (the
+    simulator's ``peak_live_per_stage``); inner activations from the forward too without
+    re-materialization, from the start of the backward with it::
+
+        >>> s = build_schedule("1f1b", num_ranks=4, num_microbatches=8)
+        >>> [(h.boundary, h.inner) for h in held_microbatches(s, "always")]
+        [(4, 1), (3, 1), (2, 1), (1, 1)]
+    """
+    return held_in(simulate(schedule, costs), checkpoint)
+
+
+def held_in(result: SimulationResult, checkpoint: str) -> list[Held]:
+    """:func:`held_microbatches` of a simulation already run."""
+    schedule = result.schedule
+    M = schedule.num_microbatches
+    remat.check_mode(checkpoint)
+    start: dict[tuple[Kind, int, int], float] = {}
+    end: dict[tuple[Kind, int, int], float] = {}
+    for event in result.events:
+        key = (event.action.kind, event.action.stage, event.action.microbatch)
+        start[key], end[key] = event.start, event.end
+    held = []
+    for s in range(schedule.num_stages):
+        points = []  # (time, change of held micro-batches, change of those past B)
+        for m in range(M):
+            again = remat.recomputes(checkpoint, m, M)
+            begin = start[(Kind.BACKWARD, s, m)] if again else start[(Kind.FORWARD, s, m)]
+            points.append((begin, 1, 0))
+            if schedule.splits_backward(s, m):
+                points += [(end[(Kind.BACKWARD, s, m)], 0, 1), (end[(Kind.WEIGHT, s, m)], -1, -1)]
+            else:
+                points.append((end[(Kind.BACKWARD, s, m)], -1, 0))
+        points.sort()  # at a tie releases come first
+        live = pending = peak = 0
+        fewest_pending = 0  # at the peak: the heaviest moment holds the fewest past B
+        for _, delta, past_b in points:
+            live, pending = live + delta, pending + past_b
+            if live > peak:
+                peak, fewest_pending = live, pending
+            elif live == peak:
+                fewest_pending = min(fewest_pending, pending)
+        held.append(Held(result.peak_live_per_stage[s], peak, fewest_pending))
+    return held
+
+
+class StageMemoryTable:
+    """O(1) memory of any stage (layers i..j-1 at position s), from prefix sums."""
+
+    def __init__(self, layers: Sequence[LayerProfile], held: Sequence[Held], model: MemoryModel):
+        n = len(layers)
+        self.layers, self.held, self.model = layers, held, model
+        self.factor = 1.0 + model.gradients + model.optimizer_state
+        self.params = prefix_sums([lay.param_bytes for lay in layers])
+        self.buffers = prefix_sums([lay.buffer_bytes for lay in layers])
+        self.inner = prefix_sums([lay.inner_bytes for lay in layers])
+        self.has_params = [lay.param_bytes > 0 for lay in layers]
+        # the boundary between layers l and l+1 is saved once, by either of them
+        self.joint = prefix_sums(
+            [
+                max(layers[l].saved_output_bytes, layers[l + 1].saved_input_bytes)
+                for l in range(n - 1)
+            ]
+        )
+
+    def _inner(self, i: int, j: int) -> float:
+        return (
+            self.inner[j]
+            - self.inner[i]
+            + self.joint[j - 1]
+            - self.joint[i]
+            + self.layers[j - 1].saved_output_bytes
+        )
+
+    def _freed_after_input_grad(self, i: int, j: int) -> float:
+        """What a split B frees at once: the stage's top layers down to its last weights
+        (W starts at their nodes and keeps everything below alive). The first stage has
+        no input gradient to compute: its B does nothing and W the whole backward."""
+        if i == 0:
+            return 0.0
+        freed = 0.0
+        for layer in range(j - 1, i - 1, -1):
+            freed += self.layers[layer].freed_after_input_grad_bytes
+            if self.has_params[layer]:
+                break
+        return freed
+
+    def _held_inner(self, s: int, i: int, j: int) -> float:
+        held = self.held[s]
+        inner = self._inner(i, j) * held.inner
+        if held.after_input_grad:
+            inner -= self._freed_after_input_grad(i, j) * held.after_input_grad
+        return inner
+
+    def __call__(self, s: int, i: int, j: int) -> StageMemory:
+        params = self.params[j] - self.params[i]
+        held = self.held[s]
+        return StageMemory(
+            parameters=params,
+            gradients=params * self.model.gradients,
+            optimizer=params * self.model.optimizer_state,
+            buffers=self.buffers[j] - self.buffers[i],
+            boundary=self.layers[i].input_bytes * held.boundary,
+            inner=self._held_inner(s, i, j),
+            held=held,
+        )
+
+    def total(self, s: int, i: int, j: int) -> float:
+        """``self(s, i, j).total``, without building the breakdown (the hot path)."""
+        held = self.held[s]
+        return (
+            (self.params[j] - self.params[i]) * self.factor
+            + self.buffers[j]
+            - self.buffers[i]
+            + self.layers[i].input_bytes * held.boundary
+            + self._held_inner(s, i, j)
+        )
+
+
+def stage_memory(
+    prof: Profile, balance: Sequence[int], held: Sequence[Held], model: MemoryModel | None = None
+) -> list[StageMemory]:
+    """The memory of each stage of ``balance`` (see the module docstring)."""
+    table = StageMemoryTable(prof.layers, held, model or MemoryModel())
+    out, start = [], 0
+    for s, size in enumerate(balance):
+        out.append(table(s, start, start + size))
+        start += size
+    return out
+
+
+def layer_times(
+    prof: Profile, *, checkpoint: str = "never", chunks: int = 1, split: bool = False
+) -> list[float]:
+    """Seconds per micro-batch of each layer: forward (+ its share of recomputation) +
+    backward (``split``: input-gradient and weight-gradient parts timed apart)."""
+    again = remat.recompute_fraction(checkpoint, chunks)
+    return [
+        lay.forward * (1.0 + again)
+        + (lay.backward_input + lay.backward_weight if split else lay.backward)
+        for lay in prof.layers
+    ]

@@ -1,0 +1,36 @@
+"""Schedules as pure data (no tensors, no processes).
+
+* ``ir``: the vocabulary — :class:`Action` (``F3@1``), :class:`Kind`, :class:`TimedAction`;
+* ``builders``: :class:`Schedule` (per-rank action lists) and the built-in schedules;
+* ``check``: what :meth:`Schedule.validate` checks, and the communication model;
+* ``routes``: which messages each action receives and sends (skip connections included);
+* ``comm_plan``: each wire's message order, and where receives are posted;
+* ``simulate``: per-action costs in, makespan, bubble and memory peaks out.
+"""
+
+from gpipe.schedule.builders import (
+    SCHEDULES,
+    Schedule,
+    build_schedule,
+    fill_drain,
+    interleaved_1f1b,
+    one_f_one_b,
+    zb_h1,
+)
+from gpipe.schedule.check import RECV_AHEAD
+from gpipe.schedule.ir import Action, Kind, ScheduleError, TimedAction
+
+__all__ = [
+    "RECV_AHEAD",
+    "SCHEDULES",
+    "Action",
+    "Kind",
+    "Schedule",
+    "ScheduleError",
+    "TimedAction",
+    "build_schedule",
+    "fill_drain",
+    "interleaved_1f1b",
+    "one_f_one_b",
+    "zb_h1",
+]

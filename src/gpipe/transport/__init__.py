@@ -1,0 +1,11 @@
+"""Transports: move activations forward and gradients backward between stages.
+
+* ``local``: stages of one process (device copies, nothing serialized);
+* ``distributed``: one rank of a pipeline spread over processes;
+* ``framing``: how a message looks on the wire; ``sender``: sends that never block.
+"""
+
+from gpipe.transport.distributed import DistributedTransport
+from gpipe.transport.local import LocalTransport
+
+__all__ = ["DistributedTransport", "LocalTransport"]

@@ -1,0 +1,383 @@
+"""Transport between processes: point-to-point ``torch.distributed`` (gloo on CPU, NCCL on GPU).
+
+The one story of how receives are posted is :class:`DistributedTransport`'s docstring.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import pickle
+import weakref
+from collections import deque
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from gpipe._utils import to_device
+from gpipe.errors import PipelineError
+from gpipe.schedule.comm_plan import receive_points, wire_order
+from gpipe.schedule.routes import Message, Routes
+from gpipe.transport.framing import History, TensorMeta, bytes_tensor, spec_text, tensors
+from gpipe.transport.sender import SendReaper
+
+__all__ = ["DistributedTransport"]
+
+
+@dataclass
+class _Posted:
+    """Receives posted for one incoming message: its header, and maybe its tensors."""
+
+    message: Message
+    history: History
+    tag: int  # its position in the peer's sequence: every frame of it carries that tag
+    header: Any = None  # int64 tensor of one element
+    header_work: Any = None
+    packed: torch.Tensor | None = None  # header and tensors in one buffer (stable message)
+    leaves: list[Any] | None = None
+    works: list[Any] = field(default_factory=list)  # receives of the tensors, when separate
+
+
+class DistributedTransport:
+    """Point-to-point transport between processes through ``torch.distributed``.
+
+    Every message to another rank is framed as a one-element ``int64`` header, the
+    pickled description of the value (its structure, and each tensor's dtype, shape and
+    ``requires_grad``) when it differs from the last time this message was sent, then the
+    tensors themselves. Shapes may therefore change from step to step.
+
+    Messages between two ranks are received in the order the sender sends them, which
+    the schedule fixes: a receiver waiting for message X first takes any that its peer
+    sent before X. That keeps the wire order identical on both sides, as NCCL requires.
+    Every frame also carries the message's position in that sequence as its tag, so
+    that on gloo the receive of the next message can be posted before the current one
+    has fully arrived without taking its frames (NCCL ignores tags and is never asked to).
+
+    When receives are posted depends on the backend:
+
+    * gloo (``receive_ahead``, the default for gloo): the next message from each peer is always
+      posted, and the one after it too while the rank waits, so a message lands while
+      the rank computes and posting costs no time on the critical path. When
+      the message is *stable* (same description the last two times, as when training at
+      a fixed shape) header and tensors travel packed in one buffer, which the receiver
+      posts ahead at the size of last time and reads its tensors from without copying;
+      otherwise only its header is posted and the rest follows. If a stable message
+      changes after all, the sender fills the posted buffer with the header alone, then
+      sends the description and real tensors: a rare extra transfer instead of a guess
+      that could corrupt the wire.
+    * NCCL (and ``receive_ahead=False`` on gloo, which tests use to run NCCL's order on
+      the CPU): a process's operations run in issue order, so a receive posted early would
+      hold back later sends and can deadlock. Headers and descriptions travel on a gloo
+      side group (independent, received ahead); each tensor receive is posted at the
+      point of :func:`receive_points`, where the sender's send falls in one global order
+      of all the pipeline's transfers.
+
+    Sends never block the runtime. A background thread waits for each send to complete
+    and then drops its tensors, so sent buffers are freed as soon as the peer has them.
+    A negative header announces a failure: the description that follows it says what
+    failed, and the receiver raises :class:`PipelineError` and passes the news on.
+    """
+
+    def __init__(
+        self,
+        schedule: Any,
+        rank: int,
+        group: Any,
+        devices: list[torch.device],
+        *,
+        timeout: float,
+        routes: Routes | None = None,
+        receive_ahead: bool | None = None,
+    ) -> None:
+        import torch.distributed as dist
+
+        self._dist = dist
+        self.schedule = schedule
+        self.routes = routes or Routes(schedule.num_stages)
+        self.rank = rank
+        self.group = group
+        self.timeout = timeout
+        self._devices = devices  # device of each stage (meaningful for local stages)
+        self._local_device = devices[schedule.stages_of(rank)[0]]
+        backend = dist.get_backend(group)
+        # Collectives of the front end (loss, health check) use a device the backend supports.
+        self.wire_device = self._local_device if backend == "nccl" else torch.device("cpu")
+        self.receive_ahead = receive_ahead if receive_ahead is not None else backend == "gloo"
+        # Headers and descriptions: on the group itself where receiving ahead is safe,
+        # otherwise on a gloo side group of the same processes.
+        self._meta_group = group if self.receive_ahead else _gloo_twin(group)
+        self._meta_device = self.wire_device if self.receive_ahead else torch.device("cpu")
+        self._mailbox: dict[Message, Any] = {}
+        self._plans = {
+            training: wire_order(schedule, self.routes, rank, training)
+            for training in (True, False)
+        }
+        self._points = (
+            {}
+            if self.receive_ahead
+            else {
+                training: receive_points(schedule, self.routes, rank, training)
+                for training in (True, False)
+            }
+        )
+        self._training = True
+        self._incoming: dict[int, list[Message]] = {}
+        self._cursor: dict[int, int] = {}
+        self._outgoing: dict[int, list[Message]] = {}
+        self._sent: dict[int, int] = {}
+        # What each message looked like last time, on both ends of its wire.
+        self._sent_meta: dict[tuple, History] = {}
+        self._recv_meta: dict[tuple, History] = {}
+        self._pending: dict[int, deque[_Posted]] = {}  # posted, from each peer, in order
+        self._arriving: dict[Message, _Posted] = {}  # header in, tensors not yet waited for
+        self._reaper = SendReaper(timeout)
+        # The reaper's thread ends with this transport (or at close()).
+        self._finalizer = weakref.finalize(self, self._reaper.close)
+
+    def close(self) -> None:
+        """Stop the background send thread; the transport cannot send afterwards."""
+        self._finalizer()
+
+    # -- the order of messages on each wire ------------------------------------------------
+
+    def begin(self, training: bool) -> None:
+        """Start a step: reset the per-peer positions and post the first receives."""
+        self._training = training
+        self._incoming, self._outgoing = self._plans[training]
+        self._cursor = dict.fromkeys(self._incoming, 0)
+        self._sent = dict.fromkeys(self._outgoing, 0)
+        self._mailbox.clear()
+        self._pending = {src: deque() for src in self._incoming}
+        self._arriving.clear()
+        for src in self._incoming:
+            self._post_next(src)
+
+    def prepare(self, action: Any) -> None:
+        """This rank is about to run ``action``: post the tensor receives due here (NCCL)."""
+        if self.receive_ahead:
+            return
+        for src, message in self._points[self._training].get(action, ()):
+            self._take_headers(src, until=message)
+
+    def finish(self) -> None:
+        """End a step: wait until every send has completed."""
+        self._reaper.drain()
+
+    def _global(self, rank: int) -> int:
+        return self._dist.get_global_rank(self.group, rank)
+
+    def _key(self, peer: int, message: Message) -> tuple:
+        # Inference sends no gradients along: its descriptions differ from training's.
+        return (peer, self._training, message)
+
+    # -- sending ----------------------------------------------------------------------------
+
+    def send(self, message: Message, value: Any) -> None:
+        dst = self.schedule.stage_to_rank[message.stage]
+        if dst == self.rank:
+            device = self._devices[message.stage]
+            self._mailbox[message] = to_device(value, device, as_leaves=message.channel.forward)
+            return
+        leaves, spec = tree_flatten(value)
+        described = [
+            TensorMeta(leaf.dtype, tuple(leaf.shape), leaf.requires_grad)
+            if isinstance(leaf, torch.Tensor)
+            else leaf
+            for leaf in leaves
+        ]
+        meta = pickle.dumps((spec_text(spec), described))
+        payload = [leaf.detach().contiguous() for leaf in leaves if isinstance(leaf, torch.Tensor)]
+        history = self._sent_meta.setdefault(self._key(dst, message), History())
+        header = 0 if meta == history.last else len(meta)
+        tag = self._sent[dst]
+        if self.receive_ahead:
+            self._post(dst, self._frames(history, header, meta, payload), self.group, tag)
+        else:
+            self._post(dst, self._frames(None, header, meta, []), self._meta_group, tag)
+            self._post(dst, payload, self.group, tag)
+        history.update(meta)
+        self._sent[dst] += 1
+
+    def _frames(
+        self, history: History | None, header: int, meta: bytes, payload: list[torch.Tensor]
+    ) -> list[torch.Tensor]:
+        """A message on the wire: header (0: described as last time), description, tensors.
+
+        For a stable message the receiver has posted one packed buffer: header and
+        tensors go in it, or the header alone when the message changed or failed.
+        """
+        if history is not None and history.stable:
+            if header == 0:
+                return [history.pack(0, payload, self._local_device)]
+            frames = [history.pack(header, None, self._local_device)]
+        else:
+            frames = [torch.tensor([header], dtype=torch.int64, device=self._meta_device)]
+        if header != 0:
+            frames.append(bytes_tensor(meta, self._meta_device))
+        return frames + payload
+
+    def _post(self, dst: int, frames: list[torch.Tensor], group: Any, tag: int) -> None:
+        if not frames:
+            return
+        dist = self._dist
+        peer = self._global(dst)
+        ops = [dist.P2POp(dist.isend, t, peer, group, tag) for t in frames]
+        works = dist.batch_isend_irecv(ops)
+        self._reaper.add(works, frames, dst)
+
+    # -- receiving --------------------------------------------------------------------------
+
+    def ready(self, message: Message) -> bool:
+        return True  # receiving blocks until the message is here
+
+    def recv(self, message: Message) -> Any:
+        if message in self._mailbox:
+            return self._mailbox.pop(message)
+        src = self.schedule.stage_to_rank[self.routes.sender(message)]
+        self._post_while_waiting(src)
+        # With receives ahead its header may still be on the way; under NCCL's plan it has
+        # come in at prepare(), before this action.
+        self._take_headers(src, until=message)
+        return self._finish(src, self._arriving.pop(message))
+
+    def _post_next(self, src: int) -> None:
+        """Post the receive of the next message from ``src``, if this step has one."""
+        position = self._cursor[src]
+        if position == len(self._incoming[src]):
+            return
+        self._cursor[src] = position + 1
+        message = self._incoming[src][position]
+        history = self._recv_meta.setdefault(self._key(src, message), History())
+        posted = _Posted(message, history, tag=position)
+        if self.receive_ahead and history.stable:
+            device = self._devices[message.stage]
+            posted.packed = torch.empty(history.layout[1], dtype=torch.uint8, device=device)
+            posted.header = posted.packed[:8].view(torch.int64)
+            (posted.header_work,) = self._irecv([(posted.packed, self.group)], src, position)
+        else:
+            posted.header = torch.empty(1, dtype=torch.int64, device=self._meta_device)
+            (posted.header_work,) = self._irecv([(posted.header, self._meta_group)], src, position)
+        self._pending[src].append(posted)
+
+    def _post_while_waiting(self, src: int) -> None:
+        """Gloo: if the next message from ``src`` is not in yet, post the one after it now.
+
+        Posting costs a little time; spent while the rank would wait anyway, it is off the
+        critical path. Tags keep the frames of the two messages apart.
+        """
+        pending = self._pending.get(src)
+        waiting = bool(pending) and not pending[0].header_work.is_completed()
+        if self.receive_ahead and waiting and len(pending) == 1:
+            self._post_next(src)
+
+    def _take_headers(self, src: int, *, until: Message) -> None:
+        """Receive the headers from ``src`` up to ``until``'s; post what else each brings."""
+        while until not in self._arriving:
+            if not self._pending.get(src):
+                raise RuntimeError(f"rank {self.rank} expects no more messages from rank {src}")
+            posted = self._pending[src].popleft()
+            self._arriving[posted.message] = self._complete_header(src, posted)
+
+    def _allocate(self, history: History, message: Message) -> list[Any]:
+        device = self._devices[message.stage]
+        return [
+            torch.empty(d.shape, dtype=d.dtype, device=device) if isinstance(d, TensorMeta) else d
+            for d in history.decoded[1]
+        ]
+
+    def _complete_header(self, src: int, posted: _Posted) -> _Posted:
+        """Wait for a message's header; post the receives of whatever else of it comes."""
+        message, history = posted.message, posted.history
+        self._wait([posted.header_work], src, message)
+        size = int(posted.header.item())
+        if size == 0 and posted.packed is not None:
+            history.update(history.last)  # as posted: nothing else of it is on the wire
+            posted.leaves = history.unpack(posted.packed)
+        else:
+            if size != 0:
+                meta = torch.empty(abs(size), dtype=torch.uint8, device=self._meta_device)
+                received = self._irecv([(meta, self._meta_group)], src, posted.tag)
+                self._wait(received, src, message)
+                data = meta.cpu().numpy().tobytes()
+                if size < 0:
+                    failure = pickle.loads(data)
+                    raise PipelineError(failure["message"], rank=failure["rank"])
+                history.update(data)
+            elif history.last is None:
+                raise PipelineError(f"rank {src} sent {message} without describing it", rank=src)
+            else:
+                history.update(history.last)
+            posted.leaves = self._allocate(history, message)
+            frames = [(t, self.group) for t in tensors(posted.leaves)]
+            posted.works = self._irecv(frames, src, posted.tag)
+        if not self._pending[src]:
+            self._post_next(src)  # keep the next message's receive posted
+        return posted
+
+    def _finish(self, src: int, posted: _Posted) -> Any:
+        """Wait for a message's tensors; its value, with inputs that require grad."""
+        message = posted.message
+        self._wait(posted.works, src, message)
+        spec, described = posted.history.decoded
+        leaves = posted.leaves
+        assert leaves is not None
+        for leaf, d in zip(leaves, described, strict=True):
+            if isinstance(d, TensorMeta) and d.requires_grad and message.channel.forward:
+                leaf.requires_grad_(True)
+        return tree_unflatten(leaves, spec)
+
+    def _irecv(self, ops: list[tuple[torch.Tensor, Any]], src: int, tag: int) -> list[Any]:
+        if not ops:
+            return []
+        dist = self._dist
+        peer = self._global(src)
+        return dist.batch_isend_irecv([dist.P2POp(dist.irecv, t, peer, g, tag) for t, g in ops])
+
+    def _wait(self, works: list, src: int, message: Message) -> None:
+        try:
+            for work in works:
+                work.wait(timeout=timedelta(seconds=self.timeout))
+        except Exception as error:  # a dead peer or a timeout: gloo and NCCL differ
+            text = str(error).splitlines()[0] if str(error) else type(error).__name__
+            if "imed out" in text or "imeout" in text:
+                raise PipelineError(
+                    f"rank {self.rank} waited {self.timeout:g} s for {message.channel} of "
+                    f"micro-batch {message.microbatch} from rank {src} without an answer; "
+                    "raise Pipe(timeout=...) if stages are this slow",
+                    rank=src,
+                ) from error
+            raise PipelineError(
+                f"rank {self.rank} lost rank {src} while waiting for its {message.channel} "
+                f"of micro-batch {message.microbatch} (did that process die?): {text}",
+                rank=src,
+            ) from error
+
+    # -- failures ---------------------------------------------------------------------------
+
+    def announce_failure(self, description: dict) -> None:
+        """Tell every peer still expecting a message from this rank in this step."""
+        meta = pickle.dumps(description)
+        for dst, sequence in self._outgoing.items():
+            position = self._sent.get(dst, 0)
+            if position >= len(sequence):
+                continue
+            # In place of the next message: what the peer posted for it gets the header.
+            history = self._sent_meta.get(self._key(dst, sequence[position]))
+            frames = self._frames(history if self.receive_ahead else None, -len(meta), meta, [])
+            with contextlib.suppress(Exception):
+                self._post(dst, frames, self._meta_group, position)
+        self._reaper.abandon()
+
+    def clear(self) -> None:
+        self._mailbox.clear()
+        self._arriving.clear()
+
+
+def _gloo_twin(group: Any) -> Any:
+    """A gloo group of the same processes, for small host-side messages."""
+    import torch.distributed as dist
+
+    ranks = dist.get_process_group_ranks(group)
+    return dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
