@@ -31,8 +31,7 @@ from torch.nn import functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 import gpipe
-from gpipe.cli.plan import resnet
-from gpipe.models import GPTConfig, gpt, lm_loss
+from gpipe.models import GPTConfig, gpt, lm_loss, resnet
 from gpipe.planner import Link
 from reference import even_balance
 

@@ -26,7 +26,7 @@ name only once every shard and the manifest are in place, after which ``latest``
 A process that dies mid-write leaves a ``.tmp`` folder that readers ignore (and the next
 save of that step removes); the previous checkpoint stays intact and ``latest`` still names it.
 
-Multi-process protocol (see ``gpipe.cli.train``)::
+Multi-process protocol (see ``gpipe.train.trainer``)::
 
     if rank == 0: tmp = checkpoint.begin(root, step)     # then a barrier
     checkpoint.write_shard(tmp, pp_rank, shard)           # one writer per pipeline rank

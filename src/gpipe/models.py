@@ -6,6 +6,7 @@ unit a stage boundary can fall between.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import pairwise
 
@@ -13,9 +14,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from gpipe.engine.skip import pop, skippable, stash
+from gpipe.engine.skip import pop, stash
 
-__all__ = ["GPTConfig", "convnet", "gpt", "gpt_tied_names", "mlp", "unet"]
+__all__ = ["GPTConfig", "convnet", "gpt", "gpt_tied_names", "mlp", "resnet", "unet"]
 
 
 def mlp(widths: list[int], *, dropout: float = 0.0) -> nn.Sequential:
@@ -153,6 +154,36 @@ def convnet(
     )
 
 
+def resnet(
+    *,
+    widths: Sequence[int] = (32, 64, 128),
+    blocks: int = 2,
+    in_channels: int = 3,
+    classes: int = 10,
+) -> nn.Sequential:
+    """A ResNet-style CNN that halves the resolution and doubles the width at each stage.
+
+    Every residual block then costs about the same time while its parameters grow four
+    times per stage: the usual case where balancing by parameter count goes wrong.
+    (:func:`convnet` keeps one resolution and width throughout.)
+    """
+
+    def conv(c_in: int, c_out: int, stride: int) -> nn.Sequential:
+        return nn.Sequential(
+            nn.Conv2d(c_in, c_out, 3, stride=stride, padding=1, bias=False),
+            nn.BatchNorm2d(c_out),
+            nn.ReLU(),
+        )
+
+    layers: list[nn.Module] = [conv(in_channels, widths[0], 1)]
+    for i, width in enumerate(widths):
+        if i > 0:
+            layers.append(conv(widths[i - 1], width, 2))  # (B, C, H, W) -> (B, 2C, H/2, W/2)
+        layers += [Residual(width) for _ in range(blocks)]
+    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(widths[-1], classes)]
+    return nn.Sequential(*layers)
+
+
 # -- U-Net: long skip connections across stages ----------------------------------------------
 
 
@@ -162,52 +193,31 @@ def _conv(c_in: int, c_out: int, dropout: float) -> nn.Sequential:
     )
 
 
-@skippable(stash=["skip1"])
-class Down1(nn.Module):
-    """Full resolution features, kept for the last up-block; then half resolution."""
+class UNetLevel(nn.Module):
+    """One level of a U-Net, on the way down or up, joined to its twin by the skip ``skip``.
 
-    def __init__(self, c: int, dropout: float) -> None:
+    Down: features are stashed as ``skip``, then the resolution halves. Up: the resolution
+    doubles, then the features stashed as ``skip`` join. The skip name is per instance:
+    gpipe reads ``gpipe_stashes``/``gpipe_pops`` from the module, which ``@skippable``
+    sets on a class and this sets on each block.
+    """
+
+    def __init__(self, c_in: int, c_out: int, dropout: float, *, skip: str, down: bool) -> None:
         super().__init__()
-        self.conv = _conv(c, c, dropout)
+        self.conv = _conv(c_in, c_out, dropout)
+        self.skip, self.down = skip, down
+        if down:
+            self.gpipe_stashes = (skip,)
+        else:
+            self.gpipe_pops = (skip,)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.conv(x)
-        stash("skip1", x)
-        return F.max_pool2d(x, 2)
-
-
-@skippable(stash=["skip2"])
-class Down2(nn.Module):
-    def __init__(self, c: int, dropout: float) -> None:
-        super().__init__()
-        self.conv = _conv(c, 2 * c, dropout)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.conv(x)
-        stash("skip2", x)
-        return F.max_pool2d(x, 2)
-
-
-@skippable(pop=["skip2"])
-class Up2(nn.Module):
-    def __init__(self, c: int, dropout: float) -> None:
-        super().__init__()
-        self.conv = _conv(4 * c, c, dropout)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.down:
+            x = self.conv(x)
+            stash(self.skip, x)
+            return F.max_pool2d(x, 2)
         x = F.interpolate(x, scale_factor=2.0, mode="nearest")
-        return self.conv(torch.cat([x, pop("skip2")], dim=1))
-
-
-@skippable(pop=["skip1"])
-class Up1(nn.Module):
-    def __init__(self, c: int, dropout: float) -> None:
-        super().__init__()
-        self.conv = _conv(2 * c, c, dropout)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = F.interpolate(x, scale_factor=2.0, mode="nearest")
-        return self.conv(torch.cat([x, pop("skip1")], dim=1))
+        return self.conv(torch.cat([x, pop(self.skip)], dim=1))
 
 
 def unet(*, in_channels: int = 1, channels: int = 8, classes: int = 3, dropout: float = 0.1):
@@ -219,10 +229,10 @@ def unet(*, in_channels: int = 1, channels: int = 8, classes: int = 3, dropout: 
     c = channels
     return nn.Sequential(
         _conv(in_channels, c, dropout),  # 0 stem
-        Down1(c, dropout),  # 1 stash skip1
-        Down2(c, dropout),  # 2 stash skip2
+        UNetLevel(c, c, dropout, skip="skip1", down=True),  # 1
+        UNetLevel(c, 2 * c, dropout, skip="skip2", down=True),  # 2
         _conv(2 * c, 2 * c, dropout),  # 3 bottleneck
-        Up2(c, dropout),  # 4 pop skip2
-        Up1(c, dropout),  # 5 pop skip1
+        UNetLevel(4 * c, c, dropout, skip="skip2", down=False),  # 4
+        UNetLevel(2 * c, c, dropout, skip="skip1", down=False),  # 5
         nn.Conv2d(c, classes, 1),  # 6 head
     )

@@ -234,9 +234,7 @@ class Pipe(nn.Module):
         )
         self.last_trace: list[TimedAction] = []
         if self._tied is not None:
-            if self.rank is not None:
-                self._tied.check_one_copy_per_process()
-            self._tied.sync_values(self._ranks.exchange)
+            self._ranks.tie(self._tied)
 
     def _build_schedule(self, schedule: str | Schedule) -> Schedule:
         if isinstance(schedule, str):
@@ -435,11 +433,10 @@ class Pipe(nn.Module):
         )
 
     def extra_repr(self) -> str:
-        where = "" if self.rank is None else f", rank={self.rank}"
         return (
             f"balance={self.balance}, devices={[str(d) for d in self.devices]}, "
             f"chunks={self.chunks}, checkpoint={self.checkpoint!r}, "
-            f"schedule={self.schedule.name!r}, virtual_stages={self.virtual_stages}{where}"
+            f"schedule={self.schedule.name!r}, virtual_stages={self.virtual_stages}, {self._ranks}"
         )
 
 

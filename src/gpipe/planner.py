@@ -32,8 +32,9 @@ all-reduce) and contention between processes sharing a machine's cores or memory
 Times measured in one process are used for every stage's process: profile with the thread
 count each process will have (the CLI uses one thread, as :func:`verify` runs).
 
-Note: ``gpipe.plan`` is this function once ``gpipe`` is imported; reach the module's other
-names with ``from gpipe.plan import Plan, plan_from_profiles, verify``.
+``gpipe.plan`` is this module's :func:`plan`; its other names come from here, e.g.
+``from gpipe.planner import Plan, plan_from_profiles, verify`` (the module was
+``gpipe.plan`` before the redesign).
 """
 
 from __future__ import annotations

@@ -75,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
     )
     spec = manifest.get("model")
     if spec:
-        from gpipe.cli.train import constructor
+        from gpipe.train import constructor
 
         print("load it into the plain model:")
         print("    import torch, gpipe.models")

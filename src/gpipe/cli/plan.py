@@ -17,12 +17,10 @@ from __future__ import annotations
 import argparse
 import re
 import time
-from collections.abc import Sequence
 
 import torch
-from torch import nn
 
-__all__ = ["configure", "parse_bytes", "resnet", "run"]
+__all__ = ["configure", "parse_bytes", "run"]
 
 _UNITS = {
     "": 1,
@@ -51,42 +49,11 @@ def parse_bytes(text: str) -> float:
     return float(match.group(1)) * _UNITS[match.group(2)]
 
 
-def resnet(
-    *,
-    widths: Sequence[int] = (32, 64, 128),
-    blocks: int = 2,
-    in_channels: int = 3,
-    classes: int = 10,
-) -> nn.Sequential:
-    """A ResNet-style CNN that halves the resolution and doubles the width at each stage.
-
-    Every residual block then costs about the same time while its parameters grow four
-    times per stage: the usual case where balancing by parameter count goes wrong.
-    (``gpipe.models.convnet`` keeps one resolution and width throughout.)
-    """
-    from gpipe.models import Residual
-
-    def conv(c_in: int, c_out: int, stride: int) -> nn.Sequential:
-        return nn.Sequential(
-            nn.Conv2d(c_in, c_out, 3, stride=stride, padding=1, bias=False),
-            nn.BatchNorm2d(c_out),
-            nn.ReLU(),
-        )
-
-    layers: list[nn.Module] = [conv(in_channels, widths[0], 1)]
-    for i, width in enumerate(widths):
-        if i > 0:
-            layers.append(conv(widths[i - 1], width, 2))  # (B, C, H, W) -> (B, 2C, H/2, W/2)
-        layers += [Residual(width) for _ in range(blocks)]
-    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(widths[-1], classes)]
-    return nn.Sequential(*layers)
-
-
 def build(args: argparse.Namespace):
     """(model, sample inputs, targets, loss_fn, description) of the chosen preset."""
     from torch.nn import functional as F
 
-    from gpipe.models import GPTConfig, gpt, lm_loss
+    from gpipe.models import GPTConfig, gpt, lm_loss, resnet
 
     torch.manual_seed(args.seed)
     if args.model == "gpt":

@@ -221,12 +221,7 @@ class Stage:
         :func:`tensors_of` of its inputs. Parameter gradients are accumulated now, or
         with ``split=True`` left for :meth:`backward_weight` (zero-bubble schedules).
         """
-        stored = self._stored.pop(microbatch, None)
-        if stored is None:
-            raise RuntimeError(
-                f"stage {self.index} has no stored forward of micro-batch {microbatch}; "
-                "a schedule must run F before B for each micro-batch"
-            )
+        stored = self._take(self._stored, microbatch, "stored forward", "F before B")
         with torch.enable_grad():
             if stored.remat:
                 with recomputing(), _running_stats_frozen(self.layers), self._metered():
@@ -245,15 +240,18 @@ class Stage:
 
     def backward_weight(self, microbatch: int) -> None:
         """Run W for one micro-batch: the parameter gradients its split B left."""
-        work = self._weight_work.pop(microbatch, None)
-        if work is None:
-            raise RuntimeError(
-                f"stage {self.index} has no split backward of micro-batch {microbatch} "
-                "waiting; a schedule must run B (split) before W"
-            )
+        work = self._take(self._weight_work, microbatch, "split backward", "B (split) before W")
         with torch.enable_grad():
             backward_weight(work)
         work.held.clear()
+
+    def _take(self, kept: dict[int, Any], microbatch: int, what: str, order: str) -> Any:
+        if microbatch not in kept:
+            raise RuntimeError(
+                f"stage {self.index} has no {what} of micro-batch {microbatch}; a schedule "
+                f"must run {order} for each micro-batch"
+            )
+        return kept.pop(microbatch)
 
     def _roots(self, stored: _Stored, grad_outputs, microbatch: int):
         """The tensors backward starts from, with their gradients (None: a scalar loss)."""

@@ -28,6 +28,7 @@ from gpipe import rng
 from gpipe._utils import DeviceLike
 from gpipe.engine.stage import Stage
 from gpipe.errors import PipelineError
+from gpipe.parallel.tied import TiedParameters
 from gpipe.schedule.builders import Schedule
 from gpipe.schedule.routes import Routes
 from gpipe.transport.distributed import DistributedTransport
@@ -95,6 +96,13 @@ class SingleProcess:
 
     def decide(self, choose: Callable[[], T]) -> T:
         return choose()
+
+    def tie(self, tied: TiedParameters) -> None:
+        """Make the tied copies equal before the first step."""
+        tied.sync_values(self.exchange)
+
+    def __str__(self) -> str:
+        return "one process"
 
 
 class MultiProcess:
@@ -262,6 +270,14 @@ class MultiProcess:
             for work in dist.batch_isend_irecv(ops):
                 self._wait(work)
         return received
+
+    def tie(self, tied: TiedParameters) -> None:
+        """Make the tied copies equal before the first step; each process may hold one."""
+        tied.check_one_copy_per_process()
+        tied.sync_values(self.exchange)
+
+    def __str__(self) -> str:
+        return f"rank {self.rank}"
 
     def decide(self, choose: Callable[[], T]) -> T:
         """``choose()`` on rank 0, its answer on every rank (timings differ by process)."""

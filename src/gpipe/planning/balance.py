@@ -48,6 +48,7 @@ from gpipe.planning.memory_model import (
 )
 from gpipe.planning.profile import LayerProfile, Profile, profile
 from gpipe.schedule.builders import Schedule, build_schedule
+from gpipe.schedule.simulate import per_stage
 
 __all__ = [
     "BudgetError",
@@ -186,15 +187,7 @@ def balance_costs(costs: Sequence[float], stages: int) -> list[int]:
 def _budgets(memory_budget: float | Sequence[float] | None, stages: int) -> list[float] | None:
     if memory_budget is None:
         return None
-    if isinstance(memory_budget, int | float):
-        values = [float(memory_budget)] * stages
-    else:
-        values = [float(b) for b in memory_budget]
-        if len(values) != stages:
-            raise ValueError(
-                f"memory_budget has {len(values)} entries for {stages} stages; give one per "
-                "stage or a single number"
-            )
+    values = per_stage(memory_budget, stages, "memory_budget")
     if any(not b > 0 for b in values):
         raise ValueError(f"memory budgets must be positive byte counts, got {memory_budget!r}")
     return values

@@ -387,27 +387,25 @@ class _LayerRun:
 
     def time_once(self, *, keep: bool) -> None:
         """Time forward, whole backward, and the split backward (B, then W) once."""
-        sync = self.sync
-        sync()
-        start = time.perf_counter()
+
+        def now() -> float:
+            self.sync()
+            return time.perf_counter()
+
+        start = now()
         with torch.enable_grad():
             out, roots, grads = self.run()
-        sync()
-        middle = time.perf_counter()
+        middle = now()
         if roots:
             torch.autograd.backward(roots, grads)
-        sync()
-        end = time.perf_counter()
+        end = now()
         with torch.enable_grad():
             out, roots, grads = self.run()
-        sync()
-        split_start = time.perf_counter()
+        split_start = now()
         _, work = backward_input(roots, grads, self.inputs, self.params)
-        sync()
-        split_middle = time.perf_counter()
+        split_middle = now()
         backward_weight(work)
-        sync()
-        split_end = time.perf_counter()
+        split_end = now()
         del out, roots, grads, work
         for t in [*self.inputs, *self.params]:
             t.grad = None

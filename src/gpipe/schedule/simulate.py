@@ -29,7 +29,7 @@ from functools import cached_property
 from gpipe.schedule.builders import Schedule
 from gpipe.schedule.ir import Kind, TimedAction
 
-__all__ = ["Costs", "SimulationResult", "simulate"]
+__all__ = ["Costs", "SimulationResult", "per_stage", "simulate"]
 
 PerStage = float | Sequence[float]  # one number for every stage, or one per stage
 
@@ -51,16 +51,21 @@ class Costs:
         )
 
 
-def _per_stage(label: str, value: PerStage, num_stages: int) -> list[float]:
+def per_stage(value: PerStage, stages: int, what: str) -> list[float]:
+    """``value`` for each of ``stages`` stages: one number for all, or one number each."""
     if isinstance(value, int | float):
-        values = [float(value)] * num_stages
-    else:
-        values = [float(v) for v in value]
-        if len(values) != num_stages:
-            raise ValueError(
-                f"{label} has {len(values)} values but the schedule has {num_stages} stages; "
-                "give one per stage or a single number"
-            )
+        return [float(value)] * stages
+    values = [float(v) for v in value]
+    if len(values) != stages:
+        raise ValueError(
+            f"{what} has {len(values)} values but the schedule has {stages} stages; give one "
+            "per stage or a single number"
+        )
+    return values
+
+
+def _per_stage(label: str, value: PerStage, num_stages: int) -> list[float]:
+    values = per_stage(value, num_stages, label)
     for stage, v in enumerate(values):
         if not v >= 0:  # also catches NaN
             raise ValueError(f"{label} of stage {stage} must be a non-negative number, got {v}")

@@ -1,7 +1,7 @@
 """A training script as a user writes it for torchrun; test_distributed.py launches it.
 
     torchrun --nnodes 2 --nproc-per-node 1 --rdzv-backend c10d \\
-        --rdzv-endpoint 127.0.0.1:PORT tests/torchrun_job.py OUT_DIR
+        --rdzv-endpoint 127.0.0.1:PORT tests/parallel/torchrun_job.py OUT_DIR
 """
 
 import os
@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parents[1]))  # tests/: distributed_cases
 from distributed_cases import train_steps
 
 CASE = {

@@ -21,8 +21,10 @@ from gpipe import checkpoint as ckpt
 from gpipe.__main__ import main
 from gpipe.cli import train as train_cli
 from gpipe.cli.export import export
+from gpipe.train import TrainConfig, Trainer, build_model, resolve
+from gpipe.train.job import root_cause
 
-SRC = Path(__file__).parents[1] / "src"
+SRC = Path(__file__).parents[2] / "src"
 TINY = ["--size", "tiny", "--steps", "10", "--save-every", "5", "--eval-every", "5"]
 
 
@@ -120,9 +122,9 @@ def test_resuming_reproduces_the_uninterrupted_run_bitwise(tiny_run, in_process,
     assert [after[s] for s in range(6, 11)] == [before[s] for s in range(6, 11)]
 
 
-def _outputs_at(rank: int, config: train_cli.TrainConfig, x: torch.Tensor):
+def _outputs_at(rank: int, config: TrainConfig, x: torch.Tensor):
     """In each of K launched processes: load the checkpoint as ``gpipe train`` does, run x."""
-    trainer = train_cli._Trainer(rank, config)
+    trainer = Trainer(rank, config)
     trainer.pipe.eval()
     with torch.no_grad():
         out = trainer.pipe(x)
@@ -140,14 +142,14 @@ def test_a_k2_checkpoint_loads_at_k1_and_k4_and_exports_to_the_plain_model(
 
     # Export: one plain state dict for the un-split model.
     exported = export(out, tmp_path / "model.pt")
-    plain = train_cli.build_model(manifest["model"])
+    plain = build_model(manifest["model"])
     plain.load_state_dict(torch.load(exported, weights_only=True), strict=True)
     plain.eval()
     with torch.no_grad():
         expected = plain(x)
 
     # K=1: one process holding every layer, loaded shard by shard by name.
-    one = gpipe.Pipe(train_cli.build_model(manifest["model"]), balance=[4], chunks=4)
+    one = gpipe.Pipe(build_model(manifest["model"]), balance=[4], chunks=4)
     one.load_state_dict(ckpt.load_tensors(manifest, list(one.state_dict())), strict=True)
     one.eval()
     with torch.no_grad():
@@ -159,7 +161,7 @@ def test_a_k2_checkpoint_loads_at_k1_and_k4_and_exports_to_the_plain_model(
     train_cli.configure(parser)
     args = parser.parse_args(["--resume", str(out), "--stages", "4", "--out", str(tmp_path)])
     args.steps = 11  # one more than the checkpoint's, so that the configuration is valid
-    config = train_cli.resolve(args)
+    config = resolve(vars(args))
     assert (config.stages, config.model_args) == (4, manifest["config"]["model_args"])
     results = gpipe.launch(_outputs_at, nprocs=4, args=(config, x), timeout=60)
     torch.testing.assert_close(results[3][0], expected, rtol=1e-6, atol=1e-6)
@@ -195,7 +197,7 @@ def test_resnet_with_replicas_and_bfloat16(in_process, tmp_path):
     assert 0 <= summary["val_accuracy"] <= 1
     state = ckpt.export_state_dict(out)
     assert any("running_mean" in name for name in state)  # batch norm statistics are saved
-    plain = train_cli.build_model(ckpt.read_manifest(out)["model"])
+    plain = build_model(ckpt.read_manifest(out)["model"])
     plain.load_state_dict(state, strict=True)
 
 
@@ -275,8 +277,5 @@ def test_a_failed_run_reports_the_rank_that_caused_it():
         1: "CheckpointError: cannot read shard shard-001.pt\nTraceback ...",
         2: "PipelineError: rank 2: the step failed elsewhere",
     }
-    assert train_cli._root_cause(failures) == 1
-    assert (
-        train_cli._root_cause({3: "killed by signal 9", 2: "exited with code 1 without a result"})
-        == 2
-    )
+    assert root_cause(failures) == 1
+    assert root_cause({3: "killed by signal 9", 2: "exited with code 1 without a result"}) == 2

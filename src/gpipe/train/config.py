@@ -1,0 +1,216 @@
+"""The main job's configuration: :class:`TrainConfig`, and :func:`resolve`, which builds one
+from the options a user gave, the checkpoint being resumed and the task's presets, and lists
+every problem at once (:class:`ConfigError`) before any process starts."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gpipe import checkpoint as ckpt
+from gpipe.schedule import ScheduleError, build_schedule
+from gpipe.train.tasks import TASKS, Task
+
+__all__ = ["SIZES", "ConfigError", "TrainConfig", "model_spec", "num_layers", "resolve"]
+
+SIZES = ("tiny", "small", "base")
+# What a checkpoint's weights depend on: these cannot change on resume.
+_FIXED_ON_RESUME = ("model", "size", "seq", "seed")
+
+
+@dataclass
+class TrainConfig:
+    """Everything a run depends on; stored in ``config.json`` and every checkpoint."""
+
+    model: str = "gpt"  # a task of gpipe.train.tasks: "gpt" or "resnet"
+    size: str = "small"  # preset: "tiny", "small", "base"
+    stages: int = 2  # K: pipeline stages, one process each
+    replicas: int = 1  # R: data-parallel replicas of the pipeline (K x R processes)
+    chunks: int = 4  # M: micro-batches per mini-batch
+    schedule: str = "gpipe"
+    virtual_stages: int = 1  # stages per process, for "interleaved-1f1b"
+    checkpoint: str = "except_last"  # re-materialization (Pipe's checkpoint=)
+    balance: list[int] | None = None  # layers per stage (default: as even as possible)
+    batch: int = 16  # global mini-batch (all replicas together)
+    seq: int = 64  # tokens per sample (gpt)
+    steps: int = 500
+    lr: float = 3e-3
+    lr_schedule: str = "cosine"  # "cosine" (to lr/10), "linear" (to 0), "constant"
+    warmup: int = 20
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0  # 0: off
+    seed: int = 0
+    dtype: str = "float32"  # or "bfloat16" (autocast)
+    out: str = ""
+    save_every: int = 100  # 0: only at the end
+    keep: int = 3  # checkpoints kept (0: all)
+    eval_every: int = 50  # 0: only at the end
+    eval_batches: int = 8
+    sample_tokens: int = 200
+    prompt: str = "def "
+    temperature: float = 0.8
+    log_every: int = 10
+    progress: str = "auto"  # "bar" (rich), "lines", "auto": bar on a terminal
+    threads: int = 0  # torch threads per process (0: cores / processes)
+    timeout: float = 120.0  # seconds a rank waits for another
+    resume: str | None = None  # checkpoint folder
+    model_args: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def world_size(self) -> int:
+        return self.stages * self.replicas
+
+    @property
+    def task(self) -> Task:
+        return TASKS[self.model]
+
+
+def model_spec(config: TrainConfig) -> dict[str, Any]:
+    """What builds the model: ``{"kind": "gpt", "args": {...}}`` (saved with checkpoints)."""
+    return {"kind": config.model, "args": config.task.spec_args(config.seq, config.model_args)}
+
+
+def num_layers(spec: dict[str, Any]) -> int:
+    with torch.device("meta"):
+        return len(TASKS[spec["kind"]].build(spec["args"]))
+
+
+class ConfigError(ValueError):
+    """The options ask for something that cannot run; one line per problem."""
+
+    def __init__(self, problems: list[str]) -> None:
+        super().__init__("\n".join(f"- {p}" for p in problems))
+        self.problems = problems
+
+
+def resolve(options: dict[str, Any], *, world_size: int | None = None) -> TrainConfig:
+    """The run's configuration: the given ``options`` (a field of :class:`TrainConfig` each,
+    None meaning not given), else the checkpoint's (on ``resume``), else the task's preset,
+    else :class:`TrainConfig`'s. Raises :class:`ConfigError` listing every problem.
+    ``world_size`` is torchrun's, when running under it.
+    """
+    names = {f.name for f in fields(TrainConfig)}
+    given = {k: v for k, v in options.items() if k in names and v is not None}
+    problems: list[str] = []
+    if isinstance(given.get("balance"), str):
+        try:
+            given["balance"] = [int(b) for b in given["balance"].split(",")]
+        except ValueError:
+            problems.append(f"--balance must be comma-separated ints, got {given['balance']!r}")
+            del given["balance"]
+
+    manifest = None
+    if given.get("resume"):
+        try:
+            manifest = ckpt.read_manifest(given["resume"])
+        except ckpt.CheckpointError as error:
+            raise ConfigError([f"--resume {given['resume']}: {error}"]) from None
+        saved = manifest["config"]
+        for key in _FIXED_ON_RESUME:
+            if key in given and given[key] != saved[key]:
+                problems.append(
+                    f"--{key} {given[key]} differs from the checkpoint's {saved[key]!r}: a "
+                    f"resumed run keeps the model, data and seed; drop --{key}"
+                )
+        if "out" not in given:
+            folder = Path(manifest["path"])
+            if folder.parent.name == "checkpoints":
+                given["out"] = str(folder.parent.parent)
+        values = {**saved, **given, "resume": manifest["path"]}
+    else:
+        task = TASKS[given.get("model", TrainConfig.model)]
+        preset = dict(task.presets[given.get("size", TrainConfig.size)])
+        model_args = {k: preset.pop(k) for k in task.model_keys}
+        values = {**preset, **given, "model": task.name, "model_args": model_args}
+    problems += TASKS[values["model"]].problems(given)
+    values.setdefault("virtual_stages", 2 if values.get("schedule") == "interleaved-1f1b" else 1)
+    if world_size is not None and "stages" not in given:
+        values["stages"] = max(1, world_size // values.get("replicas", 1))
+    config = TrainConfig(**{k: v for k, v in values.items() if k in names})
+    if not config.out:
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        config.out = str(Path("runs") / f"{config.model}-{config.size}-{stamp}")
+    start = manifest["step"] if manifest else 0
+    problems += _problems(config, start, world_size, fresh=manifest is None)
+    if problems:
+        raise ConfigError(problems)
+    return config
+
+
+def _problems(c: TrainConfig, start: int, world_size: int | None, *, fresh: bool) -> list[str]:
+    problems = []
+    for name in ("stages", "replicas", "chunks", "batch", "steps", "seq", "virtual_stages"):
+        value = getattr(c, name)
+        if value < 1:
+            flag = name.replace("_", "-")
+            problems.append(f"--{flag} must be >= 1, got {value}")
+    for name in ("warmup", "save_every", "eval_every", "keep", "sample_tokens", "threads"):
+        if getattr(c, name) < 0:
+            problems.append(f"--{name.replace('_', '-')} must be >= 0, got {getattr(c, name)}")
+    if c.lr <= 0 or c.grad_clip < 0 or c.weight_decay < 0 or c.temperature <= 0:
+        problems.append("--lr and --temperature must be > 0, --grad-clip and --weight-decay >= 0")
+    if c.eval_batches < 1 or c.log_every < 1 or c.timeout <= 0:
+        problems.append("--eval-batches, --log-every and --timeout must be positive")
+    if problems:
+        return problems  # the checks below assume sane numbers
+
+    layers = num_layers(model_spec(c))
+    ranks = c.stages * c.virtual_stages
+    if ranks > layers:
+        what = f"--stages {c.stages}" + (
+            f" x --virtual-stages {c.virtual_stages}" if c.virtual_stages > 1 else ""
+        )
+        problems.append(
+            f"{what} needs at least {ranks} layers, but {c.model} {c.size} has {layers}: use "
+            f"--stages <= {layers // c.virtual_stages} or a larger --size"
+        )
+    if c.balance is not None and (len(c.balance) != ranks or sum(c.balance) != layers):
+        problems.append(
+            f"--balance {','.join(map(str, c.balance))} must have {ranks} entries (one per "
+            f"stage) summing to {layers} (the layers of {c.model} {c.size})"
+        )
+    elif c.balance is not None and min(c.balance) < 1:
+        problems.append("--balance entries must be >= 1")
+    if c.batch % c.replicas:
+        problems.append(f"--batch {c.batch} must be divisible by --replicas {c.replicas}")
+    elif c.batch // c.replicas < c.chunks:
+        problems.append(
+            f"each replica's batch ({c.batch // c.replicas}) must have at least --chunks "
+            f"{c.chunks} samples: one per micro-batch; raise --batch or lower --chunks"
+        )
+    if c.virtual_stages > 1 and c.schedule != "interleaved-1f1b":
+        problems.append("--virtual-stages > 1 needs --schedule interleaved-1f1b")
+    else:
+        try:
+            build_schedule(
+                c.schedule,
+                num_ranks=c.stages,
+                num_microbatches=c.chunks,
+                virtual_stages=c.virtual_stages,
+            )
+        except (ScheduleError, ValueError) as error:
+            problems.append(f"--schedule {c.schedule}: {error}")
+    if start >= c.steps:
+        problems.append(
+            f"the checkpoint is at step {start} and --steps is {c.steps}: nothing to train; "
+            f"pass --steps > {start}"
+        )
+    if world_size is not None and world_size != c.world_size:
+        problems.append(
+            f"torchrun started {world_size} processes but --stages {c.stages} x --replicas "
+            f"{c.replicas} needs {c.world_size}"
+        )
+    if fresh and (Path(c.out) / "checkpoints").is_dir():
+        try:
+            ckpt.find(Path(c.out) / "checkpoints")
+            problems.append(
+                f"--out {c.out} already holds a run's checkpoints: continue it with "
+                f"--resume {c.out}, or choose another --out"
+            )
+        except ckpt.CheckpointError:
+            pass
+    return problems

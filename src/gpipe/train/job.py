@@ -1,0 +1,95 @@
+"""Starting the main job's processes: K × R local ones (:func:`run`), or this one as a rank of
+a job torchrun started (:func:`run_under_torchrun`). Each process runs :func:`train`."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from gpipe.parallel.launch import LaunchError, launch
+from gpipe.parallel.mesh import barrier, broadcast_object, ensure_world, leave_world
+from gpipe.train.config import TrainConfig
+from gpipe.train.report import write_json
+from gpipe.train.trainer import Trainer
+
+__all__ = ["TrainingError", "prepare", "root_cause", "run", "run_under_torchrun", "train"]
+
+
+class TrainingError(RuntimeError):
+    """A rank failed; ``rank`` is the one whose error started it (see :func:`root_cause`),
+    ``failures`` every failed rank's error text with its traceback."""
+
+    def __init__(self, failures: dict[int, str]) -> None:
+        self.failures, self.rank = failures, root_cause(failures)
+        first_line = (failures[self.rank].strip().splitlines() or ["?"])[0]
+        super().__init__(f"failed in rank {self.rank}: {first_line}")
+
+
+def train(rank: int, config: TrainConfig, prepared: Any = None) -> dict[str, Any] | None:
+    """The training run of one rank (inside a process of the job's group); ``prepared``:
+    what :func:`prepare` returned, or None to let each rank load its data."""
+    return Trainer(rank, config, prepared).run()
+
+
+def prepare(config: TrainConfig) -> Any:
+    """Once, before the ranks start: the output folder and the data (or its cache)."""
+    Path(config.out).mkdir(parents=True, exist_ok=True)
+    write_json(Path(config.out) / "config.json", asdict(config))
+    return config.task.prepare()
+
+
+def run(config: TrainConfig) -> dict[str, Any]:
+    """Train ``config`` in K × R new local processes; rank 0's summary.
+
+    Raises :class:`TrainingError` when a rank fails (the others stop with it).
+    """
+    prepared = prepare(config)
+    try:
+        # gloo: the main job trains on CPU, and its own collectives carry CPU tensors.
+        results = launch(
+            train,
+            nprocs=config.world_size,
+            args=(config, prepared),
+            backend="gloo",
+            timeout=config.timeout,
+        )
+    except LaunchError as error:
+        raise TrainingError(error.failures) from None
+    return results[0]
+
+
+def run_under_torchrun(config: TrainConfig) -> dict[str, Any] | None:
+    """Train as one rank of the job torchrun started; rank 0's summary on rank 0."""
+    rank = ensure_world("gloo")  # CPU training, as when run() spawns the ranks
+    try:
+        # Every rank resolved the same options; only rank 0's clock named the output folder.
+        config = broadcast_object(config)
+        if rank == 0:
+            prepare(config)
+        barrier()
+        return train(rank, config)
+    finally:
+        leave_world()
+
+
+# How a rank fails when another one failed first: not the cause worth reporting.
+_SECONDARY = (
+    "PipelineError",
+    "Connection closed",
+    "Connection reset",
+    "timed out",
+    "Timed out",
+    "killed by signal",
+    "without a result",
+)
+
+
+def root_cause(failures: dict[int, str]) -> int:
+    """The rank whose error started it: the lowest one whose error is not a consequence."""
+
+    def secondary(rank: int) -> bool:
+        first_line = (failures[rank].strip().splitlines() or [""])[0]
+        return any(s in first_line for s in _SECONDARY)
+
+    return min(failures, key=lambda r: (secondary(r), r))

@@ -1,0 +1,258 @@
+"""What the main job shows and leaves behind: progress on rank 0, ``metrics.jsonl``, the loss
+plot, the summary. Nothing here touches the model or the other ranks."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from gpipe._utils import MiB
+from gpipe.schedule import build_schedule
+from gpipe.schedule.simulate import simulate
+from gpipe.train.config import TrainConfig
+
+__all__ = ["OUTPUT_FILES", "Metrics", "Reporter", "plot_losses", "write_json"]
+
+OUTPUT_FILES = (
+    "metrics.jsonl",
+    "loss.png",
+    "timeline.png",
+    "timeline.json",
+    "sample.txt",
+    "summary.json",
+    "config.json",
+)
+
+
+class Metrics:
+    """``metrics.jsonl``: one JSON record per step. On resume it starts with the records up
+    to the checkpoint's step (from ``history``, the resumed run's file, or this folder's own),
+    so that the file and the loss curve cover the whole run."""
+
+    def __init__(self, path: Path, start: int, *, history: Path | None, enabled: bool) -> None:
+        self.path, self.enabled = path, enabled
+        self._records: list[dict[str, Any]] = []
+        if not enabled:
+            return
+        source = history if history is not None and history.exists() else path
+        if start > 0 and source.exists():
+            for line in source.read_text().splitlines():
+                with contextlib.suppress(ValueError):
+                    record = json.loads(line)
+                    if record.get("step", 0) <= start:
+                        self._records.append(record)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in self._records))
+        os.replace(tmp, path)
+
+    def write(self, record: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        self._records.append(record)
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def records(self) -> list[dict[str, Any]]:
+        return list(self._records)
+
+    def mean_loss(self, last: int) -> float:
+        losses = [r["loss"] for r in self._records[-last:]]
+        return sum(losses) / len(losses)
+
+
+class Reporter:
+    """What rank 0 shows: a rich progress bar on a terminal, else one line every few steps."""
+
+    def __init__(self, config: TrainConfig, enabled: bool) -> None:
+        self.config, self.enabled = config, enabled
+        self.unit = config.task.unit
+        self.title = (
+            f"{config.model} {config.size}, K={config.stages} M={config.chunks} "
+            f"{config.schedule}"
+            + (f" R={config.replicas}" if config.replicas > 1 else "")
+            + (" bf16" if config.dtype == "bfloat16" else "")
+        )
+        self._bar: Any = None
+        mode = config.progress
+        if enabled and mode != "lines":
+            try:
+                from rich.console import Console
+
+                console = Console()
+                if mode == "bar" or console.is_terminal:
+                    self._console = console
+                    self._bar = "wanted"
+            except ImportError:
+                pass
+
+    def print(self, text: str = "") -> None:
+        if not self.enabled:
+            return
+        if self._bar not in (None, "wanted"):
+            self._bar.console.print(text, markup=False, highlight=False, soft_wrap=True)
+        else:
+            print(text, flush=True)
+
+    note = print
+
+    def header(
+        self, *, parameters: int, layers: int, balance: list[int], data: str, start: int
+    ) -> None:
+        c = self.config
+        per_sample = c.task.samples(c.seq)
+        resumed = f", resumed from step {start}" if start else ""
+        self.print(
+            f"gpipe train: {self.title}: {parameters:,} parameters in {layers} layers, "
+            f"balance={balance}, batch {c.batch}"
+            + (f" x {per_sample} {self.unit}" if per_sample > 1 else "")
+            + f", {c.steps} steps, {c.world_size} processes{resumed}"
+        )
+        self.print(f"  data: {data}")
+        self.print(f"  output: {c.out}")
+
+    def start(self, start: int) -> None:
+        self._t0, self._start = time.perf_counter(), start
+        if self._bar == "wanted":
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                TextColumn,
+                TimeElapsedColumn,
+                TimeRemainingColumn,
+            )
+
+            self._bar = Progress(
+                TextColumn("[bold]train"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("loss {task.fields[loss]}"),
+                TextColumn("{task.fields[rate]}"),
+                TimeElapsedColumn(),
+                TextColumn("eta"),
+                TimeRemainingColumn(),
+                console=self._console,
+            )
+            self._task = self._bar.add_task(
+                "train", total=self.config.steps, completed=start, loss="-", rate="-"
+            )
+            self._bar.start()
+
+    def step(self, step: int, loss: float, rate: float) -> None:
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.update(
+                self._task, completed=step, loss=f"{loss:.3f}", rate=f"{rate:,.0f} {self.unit}/s"
+            )
+            return
+        c = self.config
+        if step == self._start + 1 or step % c.log_every == 0 or step == c.steps:
+            elapsed = time.perf_counter() - self._t0
+            eta = elapsed / (step - self._start) * (c.steps - step)
+            print(
+                f"step {step:5d}/{c.steps}  loss {loss:.4f}  {rate:,.0f} {self.unit}/s  "
+                f"eta {_duration(eta)}",
+                flush=True,
+            )
+
+    def validation(self, step: int, val: dict[str, float]) -> None:
+        acc = f"  accuracy {val['val_accuracy']:.1%}" if "val_accuracy" in val else ""
+        self.note(f"step {step}: val loss {val['val_loss']:.4f}{acc}")
+
+    def stop(self) -> None:
+        if self._bar not in (None, "wanted"):
+            self._bar.stop()
+        self._bar = None  # what follows is plain text
+
+    def summary(self, s: dict[str, Any], out: Path) -> None:
+        c, unit = self.config, self.unit
+        lines = [
+            "",
+            f"done: {s['steps_run']} steps in {_duration(s['seconds'])}",
+            f"  train loss   {s['first_loss']:.4f} (step {s['first_step']}) -> {s['last_loss']:.4f}"
+            f" (step {c.steps}; mean of the last {s['last_losses_count']} steps "
+            f"{s['last_losses_mean']:.4f})",
+        ]
+        if "val_loss" in s:
+            acc = f", accuracy {s['val_accuracy']:.1%}" if "val_accuracy" in s else ""
+            lines.append(f"  val loss     {s['val_loss']:.4f}{acc}")
+        lines.append(f"  throughput   {s[f'{unit}_per_s']:,.0f} {unit}/s")
+        if s.get("bubble") is not None:
+            schedule = build_schedule(
+                c.schedule,
+                num_ranks=c.stages,
+                num_microbatches=c.chunks,
+                virtual_stages=c.virtual_stages,
+            )
+            ideal = simulate(schedule).bubble_fraction
+            lines.append(
+                f"  bubble       {s['bubble']:.1%} measured on step {c.steps} ({c.schedule} "
+                f"with equal action costs: {ideal:.1%})"
+            )
+        for r, m in enumerate(s.get("memory_per_rank", [])):
+            lines.append(
+                f"  rank {r} (stage {','.join(map(str, m['stages']))}): activations "
+                f"{_mib(m['activation_bytes'])} measured, weights+optimizer "
+                f"{_mib(m['state_bytes'])}, process peak {_mib(m['peak_rss_bytes'])}"
+            )
+        produced = [name for name in OUTPUT_FILES if (out / name).exists()]
+        lines.append(f"  files        {out}/: {', '.join(produced)}, checkpoints/")
+        if s.get("sample"):
+            lines.append(f"  sample ({c.sample_tokens} bytes after {c.prompt!r}):")
+            lines += ["    | " + line for line in s["sample"].splitlines()]
+        for line in lines:
+            self.print(line)
+
+
+def _duration(seconds: float) -> str:
+    seconds = max(0, round(seconds))
+    minutes, seconds = divmod(seconds, 60)
+    return f"{minutes}m{seconds:02d}s" if minutes else f"{seconds}s"
+
+
+def _mib(n: float) -> str:
+    return f"{n / MiB:.1f} MiB"
+
+
+def write_json(path: Path, value: Any) -> None:
+    """Write ``value`` whole or not at all (a crash never leaves half a file)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(value, indent=1, default=str))
+    os.replace(tmp, path)
+
+
+def plot_losses(records: list[dict[str, Any]], path: Path, *, title: str) -> bool:
+    """Train loss per step (and its running mean) with validation points; False without
+    matplotlib."""
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:
+        return False
+    steps = [r["step"] for r in records]
+    losses = [r["loss"] for r in records]
+    fig = Figure(figsize=(7, 4), layout="constrained")
+    ax = fig.add_subplot()
+    window = max(1, len(losses) // 30)
+    if window > 1:
+        ax.plot(steps, losses, color="#0072B2", alpha=0.3, linewidth=0.8, label="train (per step)")
+    smooth = [
+        sum(losses[max(0, i - window + 1) : i + 1]) / len(losses[max(0, i - window + 1) : i + 1])
+        for i in range(len(losses))
+    ]
+    label = f"train (mean of {window} steps)" if window > 1 else "train"
+    ax.plot(steps, smooth, color="#0072B2", linewidth=1.6, label=label)
+    val = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
+    if val:
+        ax.plot(*zip(*val, strict=True), "o-", color="#E69F00", label="validation")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.set_title(title, loc="left", fontsize=10)
+    ax.grid(color="#dddddd", linewidth=0.6)
+    ax.legend(frameon=False)
+    fig.savefig(path, dpi=120, facecolor="white")
+    return True

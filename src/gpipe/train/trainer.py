@@ -1,0 +1,368 @@
+"""One rank's training: :class:`Trainer` builds its stage of the pipeline, its optimizer and
+its data, then runs the loop of :meth:`Trainer.run`, which validates, saves checkpoints and
+writes the metrics as it goes.
+
+Resuming reproduces the uninterrupted run exactly (bitwise on CPU with the same K, M and
+schedule): step t's dropout seed is a function of (seed, t), the learning rate a function
+of t, and the checkpoint holds the weights, the optimizer state and the data position.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+import os
+import resource
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.nn import functional as F
+
+from gpipe import checkpoint as ckpt
+from gpipe import timeline
+from gpipe.data import EpochSampler, hash_seed
+from gpipe.engine.memory import measure_activations
+from gpipe.parallel.mesh import Mesh, all_gather_object, all_sum, barrier, broadcast_tensor
+from gpipe.partition import even_balance
+from gpipe.pipe import Pipe
+from gpipe.train.config import TrainConfig, model_spec, num_layers
+from gpipe.train.report import Metrics, Reporter, plot_losses, write_json
+from gpipe.train.tasks import build_model
+
+__all__ = ["Trainer"]
+
+
+class Trainer:
+    """Rank ``rank``'s part of the run ``config``, inside a process of the job's group.
+
+    ``prepared`` is what the task prepared before the ranks started (see
+    :meth:`gpipe.train.tasks.Task.prepare`), or None to let each rank load its data.
+    """
+
+    def __init__(self, rank: int, config: TrainConfig, prepared: Any = None) -> None:
+        c = self.config = config
+        self.rank, self.out, self.task = rank, Path(config.out), config.task
+        threads = c.threads or max(1, len(os.sched_getaffinity(0)) // c.world_size)
+        torch.set_num_threads(threads)
+        self.mesh = Mesh.build(c.stages, c.replicas)
+        self.replica = rank // c.stages
+        self.spec = model_spec(c)
+        self.layers = num_layers(self.spec)
+        self.balance = c.balance or even_balance(self.layers, c.stages * c.virtual_stages)
+        self.pipe = Pipe(
+            functools.partial(build_model, self.spec),
+            balance=self.balance,
+            chunks=c.chunks,
+            checkpoint=c.checkpoint,
+            schedule=c.schedule,
+            virtual_stages=c.virtual_stages,
+            deferred_batch_norm=self.task.deferred_batch_norm,
+            group=self.mesh.pp,
+            data_parallel_group=self.mesh.dp,
+            init_seed=c.seed,
+            timeout=c.timeout,
+        )
+        self.names = {p: n for n, p in self.pipe.named_parameters()}
+        self.optimizer = self._optimizer()
+        self.data = self.task.data(
+            seq=c.seq, batch=c.batch, eval_batches=c.eval_batches, prepared=prepared
+        )
+        self.sampler = EpochSampler(len(self.data.train), seed=c.seed)
+        self.start = 0
+        if c.resume:
+            self._load(c.resume)
+        self.last_global_rank = self.mesh.global_rank(self.pipe.schedule.stage_to_rank[-1])
+        self.show = Reporter(c, rank == 0)
+        self.autocast = (
+            functools.partial(torch.autocast, "cpu", dtype=torch.bfloat16)
+            if c.dtype == "bfloat16"
+            else contextlib.nullcontext
+        )
+        self.step_times: list[float] = []
+        self.measured: dict[str, Any] = {}  # of the traced step: bubble, memory per rank
+
+    def _optimizer(self) -> torch.optim.Optimizer | None:
+        # Weight decay on matrices (dim >= 2) only, as in nanoGPT; groups are named so that a
+        # checkpoint's optimizer state loads into any cut (gpipe.checkpoint).
+        params = list(self.pipe.parameters())
+        groups = [
+            {"name": "decay", "params": [p for p in params if p.dim() >= 2]},
+            {"name": "no_decay", "params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        ]
+        groups = [g for g in groups if g["params"]]
+        if not groups:
+            return None  # this rank's layers have no parameters (e.g. pooling only)
+        return torch.optim.AdamW(
+            groups, lr=self.config.lr, weight_decay=self.config.weight_decay, betas=(0.9, 0.95)
+        )
+
+    def lr_at(self, step: int) -> float:
+        c = self.config
+        if c.warmup and step <= c.warmup:
+            return c.lr * step / c.warmup
+        if c.lr_schedule == "constant":
+            return c.lr
+        progress = (step - c.warmup) / max(1, c.steps - c.warmup)
+        if c.lr_schedule == "linear":
+            return c.lr * (1 - progress)
+        return c.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+    # -- the loop --------------------------------------------------------------------------
+
+    def run(self) -> dict[str, Any] | None:
+        """Train from the start (or the resumed step) to ``config.steps``; rank 0 returns the
+        summary, the other ranks None."""
+        c = self.config
+        parameters = self.mesh.sum_over_pipeline(sum(p.numel() for p in self.pipe.parameters()))
+        self.show.header(
+            parameters=int(parameters), layers=self.layers, balance=self.balance,
+            data=self.data.description, start=self.start,
+        )  # fmt: skip
+        history = None  # the resumed run's metrics, when it wrote them elsewhere
+        if c.resume and Path(c.resume).parent.name == "checkpoints":
+            history = Path(c.resume).parent.parent / "metrics.jsonl"
+        metrics = Metrics(self.out / "metrics.jsonl", self.start, history=history,
+                          enabled=self.rank == 0)  # fmt: skip
+        started = time.perf_counter()
+        self.show.start(self.start)
+        for step in range(self.start + 1, c.steps + 1):
+            record = self.train_step(step, traced=step == c.steps)
+            record["elapsed"] = time.perf_counter() - started
+            if not math.isfinite(record["loss"]):
+                self.show.note(f"step {step}: the loss is {record['loss']}; stopping")
+                metrics.write(record)
+                raise FloatingPointError(f"loss is {record['loss']} at step {step}")
+            self.show.step(step, record["loss"], record[f"{self.task.unit}_per_s"])
+            if _due(c.eval_every, step, c.steps):
+                record.update(self.evaluate())
+                self.show.validation(step, record)
+            metrics.write(record)
+            if _due(c.save_every, step, c.steps):
+                self.show.note(f"step {step}: checkpoint {self.save(step)}")
+        self.show.stop()
+        sample = self.generate() if self.task.writes_text and c.sample_tokens else None
+        if self.rank != 0:
+            return None
+        return self._summarize(metrics, sample, seconds=time.perf_counter() - started)
+
+    def train_step(self, step: int, *, traced: bool = False) -> dict[str, Any]:
+        """One optimizer step on mini-batch ``step``; ``traced``: measure its timeline and
+        activation memory too. Returns the step's metrics record."""
+        c = self.config
+        lr = self.lr_at(step)
+        if self.optimizer is not None:
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+        share = c.batch // c.replicas
+        indices = self.sampler.take(c.batch)[self.replica * share : (self.replica + 1) * share]
+        x, y = self.data.train[indices]
+        tick = time.perf_counter()
+        with contextlib.ExitStack() as stack:
+            meter = stack.enter_context(measure_activations(self.pipe)) if traced else None
+            stack.enter_context(self.autocast())
+            seed = hash_seed(c.seed, step, self.replica)
+            loss = self.pipe.step(x, y, self.task.loss, seed=seed, trace=traced)
+        norm = self.pipe.clip_grad_norm_(c.grad_clip) if c.grad_clip else None
+        if self.optimizer is not None:
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        loss = self.mesh.mean_over_replicas(float(loss))
+        seconds = time.perf_counter() - tick
+        self.step_times.append(seconds)
+        if traced:
+            self.measured = {**self._memory(meter), "bubble": self._save_timeline()}
+        return {
+            "step": step,
+            "loss": loss,
+            "lr": lr,
+            "grad_norm": None if norm is None else float(norm),
+            "step_time": seconds,
+            f"{self.task.unit}_per_s": c.batch * self.task.samples(c.seq) / seconds,
+        }
+
+    def _summarize(self, metrics: Metrics, sample: str | None, seconds: float) -> dict[str, Any]:
+        c = self.config
+        records = metrics.records()[-len(self.step_times) :]
+        warm = self.step_times[1:] or self.step_times
+        validation = [r for r in records if "val_loss" in r]
+        summary = {
+            "config": asdict(c),
+            "steps_run": len(self.step_times),
+            "first_step": self.start + 1,
+            "first_loss": records[0]["loss"],
+            "last_loss": records[-1]["loss"],
+            "last_losses_mean": metrics.mean_loss(10),
+            "last_losses_count": min(10, len(metrics.records())),
+            **{k: v for k, v in validation[-1].items() if k.startswith("val_")},
+            f"{self.task.unit}_per_s": c.batch * self.task.samples(c.seq) * len(warm) / sum(warm),
+            "seconds": seconds,
+            "bubble": None,
+            **self.measured,
+            "sample": sample,
+        }
+        write_json(self.out / "summary.json", summary)
+        plot_losses(metrics.records(), self.out / "loss.png", title=self.show.title)
+        self.show.summary(summary, self.out)
+        return summary
+
+    # -- validation and sampling -------------------------------------------------------------
+
+    def evaluate(self) -> dict[str, float]:
+        """Mean loss (and accuracy) on the fixed validation set, shared out over replicas."""
+        c = self.config
+        mine = torch.tensor_split(self.data.val_indices, c.replicas)[self.replica]
+        batches = max(1, len(mine) // max(c.batch // c.replicas, c.chunks))
+        totals = torch.zeros(3, dtype=torch.float64)  # loss sum, samples, correct
+        self.pipe.eval()
+        try:
+            with torch.no_grad(), self.autocast():
+                for part in torch.tensor_split(mine, batches):
+                    x, y = self.data.val[part]
+                    out = self.pipe(x)
+                    if out is not None:  # on the last stage's ranks only
+                        loss, correct = self.task.loss(out, y), self.task.correct(out, y)
+                        totals += torch.tensor(
+                            [float(loss) * len(y), len(y), correct], dtype=torch.float64
+                        )
+        finally:
+            self.pipe.train()
+        all_sum(totals)
+        result = {"val_loss": float(totals[0] / totals[1])}
+        if self.task.classifies:
+            result["val_accuracy"] = float(totals[2] / totals[1])
+        return result
+
+    def generate(self) -> str | None:
+        """Text written by the model through the pipeline, one byte per pipelined forward.
+
+        The M micro-batches carry M samples; the last stage picks each next byte and
+        broadcasts it to the pipeline, whose first stage feeds it back in.
+        """
+        c = self.config
+        if self.replica != 0:
+            return None
+        prompt = torch.tensor(list(c.prompt.encode()) or [10], dtype=torch.int64)
+        tokens = prompt.repeat(c.chunks, 1)  # (M, T)
+        generator = torch.Generator().manual_seed(hash_seed(c.seed, -1))
+        self.pipe.eval()
+        try:
+            with torch.no_grad(), self.autocast():
+                for _ in range(c.sample_tokens):
+                    logits = self.pipe(tokens[:, -c.seq :])  # (M, T, 256) on the last stage
+                    chosen = torch.zeros(c.chunks, 1, dtype=torch.int64)
+                    if logits is not None:
+                        probs = F.softmax(logits[:, -1, :].float() / c.temperature, dim=-1)
+                        chosen = torch.multinomial(probs, 1, generator=generator)
+                    broadcast_tensor(chosen, src=self.last_global_rank, group=self.mesh.pp)
+                    tokens = torch.cat([tokens, chosen], dim=1)
+        finally:
+            self.pipe.train()
+        texts = [bytes(row.tolist()).decode("utf-8", "replace") for row in tokens]
+        if self.rank == 0:
+            (self.out / "sample.txt").write_text(
+                "\n\n".join(f"--- sample {i} ---\n{t}" for i, t in enumerate(texts)) + "\n"
+            )
+        return texts[0]
+
+    # -- measurements ----------------------------------------------------------------------
+
+    def _memory(self, meter: Any) -> dict[str, Any]:
+        """Per pipeline rank: measured activation peak, weights + optimizer, process peak RSS."""
+        optimizer_state = self.optimizer.state.values() if self.optimizer else []
+        state = [*self.pipe.parameters(), *self.pipe.buffers()] + [
+            v for s in optimizer_state for v in s.values() if isinstance(v, torch.Tensor)
+        ]
+        local = {
+            "stages": [s.index for s in self.pipe.stages],
+            "activation_bytes": sum(meter.peak_bytes[s.index] for s in self.pipe.stages),
+            "state_bytes": sum(t.numel() * t.element_size() for t in state),
+            # ru_maxrss is in KiB on Linux
+            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        }
+        return {"memory_per_rank": all_gather_object(local, self.mesh.pp)}
+
+    def _save_timeline(self) -> float | None:
+        """Rank 0 saves the traced step's timeline; returns its measured bubble fraction."""
+        events = [
+            e for trace in all_gather_object(self.pipe.last_trace, self.mesh.pp) for e in trace
+        ]
+        if self.rank != 0:
+            return None
+        start, end = min(e.start for e in events), max(e.end for e in events)
+        busy = sum(e.end - e.start for e in events)
+        timeline.save_chrome_trace(events, self.out / "timeline.json")
+        with contextlib.suppress(ImportError):
+            timeline.save_png(
+                events,
+                self.out / "timeline.png",
+                title=f"{self.show.title}, step {self.config.steps} (measured)",
+                time_unit="s",
+            )
+        return 1 - busy / (self.config.stages * (end - start))
+
+    # -- checkpoints -----------------------------------------------------------------------
+
+    def save(self, step: int) -> Path:
+        """Every rank's part of one checkpoint; rank 0 commits it (see gpipe.checkpoint)."""
+        c = self.config
+        root = self.out / "checkpoints"
+        if self.rank == 0:
+            ckpt.begin(root, step)
+        barrier()
+        folder = ckpt.staging_folder(root, step)
+        info = None
+        pp_rank = self.mesh.pp_rank
+        if self.replica == 0:  # replicas hold equal weights: one writer per stage
+            state = {k: v.detach().cpu() for k, v in self.pipe.state_dict().items()}
+            optimizer = self.optimizer and ckpt.optimizer_state_by_name(self.optimizer, self.names)
+            stages = [s.index for s in self.pipe.stages]
+            shard = {"model": state, "optimizer": optimizer, "stages": stages,
+                     "rng": {"torch": torch.get_rng_state()}}  # fmt: skip
+            ckpt.write_shard(folder, pp_rank, shard)
+            info = (ckpt.shard_file(pp_rank), {"names": list(state), "stages": stages})
+        gathered = all_gather_object(info)
+        final = root / ckpt.step_folder(step)
+        if self.rank == 0:
+            manifest = {
+                "step": step,
+                "config": asdict(c),
+                "model": self.spec,
+                "data": self.sampler.state_dict(),
+                "layout": {
+                    "stages": c.stages,
+                    "replicas": c.replicas,
+                    "virtual_stages": c.virtual_stages,
+                    "balance": self.balance,
+                },
+                "shards": dict(i for i in gathered if i is not None),
+                "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            }
+            final = ckpt.commit(root, folder, manifest, keep=c.keep)
+        barrier()
+        return final
+
+    def _load(self, path: str) -> None:
+        manifest = ckpt.read_manifest(path)
+        names = list(self.pipe.state_dict())
+        self.pipe.load_state_dict(ckpt.load_tensors(manifest, names), strict=True)
+        if self.optimizer is not None:
+            params = list(self.names.values())
+            state = ckpt.load_optimizer_state(manifest, params)
+            ckpt.load_optimizer_state_by_name(self.optimizer, self.names, state)
+        self.sampler.load_state_dict(manifest["data"])
+        same_layout = manifest["layout"]["stages"] == self.config.stages
+        own = Path(manifest["path"]) / ckpt.shard_file(self.mesh.pp_rank)
+        if same_layout and own.is_file():
+            rng = torch.load(own, weights_only=True, mmap=True).get("rng") or {}
+            if "torch" in rng:
+                torch.set_rng_state(rng["torch"].clone())
+        self.start = int(manifest["step"])
+
+
+def _due(every: int, step: int, last: int) -> bool:
+    """Whether a periodic task (``every`` steps, 0: only at the end) runs at ``step``."""
+    return (every > 0 and step % every == 0) or step == last

@@ -1,0 +1,43 @@
+"""The wire format of a message: one buffer holding a header and every tensor, aligned."""
+
+from __future__ import annotations
+
+import pickle
+
+import torch
+from torch.utils._pytree import tree_flatten, treespec_dumps
+
+from gpipe.transport.framing import ALIGN, History, TensorMeta
+
+
+def test_a_packed_message_holds_every_dtype_and_shape_as_views():
+    """Header and tensors in one buffer; the receiver's tensors are views of it, aligned."""
+    value = (
+        torch.randn(3, 5),
+        {"mask": torch.rand(7) > 0.5, "positions": torch.arange(4)},
+        None,
+        torch.tensor(2.5, dtype=torch.float64),
+        torch.empty(0, 3),
+        torch.randn(2, dtype=torch.complex128),
+        11,
+    )
+    leaves, spec = tree_flatten(value)
+    described = [
+        TensorMeta(x.dtype, tuple(x.shape), False) if isinstance(x, torch.Tensor) else x
+        for x in leaves
+    ]
+    history = History()
+    history.update(pickle.dumps((treespec_dumps(spec), described)))
+    tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+    packed = history.pack(0, tensors, torch.device("cpu"))
+    assert packed[:8].view(torch.int64).item() == 0
+    buffer = packed.clone()
+    unpacked = history.unpack(buffer)
+    for original, received in zip(leaves, unpacked, strict=True):
+        if isinstance(original, torch.Tensor):
+            assert received.dtype == original.dtype and torch.equal(received, original)
+            offset = received.data_ptr() - buffer.data_ptr()
+            assert (offset % ALIGN == 0 and received.data_ptr() % 16 == 0) or received.numel() == 0
+        else:
+            assert received == original
+    assert history.pack(-5, None, torch.device("cpu"))[:8].view(torch.int64).item() == -5
