@@ -1,41 +1,5 @@
-"""Plan a pipeline: choose K, M, schedule, re-materialization and cuts for the user.
-
-Given a model, a sample mini-batch, the number of devices and a memory budget per device,
-:func:`plan` profiles the model (``gpipe.profile``) at each micro-batch size it considers,
-and for every candidate configuration
-
-    (stages K ≤ devices, virtual stages v, micro-batches M, schedule, checkpoint mode)
-
-1. cuts the model with the exact time balance (``gpipe.balance``), honouring the budget;
-2. simulates the schedule (``gpipe.simulate``) with the profiled per-stage costs — forward,
-   backward (input and weight parts for zero-bubble schedules), one more forward per
-   re-materialized micro-batch, a per-action overhead, and a transfer time for each
-   hand-over between devices (``latency + bytes / bandwidth``);
-3. predicts the step time (the makespan), the throughput (samples/s), the bubble, and the
-   peak memory of each device (parameters, gradients, optimizer state, and the
-   activations the simulated schedule holds; see ``gpipe.balance``).
-
-Candidates that fit the budget are ranked by predicted throughput; ties (equal to nine
-significant digits) go to fewer stages, then fewer micro-batches, then the schedule's name,
-the checkpoint mode and fewer virtual stages. :func:`verify` runs the top ones for real, one
-process per device (``gpipe.launch``), and puts measured next to predicted::
-
-    result = gpipe.plan(model, x, devices=4, memory_budget=8 * 2**30, target=y,
-                        loss_fn=F.cross_entropy, verify=3)
-    print(result.table())
-    pipe = gpipe.Pipe(model, **result.best.pipe_kwargs(), devices=[...])
-
-``gpipe plan`` is the command-line front end, for the preset models.
-
-What the prediction leaves out: the optimizer step, the per-step agreement (a small
-all-reduce) and contention between processes sharing a machine's cores or memory bandwidth.
-Times measured in one process are used for every stage's process: profile with the thread
-count each process will have (the CLI uses one thread, as :func:`verify` runs).
-
-``gpipe.plan`` is this module's :func:`plan`; its other names come from here, e.g.
-``from gpipe.planner import Plan, plan_from_profiles, verify`` (the module was
-``gpipe.plan`` before the redesign).
-"""
+"""The planner's search (:func:`plan`, :func:`plan_from_profiles`) and :func:`verify`; the
+method is told in the docstring of :mod:`gpipe.planner`."""
 
 from __future__ import annotations
 
@@ -43,7 +7,6 @@ import math
 import statistics
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -55,10 +18,10 @@ from gpipe.engine.memory import measure_activations
 from gpipe.parallel import mesh
 from gpipe.parallel.launch import launch
 from gpipe.pipe import Pipe
+from gpipe.planner.results import Candidate, Link, Plan, Verified
 from gpipe.planning.balance import BudgetError, balance_profile
 from gpipe.planning.memory_model import (
     MemoryModel,
-    StageMemory,
     held_in,
     held_microbatches,
     stage_memory,
@@ -68,204 +31,10 @@ from gpipe.remat import REMAT_MODES, recompute_fraction
 from gpipe.schedule import SCHEDULES, Schedule, build_schedule
 from gpipe.schedule.simulate import Costs, simulate
 
-__all__ = ["Candidate", "Link", "Plan", "Verified", "plan", "plan_from_profiles", "verify"]
+__all__ = ["DEFAULT_OVERHEAD", "plan", "plan_from_profiles", "verify"]
 
 DEFAULT_OVERHEAD = 100e-6  # seconds of runtime bookkeeping per action, measured on a CPU
 ProfileSource = Profile | Mapping[int, Profile] | Callable[[int], Profile]
-
-
-@dataclass(frozen=True)
-class Link:
-    """Time to hand a boundary tensor to the next device: ``latency + bytes / bandwidth``.
-
-    The defaults suit processes on one machine over gloo; for NVLink use e.g.
-    ``Link(latency=10e-6, bandwidth=100e9)``.
-    """
-
-    latency: float = 100e-6  # seconds per message
-    bandwidth: float = 2e9  # bytes per second
-
-    def __post_init__(self) -> None:
-        if not self.latency >= 0 or not self.bandwidth > 0:
-            raise ValueError(
-                f"Link needs latency >= 0 and bandwidth > 0, got {self.latency!r}, "
-                f"{self.bandwidth!r}"
-            )
-
-    def time(self, nbytes: float) -> float:
-        return self.latency + nbytes / self.bandwidth
-
-    @classmethod
-    def measure(
-        cls, *, nbytes: int = 4 << 20, rounds: int = 20, backend: str | None = None
-    ) -> Link:
-        """Ping-pong between two new local processes (``gpipe.launch``): the latency of a
-        tiny message, and the bandwidth of an ``nbytes`` one — on this machine, as loaded
-        as it is now."""
-        sizes = (64, int(nbytes))
-        times = launch(mesh.ping_pong, 2, args=(sizes, rounds), backend=backend)[0]
-        latency = times[sizes[0]]
-        bandwidth = (sizes[1] - sizes[0]) / max(times[sizes[1]] - latency, 1e-9)
-        return cls(latency=latency, bandwidth=bandwidth)
-
-    def __str__(self) -> str:
-        return f"{self.latency * 1e6:.0f} us + bytes / {self.bandwidth / 1e9:.2f} GB/s"
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """One configuration with its predicted cost."""
-
-    stages: int  # K: devices (processes) used
-    virtual_stages: int  # v: stages per device (interleaved 1F1B)
-    chunks: int  # M: micro-batches per mini-batch
-    schedule: str
-    checkpoint: str
-    balance: tuple[int, ...]  # layers per stage (K·v entries)
-    step_time: float  # predicted seconds per mini-batch
-    throughput: float  # predicted samples per second
-    bubble: float  # idle fraction of the devices
-    memory: tuple[float, ...]  # predicted peak bytes per device
-    stage_memory: tuple[StageMemory, ...] = field(repr=False, default=())
-    fits: bool = True
-    reason: str = ""  # why it does not fit
-
-    def pipe_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments for ``gpipe.Pipe`` (add ``devices`` or ``group``)."""
-        return {
-            "balance": list(self.balance),
-            "chunks": self.chunks,
-            "schedule": self.schedule,
-            "checkpoint": self.checkpoint,
-            "virtual_stages": self.virtual_stages,
-        }
-
-    def rank_key(self) -> tuple:
-        return (
-            -float(f"{self.throughput:.9g}"),
-            self.stages,
-            self.chunks,
-            self.schedule,
-            self.checkpoint,
-            self.virtual_stages,
-        )
-
-    def label(self) -> str:
-        v = f" v={self.virtual_stages}" if self.virtual_stages > 1 else ""
-        return f"K={self.stages}{v} M={self.chunks} {self.schedule} {self.checkpoint}"
-
-
-@dataclass(frozen=True)
-class Verified:
-    """A candidate run for real: measured step time and activation memory."""
-
-    candidate: Candidate
-    step_time: float  # median seconds per step, measured
-    throughput: float  # samples per second, measured
-    activation_bytes: tuple[int, ...]  # peak stored activations per device, measured
-    steps: int
-
-    @property
-    def ratio(self) -> float:
-        """Measured over predicted throughput."""
-        return self.throughput / self.candidate.throughput
-
-    @property
-    def predicted_activation_bytes(self) -> tuple[float, ...]:
-        """Per device, the stored activations the memory model predicts (no weights)."""
-        c = self.candidate
-        per_device = [0.0] * c.stages
-        for s, stage in enumerate(c.stage_memory):
-            per_device[s % c.stages] += stage.boundary + stage.inner
-        return tuple(per_device)
-
-    def activations(self) -> str:
-        """``measured/predicted`` MiB per device."""
-        return ", ".join(
-            f"{got / MiB:.1f}/{want / MiB:.1f}"
-            for got, want in zip(
-                self.activation_bytes, self.predicted_activation_bytes, strict=True
-            )
-        )
-
-
-@dataclass
-class Plan:
-    """Ranked candidates (those that fit first), and what they were computed from."""
-
-    candidates: list[Candidate]  # fit the budget, best first
-    rejected: list[Candidate]  # over the budget, least memory first
-    batch_size: int
-    devices: int
-    memory_budget: float | None
-    profiles: dict[int, Profile] = field(repr=False, default_factory=dict)  # by M
-    verified: list[Verified] = field(default_factory=list)
-    link: Link = field(default_factory=lambda: Link())
-    overhead: float = 0.0
-
-    @property
-    def best(self) -> Candidate:
-        if not self.candidates:
-            raise ValueError("no candidate fits the memory budget:\n" + self.table(top=5))
-        return self.candidates[0]
-
-    def table(self, top: int | None = 10) -> str:
-        """The ranked candidates as a text table (rejected ones too when none fits)."""
-        budget = (
-            "no memory budget"
-            if self.memory_budget is None
-            else (f"budget {self.memory_budget / MiB:,.0f} MiB per device")
-        )
-        lines = [
-            f"batch {self.batch_size}, up to {self.devices} devices, {budget}; "
-            f"{len(self.candidates)} of {len(self.candidates) + len(self.rejected)} "
-            "candidates fit",
-            f"predicted with transfers of {self.link}, {self.overhead * 1e6:.0f} us per action",
-            "",
-            f"{'#':>3} {'K':>2} {'v':>2} {'M':>3} {'schedule':<17}{'checkpoint':<12}"
-            f"{'balance':<20}{'samples/s':>10} {'step ms':>9} {'bubble':>7}  peak MiB per device",
-        ]
-        shown = self.candidates[:top] if top is not None else self.candidates
-        for n, c in enumerate(shown, 1):
-            lines.append(_row(n, c))
-        if len(self.candidates) > len(shown):
-            lines.append(f"    ... {len(self.candidates) - len(shown)} more")
-        if not self.candidates and self.rejected:
-            lines.append("none fits; closest:")
-            for c in self.rejected[: top or 5]:
-                lines.append(_row(None, c) + f"  ({c.reason})")
-        if self.verified:
-            lines += ["", self.verify_table()]
-        return "\n".join(lines)
-
-    def verify_table(self) -> str:
-        lines = [
-            f"verified on 1 process per device, 1 thread each (median of "
-            f"{self.verified[0].steps} steps):",
-            f"{'#':>3} {'configuration':<40}{'predicted':>10} {'measured':>9} {'ratio':>6}"
-            "  activations MiB per device (measured / predicted)",
-        ]
-        for n, v in enumerate(self.verified, 1):
-            c = v.candidate
-            lines.append(
-                f"{n:>3} {c.label():<40}{c.throughput:>10.1f} {v.throughput:>9.1f} "
-                f"{v.ratio:>6.2f}  {v.activations()}"
-            )
-        lines.append("(samples/s)")
-        return "\n".join(lines)
-
-
-def _row(n: int | None, c: Candidate) -> str:
-    balance = str(list(c.balance))
-    if len(balance) > 19:
-        balance = balance[:16] + "..."
-    memory = " / ".join(f"{m / MiB:.1f}" for m in c.memory)
-    mark = f"{n:>3}" if n is not None else "  -"
-    return (
-        f"{mark} {c.stages:>2} {c.virtual_stages:>2} {c.chunks:>3} {c.schedule:<17}"
-        f"{c.checkpoint:<12}{balance:<20}{c.throughput:>10.1f} {c.step_time * 1e3:>9.2f} "
-        f"{c.bubble:>7.1%}  {memory}"
-    )
 
 
 # -- ranking from profiles ------------------------------------------------------------------

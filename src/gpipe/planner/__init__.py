@@ -1,0 +1,43 @@
+"""Plan a pipeline: choose K, M, schedule, re-materialization and cuts for the user.
+
+Given a model, a sample mini-batch, the number of devices and a memory budget per device,
+:func:`plan` profiles the model (``gpipe.profile``) at each micro-batch size it considers,
+and for every candidate configuration
+
+    (stages K ≤ devices, virtual stages v, micro-batches M, schedule, checkpoint mode)
+
+1. cuts the model with the exact time balance (``gpipe.balance``), honouring the budget;
+2. simulates the schedule (``gpipe.simulate``) with the profiled per-stage costs — forward,
+   backward (input and weight parts for zero-bubble schedules), one more forward per
+   re-materialized micro-batch, a per-action overhead, and a transfer time for each
+   hand-over between devices (``latency + bytes / bandwidth``);
+3. predicts the step time (the makespan), the throughput (samples/s), the bubble, and the
+   peak memory of each device (parameters, gradients, optimizer state, and the
+   activations the simulated schedule holds; see ``gpipe.balance``).
+
+Candidates that fit the budget are ranked by predicted throughput; ties (equal to nine
+significant digits) go to fewer stages, then fewer micro-batches, then the schedule's name,
+the checkpoint mode and fewer virtual stages. :func:`verify` runs the top ones for real, one
+process per device (``gpipe.launch``), and puts measured next to predicted::
+
+    result = gpipe.plan(model, x, devices=4, memory_budget=8 * 2**30, target=y,
+                        loss_fn=F.cross_entropy, verify=3)
+    print(result.table())
+    pipe = gpipe.Pipe(model, **result.best.pipe_kwargs(), devices=[...])
+
+``gpipe plan`` is the command-line front end, for the preset models.
+
+What the prediction leaves out: the optimizer step, the per-step agreement (a small
+all-reduce) and contention between processes sharing a machine's cores or memory bandwidth.
+Times measured in one process are used for every stage's process: profile with the thread
+count each process will have (the CLI uses one thread, as :func:`verify` runs).
+
+``gpipe.plan`` is this module's :func:`plan`; its other names come from here, e.g.
+``from gpipe.planner import Plan, plan_from_profiles, verify`` (the module was
+``gpipe.plan`` before the redesign).
+"""
+
+from gpipe.planner.results import Candidate, Link, Plan, Verified
+from gpipe.planner.search import plan, plan_from_profiles, verify
+
+__all__ = ["Candidate", "Link", "Plan", "Verified", "plan", "plan_from_profiles", "verify"]
