@@ -1,7 +1,11 @@
-"""Tests for gpipe.materialize: the reference is always build_full, the one-process build."""
+"""Tests for gpipe.materialize: the reference is eager construction, ``torch.manual_seed(s);
+factory()``, and every cut of :func:`build` must hold its very tensors."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
 import time
 from itertools import pairwise
 
@@ -35,20 +39,40 @@ def assert_same(stage: nn.Module, reference: nn.Module) -> None:
         assert torch.equal(tensor, expected[name]), name
 
 
+def eager(factory, seed: int) -> nn.Sequential:
+    """The non-pipelined reference."""
+    torch.manual_seed(seed)
+    return factory()
+
+
+def assert_cut_is_eager(factory, cut, seed: int = 7, reference=None, **options) -> nn.Sequential:
+    """``build`` of ``cut`` holds eager construction's local tensors; the others are on meta."""
+    reference = eager(factory, seed) if reference is None else reference
+    model = build(factory, seed=seed, layers=cut, **options)
+    assert len(model) == len(reference)
+    for i, (layer, expected) in enumerate(zip(model, reference, strict=True)):
+        if i in cut:
+            assert_same(layer, expected)
+        else:
+            assert all(t.is_meta for t in state(layer).values()), i
+    return model
+
+
 @pytest.mark.parametrize("name", MODELS)
-def test_every_cut_equals_the_one_process_build(name):
+def test_every_cut_equals_eager_construction(name):
     factory, cuts = MODELS[name]
-    reference = build_full(factory, seed=7)
+    reference = eager(factory, 7)
+    assert_same(build_full(factory, seed=7), reference)
     for cut in cuts:
         for start, stop in pairwise(cut):
-            model = build(factory, seed=7, layers=range(start, stop))
-            assert len(model) == len(reference)
-            assert_same(model[start:stop], reference[start:stop])
+            assert_cut_is_eager(factory, range(start, stop), reference=reference)
+    assert_cut_is_eager(factory, [1, 4], reference=reference)  # not contiguous
 
 
 def test_non_contiguous_layers_and_dtype():
     factory = MODELS["gpt"][0]
-    reference = build_full(factory, seed=3, dtype=torch.float64)
+    reference = eager(factory, 3).double()  # built in the factory's dtype, then cast
+    assert_same(build_full(factory, seed=3, dtype=torch.float64), reference)
     model = build(factory, seed=3, layers=[4, 1, 1], dtype=torch.float64)  # virtual stages
     assert model[1].qkv.weight.dtype == torch.float64
     for i in (1, 4):
@@ -76,15 +100,45 @@ def test_non_local_layers_hold_no_memory():
 
 
 def test_a_model_too_big_to_build_builds_its_slice():
-    # 400 linear layers of 2048 x 2048: 6.7 GB in float32, one of them 16 MB.
+    # 400 linear layers of 2048 x 2048: 6.7 GB in float32, one of them 16 MB. The first layers:
+    # a later slice replays every earlier draw, as eager construction makes them (seconds on a
+    # CPU; see test_a_late_slice_allocates_its_layers_and_one_scratch_tensor).
     widths = [2048] * 401
     start = time.perf_counter()
-    model = build(lambda: mlp(widths), seed=0, layers=range(400, 403))  # Linear, GELU, Linear
+    model = build(lambda: mlp(widths), seed=0, layers=range(0, 3))  # Linear, GELU, Linear
     assert time.perf_counter() - start < 5
     assert materialized_bytes(model) == 2 * (2048 * 2048 + 2048) * 4
     assert sum(p.numel() for p in model.parameters()) * 4 > 6e9  # the whole model, on meta
     x = torch.randn(2, 2048)
-    assert torch.isfinite(model[400:403](x)).all()
+    assert torch.isfinite(model[0:3](x)).all()
+
+
+def test_a_late_slice_allocates_its_layers_and_one_scratch_tensor():
+    # 40 linear layers of 2048 x 2048 (640 MB). The last one is built after every draw of the
+    # others, each made into a scratch tensor (16 MB) freed at once; the peak resident memory
+    # of a fresh process shows it.
+    code = """
+        import resource
+        from gpipe.materialize import build, materialized_bytes
+        from gpipe.models import mlp
+
+        build(lambda: mlp([8, 8, 8]), seed=0, layers=[2])  # warm up
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        model = build(lambda: mlp([2048] * 41), seed=0, layers=[78])
+        grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+        print(grown * 1024, materialized_bytes(model))
+    """
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    grown, local = map(int, result.stdout.split())
+    tensor = 2048 * 2048 * 4
+    assert local == tensor + 2048 * 4
+    assert grown < local + 2 * tensor  # the layer, a scratch tensor, slack; not 640 MB
 
 
 def test_local_layers_run_forward():
@@ -93,7 +147,7 @@ def test_local_layers_run_forward():
     assert hidden.shape == (2, 8, 16) and torch.isfinite(hidden).all()
 
 
-def test_batch_norm_buffers_are_reset():
+def test_batch_norm_buffers_are_built():
     model = build(MODELS["convnet"][0], seed=0, layers=[1])
     bn = model[1]
     assert torch.equal(bn.running_mean, torch.zeros(4))
@@ -102,74 +156,131 @@ def test_batch_norm_buffers_are_reset():
 
 
 def test_global_rng_state_is_unchanged():
+    torch.manual_seed(99)
     before = torch.get_rng_state()
     build_full(MODELS["convnet"][0], seed=5)
+    build(nn_init_zoo, seed=5, layers=[3])  # reseeds and restores inside
     assert torch.equal(torch.get_rng_state(), before)
 
 
 class Scaled(nn.Module):
-    """Initializes nothing of its own: no reset_parameters."""
+    """Initializes nothing in a reset_parameters(): every tensor is made in __init__."""
 
-    def __init__(self) -> None:
+    def __init__(self, n: int = 4) -> None:
         super().__init__()
-        self.scale = nn.Parameter(torch.ones(4))
-        self.register_buffer("inv_freq", torch.arange(4.0))
-        self.register_buffer("mask", torch.ones(4, dtype=torch.bool))
-        self.offset = torch.zeros(4)  # a plain attribute, left on meta
+        self.scale = nn.Parameter(torch.ones(n))
+        self.mix = nn.Parameter(torch.randn(n, n) * 0.1)
+        self.register_buffer("causal", torch.tril(torch.ones(n, n, dtype=torch.bool)))
+        self.register_buffer("inv_freq", 1.0 / 10000 ** (torch.arange(0, n, 2.0) / n))
+        self.register_buffer("table", torch.tensor([1.0, 2.0, 3.0, 4.0][:n]), persistent=False)
+        self.offset = torch.zeros(n) + torch.rand(n)  # a plain attribute
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * self.scale
+        return (x @ self.mix) * self.scale + self.offset
 
 
-def test_what_no_reset_initializes_is_named():
-    with pytest.raises(ValueError) as info:
-        build(lambda: nn.Sequential(nn.Linear(4, 4), Scaled()), seed=0)
-    message = str(info.value)
-    for line in (
-        "1.scale (a Parameter of Scaled) was not initialized",
-        "1.inv_freq (a buffer of Scaled) was not initialized",
-        "1.mask (a buffer of Scaled) was not initialized",
-        "1.offset (a plain tensor attribute of Scaled) is still on meta",
-        "give that module a reset_parameters() that initializes it, "
-        "or build the model without meta (one process)",
-    ):
-        assert line in message
-    assert "0.weight" not in message
-    build(lambda: nn.Sequential(nn.Linear(4, 4), Scaled()), seed=0, layers=[0])  # not local: fine
+def scaled_model() -> nn.Sequential:
+    return nn.Sequential(Scaled(), nn.Linear(4, 4), Scaled(), nn.GELU(), Scaled(), nn.Linear(4, 4))
 
 
-class ScaledWithReset(Scaled):
+def test_parameters_and_buffers_made_in_init_are_built_as_eager():
+    # The old contract (reset_parameters() only) rejected every tensor of Scaled.
+    reference = eager(scaled_model, 11)
+    for cut in (range(0, 2), range(2, 5), [1, 4], [0]):
+        model = assert_cut_is_eager(scaled_model, cut, seed=11, reference=reference)
+        for i in cut:
+            if isinstance(reference[i], Scaled):
+                assert torch.equal(model[i].offset, reference[i].offset)
+    assert model[2].offset.is_meta  # plain attributes of other layers stay on meta
+    assert torch.equal(reference[0].scale, torch.ones(4)) and bool(reference[0].causal[1, 0])
+    assert torch.isfinite(build_full(scaled_model, seed=0)(torch.randn(3, 4))).all()
+
+
+def hf_style() -> nn.Sequential:
+    """Construction, then an HF-style _init_weights over every module."""
+    model = gpt(SMALL_GPT)
+
+    def init_weights(module: nn.Module) -> None:
+        if isinstance(module, nn.Linear | nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            module.bias.data.zero_()
+        if isinstance(module, nn.LayerNorm):
+            module.weight.data.fill_(1.0)
+
+    model.apply(init_weights)
+    return model
+
+
+def test_a_factory_s_own_init_is_kept():
+    reference = eager(hf_style, 5)
+    for cut in (range(0, 2), range(2, 5), [1, 4]):
+        assert_cut_is_eager(hf_style, cut, seed=5, reference=reference)
+    embedding = build(hf_style, seed=5, layers=[0])[0].token.weight
+    assert abs(embedding.std().item() - 0.02) < 0.002  # the bug: 1.03, nn.Embedding's default
+
+
+class Probed(nn.Module):
+    """Runs a forward through dropout in __init__ (to size its head): it draws at construction."""
+
     def __init__(self) -> None:
         super().__init__()
-        del self.offset
-
-    def reset_parameters(self) -> None:
-        nn.init.ones_(self.scale)
-        self.inv_freq.copy_(torch.arange(4.0))
-        self.mask.fill_(True)
+        self.body = nn.Sequential(nn.Linear(4, 6), nn.Dropout(0.5))
+        self.head = nn.Linear(self.body(torch.zeros(1, 4)).shape[-1], 4)
 
 
-def test_a_module_with_its_own_reset_builds_and_runs():
-    model = build(lambda: nn.Sequential(nn.Linear(4, 4), ScaledWithReset()), seed=0)
-    assert torch.equal(model[1].inv_freq, torch.arange(4.0)) and bool(model[1].mask.all())
-    assert torch.isfinite(model(torch.randn(3, 4))).all()
+def nn_init_zoo() -> nn.Sequential:
+    """Generator control inside the factory, nn.init functions that return early on meta (and
+    draw as many numbers as their values ask), deep copies, dropout."""
+    torch.manual_seed(123)
+    a = nn.Linear(8, 8)
+    nn.init.trunc_normal_(a.weight, std=0.02)
+    with torch.random.fork_rng():
+        torch.manual_seed(5)
+        b = nn.Linear(8, 8)
+        nn.init.orthogonal_(b.weight)
+    c = nn.Conv2d(8, 8, 3)
+    nn.init.dirac_(c.weight)
+    rng = torch.get_rng_state()
+    d = nn.Linear(8, 8)
+    nn.init.sparse_(d.weight, sparsity=0.5)
+    torch.set_rng_state(rng)
+    e = nn.Embedding(10, 8, padding_idx=0)
+    encoder = nn.TransformerEncoder(
+        nn.TransformerEncoderLayer(8, 2, 16, dropout=0.1, batch_first=True),
+        2,
+        enable_nested_tensor=False,
+    )
+    return nn.Sequential(a, b, c, d, e, Probed(), *encoder.layers, mlp([8, 8], dropout=0.1))
 
 
-class Block(nn.Module):
-    """Its own reset_parameters overrides its child's: children must be reset first."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.proj = nn.Linear(4, 4)
-
-    def reset_parameters(self) -> None:
-        nn.init.zeros_(self.proj.weight)
+def test_random_draws_and_generator_control_inside_the_factory():
+    reference = eager(nn_init_zoo, 1)
+    assert torch.equal(reference[2].weight[:, :, 1, 1], torch.eye(8))
+    for cut in (range(0, 2), range(2, 5), [1, 4], [3], [5], [6, 7], [8]):
+        assert_cut_is_eager(nn_init_zoo, cut, seed=1, reference=reference)
 
 
-def test_children_are_reset_before_parents():
-    model = build_full(lambda: nn.Sequential(Block()), seed=0)
-    assert torch.equal(model[0].proj.weight, torch.zeros(4, 4))
-    assert not torch.equal(model[0].proj.bias, torch.zeros(4))  # Linear's own default
+def test_dropout_models_and_non_contiguous_cuts():
+    factory = lambda: mlp([6, 7, 8, 9, 5], dropout=0.2)  # noqa: E731
+    reference = eager(factory, 2)
+    for cut in (range(0, 2), range(2, 5), [1, 4], [9]):
+        assert_cut_is_eager(factory, cut, seed=2, reference=reference)
+
+
+def test_reset_parameters_runs_only_if_the_factory_calls_it():
+    # The old contract called every reset_parameters() (children first); eager construction
+    # calls only those the factory does.
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = nn.Linear(4, 4)
+
+        def reset_parameters(self) -> None:
+            nn.init.zeros_(self.proj.weight)
+
+    model = assert_cut_is_eager(lambda: nn.Sequential(Block(), Block()), [1], seed=0)
+    assert not torch.equal(model[1].proj.weight, torch.zeros(4, 4))
 
 
 def test_torch_attention_is_initialized():
@@ -177,10 +288,51 @@ def test_torch_attention_is_initialized():
     def factory() -> nn.Sequential:
         return nn.Sequential(nn.TransformerEncoderLayer(8, 2, 16, batch_first=True))
 
-    model = build_full(factory, seed=0)
+    model = assert_cut_is_eager(factory, [0], seed=0)
     attention = model[0].self_attn
     assert torch.equal(attention.out_proj.bias, torch.zeros(8))
     assert torch.isfinite(model(torch.randn(2, 3, 8))).all()
+
+
+def test_an_rnn_runs_on_its_built_weights():
+    # LSTM keeps its own list of its weights (_flat_weights), updated through __setattr__.
+    factory = lambda: nn.Sequential(nn.Linear(4, 4), nn.LSTM(4, 4, batch_first=True))  # noqa: E731
+    model = assert_cut_is_eager(factory, [1], seed=0)
+    assert all(w.device.type == "cpu" for w in model[1]._flat_weights)
+    output, _ = model[1](torch.randn(2, 3, 4))
+    assert output.device.type == "cpu" and torch.isfinite(output).all()
+
+
+OUTSIDE = torch.empty(4, device="meta")
+
+
+class FromOutside(nn.Module):
+    def __init__(self, derived: bool) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(OUTSIDE * 2 if derived else OUTSIDE)
+
+
+@pytest.mark.parametrize("derived", [False, True])
+def test_tensors_build_cannot_reproduce_are_named(derived):
+    factory = lambda: nn.Sequential(nn.Linear(4, 4), FromOutside(derived))  # noqa: E731
+    with pytest.raises(ValueError) as info:
+        build(factory, seed=0, layers=[1])
+    message = str(info.value)
+    assert "1.weight (a Parameter of FromOutside)" in message
+    assert "outside factory()" in message and "Remedy:" in message
+    assert "0.weight" not in message
+    build(factory, seed=0, layers=[0])  # not local: fine
+
+
+def test_a_random_value_read_into_python_is_rejected():
+    def factory() -> nn.Sequential:
+        width = 4 + int(torch.randint(0, 4, (), device="cpu").item())
+        return nn.Sequential(nn.Linear(4, width))
+
+    with pytest.raises(ValueError, match=r"reads a randomly drawn value back into Python"):
+        build(factory, seed=0)
+    with pytest.raises(ValueError, match=r"failed on the meta device.*must not read tensor"):
+        build(lambda: nn.Sequential(nn.Linear(2, int(torch.ones(()).item()))), seed=0)
 
 
 def tied() -> nn.Sequential:
@@ -195,6 +347,12 @@ def test_ties_survive_within_the_slice_and_are_rejected_across_the_cut():
     assert materialized_bytes(model) == (16 + 4 + 4) * 4
     with pytest.raises(ValueError, match=r"tied across .*0\.weight = 2\.weight"):
         build(tied, seed=0, layers=range(0, 2))
+    # Allowed (Pipe(tied=...)): each side holds the tensor as built, so the copies start equal.
+    reference = eager(tied, 0)
+    for cut in ([0], [2]):
+        assert_cut_is_eager(tied, cut, seed=0, reference=reference, tied=True)
+    factory = lambda: gpt(SMALL_GPT, tie_embeddings=True)  # noqa: E731
+    assert_cut_is_eager(factory, [1, 4], seed=0, tied=True)
 
 
 def test_configuration_errors():

@@ -7,14 +7,23 @@ user fixes them in one round.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
 
+from gpipe import remat
 from gpipe._utils import DeviceLike
 from gpipe.microbatch import chunk_sizes
+from gpipe.schedule import SCHEDULES
 
-__all__ = ["cut", "even_balance", "partition_problems", "shared_parameters"]
+__all__ = [
+    "configuration_problems",
+    "cut",
+    "even_balance",
+    "partition_problems",
+    "shared_parameters",
+]
 
 
 def partition_problems(
@@ -66,6 +75,34 @@ def partition_problems(
         except (RuntimeError, TypeError):
             problems.append(f"{device!r} is not a device; use e.g. 'cpu' or 'cuda:0'")
     return [f"- {p}" for p in problems]
+
+
+def configuration_problems(
+    module: nn.Sequential,
+    balance: Sequence[int],
+    devices: Sequence[DeviceLike],
+    virtual_stages: int,
+    chunks: Any,
+    checkpoint: Any,
+    schedule: Any,
+) -> list[str]:
+    """Every problem of a Pipe's configuration, each a line of the one error it raises."""
+    problems = partition_problems(module, balance, devices, virtual_stages=virtual_stages)
+    if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
+        problems.append(f"- chunks must be a positive int (micro-batches), got {chunks!r}")
+    try:
+        remat.check_mode(checkpoint)
+    except ValueError as error:
+        problems.append(f"- {error}")
+    if isinstance(schedule, str) and schedule not in SCHEDULES:
+        problems.append(f"- unknown schedule {schedule!r}; known: {', '.join(SCHEDULES)}")
+    if schedule == "interleaved-1f1b" and virtual_stages == 1:
+        problems.append(
+            "- schedule='interleaved-1f1b' with virtual_stages=1 is plain 1f1b: pass "
+            "virtual_stages=2 (stages per device; the default for this schedule) or "
+            "schedule='1f1b'"
+        )
+    return problems
 
 
 def even_balance(layers: int, stages: int) -> list[int]:

@@ -10,6 +10,7 @@ a pipeline spread over processes and machines; what differs between the two is
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
@@ -22,15 +23,15 @@ from gpipe.engine import batchnorm
 from gpipe.engine.batchnorm import DeferredBatchNorm
 from gpipe.engine.runtime import Runtime, StepInputs, StepResult
 from gpipe.engine.skip import SkipLayout
-from gpipe.engine.stage import LossSpec, Stage
+from gpipe.engine.stage import LossSpec, Stage, loss_specs
 from gpipe.errors import PartitionError, PipelineError
 from gpipe.materialize import build
 from gpipe.parallel.data_parallel import GradientReducer
 from gpipe.parallel.group import pipeline_group
 from gpipe.parallel.tied import TiedParameters
-from gpipe.partition import cut, partition_problems, shared_parameters
+from gpipe.partition import configuration_problems, cut, shared_parameters
 from gpipe.planning.auto import auto_balance
-from gpipe.schedule import SCHEDULES, Schedule, TimedAction, build_schedule
+from gpipe.schedule import Schedule, TimedAction, build_schedule
 from gpipe.schedule.routes import Routes
 
 __all__ = ["Pipe"]
@@ -45,8 +46,9 @@ class Pipe(nn.Module):
     Args:
         module: the model, an ``nn.Sequential`` (its layers move to their stage's device,
             in place), or a function that builds it: then each process builds only its own
-            layers (on ``meta`` first, see ``gpipe.materialize``), initialized per layer
-            from ``init_seed`` so that every cut gives the same weights.
+            layers, bit for bit as ``torch.manual_seed(init_seed); factory()`` would (see
+            ``gpipe.materialize``), so every cut and every process count gives the same
+            weights.
         balance: layers per stage; ``len(balance)`` is the number of stages. ``"auto"``:
             profile the model on ``sample`` (one micro-batch of inputs) and choose the cuts
             that minimise the slowest stage (``gpipe.planning.balance.balance_by_time``).
@@ -63,8 +65,8 @@ class Pipe(nn.Module):
         deferred_batch_norm: replace BatchNorm layers by ``DeferredBatchNorm`` so that
             running statistics are updated once per mini-batch, as without splitting.
         virtual_stages: stages per device for ``"interleaved-1f1b"`` (stage s lives on
-            ``devices[s % len(devices)]``); see ``gpipe.schedule.interleaved_1f1b`` for
-            the constraint on ``chunks``.
+            ``devices[s % len(devices)]``; default 2 for that schedule, 1 otherwise); see
+            ``gpipe.schedule.interleaved_1f1b`` for the constraint on ``chunks``.
         group: a ``torch.distributed`` process group whose ranks are the pipeline's
             ranks; each process then holds only its own stages. ``None``: one process.
         data_parallel_group: with ``group``, the replicas of this rank's stages; their
@@ -101,7 +103,7 @@ class Pipe(nn.Module):
         checkpoint: remat.Remat = "except_last",
         schedule: str | Schedule = "gpipe",
         deferred_batch_norm: bool = False,
-        virtual_stages: int = 1,
+        virtual_stages: int | None = None,
         group: Any = None,
         data_parallel_group: Any = None,
         init_seed: int = 0,
@@ -114,6 +116,8 @@ class Pipe(nn.Module):
         self.group, self.timeout = group, float(timeout)
         self._ranks = pipeline_group(group, timeout=self.timeout, receive_ahead=receive_ahead)
         self.rank = self._ranks.rank
+        if virtual_stages is None:
+            virtual_stages = 2 if schedule == "interleaved-1f1b" else 1
         if isinstance(balance, str):
             balance = auto_balance(
                 module,
@@ -142,7 +146,7 @@ class Pipe(nn.Module):
             )
         # A factory is first built on meta (no memory) to check the configuration.
         shape_model = build(factory, seed=init_seed, layers=[]) if factory else module
-        problems = _problems(
+        problems = configuration_problems(
             shape_model, balance, devices, virtual_stages, chunks, checkpoint, schedule
         )
         problems += self._ranks.device_problems(devices)
@@ -152,6 +156,13 @@ class Pipe(nn.Module):
         self.balance = balance
         self.devices = [torch.device(d) for d in devices]
         self.chunks = chunks
+        if chunks == 1 and len(self.devices) > 1:
+            warnings.warn(
+                f"Pipe(chunks=1) on {len(self.devices)} devices: the whole mini-batch is one "
+                "micro-batch, so the stages run one after another, never at once; pass "
+                f"chunks >= {len(self.devices)} (e.g. {4 * len(self.devices)}) to pipeline",
+                stacklevel=2,
+            )
         self.checkpoint = checkpoint
         self.virtual_stages = virtual_stages
         self.schedule = self._build_schedule(schedule)
@@ -159,11 +170,10 @@ class Pipe(nn.Module):
         local = self._ranks.local_stages(self.schedule)
         starts = [sum(balance[:s]) for s in range(self.num_stages)]
         if factory is not None:
+            # Built on the CPU, as ``factory()`` would be, then moved: the same weights as
+            # Pipe(factory()) on any devices (generators of other device types differ).
             local_layers = [i for s in local for i in range(starts[s], starts[s] + balance[s])]
-            device = self._ranks.build_device(stage_devices, local)
-            module = build(
-                factory, seed=init_seed, layers=local_layers, device=device, tied=bool(tied)
-            )
+            module = build(factory, seed=init_seed, layers=local_layers, tied=bool(tied))
         stage_layers = cut(module, balance)
         shared = shared_parameters(stage_layers, {name for group in tied for name in group})
         if shared:
@@ -270,6 +280,7 @@ class Pipe(nn.Module):
         loss_fn: Callable[[Any, Any], torch.Tensor],
         *,
         reduction: Reduction = "mean",
+        count: Callable[[Any], float | torch.Tensor] | None = None,
         seed: int | None = None,
         trace: bool = False,
     ) -> torch.Tensor:
@@ -280,51 +291,42 @@ class Pipe(nn.Module):
         parameters is that of the whole mini-batch's loss:
 
         * ``"mean"`` (default, e.g. ``F.cross_entropy``): micro-batch losses are weighted
-          by their share of the samples (uneven micro-batches included);
-        * ``"sum"``: micro-batch losses are added. Use it for a sum-reduced loss, and for
-          any custom normalization. E.g. a token mean over a padded batch, with
-          ``n_tokens`` counted over the whole mini-batch::
+          by their share of the samples (uneven micro-batches included) or, with
+          ``count``, by their share of ``count(target)`` over the mini-batch. A loss that
+          averages over something else than samples needs ``count``: e.g. a token mean
+          over a padded batch, which averages over the tokens that are not padding::
 
-              def loss_fn(out, y):
-                  total = F.cross_entropy(out, y, reduction="sum", ignore_index=-1)
-                  return total / n_tokens
+              loss_fn = lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten(),
+                                                       ignore_index=-100)
+              pipe.step(x, y, loss_fn, count=lambda y: (y != -100).sum())
 
-              pipe.step(x, y, loss_fn, reduction="sum")
+          Without it, such a loss's gradient is off as soon as micro-batches hold
+          different numbers of tokens. A micro-batch whose count is 0 adds nothing.
+        * ``"sum"``: micro-batch losses are added (a sum-reduced loss).
 
-        ``seed`` fixes the random numbers (dropout) of this step (default: drawn from
-        torch's global generator — on pipeline rank 0 when multi-process); see
-        ``gpipe.rng``. With ``trace=True`` the start and end of every action is recorded
-        in ``self.last_trace`` (seconds from the step's start; multi-process: this rank's
-        actions, in ``time.perf_counter`` seconds, which all ranks of a machine share).
+        ``seed`` fixes the random numbers (dropout) of this step (default: one draw from
+        torch's global generator, on every rank alike); see ``gpipe.rng``. With
+        ``trace=True`` the start and end of every action is recorded in ``self.last_trace``
+        (seconds from the step's start; multi-process: this rank's actions, in
+        ``time.perf_counter`` seconds, which all ranks of a machine share).
 
         With ``group``, every rank calls ``step``; ``inputs`` matter only where the first
         stage lives and ``targets`` where the last does (elsewhere they may be ``None``).
         With ``data_parallel_group`` the gradients are averaged over the replicas: zero
         them before each step.
 
-        Returns the mini-batch loss, detached (on every rank when multi-process).
+        Returns the mini-batch loss, detached, as a float64 tensor (which holds a float32 or
+        bfloat16 loss exactly), the same on every rank when multi-process.
         """
-        if reduction not in ("mean", "sum"):
-            raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
         first, last = self._holds(0), self._holds(self.num_stages - 1)
         inputs_mb = microbatch.split(inputs, self.chunks, name="inputs") if first else None
         losses: list[LossSpec | None] = [None] * self.chunks
         if last:
             targets_mb = microbatch.split(targets, self.chunks, name="targets")
-            sizes = [microbatch.batch_size(y, name="targets") for y in targets_mb]
-            if first:
-                input_sizes = [microbatch.batch_size(x, name="inputs") for x in inputs_mb]
-                if input_sizes != sizes:
-                    raise ValueError(
-                        f"inputs and targets have different batch sizes "
-                        f"({sum(input_sizes)} and {sum(sizes)}); give one target per sample"
-                    )
-            total = sum(sizes)
-            device = self.stages[-1].device
-            losses = [
-                LossSpec(loss_fn, to_device(y, device), n / total if reduction == "mean" else 1.0)
-                for y, n in zip(targets_mb, sizes, strict=True)
-            ]
+            losses = loss_specs(
+                loss_fn, targets_mb, inputs_mb, reduction=reduction, count=count,
+                device=self.stages[-1].device,
+            )  # fmt: skip
         result = self._run(inputs_mb, losses, seed, trace)
         return result.loss
 
@@ -348,6 +350,8 @@ class Pipe(nn.Module):
                 f"this pipeline failed in an earlier step ({self._ranks.broken}); "
                 "its ranks may disagree on what was sent: build a new Pipe",
             )
+        if self._tied is not None:
+            self._tied.refresh()
         if inputs_mb is not None:
             inputs_mb = [to_device(x, self.stages[0].device) for x in inputs_mb]
         step = StepInputs(
@@ -377,7 +381,8 @@ class Pipe(nn.Module):
         batchnorm.commit_all(self)
         local_loss = None
         if losses is not None and self._holds(self.num_stages - 1):
-            local_loss = torch.stack([result.losses[m] for m in range(self.chunks)]).sum()
+            losses_mb = [result.losses[m].to(torch.float64) for m in range(self.chunks)]
+            local_loss = torch.stack(losses_mb).sum()
         result.loss = self._ranks.agree(local_loss)
         self.last_trace = result.trace
         return result
@@ -438,17 +443,3 @@ class Pipe(nn.Module):
             f"chunks={self.chunks}, checkpoint={self.checkpoint!r}, "
             f"schedule={self.schedule.name!r}, virtual_stages={self.virtual_stages}, {self._ranks}"
         )
-
-
-def _problems(module, balance, devices, virtual_stages, chunks, checkpoint, schedule) -> list[str]:
-    """Every configuration problem, each a line of the one error raised."""
-    problems = partition_problems(module, balance, devices, virtual_stages=virtual_stages)
-    if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
-        problems.append(f"- chunks must be a positive int (micro-batches), got {chunks!r}")
-    try:
-        remat.check_mode(checkpoint)
-    except ValueError as error:
-        problems.append(f"- {error}")
-    if isinstance(schedule, str) and schedule not in SCHEDULES:
-        problems.append(f"- unknown schedule {schedule!r}; known: {', '.join(SCHEDULES)}")
-    return problems

@@ -17,6 +17,12 @@ training state only. The modes:
 :func:`recomputes` is that table; everything else (the engine, the memory model, the
 planner) asks it. Layers with side effects (running statistics, counters, caches) must
 not apply them twice; they ask :func:`is_recomputing`.
+
+The first forward of a recomputed micro-batch runs without autograd, the recomputation
+with it. A few kernels choose another algorithm without autograd (scaled dot-product
+attention with a float mask, e.g. T5's position bias, picks another backend), so the two
+can differ in the last bits, and the gradients with them, by rounding: about 5e-7
+relative in float32 was measured for T5, against 2e-7 from micro-batching alone.
 """
 
 from __future__ import annotations

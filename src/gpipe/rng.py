@@ -7,7 +7,13 @@ and a recomputed forward would draw new ones. gpipe instead seeds the device gen
 before every layer of every micro-batch with :func:`layer_seed` of (step seed, layer
 index, micro-batch), so masks are the same for any cut and schedule, and re-running a
 forward (re-materialization) replays them exactly. The caller's generator state is
-restored afterwards: a step consumes one draw of the global generator (its seed).
+restored afterwards: a step consumes one draw of the global generator (its seed), on every
+rank alike when multi-process (rank 0's draw is the seed), so that what a script draws next
+(a shuffled ``DataLoader``'s order) is the same on every rank.
+
+What this does not give: the masks change with the number of micro-batches, and they are
+not the masks a plain ``model(x)`` would draw from the global stream; a plain run matches
+only when it seeds each layer the same way, as the reference below does.
 
 A non-pipelined reference reproduces the same masks with :func:`seeded`::
 

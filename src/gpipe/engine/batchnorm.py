@@ -5,8 +5,10 @@ variance, exactly as the un-split model does under gradient accumulation. What m
 the *running* statistics: a plain ``nn.BatchNorm`` would update them once per micro-batch (M times
 per step, each from a small sample). :class:`DeferredBatchNorm` instead accumulates every
 micro-batch's count, mean and sum of squared deviations, and :meth:`DeferredBatchNorm.commit`
-applies them once per mini-batch, as one ``nn.BatchNorm`` training forward on the whole batch
-would.
+applies them once per mini-batch: the statistics of everything the layer saw in the step, in one
+update. For the first batch norm of a model that is exactly one full-batch forward; a deeper one
+sees inputs that earlier layers normalized per micro-batch, so its statistics differ slightly
+from a full-batch pass (measured in ``docs/equivalence.md``).
 
 Statistics are merged with Chan et al.'s parallel algorithm in float64, so that inputs with a large
 mean (``1e4 + randn``) do not lose the variance to cancellation as ``E[x^2] - E[x]^2`` would.
@@ -17,7 +19,7 @@ Example::
     model = DeferredBatchNorm.convert(model)
     for mb in split(inputs, chunks):
         loss_fn(model(mb)).backward()
-    commit_all(model)      # running stats now as if model(inputs) had run once
+    commit_all(model)      # one update from all micro-batches' statistics
     optimizer.step()
 """
 

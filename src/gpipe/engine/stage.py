@@ -30,8 +30,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from gpipe import rng
-from gpipe._utils import tensors_of
+from gpipe import microbatch, rng
+from gpipe._utils import tensors_of, to_device
 from gpipe.engine.batchnorm import DeferredBatchNorm
 from gpipe.engine.skip import SkipError, StageSkips, tracking
 from gpipe.engine.split_backward import WeightWork, backward_input, backward_weight
@@ -40,7 +40,7 @@ from gpipe.remat import recomputing
 if TYPE_CHECKING:
     from gpipe.engine.memory import ActivationMeter
 
-__all__ = ["LossSpec", "Stage"]
+__all__ = ["LossSpec", "Stage", "loss_specs"]
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 
@@ -52,6 +52,42 @@ class LossSpec:
     loss_fn: LossFn
     target: Any
     weight: float  # this micro-batch's share of the mini-batch loss
+
+
+def loss_specs(
+    loss_fn: LossFn,
+    targets_mb: list[Any],
+    inputs_mb: list[Any] | None,
+    *,
+    reduction: str,
+    count: Callable[[Any], Any] | None,
+    device: torch.device,
+) -> list[LossSpec]:
+    """The last stage's loss for each micro-batch, weighted so that the gradients add up
+    to the mini-batch loss's (see ``Pipe.step`` for ``reduction`` and ``count``)."""
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+    if count is not None and reduction != "mean":
+        raise ValueError("count= weighs the micro-batches' means: use reduction='mean'")
+    sizes = [microbatch.batch_size(y, name="targets") for y in targets_mb]
+    if inputs_mb is not None:
+        input_sizes = [microbatch.batch_size(x, name="inputs") for x in inputs_mb]
+        if input_sizes != sizes:
+            raise ValueError(
+                f"inputs and targets have different batch sizes "
+                f"({sum(input_sizes)} and {sum(sizes)}); give one target per sample"
+            )
+    shares = sizes if count is None else [float(count(y)) for y in targets_mb]
+    if any(not c >= 0 for c in shares) or not sum(shares) > 0:
+        raise ValueError(
+            f"count(target) must be >= 0 for each micro-batch and > 0 in all, got {shares}: "
+            "it counts what loss_fn averages over (e.g. the tokens that are not padding)"
+        )
+    total = sum(shares)
+    return [
+        LossSpec(loss_fn, to_device(y, device), n / total if reduction == "mean" else 1.0)
+        for y, n in zip(targets_mb, shares, strict=True)
+    ]
 
 
 @dataclass
@@ -118,6 +154,7 @@ class Stage:
         self.meter: ActivationMeter | None = None
         self._stored: dict[int, _Stored] = {}
         self._weight_work: dict[int, WeightWork] = {}
+        self._writes_input: bool | None = None  # do the layers write to their input?
 
     def parameters(self) -> Iterator[nn.Parameter]:
         for layer in self.layers:
@@ -158,8 +195,29 @@ class Stage:
         return self.meter.saved_tensors(self.index) if self.meter is not None else nullcontext()
 
     def _outputs_and_loss(self, stored: _Stored, microbatch: int) -> None:
-        stored.outputs = self._run(stored.inputs, microbatch, stored.seed)
-        if stored.loss is not None:
+        # A layer that changes its input in place (``x.sub_(m)``, ``ReLU(inplace=True)``)
+        # must not change what the stage keeps: a recomputation would see the changed value,
+        # the caller's batch (micro-batches are views of it) would change, and autograd
+        # forbids writing to a leaf that requires grad. Such a stage's layers get a copy.
+        inputs = stored.inputs
+        if self._writes_input is False:
+            stored.outputs = self._run(inputs, microbatch, stored.seed)
+        elif self._writes_input:
+            stored.outputs = self._run(_copied(inputs), microbatch, stored.seed)
+        else:  # the first forward learns it from the copy's version counters
+            copy = _copied(inputs)
+            versions = [t._version for t in tensors_of(copy)]
+            stored.outputs = self._run(copy, microbatch, stored.seed)
+            self._writes_input = [t._version for t in tensors_of(copy)] != versions
+            if not self._writes_input and torch.is_grad_enabled():
+                # Autograd may have saved the copy: the input shares its memory from now
+                # on (the two are equal), so that the copy costs nothing.
+                for original, same in zip(tensors_of(inputs), tensors_of(copy), strict=True):
+                    original.data = same.detach()
+        if stored.loss is not None and stored.loss.weight == 0:
+            # Nothing of this micro-batch counts (e.g. all padding): its mean may be NaN.
+            stored.loss_value = torch.zeros((), device=self.device)
+        elif stored.loss is not None:
             outputs = self.value_of(stored.outputs)
             stored.loss_value = _compute_loss(stored.loss, outputs) * stored.loss.weight
 
@@ -279,6 +337,10 @@ class Stage:
     def pending(self) -> list[int]:
         """Micro-batches whose backward (or weight gradient) has not run yet."""
         return sorted(set(self._stored) | set(self._weight_work))
+
+
+def _copied(value: Any) -> Any:
+    return tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, value)
 
 
 def _compute_loss(spec: LossSpec, outputs: Any) -> torch.Tensor:

@@ -65,9 +65,6 @@ class SingleProcess:
     def local_stages(self, schedule: Schedule) -> list[int]:
         return list(range(schedule.num_stages))
 
-    def build_device(self, stage_devices: list[torch.device], local: list[int]) -> DeviceLike:
-        return "cpu"  # every stage is built, then moved to its own device
-
     def connect(
         self, schedule: Schedule, stage_devices: list[torch.device], routes: Routes
     ) -> LocalTransport:
@@ -79,7 +76,7 @@ class SingleProcess:
         return rng.draw_step_seed() if seed is None else seed
 
     def agree(self, local_loss: torch.Tensor | None) -> torch.Tensor | None:
-        return local_loss
+        return None if local_loss is None else local_loss.detach().to(torch.float64)
 
     def fail(self, error: BaseException, stages: list[Stage]) -> None:
         pass  # nobody else to tell
@@ -146,9 +143,6 @@ class MultiProcess:
     def local_stages(self, schedule: Schedule) -> list[int]:
         return list(schedule.stages_of(self.rank))
 
-    def build_device(self, stage_devices: list[torch.device], local: list[int]) -> DeviceLike:
-        return stage_devices[local[0]]  # a process builds only its own layers, in place
-
     def connect(
         self, schedule: Schedule, stage_devices: list[torch.device], routes: Routes
     ) -> DistributedTransport:
@@ -171,10 +165,15 @@ class MultiProcess:
     # -- what every rank must agree on ----------------------------------------------------
 
     def step_seed(self, seed: int | None) -> int:
-        """The step's seed: ``seed``, or one drawn on pipeline rank 0 and broadcast."""
+        """The step's seed: ``seed``, or rank 0's draw, broadcast.
+
+        Every rank draws (and discards all but rank 0's), so that every rank's global
+        generator advances alike: what a script samples from it after the step (its next
+        batch, a shuffled DataLoader's order) stays the same on every rank.
+        """
         if seed is not None:
             return seed
-        drawn = torch.tensor([rng.draw_step_seed() if self.rank == 0 else 0], dtype=torch.int64)
+        drawn = torch.tensor([rng.draw_step_seed()], dtype=torch.int64)
         drawn = drawn.to(self.wire)
         self._wait(self._dist.broadcast(drawn, self._global(0), self.group, async_op=True))
         return int(drawn.item())
@@ -200,10 +199,8 @@ class MultiProcess:
             ) from error
         if rows[:, 1].any():
             self._raise_remote(rows)
-        if local_loss is not None:
-            return local_loss
         last_rank = self.schedule.stage_to_rank[-1]
-        # float64 holds a float32 or float64 loss exactly
+        # The same on every rank; float64 holds a float32 or float64 loss exactly.
         return torch.tensor(float(rows[last_rank, 0]), dtype=torch.float64)
 
     def fail(self, error: BaseException, stages: list[Stage]) -> None:

@@ -71,20 +71,24 @@ class TiedParameters:
             self.ties.append(_Tie(names, stages, {}))
         if problems:
             raise TiedError("invalid tied=:\n" + "\n".join(f"- {p}" for p in problems))
-        # Give every local holder stage its own copy; names in one stage share it. In a
-        # process that builds only its own layers the reference may be on meta: start from
-        # the local value, which sync_values() then replaces.
+        # Every local holder stage needs its own copy (names in one stage share it). Each
+        # keeps the caller's Parameter object where it can, so that an optimizer built
+        # before the Pipe holds the copy this process trains: only a second holder stage in
+        # one process gets a new copy, gpipe's own, which refresh() keeps equal to the
+        # reference (the last holder's). In a process that builds only its own layers the
+        # reference may be on meta: start from the local value, which sync_values() then
+        # replaces.
         for tie in self.ties:
-            for stage in tie.stages:
+            claimed: set[int] = set()
+            for stage in reversed(tie.stages):  # the reference first: it keeps the caller's
                 if stage not in local_stages:
                     continue
                 here = [n for n in tie.names if stage_of_layer[n.split(".")[0]] == stage]
-                source = every[tie.names[-1]]
-                if source.device.type == "meta":
-                    source = every[here[0]]
-                if stage == tie.stages[-1]:
-                    copy = every[here[-1]]
-                else:
+                copy = every[here[-1]]
+                if id(copy) in claimed:
+                    source = every[tie.names[-1]]
+                    if source.device.type == "meta":
+                        source = every[here[0]]
                     copy = nn.Parameter(
                         source.detach().to(devices[stage], copy=True),
                         requires_grad=source.requires_grad,
@@ -92,6 +96,7 @@ class TiedParameters:
                 for name in here:
                     module, attr = _owner(model, name)
                     setattr(module, attr, copy)
+                claimed.add(id(copy))
                 tie.copies[stage] = copy
 
     def extra_copies(self) -> set[int]:
@@ -112,6 +117,23 @@ class TiedParameters:
                     "this process holds together (virtual stages); across processes each "
                     "process may hold one of them: change balance or the schedule"
                 )
+
+    def refresh(self) -> None:
+        """Before each step: this process's extra copies take the reference's value again,
+        and drop the gradient the last step gave them.
+
+        An optimizer built before the Pipe holds the caller's Parameter, the reference, and
+        updates only it; the extra copy is gpipe's. Its gradient duplicated the reference's
+        sum, which the reference still carries (or the optimizer cleared): kept, it would
+        be counted again when gradients accumulate over steps.
+        """
+        with torch.no_grad():
+            for tie in self.ties:
+                reference = tie.copies[max(tie.copies)] if tie.copies else None
+                for copy in tie.copies.values():
+                    if copy is not reference:
+                        copy.copy_(reference)
+                        copy.grad = None
 
     def sync_values(self, exchange: Exchange) -> None:
         """Make every copy equal to the reference copy (the last holder's)."""

@@ -71,6 +71,10 @@ class Task:
     def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(output.float(), target)
 
+    def count(self, target: torch.Tensor) -> float:
+        """What ``loss`` averages over in a micro-batch (``Pipe.step(count=...)``)."""
+        return len(target)
+
     def correct(self, output: torch.Tensor, target: torch.Tensor) -> int:
         """Correctly classified samples (a task that ``classifies``)."""
         return 0
@@ -124,7 +128,10 @@ class LanguageModel(Task):
         return seq
 
     def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(output.float().flatten(0, 1), target.flatten())
+        return F.cross_entropy(output.float().flatten(0, 1), target.flatten(), ignore_index=-100)
+
+    def count(self, target: torch.Tensor) -> torch.Tensor:
+        return (target != -100).sum()  # a token mean: exact also where targets are padded
 
 
 class Digits(Task):

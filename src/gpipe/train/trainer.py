@@ -165,7 +165,9 @@ class Trainer:
             meter = stack.enter_context(measure_activations(self.pipe)) if traced else None
             stack.enter_context(self.autocast())
             seed = hash_seed(c.seed, step, self.replica)
-            loss = self.pipe.step(x, y, self.task.loss, seed=seed, trace=traced)
+            loss = self.pipe.step(
+                x, y, self.task.loss, count=self.task.count, seed=seed, trace=traced
+            )
         norm = self.pipe.clip_grad_norm_(c.grad_clip) if c.grad_clip else None
         if self.optimizer is not None:
             self.optimizer.step()

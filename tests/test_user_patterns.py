@@ -1,0 +1,268 @@
+"""Ordinary user scripts, each compared with plain PyTorch training, per parameter, over
+several steps: the ways a script could train another model than the un-split one without an
+error (shared random state, tied weights and an optimizer built first, layers that write to
+their input, padded token means) and the small API traps around them."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+import gpipe
+import user_scripts
+from gpipe.models import convnet, gpt, gpt_tied_names, lm_loss
+from reference import reference_step, relative_error
+
+SCHEDULES = ["gpipe", "1f1b", "zb-h1"]
+MODES = ["always", "except_last", "never"]
+
+
+# -- 1. the step seed leaves every rank's global generator where the others' is ----------------
+
+
+@pytest.mark.timeout(120)
+def test_a_shuffled_dataloader_feeds_every_rank_the_same_batch():
+    """Rank 0 (inputs) and rank 1 (targets) draw their batches from their own global
+    generators: with step(seed=None) those must advance alike, or the last stage scores
+    one batch's outputs against another batch's targets."""
+    ranks = gpipe.launch(user_scripts.shuffled_loader_script, nprocs=2, timeout=60)
+    first, last = ranks[0]["steps"], ranks[1]["steps"]
+    assert len(first) == len(last) == user_scripts.EPOCHS * user_scripts.SAMPLES // 8
+    plain = user_scripts.mlp()
+    optimizer = torch.optim.SGD(plain.parameters(), lr=0.1)
+    for step, (a, b) in enumerate(zip(first, last, strict=True)):
+        assert torch.equal(a["x"], b["x"]) and torch.equal(a["y"], b["y"]), step
+        loss = F.cross_entropy(plain(a["x"]), a["y"])
+        loss.backward()
+        assert a["loss"].dtype == b["loss"].dtype == torch.float64  # the same on every rank
+        assert relative_error(b["loss"], loss.detach()) < 1e-6, step
+        grads = {**a["grads"], **b["grads"]}
+        for name, param in plain.named_parameters():
+            assert relative_error(grads[name], param.grad) < 1e-5, (step, name)
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+# -- 2. tied weights: the caller's Parameter stays the one its optimizer holds ----------------
+
+
+def _train_plain_tied(steps: int) -> nn.Sequential:
+    plain = user_scripts.tied_gpt()
+    optimizer = torch.optim.SGD(plain.parameters(), lr=0.5, momentum=0.9)
+    for x, y in user_scripts.tied_batches(steps):
+        lm_loss(plain(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return plain
+
+
+@pytest.mark.parametrize("optimizer_first", [True, False], ids=["optimizer-first", "pipe-first"])
+@pytest.mark.parametrize("accumulate", [1, 2], ids=["one-step", "accumulate-2"])
+def test_tied_weights_train_the_same_model_whenever_the_optimizer_is_built(
+    optimizer_first, accumulate
+):
+    steps = 4
+    plain = user_scripts.tied_gpt()
+    plain_opt = torch.optim.SGD(plain.parameters(), lr=0.5, momentum=0.9)
+    model = copy.deepcopy(plain)
+    if optimizer_first:
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    pipe = gpipe.Pipe(
+        model, balance=[2, 2], chunks=2, tied=[list(gpt_tied_names(user_scripts.TIED_GPT))]
+    )
+    if not optimizer_first:
+        optimizer = torch.optim.SGD(pipe.parameters(), lr=0.5, momentum=0.9)
+    batches = user_scripts.tied_batches(steps * accumulate)
+    for step in range(steps):
+        for x, y in batches[step * accumulate : (step + 1) * accumulate]:
+            lm_loss(plain(x), y).backward()
+            pipe.step(x, y, lm_loss)
+        for name, param in plain.named_parameters():
+            ours = dict(pipe.named_parameters())[name]
+            assert relative_error(ours.grad, param.grad) < 1e-10, (step, name)
+        plain_opt.step()
+        optimizer.step()
+        plain_opt.zero_grad()
+        optimizer.zero_grad()
+    with torch.no_grad():  # a forward uses (and refreshes) every copy
+        x = batches[0][0]
+        torch.testing.assert_close(pipe(x), plain(x), rtol=1e-10, atol=1e-10)
+    theirs = plain.state_dict()
+    for name, value in pipe.state_dict().items():
+        assert relative_error(value, theirs[name]) < 1e-10, name
+
+
+@pytest.mark.timeout(120)
+def test_tied_weights_with_the_optimizer_built_first_across_processes():
+    steps = 4
+    ranks = gpipe.launch(
+        user_scripts.optimizer_before_pipe_script, nprocs=2, args=(steps,), timeout=60
+    )
+    plain = dict(_train_plain_tied(steps).named_parameters(remove_duplicate=False))
+    for rank in ranks:
+        for name, value in rank["params"].items():
+            assert relative_error(value, plain[name]) < 1e-10, name
+    embedding, head = gpt_tied_names(user_scripts.TIED_GPT)
+    assert embedding in ranks[0]["params"] and head in ranks[1]["params"]
+
+
+# -- 3. layers that write to their input ------------------------------------------------------
+
+
+class Shift(nn.Module):
+    """In-model preprocessing that changes its input in place."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.sub_(0.5)
+
+
+def in_place_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        Shift(),
+        nn.Linear(6, 16),
+        nn.ReLU(inplace=True),
+        nn.Linear(16, 16),
+        nn.Dropout(0.2),
+        nn.ReLU(inplace=True),
+        nn.Linear(16, 4),
+    ).double()
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("checkpoint", MODES)
+@pytest.mark.parametrize("balance", [[2, 3, 2], [2, 1, 4], [1, 4, 2]])  # ReLU(inplace) first
+def test_layers_that_write_to_their_input_train_as_in_the_plain_model(
+    schedule, checkpoint, balance
+):
+    plain = in_place_model()
+    pipe = gpipe.Pipe(
+        copy.deepcopy(plain), balance=balance, chunks=4, checkpoint=checkpoint, schedule=schedule
+    )
+    generator = torch.Generator().manual_seed(1)
+    for step in range(3):
+        x = torch.randn(8, 6, generator=generator, dtype=torch.float64)
+        y = torch.randint(0, 4, (8,), generator=generator)
+        caller = x.clone()
+        loss = pipe.step(caller, y, F.cross_entropy, seed=step)
+        assert torch.equal(caller, x)  # the caller's batch is not changed, let alone twice
+        expected = reference_step(plain, x.clone(), y, F.cross_entropy, chunks=4, seed=step)
+        assert relative_error(loss, expected) < 1e-10
+        for (name, ours), theirs in zip(pipe.named_parameters(), plain.parameters(), strict=True):
+            assert relative_error(ours.grad, theirs.grad) < 1e-10, (step, name)
+            ours.grad, theirs.grad = None, None
+
+
+# -- 5. a token mean over a padded batch ---------------------------------------------------
+
+
+def token_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out.flatten(0, 1), y.flatten(), ignore_index=-100)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_a_padded_token_mean_is_exact_with_count(schedule):
+    config = user_scripts.TIED_GPT
+    torch.manual_seed(0)
+    plain = gpt(config).double()
+    pipe = gpipe.Pipe(copy.deepcopy(plain), balance=[2, 2], chunks=4, schedule=schedule)
+    generator = torch.Generator().manual_seed(5)
+    x = torch.randint(0, 32, (8, 8), generator=generator)
+    y = torch.randint(0, 32, (8, 8), generator=generator)
+    lengths = torch.tensor([8, 1, 2, 8, 5, 3, 8, 7])  # micro-batch 1 is mostly padding
+    y[torch.arange(8)[None, :] >= lengths[:, None]] = -100
+    y[2:4] = -100  # and micro-batch 1 holds no token at all
+    token_loss(plain(x), y).backward()
+    loss = pipe.step(x, y, token_loss, count=lambda t: (t != -100).sum())
+    assert torch.isfinite(loss)
+    for (name, ours), theirs in zip(pipe.named_parameters(), plain.parameters(), strict=True):
+        assert relative_error(ours.grad, theirs.grad) < 1e-10, name
+
+
+def test_count_is_checked():
+    pipe = gpipe.Pipe(user_scripts.mlp(), balance=[2, 3], chunks=2)
+    x, y = torch.randn(4, 5), torch.randint(0, 3, (4,))
+    with pytest.raises(ValueError, match=r"count.* > 0 in all"):
+        pipe.step(x, y, F.cross_entropy, count=lambda t: 0)
+    with pytest.raises(ValueError, match="use reduction='mean'"):
+        pipe.step(x, y, F.cross_entropy, reduction="sum", count=len)
+
+
+# -- small traps ----------------------------------------------------------------------------
+
+
+def test_interleaved_defaults_to_two_stages_per_device_and_refuses_one():
+    model = user_scripts.mlp()
+    pipe = gpipe.Pipe(model, balance=[1, 1, 1, 2], chunks=4, schedule="interleaved-1f1b")
+    assert pipe.virtual_stages == 2 and len(pipe.devices) == 2
+    with pytest.raises(gpipe.PartitionError, match="virtual_stages=1 is plain 1f1b"):
+        gpipe.Pipe(model, balance=[2, 3], chunks=4, schedule="interleaved-1f1b", virtual_stages=1)
+
+
+def test_one_micro_batch_on_several_devices_says_there_is_no_pipelining():
+    with pytest.warns(UserWarning, match=r"chunks=1\) on 2 devices"):
+        gpipe.Pipe(user_scripts.mlp(), balance=[2, 3])
+
+
+def test_the_loss_is_float64_in_one_process_too():
+    pipe = gpipe.Pipe(user_scripts.mlp(), balance=[2, 3], chunks=2)
+    loss = pipe.step(torch.randn(4, 5), torch.randint(0, 3, (4,)), F.cross_entropy)
+    assert loss.dtype == torch.float64 and not loss.requires_grad
+
+
+# -- 4. a factory's own initialization -------------------------------------------------------
+
+
+def _eager(seed: int) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return user_scripts.custom_init_factory()
+
+
+@pytest.mark.parametrize("balance", [[1, 4], [2, 3], [3, 1, 1], [1, 1, 1, 1, 1]])
+def test_a_factory_builds_what_the_factory_builds(balance):
+    eager = _eager(11)
+    pipe = gpipe.Pipe(user_scripts.custom_init_factory, balance=balance, chunks=2, init_seed=11)
+    theirs = eager.state_dict()
+    for name, value in pipe.state_dict().items():
+        assert torch.equal(value, theirs[name]), name
+    assert abs(float(theirs["0.weight"].std()) - 0.02) < 0.005  # the factory's own init
+    x, y = torch.randint(0, 32, (4, 3)), torch.randint(0, 32, (4, 3))
+    lm_loss(eager(x), y).backward()
+    pipe.step(x, y, lm_loss)
+    for (name, ours), theirs_param in zip(pipe.named_parameters(), eager.parameters(), strict=True):
+        assert relative_error(ours.grad, theirs_param.grad) < 1e-10, name
+
+
+@pytest.mark.timeout(120)
+def test_each_process_builds_its_layers_as_the_factory_does():
+    ranks = gpipe.launch(user_scripts.factory_script, nprocs=2, timeout=60)
+    theirs = _eager(11).state_dict()
+    assert set(ranks[0]) | set(ranks[1]) == set(theirs)
+    for rank in ranks:
+        for name, value in rank.items():
+            assert torch.equal(value, theirs[name]), name
+
+
+def test_deferred_batch_norm_keeps_the_parameters_an_optimizer_was_built_with():
+    torch.manual_seed(0)
+    plain = convnet(channels=4, blocks=2).double()
+    model = copy.deepcopy(plain)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)  # before the Pipe
+    pipe = gpipe.Pipe(model, balance=[4, 4], chunks=2, deferred_batch_norm=True)
+    plain_opt = torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9)
+    generator = torch.Generator().manual_seed(2)
+    for step in range(3):
+        x = torch.randn(6, 1, 6, 6, generator=generator, dtype=torch.float64)
+        y = torch.randint(0, 10, (6,), generator=generator)
+        reference_step(plain, x, y, F.cross_entropy, chunks=2, seed=step)
+        pipe.step(x, y, F.cross_entropy, seed=step)
+        plain_opt.step()
+        optimizer.step()
+        plain_opt.zero_grad()
+        optimizer.zero_grad()
+    for (name, ours), theirs in zip(pipe.named_parameters(), plain.parameters(), strict=True):
+        assert relative_error(ours, theirs) < 1e-10, name

@@ -1,0 +1,129 @@
+"""Training scripts as a user writes them, run in the processes test_user_patterns.py launches.
+
+Every rank runs the same script, as under torchrun; each returns plain data (its batches,
+its gradients by whole-model name, its parameters) for the test to compare with the
+un-split model trained the ordinary way.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+import gpipe
+from gpipe.models import GPTConfig, gpt, gpt_tied_names, lm_loss
+
+SAMPLES, BATCH, EPOCHS = 32, 8, 2
+TIED_GPT = GPTConfig(vocab_size=32, context=8, d_model=16, n_heads=2, n_layers=2, dropout=0.0)
+
+
+def mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(5, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3)
+    )
+
+
+def data() -> TensorDataset:
+    generator = torch.Generator().manual_seed(7)
+    return TensorDataset(
+        torch.randn(SAMPLES, 5, generator=generator),
+        torch.randint(0, 3, (SAMPLES,), generator=generator),
+    )
+
+
+def shuffled_loader_script(rank: int) -> dict:
+    """A shuffled DataLoader and a global-generator augmentation; step(seed=None)."""
+    torch.manual_seed(0)
+    pipe = gpipe.Pipe(mlp(), balance=[2, 3], chunks=2, group=dist.group.WORLD)
+    optimizer = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    loader = DataLoader(data(), batch_size=BATCH, shuffle=True)
+    steps = []
+    for _ in range(EPOCHS):
+        for x, y in loader:
+            x = x + 0.01 * torch.randn_like(x)  # augmentation from the global generator
+            loss = pipe.step(x, y, F.cross_entropy)
+            grads = {n: p.grad.clone() for n, p in pipe.named_parameters()}
+            steps.append({"x": x, "y": y, "grads": grads, "loss": loss})
+            optimizer.step()
+            optimizer.zero_grad()
+    return {"steps": steps}
+
+
+def tied_gpt() -> nn.Sequential:
+    torch.manual_seed(0)
+    return gpt(TIED_GPT, tie_embeddings=True).double()
+
+
+def tied_batches(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(3)
+    shape = (BATCH, TIED_GPT.context)
+    return [
+        (
+            torch.randint(0, 32, shape, generator=generator),
+            torch.randint(0, 32, shape, generator=generator),
+        )
+        for _ in range(steps)
+    ]
+
+
+def optimizer_before_pipe_script(rank: int, steps: int) -> dict:
+    """The optimizer built from the model's parameters, then the Pipe with tied weights."""
+    model = tied_gpt()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    pipe = gpipe.Pipe(
+        model,
+        balance=[2, 2],
+        chunks=2,
+        group=dist.group.WORLD,
+        tied=[list(gpt_tied_names(TIED_GPT))],
+    )
+    losses = []
+    for x, y in tied_batches(steps):
+        losses.append(pipe.step(x, y, lm_loss))
+        optimizer.step()
+        optimizer.zero_grad()
+    return {
+        "params": {n: p.detach().clone() for n, p in pipe.named_parameters()},
+        "losses": losses,
+    }
+
+
+class Scaled(nn.Module):
+    """A layer with parameters made in ``__init__`` (no reset_parameters)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.gain = nn.Parameter(torch.ones(width))
+        self.mix = nn.Parameter(torch.randn(width, width) * 0.1)
+        self.register_buffer("mask", torch.tril(torch.ones(width, width)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x @ (self.mix * self.mask) * self.gain)
+
+
+def custom_init_factory() -> nn.Sequential:
+    """A factory that initializes as Hugging Face models do: normal(0, 0.02) everywhere."""
+    model = nn.Sequential(
+        nn.Embedding(32, 16), Scaled(16), nn.Linear(16, 16), Scaled(16), nn.Linear(16, 32)
+    )
+
+    def init(module: nn.Module) -> None:
+        if isinstance(module, nn.Linear | nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear):
+            nn.init.zeros_(module.bias)
+
+    model.apply(init)
+    return model.double()
+
+
+def factory_script(rank: int) -> dict:
+    """Each rank builds only its own layers from the factory."""
+    pipe = gpipe.Pipe(
+        custom_init_factory, balance=[2, 3], chunks=2, group=dist.group.WORLD, init_seed=11
+    )
+    return {n: t.detach().clone() for n, t in pipe.state_dict().items()}
