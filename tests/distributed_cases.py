@@ -212,3 +212,59 @@ def faulty(rank, stages, fault_stage, microbatch, how, timeout, after_steps=0, o
             "pipeline_error": isinstance(error, PipelineError),
         }
     return {"type": None, "seconds": time.monotonic() - start}
+
+
+class _RaiseInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise KeyError("injected fault in backward")
+
+
+class BackwardFault(nn.Module):
+    """Identity whose backward raises, on its ``at``-th forward that builds a graph."""
+
+    def __init__(self, at: int) -> None:
+        super().__init__()
+        self.at, self.calls = at, 0
+
+    def forward(self, x):
+        if not torch.is_grad_enabled():
+            return x
+        self.calls += 1
+        return _RaiseInBackward.apply(x) if self.calls == self.at else x
+
+
+def faulty_backward(rank, stages, fault_stage, at, schedule, checkpoint, timeout):
+    """A pipeline whose stage ``fault_stage`` fails in a backward; what each rank raised."""
+    torch.set_num_threads(1)
+
+    def factory():
+        layers = []
+        for s in range(stages):
+            layers += [nn.Linear(8, 8), BackwardFault(at) if s == fault_stage else nn.ReLU()]
+        return nn.Sequential(*layers)
+
+    pipe = gpipe.Pipe(
+        factory,
+        balance=[2] * stages,
+        chunks=4,
+        group=dist.group.WORLD,
+        timeout=timeout,
+        schedule=schedule,
+        checkpoint=checkpoint,
+    )
+    start = time.monotonic()
+    try:
+        pipe.step(torch.randn(8, 8), torch.randn(8, 8), F.mse_loss)
+    except BaseException as error:
+        return {
+            "type": type(error).__name__,
+            "message": str(error),
+            "rank": getattr(error, "rank", None),
+            "seconds": time.monotonic() - start,
+        }
+    return {"type": None, "seconds": time.monotonic() - start}

@@ -22,6 +22,7 @@ from distributed_cases import (
     batch,
     data_and_pipeline,
     faulty,
+    faulty_backward,
     loss_of,
     train_steps,
 )
@@ -323,6 +324,33 @@ def test_exception_in_one_stage_reaches_every_rank(stages, fault_stage, after_st
             assert outcome["pipeline_error"]
             assert outcome["rank"] == fault_stage
             assert f"rank {fault_stage}" in outcome["message"]
+    assert not multiprocessing.active_children()
+
+
+@pytest.mark.parametrize(
+    ("stages", "fault_stage", "at", "schedule", "checkpoint"),
+    [
+        (2, 0, 1, "gpipe", "except_last"),  # stalled the others for the whole timeout
+        (2, 0, 2, "gpipe", "never"),
+        (2, 1, 1, "gpipe", "except_last"),
+        (3, 1, 2, "gpipe", "except_last"),
+        (3, 0, 1, "1f1b", "always"),
+        (2, 0, 1, "zb-h1", "except_last"),
+    ],
+)
+def test_exception_in_a_backward_reaches_every_rank_at_once(
+    stages, fault_stage, at, schedule, checkpoint
+):
+    timeout = 20.0
+    args = (stages, fault_stage, at, schedule, checkpoint, timeout)
+    outcomes = launch(faulty_backward, stages, args=args, timeout=30)
+    for rank, outcome in enumerate(outcomes):
+        assert "injected fault in backward" in outcome["message"], outcome
+        assert outcome["seconds"] < 5, outcome  # not the timeout
+        if rank == fault_stage:
+            assert outcome["type"] == "KeyError"
+        else:
+            assert outcome["type"] == "PipelineError" and outcome["rank"] == fault_stage
     assert not multiprocessing.active_children()
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import pickle
+import threading
 import weakref
 from collections import deque
 from dataclasses import dataclass, field
@@ -24,6 +25,10 @@ from gpipe.transport.framing import History, TensorMeta, bytes_tensor, spec_text
 from gpipe.transport.sender import SendReaper
 
 __all__ = ["DistributedTransport"]
+
+# A failure notice: one fixed-size frame per peer, on a tag no message of a step uses.
+_NOTICE_TAG = 1 << 30
+_NOTICE_BYTES = 4096
 
 
 @dataclass
@@ -109,6 +114,8 @@ class DistributedTransport:
         # otherwise on a gloo side group of the same processes.
         self._meta_group = group if self.receive_ahead else _gloo_twin(group)
         self._meta_device = self.wire_device if self.receive_ahead else torch.device("cpu")
+        # Failure notices are host-side frames: a gloo group (this one, or the side one).
+        self._notice_group = self._meta_group
         self._mailbox: dict[Message, Any] = {}
         self._plans = {
             training: wire_order(schedule, self.routes, rank, training)
@@ -132,6 +139,7 @@ class DistributedTransport:
         self._recv_meta: dict[tuple, History] = {}
         self._pending: dict[int, deque[_Posted]] = {}  # posted, from each peer, in order
         self._arriving: dict[Message, _Posted] = {}  # header in, tensors not yet waited for
+        self._notices: dict[str, Any] | None = None  # a peer's failure, once noticed
         self._reaper = SendReaper(timeout)
         # The reaper's thread ends with this transport (or at close()).
         self._finalizer = weakref.finalize(self, self._reaper.close)
@@ -153,6 +161,7 @@ class DistributedTransport:
         self._arriving.clear()
         for src in self._incoming:
             self._post_next(src)
+        self._listen_for_notices()
 
     def prepare(self, action: Any) -> None:
         """This rank is about to run ``action``: post the tensor receives due here (NCCL)."""
@@ -162,8 +171,34 @@ class DistributedTransport:
             self._take_headers(src, until=message)
 
     def finish(self) -> None:
-        """End a step: wait until every send has completed."""
-        self._reaper.drain()
+        """End a step: wait until every send has completed, unless a peer failed.
+
+        A peer that failed receives nothing more, so a send to it would wait the whole
+        timeout (gloo completes a send only once its receive is posted): its notice ends
+        the wait at once.
+        """
+        self._reaper.drain(check=self._check_notices)
+
+    def _listen_for_notices(self) -> None:
+        """Start, once, a thread that waits for a failure notice from any peer.
+
+        A thread, because a gloo receive tells that it completed only to ``wait()``.
+        """
+        if self._notices is not None:
+            return
+        self._notices = {}
+        frame = torch.zeros(_NOTICE_BYTES, dtype=torch.uint8)
+        work = self._dist.irecv(frame, src=None, group=self._notice_group, tag=_NOTICE_TAG)
+        threading.Thread(
+            target=_wait_for_notice,
+            args=(work, frame, self._notices),
+            name="gpipe-failure-notice",
+            daemon=True,
+        ).start()
+
+    def _check_notices(self) -> None:
+        if self._notices:
+            raise PipelineError(self._notices["message"], rank=self._notices["rank"])
 
     def _global(self, rank: int) -> int:
         return self._dist.get_global_rank(self.group, rank)
@@ -368,11 +403,29 @@ class DistributedTransport:
             frames = self._frames(history if self.receive_ahead else None, -len(meta), meta, [])
             with contextlib.suppress(Exception):
                 self._post(dst, frames, self._meta_group, position)
+        # And every peer, which may be waiting for its sends to this rank to complete.
+        text = pickle.dumps({**description, "message": description["message"][:3000]})
+        frame = torch.zeros(_NOTICE_BYTES, dtype=torch.uint8)
+        frame[:8].view(torch.int64)[0] = len(text)
+        frame[8 : 8 + len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
+        for peer in range(self.schedule.num_ranks):
+            if peer != self.rank:
+                with contextlib.suppress(Exception):
+                    self._post(peer, [frame], self._notice_group, _NOTICE_TAG)
         self._reaper.abandon()
 
     def clear(self) -> None:
         self._mailbox.clear()
         self._arriving.clear()
+
+
+def _wait_for_notice(work: Any, frame: torch.Tensor, notices: dict[str, Any]) -> None:
+    try:
+        work.wait(timeout=timedelta(days=365))  # until a peer fails or the group goes away
+    except Exception:
+        return
+    length = int(frame[:8].view(torch.int64).item())
+    notices.update(pickle.loads(frame[8 : 8 + length].numpy().tobytes()))
 
 
 def _gloo_twin(group: Any) -> Any:

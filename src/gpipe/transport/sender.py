@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import queue
 import threading
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch
@@ -49,8 +50,16 @@ class SendReaper:
         except Exception as error:
             self._errors.append(f"send to rank {dst} failed: {error}")
 
-    def drain(self) -> None:
-        self._queue.join()
+    def drain(self, check: Callable[[], None] | None = None, poll: float = 0.05) -> None:
+        """Wait until every queued send has completed; ``check`` runs every ``poll``
+        seconds meanwhile and may raise to stop waiting (a peer announced a failure)."""
+        while True:
+            with self._queue.all_tasks_done:
+                if not self._queue.unfinished_tasks:
+                    break
+                self._queue.all_tasks_done.wait(timeout=poll if check is not None else None)
+            if check is not None:
+                check()
         if self._errors:
             errors, self._errors = self._errors, []
             raise PipelineError("; ".join(errors))
