@@ -268,3 +268,29 @@ def faulty_backward(rank, stages, fault_stage, at, schedule, checkpoint, timeout
             "seconds": time.monotonic() - start,
         }
     return {"type": None, "seconds": time.monotonic() - start}
+
+
+def disagreeing(rank, setting):
+    """Two ranks that were given different Pipe arguments (or batches); what each raised."""
+    torch.set_num_threads(1)
+    kwargs = {"balance": [2, 2], "chunks": 4, "schedule": "gpipe"}
+    if setting in kwargs:
+        kwargs[setting] = (
+            {"balance": [1, 3], "chunks": 2, "schedule": "1f1b"}[setting]
+            if rank
+            else kwargs[setting]
+        )
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU())
+    start = time.monotonic()
+    try:
+        pipe = gpipe.Pipe(model, group=dist.group.WORLD, timeout=20.0, **kwargs)
+        rows = 6 if setting == "batch" and rank == 1 else 8
+        pipe.step(torch.randn(8, 8), torch.randn(rows, 8), F.mse_loss)
+    except BaseException as error:
+        return {
+            "type": type(error).__name__,
+            "message": str(error),
+            "seconds": time.monotonic() - start,
+        }
+    return {"type": None, "seconds": time.monotonic() - start}

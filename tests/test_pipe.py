@@ -314,3 +314,60 @@ def test_every_schedule_equals_unsplit_model(name, schedule, devices, virtual, c
         for key, value in running_stats_of_unsplit_batch(initial, x, chunks).items():
             assert relative_error(state[key], value) <= 1e-10, key
     assert all(not stage.pending for stage in pipe.stages)
+
+
+class _FailsOnce(nn.Module):
+    """Identity whose backward raises while ``armed``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.armed = False
+
+    def forward(self, x):
+        if not (self.armed and torch.is_grad_enabled()):
+            return x
+        return _RaisesInBackward.apply(x)
+
+
+class _RaisesInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise KeyError("backward fault")
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
+def test_a_failed_step_leaves_the_gradients_as_they_were(schedule):
+    torch.manual_seed(0)
+    fault = _FailsOnce()
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), fault, nn.Linear(8, 3)).double()
+    plain = twin(model)
+    pipe = gpipe.Pipe(model, balance=[2, 2], chunks=4, schedule=schedule)
+    batches = [
+        (torch.randn(8, 4, dtype=torch.float64), torch.randint(0, 3, (8,))) for _ in range(3)
+    ]
+    pipe.step(*batches[0], F.cross_entropy)  # gradients accumulate over steps 0 and 2
+    before = {n: p.grad.clone() for n, p in pipe.named_parameters()}
+    fault.armed = True
+    with pytest.raises(KeyError, match="backward fault"):
+        pipe.step(*batches[1], F.cross_entropy)
+    fault.armed = False
+    for name, p in pipe.named_parameters():
+        assert torch.equal(p.grad, before[name]), name
+    pipe.step(*batches[2], F.cross_entropy)
+    for x, y in (batches[0], batches[2]):
+        F.cross_entropy(plain(x), y).backward()
+    worst, name = worst_gradient_error(pipe, plain)
+    assert worst < 1e-10, name
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "never"])
+def test_a_loss_that_does_not_require_grad_is_an_error(checkpoint):
+    model, x, y, _ = make_case("mlp", torch.float64)
+    pipe = gpipe.Pipe(model, balance=even_balance(len(model), 2), chunks=2, checkpoint=checkpoint)
+    with pytest.raises(RuntimeError, match="does not require grad"):
+        pipe.step(x, y, lambda out, t: F.cross_entropy(out, t).detach())
+    assert all(p.grad is None for p in pipe.parameters())

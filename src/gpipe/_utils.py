@@ -1,13 +1,26 @@
-"""Small helpers every layer uses: tensors of a nested value, device moves, byte sizes."""
+"""Small helpers every layer uses: tensors of a nested value, device moves, byte sizes,
+gradients set aside during a step."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
-__all__ = ["MiB", "DeviceLike", "storage_key", "synchronize", "tensors_of", "to_device"]
+__all__ = [
+    "MiB",
+    "DeviceLike",
+    "add_earlier_gradients",
+    "norm_part",
+    "restore_gradients",
+    "set_aside_gradients",
+    "storage_key",
+    "synchronize",
+    "tensors_of",
+    "to_device",
+]
 
 DeviceLike = torch.device | str | int
 MiB = 2**20
@@ -48,3 +61,34 @@ def synchronize(device: torch.device) -> None:
     """Wait for the work queued on ``device`` (a no-op on the CPU), e.g. before timing."""
     if device.type != "cpu":
         torch.get_device_module(device.type).synchronize(device)
+
+
+def set_aside_gradients(params: Iterable[torch.Tensor]) -> dict[torch.Tensor, torch.Tensor]:
+    """Take the gradients the parameters hold (of earlier steps) out of them."""
+    earlier = {p: p.grad for p in params if p.grad is not None}
+    for p in earlier:
+        p.grad = None
+    return earlier
+
+
+def add_earlier_gradients(earlier: dict[torch.Tensor, torch.Tensor]) -> None:
+    """Add them back to this step's (out of place: a later failure may still restore)."""
+    for p, grad in earlier.items():
+        p.grad = grad if p.grad is None else grad + p.grad
+
+
+def restore_gradients(
+    params: Iterable[torch.Tensor], earlier: dict[torch.Tensor, torch.Tensor]
+) -> None:
+    """Leave the parameters with the earlier gradients only, as before a failed step."""
+    for p in params:
+        p.grad = earlier.get(p)
+
+
+def norm_part(grads: list[torch.Tensor], p: float, device: torch.device) -> torch.Tensor:
+    """This process's part of the ``p``-norm of ``grads``: the sum of their ``p``-th powers
+    (their largest entry for ``inf``), in float64 on ``device``."""
+    if not grads:
+        return torch.zeros((), dtype=torch.float64, device=device)
+    norms = torch.stack([g.detach().norm(p).to(device, torch.float64) for g in grads])
+    return norms.max() if p == float("inf") else norms.pow(p).sum()

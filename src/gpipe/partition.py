@@ -6,6 +6,7 @@ user fixes them in one round.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -14,6 +15,7 @@ from torch import nn
 
 from gpipe import remat
 from gpipe._utils import DeviceLike
+from gpipe.errors import PartitionError
 from gpipe.microbatch import chunk_sizes
 from gpipe.schedule import SCHEDULES
 
@@ -22,7 +24,8 @@ __all__ = [
     "cut",
     "even_balance",
     "partition_problems",
-    "shared_parameters",
+    "check_not_shared",
+    "fingerprint",
 ]
 
 
@@ -121,10 +124,11 @@ def cut(module: nn.Sequential, balance: Sequence[int]) -> list[list[tuple[str, n
     return stages
 
 
-def shared_parameters(
+def check_not_shared(
     stages: Sequence[Sequence[tuple[str, nn.Module]]], tied: set[str] = frozenset()
-) -> list[str]:
-    """Descriptions of parameters used by more than one stage and not declared ``tied``."""
+) -> None:
+    """Raise on parameters used by more than one stage and not declared ``tied``: each
+    stage would train its own copy."""
     owners: dict[int, tuple[int, str]] = {}
     problems = []
     for index, layers in enumerate(stages):
@@ -135,7 +139,24 @@ def shared_parameters(
                 first = owners.setdefault(id(param), (index, f"{name}.{pname}"))
                 if first[0] != index:
                     problems.append(
-                        f"parameter {first[1]} (stage {first[0]}) is also {name}.{pname} "
+                        f"- parameter {first[1]} (stage {first[0]}) is also {name}.{pname} "
                         f"(stage {index})"
                     )
-    return problems
+    if problems:
+        raise PartitionError(
+            "a parameter is shared by two stages, which would train two copies:\n"
+            + "\n".join(problems)
+            + "\nmove the layers that share it into one stage (change balance), or declare "
+            "it tied: tied=[(name, other_name)]"
+        )
+
+
+def fingerprint(module: nn.Sequential, **settings: Any) -> dict[str, str]:
+    """What every rank of one pipeline must agree on: the settings, and the name, shape and
+    dtype of every parameter and buffer of the whole model (on meta or not)."""
+    tensors = [
+        f"{name}:{tuple(t.shape)}:{t.dtype}"
+        for name, t in (*module.named_parameters(), *module.named_buffers())
+    ]
+    digest = hashlib.sha256("\n".join(tensors).encode()).hexdigest()[:16]
+    return {**{key: repr(value) for key, value in settings.items()}, "model": digest}

@@ -18,18 +18,25 @@ import torch
 from torch import nn
 
 from gpipe import microbatch, remat
-from gpipe._utils import DeviceLike, to_device
+from gpipe._utils import (
+    DeviceLike,
+    add_earlier_gradients,
+    norm_part,
+    restore_gradients,
+    set_aside_gradients,
+    to_device,
+)
 from gpipe.engine import batchnorm
 from gpipe.engine.batchnorm import DeferredBatchNorm
 from gpipe.engine.runtime import Runtime, StepInputs, StepResult
 from gpipe.engine.skip import SkipLayout
-from gpipe.engine.stage import LossSpec, Stage, loss_specs
+from gpipe.engine.stage import LossSpec, Stage, check_batch, loss_specs
 from gpipe.errors import PartitionError, PipelineError
 from gpipe.materialize import build
 from gpipe.parallel.data_parallel import GradientReducer
 from gpipe.parallel.group import pipeline_group
 from gpipe.parallel.tied import TiedParameters
-from gpipe.partition import configuration_problems, cut, shared_parameters
+from gpipe.partition import check_not_shared, configuration_problems, cut, fingerprint
 from gpipe.planning.auto import auto_balance
 from gpipe.schedule import Schedule, TimedAction, build_schedule
 from gpipe.schedule.routes import Routes
@@ -38,6 +45,8 @@ __all__ = ["Pipe"]
 
 Reduction = Literal["mean", "sum"]
 ModelOrFactory = nn.Sequential | Callable[[], nn.Sequential]
+_FIXED = "a Pipe cannot be moved with {}: each stage lives on its own device; build the Pipe \
+with devices=[{}] instead"
 
 
 class Pipe(nn.Module):
@@ -157,15 +166,22 @@ class Pipe(nn.Module):
         self.devices = [torch.device(d) for d in devices]
         self.chunks = chunks
         if chunks == 1 and len(self.devices) > 1:
+            k = len(self.devices)
             warnings.warn(
-                f"Pipe(chunks=1) on {len(self.devices)} devices: the whole mini-batch is one "
-                "micro-batch, so the stages run one after another, never at once; pass "
-                f"chunks >= {len(self.devices)} (e.g. {4 * len(self.devices)}) to pipeline",
+                f"Pipe(chunks=1) on {k} devices: one micro-batch, so the stages run one after "
+                f"another, never at once; pass chunks >= {k} (e.g. {4 * k}) to pipeline",
                 stacklevel=2,
             )
         self.checkpoint = checkpoint
         self.virtual_stages = virtual_stages
         self.schedule = self._build_schedule(schedule)
+        self._ranks.check_same(
+            fingerprint(
+                shape_model, balance=balance, chunks=chunks, checkpoint=checkpoint,
+                schedule=self.schedule.actions, tied=tied, init_seed=init_seed,
+                deferred_batch_norm=deferred_batch_norm,
+            )
+        )  # fmt: skip
         stage_devices = [self.devices[rank] for rank in self.schedule.stage_to_rank]
         local = self._ranks.local_stages(self.schedule)
         starts = [sum(balance[:s]) for s in range(self.num_stages)]
@@ -175,14 +191,7 @@ class Pipe(nn.Module):
             local_layers = [i for s in local for i in range(starts[s], starts[s] + balance[s])]
             module = build(factory, seed=init_seed, layers=local_layers, tied=bool(tied))
         stage_layers = cut(module, balance)
-        shared = shared_parameters(stage_layers, {name for group in tied for name in group})
-        if shared:
-            raise PartitionError(
-                "a parameter is shared by two stages, which would train two copies:\n"
-                + "\n".join(f"- {s}" for s in shared)
-                + "\nmove the layers that share it into one stage (change balance), or declare "
-                "it tied: tied=[(name, other_name)]"
-            )
+        check_not_shared(stage_layers, {name for group in tied for name in group})
 
         # Skip connections: declared by the layers, read from the whole (maybe meta) model.
         layout = SkipLayout.of([layer for layers in stage_layers for _, layer in layers])
@@ -300,8 +309,7 @@ class Pipe(nn.Module):
                                                        ignore_index=-100)
               pipe.step(x, y, loss_fn, count=lambda y: (y != -100).sum())
 
-          Without it, such a loss's gradient is off as soon as micro-batches hold
-          different numbers of tokens. A micro-batch whose count is 0 adds nothing.
+          A micro-batch whose count is 0 adds nothing.
         * ``"sum"``: micro-batch losses are added (a sum-reduced loss).
 
         ``seed`` fixes the random numbers (dropout) of this step (default: one draw from
@@ -312,8 +320,8 @@ class Pipe(nn.Module):
 
         With ``group``, every rank calls ``step``; ``inputs`` matter only where the first
         stage lives and ``targets`` where the last does (elsewhere they may be ``None``).
-        With ``data_parallel_group`` the gradients are averaged over the replicas: zero
-        them before each step.
+        With ``data_parallel_group`` this step's gradients are averaged over the replicas.
+        A step that fails leaves the gradients as they were before it.
 
         Returns the mini-batch loss, detached, as a float64 tensor (which holds a float32 or
         bfloat16 loss exactly), the same on every rank when multi-process.
@@ -354,18 +362,26 @@ class Pipe(nn.Module):
             self._tied.refresh()
         if inputs_mb is not None:
             inputs_mb = [to_device(x, self.stages[0].device) for x in inputs_mb]
-        step = StepInputs(
-            microbatches=inputs_mb or [None] * self.chunks,
-            seed=self._ranks.step_seed(seed),
-            remat=[remat.recomputes(self.checkpoint, m, self.chunks) for m in range(self.chunks)],
-            losses=losses,
-        )
+        # Gradients of earlier steps wait aside: a failed step must leave them as they were.
+        earlier = set_aside_gradients(self.parameters()) if losses is not None else {}
         try:
             self._transport.begin(training=losses is not None)
+            batch = sum(microbatch.batch_size(x) for x in inputs_mb) if inputs_mb else None
+            seed, first_batch = self._ranks.begin_step(seed, batch)
+            mbs = range(self.chunks)
+            if losses is not None and losses[0] is not None and first_batch is not None:
+                check_batch(losses, first_batch)
+            step = StepInputs(
+                microbatches=inputs_mb or [None] * self.chunks,
+                seed=seed,
+                remat=[remat.recomputes(self.checkpoint, m, self.chunks) for m in mbs],
+                losses=losses,
+            )
             result = self._runtime.run(step, trace=trace, clock_origin=self._ranks.clock_origin)
             self._transport.finish()
             if self._reducer is not None and losses is not None:
                 self._reducer.finish()
+            add_earlier_gradients(earlier)
             if self._tied is not None and losses is not None:
                 self._tied.sync_gradients(self._ranks.exchange)
         except BaseException as error:
@@ -376,6 +392,7 @@ class Pipe(nn.Module):
             batchnorm.reset_all(self)
             if self._reducer is not None:
                 self._reducer.reset()
+            restore_gradients(self.parameters(), earlier)
             self._ranks.fail(error, self.stages)
             raise
         batchnorm.commit_all(self)
@@ -383,7 +400,11 @@ class Pipe(nn.Module):
         if losses is not None and self._holds(self.num_stages - 1):
             losses_mb = [result.losses[m].to(torch.float64) for m in range(self.chunks)]
             local_loss = torch.stack(losses_mb).sum()
-        result.loss = self._ranks.agree(local_loss)
+        try:
+            result.loss = self._ranks.agree(local_loss)
+        except BaseException:  # another rank failed: this step counts nowhere
+            restore_gradients(self.parameters(), earlier)
+            raise
         self.last_trace = result.trace
         return result
 
@@ -399,13 +420,8 @@ class Pipe(nn.Module):
         # A tied tensor counts once, as in the un-split model, though every holder has a copy.
         extra = self._tied.extra_copies() if self._tied is not None else set()
         counted = [p.grad for p in self.parameters() if p.grad is not None and id(p) not in extra]
-        device = self.stages[0].device
         p = float(norm_type)
-        if counted:
-            norms = torch.stack([g.detach().norm(p).to(device, torch.float64) for g in counted])
-            local = norms.max() if p == float("inf") else norms.pow(p).sum()
-        else:
-            local = torch.zeros((), dtype=torch.float64, device=device)
+        local = norm_part(counted, p, self.stages[0].device)
         local = self._ranks.norm_total(local, maximum=p == float("inf"))
         total = local if p == float("inf") else local.pow(1.0 / p)
         scale = (max_norm / (total + 1e-6)).clamp(max=1.0)
@@ -426,16 +442,10 @@ class Pipe(nn.Module):
         return super().to(dtype=dtype)
 
     def cuda(self, device: Any = None) -> Pipe:
-        raise TypeError(
-            "a Pipe cannot be moved with .cuda(): each stage lives on its own device; "
-            "build the Pipe with devices=['cuda:0', 'cuda:1', ...] instead"
-        )
+        raise TypeError(_FIXED.format(".cuda()", "'cuda:0', 'cuda:1', ..."))
 
     def cpu(self) -> Pipe:
-        raise TypeError(
-            "a Pipe cannot be moved with .cpu(): each stage lives on its own device; "
-            "build the Pipe with devices=['cpu', ...] instead"
-        )
+        raise TypeError(_FIXED.format(".cpu()", "'cpu', ..."))
 
     def extra_repr(self) -> str:
         return (

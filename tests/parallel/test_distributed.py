@@ -21,6 +21,7 @@ from distributed_cases import (
     INIT_SEED,
     batch,
     data_and_pipeline,
+    disagreeing,
     faulty,
     faulty_backward,
     loss_of,
@@ -352,6 +353,22 @@ def test_exception_in_a_backward_reaches_every_rank_at_once(
         else:
             assert outcome["type"] == "PipelineError" and outcome["rank"] == fault_stage
     assert not multiprocessing.active_children()
+
+
+@pytest.mark.parametrize(
+    ("setting", "expected"),
+    [
+        ("schedule", "schedule: rank 1 has"),
+        ("balance", "balance: rank 1 has '[1, 3]', rank 0 has '[2, 2]'"),
+        ("chunks", "chunks: rank 1 has '2', rank 0 has '4'"),
+        ("batch", "the targets hold 6 samples but the inputs on the first stage's rank 8"),
+    ],
+)
+def test_ranks_that_disagree_refuse_to_train(setting, expected):
+    outcomes = launch(disagreeing, 2, args=(setting,), timeout=30)
+    for outcome in outcomes:
+        assert outcome["type"] is not None and expected in outcome["message"], outcome
+        assert outcome["seconds"] < 5, outcome
 
 
 def test_killed_rank_makes_the_others_fail_within_the_timeout():

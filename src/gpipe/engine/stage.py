@@ -40,7 +40,7 @@ from gpipe.remat import recomputing
 if TYPE_CHECKING:
     from gpipe.engine.memory import ActivationMeter
 
-__all__ = ["LossSpec", "Stage", "loss_specs"]
+__all__ = ["LossSpec", "Stage", "check_batch", "loss_specs"]
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 
@@ -88,6 +88,16 @@ def loss_specs(
         LossSpec(loss_fn, to_device(y, device), n / total if reduction == "mean" else 1.0)
         for y, n in zip(targets_mb, shares, strict=True)
     ]
+
+
+def check_batch(losses: list[LossSpec], inputs: int) -> None:
+    """The targets (on the last stage's rank) describe the inputs' mini-batch (the first's)."""
+    targets = sum(microbatch.batch_size(spec.target) for spec in losses)
+    if targets != inputs:
+        raise ValueError(
+            f"the targets hold {targets} samples but the inputs on the first stage's rank "
+            f"{inputs}: every rank must step the same mini-batch (one target per sample)"
+        )
 
 
 @dataclass
@@ -220,6 +230,15 @@ class Stage:
         elif stored.loss is not None:
             outputs = self.value_of(stored.outputs)
             stored.loss_value = _compute_loss(stored.loss, outputs) * stored.loss.weight
+            needs_grad = any(t.requires_grad for t in tensors_of(stored.inputs)) or any(
+                p.requires_grad for p in self.parameters()
+            )
+            if torch.is_grad_enabled() and needs_grad and not stored.loss_value.requires_grad:
+                raise RuntimeError(
+                    "loss_fn returned a loss that does not require grad (detached, or computed "
+                    "under no_grad), so no gradient would reach the model; return the loss "
+                    "tensor as computed from the output"
+                )
 
     # -- actions ----------------------------------------------------------------------------
 

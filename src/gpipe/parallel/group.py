@@ -27,7 +27,7 @@ import torch
 from gpipe import rng
 from gpipe._utils import DeviceLike
 from gpipe.engine.stage import Stage
-from gpipe.errors import PipelineError
+from gpipe.errors import PartitionError, PipelineError
 from gpipe.parallel.tied import TiedParameters
 from gpipe.schedule.builders import Schedule
 from gpipe.schedule.routes import Routes
@@ -72,8 +72,12 @@ class SingleProcess:
         self.transport = LocalTransport(stage_devices)
         return self.transport
 
-    def step_seed(self, seed: int | None) -> int:
-        return rng.draw_step_seed() if seed is None else seed
+    def begin_step(self, seed: int | None, batch: int | None) -> tuple[int, int | None]:
+        """The step's seed, and the batch size of the inputs (both are local here)."""
+        return (rng.draw_step_seed() if seed is None else seed), batch
+
+    def check_same(self, configuration: dict[str, Any]) -> None:
+        pass  # one process: one configuration
 
     def agree(self, local_loss: torch.Tensor | None) -> torch.Tensor | None:
         return None if local_loss is None else local_loss.detach().to(torch.float64)
@@ -164,19 +168,36 @@ class MultiProcess:
 
     # -- what every rank must agree on ----------------------------------------------------
 
-    def step_seed(self, seed: int | None) -> int:
-        """The step's seed: ``seed``, or rank 0's draw, broadcast.
+    def begin_step(self, seed: int | None, batch: int | None) -> tuple[int, int | None]:
+        """The step's seed (``seed``, or rank 0's draw) and the batch size of the inputs,
+        which rank 0 (the first stage's) has, on every rank.
 
-        Every rank draws (and discards all but rank 0's), so that every rank's global
+        Every rank draws (and all but rank 0 discard it), so that every rank's global
         generator advances alike: what a script samples from it after the step (its next
         batch, a shuffled DataLoader's order) stays the same on every rank.
         """
-        if seed is not None:
-            return seed
-        drawn = torch.tensor([rng.draw_step_seed()], dtype=torch.int64)
-        drawn = drawn.to(self.wire)
-        self._wait(self._dist.broadcast(drawn, self._global(0), self.group, async_op=True))
-        return int(drawn.item())
+        drawn = rng.draw_step_seed() if seed is None else seed
+        values = torch.tensor([drawn, -1 if batch is None else batch], dtype=torch.int64)
+        values = values.to(self.wire)
+        self._wait(self._dist.broadcast(values, self._global(0), self.group, async_op=True))
+        first_batch = int(values[1])
+        return int(values[0]), (None if first_batch < 0 else first_batch)
+
+    def check_same(self, configuration: dict[str, Any]) -> None:
+        """Refuse to start unless every rank was given the same configuration."""
+        everyone: list[Any] = [None] * self.num_ranks
+        self._dist.all_gather_object(everyone, configuration, group=self.group)
+        differences = [
+            f"- {key}: rank {rank} has {theirs[key]!r}, rank 0 has {everyone[0][key]!r}"
+            for rank, theirs in enumerate(everyone)
+            for key in configuration
+            if theirs.get(key) != everyone[0].get(key)
+        ]
+        if differences:
+            raise PartitionError(
+                "the ranks of this pipeline were built differently; every rank must run the "
+                "same script with the same model and Pipe arguments:\n" + "\n".join(differences)
+            )
 
     def _gather(self, value: float, failed: int) -> torch.Tensor:
         """Every rank's (value, failed rank + 1 or 0), one row per pipeline rank."""
