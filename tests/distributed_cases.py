@@ -294,3 +294,40 @@ def disagreeing(rank, setting):
             "seconds": time.monotonic() - start,
         }
     return {"type": None, "seconds": time.monotonic() - start}
+
+
+class _InfGradient(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * float("inf")
+
+
+class Overflows(nn.Module):
+    """Identity whose backward overflows: the loss is finite, a gradient is not."""
+
+    def forward(self, x):
+        return _InfGradient.apply(x)
+
+
+def nonfinite(rank, where):
+    """A step with a NaN input, or an overflowing backward: what each rank raised."""
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    layers = [nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8)]
+    if where == "gradient":
+        layers.insert(2, Overflows())
+    model = nn.Sequential(*layers)
+    pipe = gpipe.Pipe(model, balance=[2, len(layers) - 2], chunks=2, group=dist.group.WORLD)
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    if where == "input":
+        x[0, 0] = float("nan")
+    try:
+        pipe.step(x, y, F.mse_loss)
+    except BaseException as error:
+        grads = [p.grad for p in pipe.parameters()]
+        return {"type": type(error).__name__, "message": str(error), "grads": grads}
+    return {"type": None}

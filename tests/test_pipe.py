@@ -371,3 +371,43 @@ def test_a_loss_that_does_not_require_grad_is_an_error(checkpoint):
     with pytest.raises(RuntimeError, match="does not require grad"):
         pipe.step(x, y, lambda out, t: F.cross_entropy(out, t).detach())
     assert all(p.grad is None for p in pipe.parameters())
+
+
+class _InfGradient(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * float("inf")
+
+
+class _Overflows(nn.Module):
+    """Identity whose backward overflows: the loss is finite, a gradient is not."""
+
+    def forward(self, x):
+        return _InfGradient.apply(x)
+
+
+@pytest.mark.parametrize("where", ["input", "gradient"])
+def test_a_non_finite_step_is_refused_and_changes_no_gradient(where):
+    torch.manual_seed(0)
+    layers = [nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3)]
+    if where == "gradient":
+        layers.insert(2, _Overflows())
+    pipe = gpipe.Pipe(nn.Sequential(*layers), balance=[2, len(layers) - 2], chunks=2)
+    x, y = torch.randn(4, 4), torch.randint(0, 3, (4,))
+    if where == "gradient":  # a clean first step needs the overflow out of the way
+        before = {n: None for n, _ in pipe.named_parameters()}
+    else:
+        pipe.step(x, y, F.cross_entropy)
+        before = {n: p.grad.clone() for n, p in pipe.named_parameters()}
+        x = x.clone()
+        x[1, 2] = float("nan")
+    with pytest.raises(gpipe.NonFiniteError, match="the step was refused") as info:
+        pipe.step(x, y, F.cross_entropy)
+    if where == "gradient":
+        assert "a non-finite gradient of '0.weight'" in str(info.value)
+    for name, p in pipe.named_parameters():
+        assert (p.grad is None and before[name] is None) or torch.equal(p.grad, before[name])

@@ -12,7 +12,7 @@ same gradients as the un-split model::
 from gpipe.engine.batchnorm import DeferredBatchNorm
 from gpipe.engine.memory import measure_activations
 from gpipe.engine.skip import pop, skippable, stash
-from gpipe.errors import PartitionError, PipelineError
+from gpipe.errors import NonFiniteError, PartitionError, PipelineError
 from gpipe.parallel.launch import launch
 from gpipe.pipe import Pipe
 from gpipe.planner import plan
@@ -23,6 +23,7 @@ from gpipe.schedule.simulate import simulate
 
 __all__ = [
     "DeferredBatchNorm",
+    "NonFiniteError",
     "PartitionError",
     "Pipe",
     "PipelineError",

@@ -13,6 +13,7 @@ __all__ = [
     "MiB",
     "DeviceLike",
     "add_earlier_gradients",
+    "first_nonfinite_grad",
     "norm_part",
     "restore_gradients",
     "set_aside_gradients",
@@ -92,3 +93,16 @@ def norm_part(grads: list[torch.Tensor], p: float, device: torch.device) -> torc
         return torch.zeros((), dtype=torch.float64, device=device)
     norms = torch.stack([g.detach().norm(p).to(device, torch.float64) for g in grads])
     return norms.max() if p == float("inf") else norms.pow(p).sum()
+
+
+def first_nonfinite_grad(named: Iterable[tuple[str, torch.Tensor]]) -> str | None:
+    """The name of the first parameter whose gradient holds a NaN or an infinity."""
+    grads = [(name, p.grad) for name, p in named if p.grad is not None]
+    if not grads:
+        return None
+    device = grads[0][1].device
+    sums = torch.stack([g.detach().sum(dtype=torch.float64).to(device) for _, g in grads])
+    finite = torch.isfinite(sums)
+    if bool(finite.all()):
+        return None
+    return grads[int((~finite).nonzero()[0])][0]

@@ -1,13 +1,14 @@
 """The errors a user of gpipe meets, in one place.
 
 Each layer raises its own ``ValueError`` subclass for bad input (``ScheduleError``,
-``SkipError``, ``TiedError``, ``BudgetError``); the two below cross layers: a
-configuration that cannot be cut, and a failure somewhere else in the pipeline.
+``SkipError``, ``TiedError``, ``BudgetError``); the three below cross layers: a
+configuration that cannot be cut, a failure somewhere else in the pipeline, and a step
+refused because its loss or a gradient is not finite.
 """
 
 from __future__ import annotations
 
-__all__ = ["PartitionError", "PipelineError"]
+__all__ = ["NonFiniteError", "PartitionError", "PipelineError"]
 
 
 class PartitionError(ValueError):
@@ -20,3 +21,8 @@ class PipelineError(RuntimeError):
     def __init__(self, message: str, *, rank: int | None = None) -> None:
         super().__init__(message)
         self.rank = rank  # the pipeline rank that failed first, when known
+
+
+class NonFiniteError(FloatingPointError):
+    """A step's loss or a gradient is NaN or infinite: every rank refused the step, and the
+    gradients are as they were before it (an optimizer step now would change nothing)."""

@@ -21,6 +21,7 @@ from gpipe import microbatch, remat
 from gpipe._utils import (
     DeviceLike,
     add_earlier_gradients,
+    first_nonfinite_grad,
     norm_part,
     restore_gradients,
     set_aside_gradients,
@@ -395,16 +396,18 @@ class Pipe(nn.Module):
             restore_gradients(self.parameters(), earlier)
             self._ranks.fail(error, self.stages)
             raise
-        batchnorm.commit_all(self)
         local_loss = None
         if losses is not None and self._holds(self.num_stages - 1):
             losses_mb = [result.losses[m].to(torch.float64) for m in range(self.chunks)]
             local_loss = torch.stack(losses_mb).sum()
+        trouble = first_nonfinite_grad(self.named_parameters()) if losses is not None else None
         try:
-            result.loss = self._ranks.agree(local_loss)
-        except BaseException:  # another rank failed: this step counts nowhere
+            result.loss = self._ranks.agree(local_loss, trouble)
+        except BaseException:  # refused here or elsewhere: this step counts nowhere
             restore_gradients(self.parameters(), earlier)
+            batchnorm.reset_all(self)
             raise
+        batchnorm.commit_all(self)
         self.last_trace = result.trace
         return result
 

@@ -25,6 +25,7 @@ from distributed_cases import (
     faulty,
     faulty_backward,
     loss_of,
+    nonfinite,
     train_steps,
 )
 from gpipe.materialize import build_full
@@ -369,6 +370,18 @@ def test_ranks_that_disagree_refuse_to_train(setting, expected):
     for outcome in outcomes:
         assert outcome["type"] is not None and expected in outcome["message"], outcome
         assert outcome["seconds"] < 5, outcome
+
+
+@pytest.mark.parametrize("where", ["input", "gradient"])
+def test_a_non_finite_step_is_refused_on_every_rank(where):
+    outcomes = launch(nonfinite, 2, args=(where,), timeout=30)
+    for outcome in outcomes:
+        assert outcome["type"] == "NonFiniteError", outcome
+        assert all(g is None for g in outcome["grads"])  # nothing reaches the weights
+        if where == "gradient":
+            assert "rank 0: a non-finite gradient of '0.weight'" in outcome["message"]
+        else:
+            assert "the loss is nan" in outcome["message"]
 
 
 def test_killed_rank_makes_the_others_fail_within_the_timeout():

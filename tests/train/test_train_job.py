@@ -279,3 +279,21 @@ def test_a_failed_run_reports_the_rank_that_caused_it():
     }
     assert root_cause(failures) == 1
     assert root_cause({3: "killed by signal 9", 2: "exited with code 1 without a result"}) == 2
+
+
+@pytest.mark.timeout(200)
+def test_non_finite_steps_are_refused_and_the_last_checkpoint_stays_good(in_process, tmp_path):
+    out = tmp_path / "nf"
+    done = in_process(
+        "train", "--size", "tiny", "--steps", "4", "--lr", "1e30", "--warmup", "0",
+        "--grad-clip", "0", "--save-every", "1", "--skip-nonfinite", "1", "--out", str(out),
+        "--sample-tokens", "0",
+    )  # fmt: skip
+    assert done.returncode == 1
+    assert "step 2 (1 refused in all): the step was refused" in done.stdout
+    assert "step 3 (2 refused in all)" in done.stdout  # one skipped, the second stops the run
+    assert "failed in rank" in done.stderr and "NonFiniteError" in done.stderr
+    manifest = ckpt.read_manifest(out)
+    assert manifest["step"] == 1  # the last good step
+    state = ckpt.export_state_dict(out)
+    assert all(torch.isfinite(t).all() for t in state.values() if t.is_floating_point())

@@ -66,6 +66,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--warmup", type=int, help="linear warm-up steps (preset)")
     g.add_argument("--weight-decay", type=float, help="AdamW weight decay (default 0.1)")
     g.add_argument("--grad-clip", type=float, help="global gradient-norm clip, 0: off (1.0)")
+    g.add_argument(
+        "--skip-nonfinite", type=int, metavar="N",
+        help="skip up to N steps whose loss or gradients are not finite (default 0: stop)",
+    )  # fmt: skip
     g.add_argument("--seed", type=int, help="initial weights, data order, dropout (0)")
     g.add_argument("--dtype", choices=["float32", "bfloat16"], help="bfloat16: autocast")
     g = parser.add_argument_group("output and checkpoints")

@@ -17,6 +17,7 @@ of waiting for messages that will never come.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable
 from datetime import timedelta
@@ -27,7 +28,7 @@ import torch
 from gpipe import rng
 from gpipe._utils import DeviceLike
 from gpipe.engine.stage import Stage
-from gpipe.errors import PartitionError, PipelineError
+from gpipe.errors import NonFiniteError, PartitionError, PipelineError
 from gpipe.parallel.tied import TiedParameters
 from gpipe.schedule.builders import Schedule
 from gpipe.schedule.routes import Routes
@@ -79,8 +80,11 @@ class SingleProcess:
     def check_same(self, configuration: dict[str, Any]) -> None:
         pass  # one process: one configuration
 
-    def agree(self, local_loss: torch.Tensor | None) -> torch.Tensor | None:
-        return None if local_loss is None else local_loss.detach().to(torch.float64)
+    def agree(self, local_loss: torch.Tensor | None, trouble: str | None) -> torch.Tensor | None:
+        loss = None if local_loss is None else local_loss.detach().to(torch.float64)
+        found = f"a non-finite gradient of {trouble!r}" if trouble else ""
+        _refuse_nonfinite(float(loss) if loss is not None else 0.0, [found])
+        return loss
 
     def fail(self, error: BaseException, stages: list[Stage]) -> None:
         pass  # nobody else to tell
@@ -199,19 +203,22 @@ class MultiProcess:
                 "same script with the same model and Pipe arguments:\n" + "\n".join(differences)
             )
 
-    def _gather(self, value: float, failed: int) -> torch.Tensor:
-        """Every rank's (value, failed rank + 1 or 0), one row per pipeline rank."""
-        rows = torch.zeros(self.num_ranks, 2, dtype=torch.float64, device=self.wire)
-        rows[self.rank] = torch.tensor([value, failed + 1], dtype=torch.float64)
+    def _gather(self, value: float, failed: int, troubled: bool = False) -> torch.Tensor:
+        """Every rank's (value, failed rank + 1 or 0, non-finite gradient), one row per
+        pipeline rank."""
+        rows = torch.zeros(self.num_ranks, 3, dtype=torch.float64, device=self.wire)
+        rows[self.rank] = torch.tensor([value, failed + 1, troubled], dtype=torch.float64)
         # each row is set by one rank only: a sum gathers them
         self._wait(self._dist.all_reduce(rows, group=self.group, async_op=True))
         return rows.cpu()
 
-    def agree(self, local_loss: torch.Tensor | None) -> torch.Tensor:
-        """The loss on every rank (it lives on the last stage's), and a last health check."""
+    def agree(self, local_loss: torch.Tensor | None, trouble: str | None) -> torch.Tensor:
+        """The loss on every rank (it lives on the last stage's), and a last health check:
+        a failure, or a non-finite loss or gradient (``trouble``) anywhere, refuses the
+        step on every rank."""
         value = float(local_loss) if local_loss is not None else 0.0
         try:
-            rows = self._gather(value, failed=-1)
+            rows = self._gather(value, failed=-1, troubled=trouble is not None)
         except Exception as error:
             self.broken = f"a rank did not reach the end of the step: {error}"
             raise PipelineError(
@@ -220,9 +227,12 @@ class MultiProcess:
             ) from error
         if rows[:, 1].any():
             self._raise_remote(rows)
-        last_rank = self.schedule.stage_to_rank[-1]
+        loss = float(rows[self.schedule.stage_to_rank[-1], 0])
+        if rows[:, 2].any() or not math.isfinite(loss):
+            found = f"rank {self.rank}: a non-finite gradient of {trouble!r}" if trouble else ""
+            _refuse_nonfinite(loss, self._share_failures(found))
         # The same on every rank; float64 holds a float32 or float64 loss exactly.
-        return torch.tensor(float(rows[last_rank, 0]), dtype=torch.float64)
+        return torch.tensor(loss, dtype=torch.float64)
 
     def fail(self, error: BaseException, stages: list[Stage]) -> None:
         """Tell the other ranks this step failed here (or upstream), then agree on who."""
@@ -302,3 +312,14 @@ class MultiProcess:
         found: list[Any] = [choose() if self.rank == 0 else None]
         self._dist.broadcast_object_list(found, src=self._global(0), group=self.group)
         return found[0]
+
+
+def _refuse_nonfinite(loss: float, troubles: list[str]) -> None:
+    found = [t for t in troubles if t]
+    if found or not math.isfinite(loss):
+        raise NonFiniteError(
+            f"the step was refused (the loss is {loss:g}"
+            + (f"; {'; '.join(found)}" if found else "")
+            + "): its gradients were dropped, so the weights stay as they were; lower the "
+            "learning rate, clip gradients, or look for the layer or input that overflows"
+        )

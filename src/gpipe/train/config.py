@@ -43,6 +43,7 @@ class TrainConfig:
     warmup: int = 20
     weight_decay: float = 0.1
     grad_clip: float = 1.0  # 0: off
+    skip_nonfinite: int = 0  # steps with a non-finite loss or gradient to skip before stopping
     seed: int = 0
     dtype: str = "float32"  # or "bfloat16" (autocast)
     out: str = ""
@@ -148,7 +149,15 @@ def _problems(c: TrainConfig, start: int, world_size: int | None, *, fresh: bool
         if value < 1:
             flag = name.replace("_", "-")
             problems.append(f"--{flag} must be >= 1, got {value}")
-    for name in ("warmup", "save_every", "eval_every", "keep", "sample_tokens", "threads"):
+    for name in (
+        "warmup",
+        "save_every",
+        "eval_every",
+        "keep",
+        "sample_tokens",
+        "threads",
+        "skip_nonfinite",
+    ):
         if getattr(c, name) < 0:
             problems.append(f"--{name.replace('_', '-')} must be >= 0, got {getattr(c, name)}")
     if c.lr <= 0 or c.grad_clip < 0 or c.weight_decay < 0 or c.temperature <= 0:

@@ -26,6 +26,7 @@ from gpipe import checkpoint as ckpt
 from gpipe import timeline
 from gpipe.data import EpochSampler, hash_seed
 from gpipe.engine.memory import measure_activations
+from gpipe.errors import NonFiniteError
 from gpipe.parallel.mesh import Mesh, all_gather_object, all_sum, barrier, broadcast_tensor
 from gpipe.partition import even_balance
 from gpipe.pipe import Pipe
@@ -83,6 +84,7 @@ class Trainer:
             else contextlib.nullcontext
         )
         self.step_times: list[float] = []
+        self.skipped = 0  # steps refused for a non-finite loss or gradient
         self.measured: dict[str, Any] = {}  # of the traced step: bubble, memory per rank
 
     def _optimizer(self) -> torch.optim.Optimizer | None:
@@ -130,12 +132,15 @@ class Trainer:
         started = time.perf_counter()
         self.show.start(self.start)
         for step in range(self.start + 1, c.steps + 1):
-            record = self.train_step(step, traced=step == c.steps)
+            try:
+                record = self.train_step(step, traced=step == c.steps)
+            except NonFiniteError as error:  # refused on every rank: the weights are intact
+                self.skipped += 1
+                self.show.note(f"step {step} ({self.skipped} refused in all): {error}")
+                if self.skipped > c.skip_nonfinite:
+                    raise  # the newest checkpoint is the last good state (--skip-nonfinite)
+                continue
             record["elapsed"] = time.perf_counter() - started
-            if not math.isfinite(record["loss"]):
-                self.show.note(f"step {step}: the loss is {record['loss']}; stopping")
-                metrics.write(record)
-                raise FloatingPointError(f"loss is {record['loss']} at step {step}")
             self.show.step(step, record["loss"], record[f"{self.task.unit}_per_s"])
             if _due(c.eval_every, step, c.steps):
                 record.update(self.evaluate())
