@@ -1,6 +1,6 @@
 """Sharded checkpoints: atomic writes, lookup, optimizer state by name, export.
 
-Saving from a real K=2 pipeline and loading at K=1 and K=4 is in test_train_cli.py, which
+Saving from a real K=2 pipeline and loading at K=1 and K=4 is in train/test_train_job.py, which
 has a checkpoint from the command line to work on.
 """
 

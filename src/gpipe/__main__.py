@@ -18,6 +18,7 @@ COMMANDS = {
     "plan": ("gpipe.cli.plan", "rank K, M, schedule and re-materialization for a memory budget"),
     "train": ("gpipe.cli.train", "the main job: train through K processes, with checkpoints"),
     "export": ("gpipe.cli.export", "merge a checkpoint's shards into one plain state dict"),
+    "checkpoints": ("gpipe.cli.checkpoints", "list a run's checkpoints and whether each is intact"),
 }
 
 

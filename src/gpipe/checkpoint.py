@@ -36,6 +36,7 @@ Multi-process protocol (see ``gpipe.train.trainer``)::
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -56,6 +57,7 @@ __all__ = [
     "load_optimizer_state",
     "load_tensors",
     "optimizer_state_by_name",
+    "sha256_of",
     "read_manifest",
     "load_optimizer_state_by_name",
     "shard_file",
@@ -100,11 +102,32 @@ def begin(root: str | Path, step: int) -> Path:
     return tmp
 
 
-def write_shard(folder: str | Path, pp_rank: int, shard: Mapping[str, Any]) -> Path:
-    """Write one pipeline rank's shard (``{"model": ..., "optimizer": ..., "rng": ...}``)."""
-    path = Path(folder) / shard_file(pp_rank)
-    _atomic_write(path, lambda f: torch.save(dict(shard), f))
-    return path
+def write_shard(folder: str | Path, pp_rank: int, shard: Mapping[str, Any]) -> str:
+    """Write one pipeline rank's shard (``{"model": ..., "optimizer": ..., "rng": ...}``);
+    return its SHA-256, for the manifest (``shards[file]["sha256"]``)."""
+    digest = hashlib.sha256()
+
+    def write(f: Any) -> None:
+        class Hashing:  # torch.save writes through it: the bytes are hashed on the way
+            def write(self, data: bytes) -> int:
+                digest.update(data)
+                return f.write(data)
+
+            def flush(self) -> None:
+                f.flush()
+
+        torch.save(dict(shard), Hashing())
+
+    _atomic_write(Path(folder) / shard_file(pp_rank), write)
+    return digest.hexdigest()
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def commit(
@@ -121,6 +144,10 @@ def commit(
     missing = [name for name in manifest["shards"] if not (tmp / name).is_file()]
     if missing:
         raise CheckpointError(f"cannot commit {tmp}: shards {missing} were not written")
+    manifest["shards"] = {
+        file: {**info, "sha256": info.get("sha256") or sha256_of(tmp / file)}
+        for file, info in manifest["shards"].items()
+    }
     index: dict[str, str] = {}
     for file, info in sorted(manifest["shards"].items()):
         for name in info["names"]:

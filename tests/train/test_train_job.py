@@ -297,3 +297,21 @@ def test_non_finite_steps_are_refused_and_the_last_checkpoint_stays_good(in_proc
     assert manifest["step"] == 1  # the last good step
     state = ckpt.export_state_dict(out)
     assert all(torch.isfinite(t).all() for t in state.values() if t.is_floating_point())
+
+
+@pytest.mark.timeout(200)
+def test_resume_falls_back_from_a_damaged_checkpoint_with_a_warning(tiny_run, in_process, tmp_path):
+    import shutil
+
+    out = tmp_path / "copy"
+    shutil.copytree(tiny_run[0], out)
+    shard = out / "checkpoints" / "step-000010" / "shard-001.pt"
+    data = bytearray(shard.read_bytes())
+    data[300] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    strict = in_process("train", "--resume", str(out), "--steps", "11", "--strict-resume")
+    assert strict.returncode == 2 and "drop --strict-resume" in strict.stderr
+    done = in_process("train", "--resume", str(out), "--steps", "11", "--sample-tokens", "0")
+    assert done.returncode == 0, done.stderr
+    assert "warning:" in done.stderr and "shard-001.pt is not the file saved" in done.stderr
+    assert "resumed from step 5" in done.stdout

@@ -28,6 +28,8 @@ import argparse
 import os
 import sys
 
+from gpipe.checkpoint import CheckpointError
+from gpipe.checkpoint_integrity import choose
 from gpipe.remat import REMAT_MODES
 from gpipe.schedule import SCHEDULES
 from gpipe.train import TASKS, ConfigError, TrainingError, resolve, run_under_torchrun
@@ -75,6 +77,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("output and checkpoints")
     g.add_argument("-o", "--out", help="output folder (default: runs/MODEL-SIZE-TIME)")
     g.add_argument("--resume", metavar="DIR", help="checkpoint, or run folder to continue")
+    g.add_argument(
+        "--strict-resume", action="store_true",
+        help="stop if the newest checkpoint is damaged (default: resume from the newest intact)",
+    )  # fmt: skip
     g.add_argument("--save-every", type=int, help="checkpoint every N steps, 0: at the end")
     g.add_argument("--keep", type=int, help="checkpoints to keep, 0: all (default 3)")
     g.add_argument("--eval-every", type=int, help="validate every N steps, 0: at the end")
@@ -92,11 +98,21 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     world_size = int(os.environ["WORLD_SIZE"]) if torchrun else None
+    speaks = int(os.environ.get("RANK", "0")) == 0
+    options = vars(args)
     try:
-        config = resolve(vars(args), world_size=world_size)
-    except ConfigError as error:
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"gpipe train: error:\n{error}", file=sys.stderr)
+        if args.resume:
+            folder, notes = choose(args.resume, strict=args.strict_resume)
+            options = {**options, "resume": str(folder)}
+            for note in notes if speaks else []:
+                print(f"gpipe train: warning: {note}", file=sys.stderr)
+        config = resolve(options, world_size=world_size)
+    except (ConfigError, CheckpointError) as error:
+        if speaks:
+            text = (
+                f"--resume {args.resume}: {error}" if isinstance(error, CheckpointError) else error
+            )
+            print(f"gpipe train: error:\n{text}", file=sys.stderr)
         return 2
     if torchrun:
         run_under_torchrun(config)

@@ -19,14 +19,20 @@ and calls ``fn(rank, *args)`` in each process::
 
 When a process fails, the others are given ``grace`` seconds to notice and raise their own
 error (the pipeline's ``timeout`` bounds that), then any still alive are killed: no process
-outlives :func:`launch`. The error raised names each failed rank and its message.
+outlives :func:`launch`. The error raised names each failed rank and its message. SIGTERM to
+the launcher stops it as Ctrl-C does (exit code 143), and a launcher killed outright takes
+its processes with it (Linux: each asks the kernel for a signal when its parent dies).
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import os
 import pickle
+import signal
 import socket
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -48,6 +54,28 @@ class LaunchError(RuntimeError):
         self.results = results  # what the ranks that did finish returned
 
 
+def _stop_on_sigterm() -> Any:
+    """In the main thread: SIGTERM (what Slurm, Kubernetes and systemd send) ends
+    :func:`launch` as Ctrl-C does, its processes with it, and the program with exit code
+    143. Returns the handler it replaced."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def stop(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    return signal.signal(signal.SIGTERM, stop)
+
+
+def _die_with(parent: int) -> None:
+    """A launched process ends when its launcher does, even killed outright (Linux)."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # the launcher died before prctl took effect
+        os._exit(1)
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on right now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -64,9 +92,11 @@ def _worker(
     backend: str,
     timeout: float,
     results: Any,
+    parent: int,
 ) -> None:
     import torch.distributed as dist
 
+    _die_with(parent)
     os.environ.update(
         RANK=str(rank),
         LOCAL_RANK=str(rank),
@@ -122,17 +152,18 @@ def launch(
     processes = [
         context.Process(
             target=_worker,
-            args=(rank, fn, args, nprocs, port, backend, timeout, results),
+            args=(rank, fn, args, nprocs, port, backend, timeout, results, os.getpid()),
             name=f"gpipe-rank-{rank}",
             daemon=False,
         )
         for rank in range(nprocs)
     ]
-    for process in processes:
-        process.start()
     outcomes: dict[int, tuple[str, Any]] = {}
     first_failure: float | None = None
+    previous = _stop_on_sigterm()
     try:
+        for process in processes:
+            process.start()
         while True:
             while not results.empty():
                 rank, status, value = results.get()
@@ -149,10 +180,14 @@ def launch(
                 break
             time.sleep(0.05)
     finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
         for process in processes:
             if process.is_alive():
                 process.terminate()
         for process in processes:
+            if process.pid is None:
+                continue  # never started
             process.join(5)
             if process.is_alive():
                 process.kill()

@@ -329,8 +329,11 @@ class Trainer:
             stages = [s.index for s in self.pipe.stages]
             shard = {"model": state, "optimizer": optimizer, "stages": stages,
                      "rng": {"torch": torch.get_rng_state()}}  # fmt: skip
-            ckpt.write_shard(folder, pp_rank, shard)
-            info = (ckpt.shard_file(pp_rank), {"names": list(state), "stages": stages})
+            sha256 = ckpt.write_shard(folder, pp_rank, shard)
+            info = (
+                ckpt.shard_file(pp_rank),
+                {"names": list(state), "stages": stages, "sha256": sha256},
+            )
         gathered = all_gather_object(info)
         final = root / ckpt.step_folder(step)
         if self.rank == 0:

@@ -1,0 +1,93 @@
+"""Damaged and incomplete checkpoints are found, named, and skipped when resuming."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from gpipe import checkpoint as ckpt
+from gpipe.__main__ import main
+from gpipe.checkpoint_integrity import choose, listing, problems
+from test_checkpoint import make_model, save
+
+
+@pytest.fixture
+def run(tmp_path):
+    """A run folder with checkpoints at steps 10 and 20 (two shards each)."""
+    root = tmp_path / "checkpoints"
+    model = make_model()
+    for step in (10, 20):
+        save(root, step, model, [[0, 1], [2, 3, 4]])
+        model[0].weight.data.add_(1.0)  # the two steps hold different weights
+    return tmp_path
+
+
+def newest(run):
+    return run / "checkpoints" / "step-000020"
+
+
+def flip_a_byte(path, offset=200):
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_an_intact_run_resumes_from_its_newest_checkpoint(run):
+    assert listing(run) == [(run / "checkpoints" / "step-000010", []), (newest(run), [])]
+    assert choose(run) == (newest(run), [])
+    manifest = json.loads((newest(run) / ckpt.MANIFEST).read_text())
+    assert all(len(info["sha256"]) == 64 for info in manifest["shards"].values())
+
+
+@pytest.mark.parametrize(
+    ("damage", "found"),
+    [
+        (lambda f: flip_a_byte(f / "shard-001.pt"), "shard-001.pt is not the file saved"),
+        (
+            lambda f: (f / "shard-001.pt").write_bytes((f / "shard-001.pt").read_bytes()[:100]),
+            "shard-001.pt is not the file saved",
+        ),
+        (
+            lambda f: shutil.copy(f.parent / "step-000010" / "shard-000.pt", f / "shard-000.pt"),
+            "shard-000.pt is not the file saved",
+        ),
+        (lambda f: (f / "shard-000.pt").unlink(), "shard-000.pt is missing"),
+        (
+            lambda f: (f / ckpt.MANIFEST).write_text(
+                (f / ckpt.MANIFEST).read_text().replace('"step": 20', '"step": 30')
+            ),
+            "its manifest says step 30, not step-000020",
+        ),
+    ],
+    ids=["flipped-byte", "truncated", "shard-of-another-step", "missing-shard", "edited-step"],
+)
+def test_a_damaged_newest_checkpoint_is_named_and_skipped(run, damage, found):
+    damage(newest(run))
+    assert any(found in p for p in problems(newest(run)))
+    folder, notes = choose(run)
+    assert folder.name == "step-000010"
+    assert len(notes) == 1 and found in notes[0] and "resuming from step-000010" in notes[0]
+    with pytest.raises(ckpt.CheckpointError, match=r"--resume .*step-000010"):
+        choose(run, strict=True)
+    with pytest.raises(ckpt.CheckpointError, match="step-000020 is damaged"):
+        choose(newest(run))  # asked for by name: no fallback
+
+
+def test_a_checkpoint_without_its_manifest_is_incomplete_not_silently_skipped(run):
+    (newest(run) / ckpt.MANIFEST).unlink()  # `latest` still names it
+    folder, notes = choose(run)
+    assert folder.name == "step-000010"
+    assert "step-000020 is skipped: incomplete" in notes[0]
+
+
+def test_gpipe_checkpoints_lists_each_state(run, capsys):
+    flip_a_byte(newest(run) / "shard-000.pt")
+    (run / "checkpoints" / "step-000030.tmp").mkdir()
+    assert main(["checkpoints", str(run)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("step-000010") and "intact" in lines[0]
+    assert lines[1].startswith("step-000020") and "shard-000.pt is not the file saved" in lines[1]
+    assert "<- latest" in lines[1]
+    assert lines[2].startswith("step-000030.tmp") and "incomplete" in lines[2]
