@@ -83,6 +83,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     g.add_argument("--save-every", type=int, help="checkpoint every N steps, 0: at the end")
     g.add_argument("--keep", type=int, help="checkpoints to keep, 0: all (default 3)")
+    g.add_argument(
+        "--no-save-on-exit", dest="save_on_exit", action="store_const", const=False,
+        help="on Ctrl-C or SIGTERM stop without saving the last step",
+    )  # fmt: skip
     g.add_argument("--eval-every", type=int, help="validate every N steps, 0: at the end")
     g.add_argument("--eval-batches", type=int, help="validation batches (default 8)")
     g.add_argument("--sample-tokens", type=int, help="bytes of text to generate, gpt (200)")
@@ -120,6 +124,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         run_job(config)
     except TrainingError as error:
+        if error.signal_exit is not None:
+            print("gpipe train: stopped by a signal", file=sys.stderr)
+            return error.signal_exit
         print(f"gpipe train: {error}", file=sys.stderr)
         if len(error.failures) > 1:
             print(f"  ({len(error.failures) - 1} other rank(s) stopped with it)", file=sys.stderr)

@@ -32,6 +32,7 @@ import os
 import pickle
 import signal
 import socket
+import sys
 import threading
 import time
 import traceback
@@ -67,6 +68,24 @@ def _stop_on_sigterm() -> Any:
     return signal.signal(signal.SIGTERM, stop)
 
 
+def _end(processes: list[Any], wait: float) -> None:
+    """SIGTERM to the processes still running; SIGKILL to those alive after ``wait`` s."""
+    for process in processes:
+        if process.is_alive():
+            process.terminate()
+    deadline = time.monotonic() + wait
+    try:
+        for process in processes:
+            if process.pid is not None:
+                process.join(max(0.0, deadline - time.monotonic()))
+    except (KeyboardInterrupt, SystemExit):
+        pass
+    for process in processes:
+        if process.is_alive():
+            process.kill()
+            process.join()
+
+
 def _die_with(parent: int) -> None:
     """A launched process ends when its launcher does, even killed outright (Linux)."""
     with contextlib.suppress(OSError, AttributeError):
@@ -97,6 +116,7 @@ def _worker(
     import torch.distributed as dist
 
     _die_with(parent)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the launcher's: it sends SIGTERM
     os.environ.update(
         RANK=str(rank),
         LOCAL_RANK=str(rank),
@@ -182,16 +202,10 @@ def launch(
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
-        for process in processes:
-            if process.is_alive():
-                process.terminate()
-        for process in processes:
-            if process.pid is None:
-                continue  # never started
-            process.join(5)
-            if process.is_alive():
-                process.kill()
-                process.join()
+        # Stopped (Ctrl-C, SIGTERM): one SIGTERM each, and the time to finish their step
+        # and save (see gpipe.train); a second Ctrl-C kills them at once.
+        stopped = sys.exc_info()[0] in (KeyboardInterrupt, SystemExit)
+        _end(processes, wait=grace if stopped else 5.0)
         while not results.empty():
             rank, status, value = results.get()
             outcomes[rank] = (status, value)

@@ -49,6 +49,7 @@ class TrainConfig:
     out: str = ""
     save_every: int = 100  # 0: only at the end
     keep: int = 3  # checkpoints kept (0: all)
+    save_on_exit: bool = True  # a signal (Ctrl-C, SIGTERM) saves the step it stops after
     eval_every: int = 50  # 0: only at the end
     eval_batches: int = 8
     sample_tokens: int = 200

@@ -25,6 +25,14 @@ class TrainingError(RuntimeError):
         first_line = (failures[self.rank].strip().splitlines() or ["?"])[0]
         super().__init__(f"failed in rank {self.rank}: {first_line}")
 
+    @property
+    def signal_exit(self) -> int | None:
+        """The exit code (130, 143) when every rank stopped on a signal, after saving."""
+        codes = {text.split("\n")[0] for text in self.failures.values()}
+        if len(codes) == 1 and codes.pop() in ("SystemExit: 130", "SystemExit: 143"):
+            return int(next(iter(self.failures.values())).split("\n")[0][-3:])
+        return None
+
 
 def train(rank: int, config: TrainConfig, prepared: Any = None) -> dict[str, Any] | None:
     """The training run of one rank (inside a process of the job's group); ``prepared``:

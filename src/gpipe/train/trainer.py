@@ -14,6 +14,8 @@ import functools
 import math
 import os
 import resource
+import signal
+import threading
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -85,6 +87,7 @@ class Trainer:
         )
         self.step_times: list[float] = []
         self.skipped = 0  # steps refused for a non-finite loss or gradient
+        self.signals = _Signals()
         self.measured: dict[str, Any] = {}  # of the traced step: bubble, memory per rank
 
     def _optimizer(self) -> torch.optim.Optimizer | None:
@@ -146,8 +149,13 @@ class Trainer:
                 record.update(self.evaluate())
                 self.show.validation(step, record)
             metrics.write(record)
-            if _due(c.save_every, step, c.steps):
+            stop = self.signals.agreed()  # Ctrl-C or SIGTERM on any rank
+            if _due(c.save_every, step, c.steps) or (stop and c.save_on_exit):
                 self.show.note(f"step {step}: checkpoint {self.save(step)}")
+            if stop:
+                self.show.stop()
+                self.show.note(f"stopped by a signal after step {step}")
+                raise SystemExit(self.signals.exit_code)
         self.show.stop()
         sample = self.generate() if self.task.writes_text and c.sample_tokens else None
         if self.rank != 0:
@@ -371,6 +379,38 @@ class Trainer:
             if "torch" in rng:
                 torch.set_rng_state(rng["torch"].clone())
         self.start = int(manifest["step"])
+
+
+class _Signals:
+    """SIGTERM or SIGINT asks every rank to stop after the step in flight, all at the same
+    step (agreed each step by a one-number all-reduce) and after saving it; a second signal,
+    later than a second after the first, stops this process at once."""
+
+    def __init__(self) -> None:
+        self.received = 0
+        self._first = 0.0
+        self._agreed = False
+        if threading.current_thread() is threading.main_thread():
+            for signum in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(signum, self._on_signal)
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        # Ctrl-C in a terminal reaches every process, and the launcher then sends SIGTERM:
+        # that is one request, not a second one.
+        if self.received and time.monotonic() - self._first > 1.0:
+            os._exit(128 + signum)
+        if not self.received:
+            self.received, self._first = signum, time.monotonic()
+
+    def agreed(self) -> bool:
+        """Whether any rank was asked to stop (collective: every rank calls it each step)."""
+        if not self._agreed:
+            self._agreed = bool(all_sum(torch.tensor([float(self.received)])).item())
+        return self._agreed
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + (self.received or signal.SIGTERM)
 
 
 def _due(every: int, step: int, last: int) -> bool:
