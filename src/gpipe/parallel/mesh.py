@@ -12,6 +12,7 @@ import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -37,10 +38,12 @@ def world() -> Any:
     return dist.group.WORLD
 
 
-def ensure_world(backend: str = "gloo") -> int:
-    """Join the job's process group (from torchrun's environment) unless joined; this rank."""
+def ensure_world(backend: str = "gloo", timeout: float | None = None) -> int:
+    """Join the job's process group (from torchrun's environment) unless joined; this rank.
+    ``timeout`` (seconds) bounds its collectives (torch's default: 30 minutes)."""
     if not dist.is_initialized():
-        dist.init_process_group(backend)
+        limit = None if timeout is None else timedelta(seconds=timeout)
+        dist.init_process_group(backend, timeout=limit)
     return dist.get_rank()
 
 

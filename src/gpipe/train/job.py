@@ -69,7 +69,8 @@ def run(config: TrainConfig) -> dict[str, Any]:
 
 def run_under_torchrun(config: TrainConfig) -> dict[str, Any] | None:
     """Train as one rank of the job torchrun started; rank 0's summary on rank 0."""
-    rank = ensure_world("gloo")  # CPU training, as when run() spawns the ranks
+    # CPU training, as when run() spawns the ranks; every wait bounded by --timeout
+    rank = ensure_world("gloo", timeout=config.timeout)
     try:
         # Every rank resolved the same options; only rank 0's clock named the output folder.
         config = broadcast_object(config)
