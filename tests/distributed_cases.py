@@ -214,14 +214,19 @@ def faulty(rank, stages, fault_stage, microbatch, how, timeout, after_steps=0, o
     return {"type": None, "seconds": time.monotonic() - start}
 
 
-class _RaiseInBackward(torch.autograd.Function):
+class _Backward(torch.autograd.Function):
+    """Identity whose backward raises ``KeyError`` (``how="raise"``) or overflows."""
+
     @staticmethod
-    def forward(ctx, x):
+    def forward(ctx, x, how):
+        ctx.how = how
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
-        raise KeyError("injected fault in backward")
+        if ctx.how == "raise":
+            raise KeyError("injected fault in backward")
+        return grad * float("inf"), None
 
 
 class BackwardFault(nn.Module):
@@ -235,7 +240,7 @@ class BackwardFault(nn.Module):
         if not torch.is_grad_enabled():
             return x
         self.calls += 1
-        return _RaiseInBackward.apply(x) if self.calls == self.at else x
+        return _Backward.apply(x, "raise") if self.calls == self.at else x
 
 
 def faulty_backward(rank, stages, fault_stage, at, schedule, checkpoint, timeout):
@@ -243,20 +248,12 @@ def faulty_backward(rank, stages, fault_stage, at, schedule, checkpoint, timeout
     torch.set_num_threads(1)
 
     def factory():
-        layers = []
-        for s in range(stages):
-            layers += [nn.Linear(8, 8), BackwardFault(at) if s == fault_stage else nn.ReLU()]
+        layers = [nn.Linear(8, 8) if i % 2 == 0 else nn.ReLU() for i in range(2 * stages)]
+        layers[2 * fault_stage + 1] = BackwardFault(at)
         return nn.Sequential(*layers)
 
-    pipe = gpipe.Pipe(
-        factory,
-        balance=[2] * stages,
-        chunks=4,
-        group=dist.group.WORLD,
-        timeout=timeout,
-        schedule=schedule,
-        checkpoint=checkpoint,
-    )
+    pipe = gpipe.Pipe(factory, balance=[2] * stages, chunks=4, group=dist.group.WORLD,
+                      timeout=timeout, schedule=schedule, checkpoint=checkpoint)  # fmt: skip
     start = time.monotonic()
     try:
         pipe.step(torch.randn(8, 8), torch.randn(8, 8), F.mse_loss)
@@ -296,21 +293,11 @@ def disagreeing(rank, setting):
     return {"type": None, "seconds": time.monotonic() - start}
 
 
-class _InfGradient(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad * float("inf")
-
-
 class Overflows(nn.Module):
     """Identity whose backward overflows: the loss is finite, a gradient is not."""
 
     def forward(self, x):
-        return _InfGradient.apply(x)
+        return _Backward.apply(x, "overflow")
 
 
 def nonfinite(rank, where):

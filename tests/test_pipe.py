@@ -8,6 +8,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import gpipe
+from distributed_cases import BackwardFault, Overflows
 from gpipe.models import GPTConfig, convnet, gpt, lm_loss, mlp
 from reference import (
     even_balance,
@@ -316,33 +317,10 @@ def test_every_schedule_equals_unsplit_model(name, schedule, devices, virtual, c
     assert all(not stage.pending for stage in pipe.stages)
 
 
-class _FailsOnce(nn.Module):
-    """Identity whose backward raises while ``armed``."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.armed = False
-
-    def forward(self, x):
-        if not (self.armed and torch.is_grad_enabled()):
-            return x
-        return _RaisesInBackward.apply(x)
-
-
-class _RaisesInBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        raise KeyError("backward fault")
-
-
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
 def test_a_failed_step_leaves_the_gradients_as_they_were(schedule):
     torch.manual_seed(0)
-    fault = _FailsOnce()
+    fault = BackwardFault(at=0)  # armed below
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), fault, nn.Linear(8, 3)).double()
     plain = twin(model)
     pipe = gpipe.Pipe(model, balance=[2, 2], chunks=4, schedule=schedule)
@@ -351,10 +329,10 @@ def test_a_failed_step_leaves_the_gradients_as_they_were(schedule):
     ]
     pipe.step(*batches[0], F.cross_entropy)  # gradients accumulate over steps 0 and 2
     before = {n: p.grad.clone() for n, p in pipe.named_parameters()}
-    fault.armed = True
-    with pytest.raises(KeyError, match="backward fault"):
+    fault.calls, fault.at = 0, 1  # the first forward that builds a graph
+    with pytest.raises(KeyError, match="injected fault in backward"):
         pipe.step(*batches[1], F.cross_entropy)
-    fault.armed = False
+    fault.at = 0
     for name, p in pipe.named_parameters():
         assert torch.equal(p.grad, before[name]), name
     pipe.step(*batches[2], F.cross_entropy)
@@ -373,29 +351,12 @@ def test_a_loss_that_does_not_require_grad_is_an_error(checkpoint):
     assert all(p.grad is None for p in pipe.parameters())
 
 
-class _InfGradient(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad * float("inf")
-
-
-class _Overflows(nn.Module):
-    """Identity whose backward overflows: the loss is finite, a gradient is not."""
-
-    def forward(self, x):
-        return _InfGradient.apply(x)
-
-
 @pytest.mark.parametrize("where", ["input", "gradient"])
 def test_a_non_finite_step_is_refused_and_changes_no_gradient(where):
     torch.manual_seed(0)
     layers = [nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3)]
     if where == "gradient":
-        layers.insert(2, _Overflows())
+        layers.insert(2, Overflows())
     pipe = gpipe.Pipe(nn.Sequential(*layers), balance=[2, len(layers) - 2], chunks=2)
     x, y = torch.randn(4, 4), torch.randint(0, 3, (4,))
     if where == "gradient":  # a clean first step needs the overflow out of the way
