@@ -243,9 +243,14 @@ class BackwardFault(nn.Module):
         return _Backward.apply(x, "raise") if self.calls == self.at else x
 
 
-def faulty_backward(rank, stages, fault_stage, at, schedule, checkpoint, timeout):
-    """A pipeline whose stage ``fault_stage`` fails in a backward; what each rank raised."""
+def faulty_backward(rank, stages, fault_stage, at, schedule, checkpoint, timeout, before=0):
+    """A pipeline whose stage ``fault_stage`` fails in a backward; what each rank raised.
+    ``before`` healthy pipelines are built (and stepped) first in the same processes."""
     torch.set_num_threads(1)
+    for _ in range(before):
+        healthy = gpipe.Pipe(nn.Sequential(*[nn.Linear(8, 8) for _ in range(stages)]),
+                             balance=[1] * stages, chunks=2, group=dist.group.WORLD)  # fmt: skip
+        healthy.step(torch.randn(4, 8), torch.randn(4, 8), F.mse_loss)
 
     def factory():
         layers = [nn.Linear(8, 8) if i % 2 == 0 else nn.ReLU() for i in range(2 * stages)]

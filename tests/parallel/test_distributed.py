@@ -330,21 +330,22 @@ def test_exception_in_one_stage_reaches_every_rank(stages, fault_stage, after_st
 
 
 @pytest.mark.parametrize(
-    ("stages", "fault_stage", "at", "schedule", "checkpoint"),
+    ("stages", "fault_stage", "at", "schedule", "checkpoint", "before"),
     [
-        (2, 0, 1, "gpipe", "except_last"),  # stalled the others for the whole timeout
-        (2, 0, 2, "gpipe", "never"),
-        (2, 1, 1, "gpipe", "except_last"),
-        (3, 1, 2, "gpipe", "except_last"),
-        (3, 0, 1, "1f1b", "always"),
-        (2, 0, 1, "zb-h1", "except_last"),
+        (2, 0, 1, "gpipe", "except_last", 0),  # stalled the others for the whole timeout
+        (2, 0, 2, "gpipe", "never", 0),
+        (2, 1, 1, "gpipe", "except_last", 0),
+        (3, 1, 2, "gpipe", "except_last", 0),
+        (3, 0, 1, "1f1b", "always", 0),
+        (2, 0, 1, "zb-h1", "except_last", 0),
+        (2, 0, 1, "gpipe", "except_last", 2),  # after two other pipelines in the processes
     ],
 )
 def test_exception_in_a_backward_reaches_every_rank_at_once(
-    stages, fault_stage, at, schedule, checkpoint
+    stages, fault_stage, at, schedule, checkpoint, before
 ):
     timeout = 20.0
-    args = (stages, fault_stage, at, schedule, checkpoint, timeout)
+    args = (stages, fault_stage, at, schedule, checkpoint, timeout, before)
     outcomes = launch(faulty_backward, stages, args=args, timeout=30)
     for rank, outcome in enumerate(outcomes):
         assert "injected fault in backward" in outcome["message"], outcome

@@ -26,9 +26,12 @@ from gpipe.transport.sender import SendReaper
 
 __all__ = ["DistributedTransport"]
 
-# A failure notice: one fixed-size frame per peer, on a tag no message of a step uses.
+# A failure notice: one fixed-size frame per peer, on a tag no message of a step uses and
+# no other transport of this process uses (the n-th transport built on a group takes the
+# n-th tag, the same on every rank since every rank builds its pipelines in the same order).
 _NOTICE_TAG = 1 << 30
 _NOTICE_BYTES = 4096
+_transports_built: dict[tuple[int, ...], int] = {}
 
 
 @dataclass
@@ -140,6 +143,9 @@ class DistributedTransport:
         self._pending: dict[int, deque[_Posted]] = {}  # posted, from each peer, in order
         self._arriving: dict[Message, _Posted] = {}  # header in, tensors not yet waited for
         self._notices: dict[str, Any] | None = None  # a peer's failure, once noticed
+        members = tuple(dist.get_process_group_ranks(group))
+        self._notice_tag = _NOTICE_TAG + _transports_built.get(members, 0)
+        _transports_built[members] = self._notice_tag - _NOTICE_TAG + 1
         self._reaper = SendReaper(timeout)
         # The reaper's thread ends with this transport (or at close()).
         self._finalizer = weakref.finalize(self, self._reaper.close)
@@ -188,7 +194,7 @@ class DistributedTransport:
             return
         self._notices = {}
         frame = torch.zeros(_NOTICE_BYTES, dtype=torch.uint8)
-        work = self._dist.irecv(frame, src=None, group=self._notice_group, tag=_NOTICE_TAG)
+        work = self._dist.irecv(frame, src=None, group=self._notice_group, tag=self._notice_tag)
         threading.Thread(
             target=_wait_for_notice,
             args=(work, frame, self._notices),
@@ -411,7 +417,7 @@ class DistributedTransport:
         for peer in range(self.schedule.num_ranks):
             if peer != self.rank:
                 with contextlib.suppress(Exception):
-                    self._post(peer, [frame], self._notice_group, _NOTICE_TAG)
+                    self._post(peer, [frame], self._notice_group, self._notice_tag)
         self._reaper.abandon()
 
     def clear(self) -> None:
