@@ -372,3 +372,9 @@ def test_a_non_finite_step_is_refused_and_changes_no_gradient(where):
         assert "a non-finite gradient of '0.weight'" in str(info.value)
     for name, p in pipe.named_parameters():
         assert (p.grad is None and before[name] is None) or torch.equal(p.grad, before[name])
+
+
+@pytest.mark.parametrize("timeout", [float("inf"), -1, 0, "10"])
+def test_a_timeout_must_be_a_finite_number_of_seconds(timeout):
+    with pytest.raises(ValueError, match="timeout must be a finite number of seconds > 0"):
+        gpipe.Pipe(mlp([4, 4]), balance=[1, 1], chunks=2, timeout=timeout)

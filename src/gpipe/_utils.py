@@ -16,6 +16,7 @@ __all__ = [
     "first_nonfinite_grad",
     "norm_part",
     "restore_gradients",
+    "seconds",
     "set_aside_gradients",
     "storage_key",
     "synchronize",
@@ -106,3 +107,10 @@ def first_nonfinite_grad(named: Iterable[tuple[str, torch.Tensor]]) -> str | Non
     if bool(finite.all()):
         return None
     return grads[int((~finite).nonzero()[0])][0]
+
+
+def seconds(value: object, name: str) -> float:
+    """``value`` as a duration in seconds: a finite number > 0 (timedelta holds no inf)."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < 1e9:
+        raise ValueError(f"{name} must be a finite number of seconds > 0, got {value!r}")
+    return float(value)

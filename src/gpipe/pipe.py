@@ -24,6 +24,7 @@ from gpipe._utils import (
     first_nonfinite_grad,
     norm_part,
     restore_gradients,
+    seconds,
     set_aside_gradients,
     to_device,
 )
@@ -123,7 +124,7 @@ class Pipe(nn.Module):
         receive_ahead: bool | None = None,
     ) -> None:
         super().__init__()
-        self.group, self.timeout = group, float(timeout)
+        self.group, self.timeout = group, seconds(timeout, "timeout")
         self._ranks = pipeline_group(group, timeout=self.timeout, receive_ahead=receive_ahead)
         self.rank = self._ranks.rank
         if virtual_stages is None:

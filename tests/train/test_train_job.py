@@ -217,6 +217,8 @@ def test_resnet_with_replicas_and_bfloat16(in_process, tmp_path):
         ),
         (["--resume", "/nonexistent/run"], "--resume /nonexistent/run: /nonexistent/run does not"),
         (["--model", "resnet", "--seq", "8"], "--seq applies to --model gpt only"),
+        (["--timeout", "inf"], "--timeout must be positive (finite)"),
+        (["--timeout", "-1"], "--timeout must be positive (finite)"),
     ],
 )
 def test_bad_input_is_a_clear_error(argv, message, capsys, tmp_path):
@@ -361,3 +363,47 @@ def test_a_signal_saves_the_step_in_flight_and_leaves_no_process(cache, tmp_path
             break
         time.sleep(0.2)
     assert not leftover.stdout.strip(), leftover.stdout.decode()
+
+
+def test_an_output_that_cannot_hold_a_run_is_a_clear_error(tmp_path, capsys):
+    a_file = tmp_path / "weights.pt"
+    a_file.write_text("x")
+    assert main(["train", "--size", "tiny", "--out", str(a_file)]) == 2
+    assert f"--out {a_file} is a file" in capsys.readouterr().err
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    try:
+        if not os.access(locked, os.W_OK):  # root may write anywhere
+            assert main(["train", "--size", "tiny", "--out", str(locked / "run")]) == 2
+            assert "is not writable" in capsys.readouterr().err
+    finally:
+        locked.chmod(0o700)
+
+
+@pytest.mark.timeout(200)
+def test_two_runs_into_one_folder_are_refused(cache, tmp_path):
+    out = tmp_path / "shared"
+    first = subprocess.Popen(
+        [sys.executable, "-m", "gpipe", "train", "--size", "tiny", "--steps", "3000",
+         "--save-every", "0", "--progress", "lines", "--out", str(out)],
+        env={**os.environ, "GPIPE_CACHE_DIR": str(cache), "PYTHONPATH": str(SRC)},
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        for line in first.stdout:
+            if line.startswith("step "):
+                break
+        second = gpipe_command("train", "--size", "tiny", "--out", str(out), cache=cache)
+        assert second.returncode == 2
+        assert "is in use by another run" in second.stderr
+    finally:
+        first.kill()
+        first.wait()
+
+
+def test_export_refuses_a_json_name_for_the_weights(tiny_run, tmp_path, capsys):
+    out, _ = tiny_run
+    assert main(["export", str(out), "-o", str(tmp_path / "weights.json")]) == 2
+    assert "another name than the .json file" in capsys.readouterr().err
+    assert not (tmp_path / "weights.json").exists()

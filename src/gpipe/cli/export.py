@@ -47,6 +47,11 @@ def export(checkpoint: str | Path, out: str | Path | None = None, dtype: str | N
         run_folder = folder.parent.parent if folder.parent.name == "checkpoints" else Path(".")
         out = run_folder / f"model-{ckpt.step_folder(manifest['step'])}.pt"
     out = Path(out)
+    if out.suffix == ".json":
+        raise ckpt.CheckpointError(
+            f"-o {out}: the weights need another name than the .json file written beside "
+            "them (e.g. model.pt)"
+        )
     state = ckpt.export_state_dict(folder)
     if dtype is not None:
         cast = getattr(torch, dtype)

@@ -123,6 +123,9 @@ def run(args: argparse.Namespace) -> int:
         return 0
     try:
         run_job(config)
+    except ConfigError as error:
+        print(f"gpipe train: error:\n{error}", file=sys.stderr)
+        return 2
     except TrainingError as error:
         if error.signal_exit is not None:
             print("gpipe train: stopped by a signal", file=sys.stderr)

@@ -43,6 +43,8 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
+from gpipe._utils import seconds
+
 __all__ = ["LaunchError", "free_port", "launch"]
 
 
@@ -162,6 +164,7 @@ def launch(
     """
     if not isinstance(nprocs, int) or nprocs < 1:
         raise ValueError(f"nprocs must be a positive int, got {nprocs!r}")
+    timeout = seconds(timeout, "timeout")
     if backend is None:
         cuda = torch.cuda.is_available() and torch.cuda.device_count() >= nprocs
         backend = "nccl" if cuda else "gloo"

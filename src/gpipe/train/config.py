@@ -4,6 +4,7 @@ every problem at once (:class:`ConfigError`) before any process starts."""
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -163,8 +164,15 @@ def _problems(c: TrainConfig, start: int, world_size: int | None, *, fresh: bool
             problems.append(f"--{name.replace('_', '-')} must be >= 0, got {getattr(c, name)}")
     if c.lr <= 0 or c.grad_clip < 0 or c.weight_decay < 0 or c.temperature <= 0:
         problems.append("--lr and --temperature must be > 0, --grad-clip and --weight-decay >= 0")
-    if c.eval_batches < 1 or c.log_every < 1 or c.timeout <= 0:
-        problems.append("--eval-batches, --log-every and --timeout must be positive")
+    if c.eval_batches < 1 or c.log_every < 1 or not 0 < c.timeout < 1e9:
+        problems.append("--eval-batches, --log-every and --timeout must be positive (finite)")
+    out = Path(c.out)
+    if out.exists() and not out.is_dir():
+        problems.append(f"--out {c.out} is a file: give a folder for the run's outputs")
+    else:
+        existing = next(p for p in (out, *out.parents) if p.exists())
+        if not os.access(existing, os.W_OK | os.X_OK):
+            problems.append(f"--out {c.out}: {existing} is not writable; choose another --out")
     if problems:
         return problems  # the checks below assume sane numbers
 

@@ -3,13 +3,16 @@ a job torchrun started (:func:`run_under_torchrun`). Each process runs :func:`tr
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from gpipe.parallel.launch import LaunchError, launch
 from gpipe.parallel.mesh import barrier, broadcast_object, ensure_world, leave_world
-from gpipe.train.config import TrainConfig
+from gpipe.train.config import ConfigError, TrainConfig
 from gpipe.train.report import write_json
 from gpipe.train.trainer import Trainer
 
@@ -47,11 +50,31 @@ def prepare(config: TrainConfig) -> Any:
     return config.task.prepare()
 
 
+@contextlib.contextmanager
+def _claimed(out: str) -> Iterator[None]:
+    """Hold the output folder for one run at a time (an advisory lock on a file in it)."""
+    Path(out).mkdir(parents=True, exist_ok=True)
+    with open(Path(out) / ".run.lock", "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ConfigError(
+                [f"--out {out} is in use by another run right now: choose another --out"]
+            ) from None
+        yield
+
+
 def run(config: TrainConfig) -> dict[str, Any]:
     """Train ``config`` in K × R new local processes; rank 0's summary.
 
-    Raises :class:`TrainingError` when a rank fails (the others stop with it).
+    Raises :class:`TrainingError` when a rank fails (the others stop with it), and
+    :class:`ConfigError` when another run is writing to the same output folder.
     """
+    with _claimed(config.out):
+        return _run(config)
+
+
+def _run(config: TrainConfig) -> dict[str, Any]:
     prepared = prepare(config)
     try:
         # gloo: the main job trains on CPU, and its own collectives carry CPU tensors.
