@@ -30,6 +30,7 @@ LAYERS = [
         "checkpoint_integrity",
         "timeline",
     ],
+    ["frontend"],
     ["pipe"],
     ["planner"],
     ["train"],

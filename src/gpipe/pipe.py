@@ -11,7 +11,8 @@ a pipeline spread over processes and machines; what differs between the two is
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal
 
 import torch
@@ -34,6 +35,7 @@ from gpipe.engine.runtime import Runtime, StepInputs, StepResult
 from gpipe.engine.skip import SkipLayout
 from gpipe.engine.stage import LossSpec, Stage, check_batch, loss_specs
 from gpipe.errors import PartitionError, PipelineError
+from gpipe.frontend import CapturedModel, capture
 from gpipe.materialize import build
 from gpipe.parallel.data_parallel import GradientReducer
 from gpipe.parallel.group import pipeline_group
@@ -125,6 +127,9 @@ class Pipe(nn.Module):
     ) -> None:
         super().__init__()
         self.group, self.timeout = group, seconds(timeout, "timeout")
+        # A captured model's units hold the model's tensors under "<unit>.<model's name>";
+        # the Pipe shows the model's names.
+        self._captured = isinstance(module, CapturedModel)
         self._ranks = pipeline_group(group, timeout=self.timeout, receive_ahead=receive_ahead)
         self.rank = self._ranks.rank
         if virtual_stages is None:
@@ -256,6 +261,79 @@ class Pipe(nn.Module):
         self.last_trace: list[TimedAction] = []
         if self._tied is not None:
             self._ranks.tie(self._tied)
+
+    @classmethod
+    def from_model(
+        cls,
+        model: nn.Module,
+        example: Any,
+        *,
+        split: str | Sequence[str] | None = None,
+        tied: Sequence[Sequence[str]] = (),
+        **options: Any,
+    ) -> Pipe:
+        """A Pipe of any model, as it is (a Hugging Face or torchvision model, ...).
+
+        The model's forward is captured on ``example`` (its inputs: a tensor, a tuple of
+        positional tensors or a dict of keyword tensors; only shapes matter) and cut
+        before each module named by ``split`` (``"model.layers"``: every block of that
+        list; a list of module paths; ``None``: the model's largest ``nn.ModuleList``), see
+        ``gpipe.frontend``. ``balance`` then counts units: the work before the first split
+        module, each split module, the work after the last one (``len(pipe.units)``
+        before building: ``gpipe.frontend.capture(...)``). Parameters used by two units
+        (tied embeddings) are found and tied. Every other option is ``Pipe``'s.
+
+        Inputs of ``step`` and ``forward`` have the example's structure; the last stage's
+        output is the model's own (e.g. a ``ModelOutput`` with ``.logits``). Names in
+        ``named_parameters()`` and ``state_dict()`` are the model's own.
+        """
+        captured = capture(model, example, split=split)
+        return cls(captured, tied=[*captured.tied, *tied], **options)
+
+    # -- the model's own names for a captured model ------------------------------------------
+
+    def _public(self, name: str, prefix: str = "") -> str:
+        if not self._captured:
+            return name
+        return prefix + CapturedModel.original_name(name[len(prefix) :])
+
+    def named_parameters(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Parameter]]:
+        for name, p in super().named_parameters(prefix, recurse, remove_duplicate):
+            yield self._public(name, prefix), p
+
+    def named_buffers(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, b in super().named_buffers(prefix, recurse, remove_duplicate):
+            yield self._public(name, prefix), b
+
+    def state_dict(self, *, destination=None, prefix: str = "", keep_vars: bool = False):
+        if not self._captured:
+            return super().state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
+        if destination is None:
+            destination = OrderedDict()
+        # A tensor two units hold (a tied copy) appears once, as in the model.
+        for name, value in super().state_dict(keep_vars=keep_vars).items():
+            destination.setdefault(prefix + CapturedModel.original_name(name), value)
+        return destination
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign=False):
+        if not self._captured:
+            return super().load_state_dict(state_dict, strict=strict, assign=assign)
+        ours = list(super().state_dict(keep_vars=True))
+        mine = {name: CapturedModel.original_name(name) for name in ours}
+        missing = sorted({o for o in mine.values() if o not in state_dict})
+        unexpected = sorted(set(state_dict) - set(mine.values()))
+        if strict and (missing or unexpected):
+            raise RuntimeError(
+                f"Error(s) in loading state_dict for Pipe: missing keys {missing}, unexpected "
+                f"keys {unexpected} (a rank holds only its stages: strict=False loads a shard)"
+            )
+        inner = {name: state_dict[o] for name, o in mine.items() if o in state_dict}
+        super().load_state_dict(inner, strict=False, assign=assign)
+        return nn.modules.module._IncompatibleKeys(missing, unexpected)
 
     def _build_schedule(self, schedule: str | Schedule) -> Schedule:
         if isinstance(schedule, str):

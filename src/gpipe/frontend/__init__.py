@@ -1,0 +1,12 @@
+"""Any model as it is: capture its forward, cut it at named modules, train it with ``Pipe``.
+
+``gpipe.frontend.capture`` turns a model (a Hugging Face or torchvision network, anything
+``torch.export`` can capture) into a ``CapturedModel``, the ``nn.Sequential`` of units that
+``Pipe`` takes; ``Pipe.from_model`` does both in one call.
+"""
+
+from gpipe.frontend.capture import capture, split_points
+from gpipe.frontend.cut import CaptureError
+from gpipe.frontend.units import CapturedModel, Unit
+
+__all__ = ["CaptureError", "CapturedModel", "Unit", "capture", "split_points"]

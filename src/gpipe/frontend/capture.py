@@ -1,0 +1,251 @@
+"""Capture any model's own forward with ``torch.export`` and cut it into units.
+
+``capture(model, example, split="model.layers")`` exports the model (non-strict, the batch and
+every other dimension dynamic where export can keep them so), once in ``train()`` and once in
+``eval()`` mode, and cuts both graphs at the split modules (``gpipe.frontend.cut``). Batch norm
+layers are kept as calls of the original modules, so that ``eval()`` and deferred batch norm
+act on them as on the model. The result is a ``CapturedModel``: an ``nn.Sequential`` of units
+that ``Pipe`` trains like any other, its parameters the model's own tensors.
+"""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+import traceback
+from collections.abc import Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+from torch.export import Dim, export
+from torch.export.graph_signature import InputKind
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.utils import _pytree as pytree
+
+from gpipe.frontend.cut import CaptureError, Piece, cut_graph, keep_as_calls
+from gpipe.frontend.units import CapturedModel, Unit
+
+__all__ = ["CaptureError", "capture", "split_points"]
+
+Split = str | Sequence[str] | None
+
+
+def split_points(model: nn.Module, split: Split) -> list[str]:
+    """The module paths where ``model`` may be cut.
+
+    ``split`` names a container (every child of it: a ``ModuleList`` of blocks, or any
+    module), or lists module paths; ``None`` takes the largest ``ModuleList`` of the model.
+    """
+    modules = dict(model.named_modules())
+    if split is None:
+        lists = [(len(m), name) for name, m in modules.items() if isinstance(m, nn.ModuleList)]
+        if not lists:
+            raise CaptureError(
+                f"{type(model).__name__} has no nn.ModuleList of blocks to cut at; pass "
+                "split= the name of the module whose children are the blocks, or a list of "
+                "module paths"
+            )
+        return [f"{max(lists)[1]}.{child}" for child in modules[max(lists)[1]]._modules]
+    if isinstance(split, str):
+        _check_known(model, modules, [split])
+        children = [f"{split}.{c}" if split else c for c in modules[split]._modules]
+        if not children:
+            raise CaptureError(f"split={split!r} names a module without children; {_hint(model)}")
+        return children
+    paths = list(split)
+    if not paths or not all(isinstance(p, str) for p in paths):
+        raise CaptureError(f"split must be a module name or a list of them, got {split!r}")
+    _check_known(model, modules, paths)
+    return paths
+
+
+def capture(
+    model: nn.Module, example: Any, *, split: Split = None, dynamic: bool = True
+) -> CapturedModel:
+    """Export ``model`` on ``example`` (a tensor, a tuple of positional tensors, or a dict of
+    keyword tensors) and cut it before each split module; see the module doc."""
+    paths = split_points(model, split)
+    args, kwargs = (
+        ((), dict(example))
+        if isinstance(example, dict)
+        else (example if isinstance(example, tuple) else (example,), {})
+    )
+    kept = [
+        name
+        for name, m in model.named_modules()
+        if isinstance(m, _BatchNorm) and type(m).forward is _BatchNorm.forward
+    ]
+    was_training = model.training
+    pieces: dict[bool, list[Piece]] = {}
+    try:
+        for mode in (True, False):
+            model.train(mode)
+            program = _export(model, args, kwargs, dynamic)
+            gm = program.graph_module
+            specs = program.graph_signature.input_specs
+            placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+            for node, spec in zip(placeholders, specs, strict=True):
+                node.meta["gpipe_attr"] = spec.kind != InputKind.USER_INPUT
+            keep_as_calls(gm, model, kept)
+            pieces[mode] = cut_graph(program, gm, model, paths)
+    finally:
+        model.train(was_training)
+    train, evaluate = pieces[True], pieces[False]
+    if [p.name for p in train] != [p.name for p in evaluate]:
+        raise CaptureError(
+            "train() and eval() capture cut the model differently: "
+            f"{[p.name for p in train]} vs {[p.name for p in evaluate]}"
+        )
+    device = next((t.device for t in [*model.parameters(), *model.buffers()]), torch.device("cpu"))
+    _add_other_names(model, train, evaluate)
+    order: dict[str, int] = {}  # a tensor's or a module's place in the model's state dict
+    keys = [*model.state_dict(keep_vars=True), *(n for n, _ in model.named_buffers())]
+    for index, key in enumerate(keys):
+        parts = key.split(".")
+        for end in range(1, len(parts) + 1):
+            order.setdefault(".".join(parts[:end]), index)
+    units = [
+        Unit(t.name, _holder([t, e], order), {True: t.graph, False: e.graph}, device)
+        for t, e in zip(train, evaluate, strict=True)
+    ]
+    captured = CapturedModel(*units, tied=_ties(train, evaluate), split=paths)
+    captured.train(was_training)
+    return captured
+
+
+def _export(model: nn.Module, args: tuple, kwargs: dict, dynamic: bool):
+    bound = inspect.signature(model.forward).bind(*args, **kwargs).arguments
+    dims = pytree.tree_map(
+        lambda t: {d: Dim.AUTO for d in range(t.dim())} if isinstance(t, torch.Tensor) else None,
+        dict(bound),
+    )
+    with _no_cache(model):
+        try:
+            return export(
+                model, args, kwargs, dynamic_shapes=dims if dynamic else None, strict=False
+            )
+        except Exception as error:
+            raise CaptureError(_explain(model, error)) from error
+
+
+@contextmanager
+def _no_cache(model: nn.Module):
+    """Hugging Face models return a key-value cache for generation; training has none."""
+    config = getattr(model, "config", None)
+    saved = getattr(config, "use_cache", None)
+    if saved:
+        config.use_cache = False
+    try:
+        yield
+    finally:
+        if saved:
+            config.use_cache = saved
+
+
+def _explain(model: nn.Module, error: Exception) -> str:
+    names = {id(m): name for name, m in model.named_modules()}
+    where = None
+    for frame, _ in traceback.walk_tb(error.__traceback__):
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, nn.Module) and id(owner) in names:
+            where = (names[id(owner)] or "the model", type(owner).__name__, frame.f_code.co_name)
+    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    place = f" in {where[0]} ({where[1]}.{where[2]})" if where else ""
+    return (
+        f"torch.export could not capture {type(model).__name__}{place}: "
+        f"{type(error).__name__}: {first}\n"
+        "remedies: cut so that this module runs inside one unit (split= at other modules), "
+        "wrap the offending code in a module that export can trace, or pass the model's "
+        "inputs as tensors only (no Python values that change between steps)"
+    )
+
+
+def _holder(pieces: list[Piece], order: dict[str, int]) -> nn.Module:
+    """The unit's tensors and kept modules at their paths in the model, in the model's
+    order (so that state dicts list them as the model's does)."""
+    root = nn.Module()
+    items = [(path, None, module) for piece in pieces for path, module in piece.modules.items()]
+    items += [(name, *kt) for piece in pieces for name, kt in piece.tensors.items()]
+    items.sort(key=lambda item: order.get(item[0], len(order)))
+    for name, kind, tensor in items:
+        if kind is None:
+            _place(root, name, tensor)
+            continue
+        owner, attr = _owner(root, name)
+        if attr in owner._parameters or attr in owner._buffers:
+            continue
+        if kind == "parameter":
+            owner.register_parameter(attr, tensor)
+        else:
+            owner.register_buffer(attr, tensor, persistent=kind == "buffer")
+    return root
+
+
+def _add_other_names(model: nn.Module, *modes: list[Piece]) -> None:
+    """A tensor with several names in the model (BERT's decoder bias) gets them all, in the
+    first unit that holds it, so that state dicts have the model's keys."""
+    names: dict[int, list[str]] = {}
+    for name, t in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(t), []).append(name)
+    for name, t in model.named_buffers(remove_duplicate=False):
+        names.setdefault(id(t), []).append(name)
+    held = {name for pieces in modes for piece in pieces for name in piece.tensors}
+    for pieces in modes:
+        for piece in pieces:
+            for kind, tensor in list(piece.tensors.values()):
+                for other in names.get(id(tensor), []):
+                    if other not in held:
+                        piece.tensors[other] = (kind, tensor)
+                        held.add(other)
+
+
+def _owner(root: nn.Module, name: str) -> tuple[nn.Module, str]:
+    *prefix, attr = name.split(".")
+    module = root
+    for part in prefix:
+        if part not in module._modules:
+            module.add_module(part, nn.Module())
+        module = module._modules[part]
+    return module, attr
+
+
+def _place(root: nn.Module, path: str, module: nn.Module) -> None:
+    parent, attr = _owner(root, path)
+    parent.add_module(attr, module)
+
+
+def _ties(*modes: list[Piece]) -> list[tuple[str, ...]]:
+    """Parameters read by more than one unit, as ``Pipe``'s ``tied=`` groups."""
+    holders: dict[int, dict[int, str]] = {}
+    for pieces in modes:
+        for u, piece in enumerate(pieces):
+            for name, (kind, tensor) in piece.tensors.items():
+                if kind == "parameter":
+                    holders.setdefault(id(tensor), {}).setdefault(u, name)
+    return [
+        tuple(f"{u}.{name}" for u, name in sorted(units.items()))
+        for units in holders.values()
+        if len(units) > 1
+    ]
+
+
+def _check_known(model: nn.Module, modules: dict[str, nn.Module], paths: list[str]) -> None:
+    unknown = [p for p in paths if p not in modules]
+    if unknown:
+        close = {p: difflib.get_close_matches(p, list(modules), n=3) for p in unknown}
+        raise CaptureError(
+            f"split names {unknown} that are not modules of {type(model).__name__}"
+            + "".join(f"; close to {p!r}: {c}" for p, c in close.items() if c)
+            + f"; {_hint(model)}"
+        )
+
+
+def _hint(model: nn.Module) -> str:
+    lists = [
+        f"{name} ({len(m)} blocks)"
+        for name, m in model.named_modules()
+        if isinstance(m, nn.ModuleList | nn.Sequential) and name
+    ]
+    return "candidates: " + (", ".join(lists[:8]) if lists else "the model's children")

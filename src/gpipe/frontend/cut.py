@@ -1,0 +1,308 @@
+"""Cut one exported graph into units at named modules, carrying what crosses each cut.
+
+Every node of the graph belongs to one unit, by position: a unit starts where a split module's
+first node is (nodes before the first split module form a unit of their own, as do nodes after
+the last one). A value defined in one unit and used in a later one is carried through every
+cut in between, in graph order, so that each unit's tuple in holds everything it and the
+units after it need. Parameters and buffers are not carried: each unit registers those it
+reads, under the model's own names (a parameter two units read is reported as tied).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import fx, nn
+from torch.export import ExportedProgram
+from torch.export.graph_signature import InputKind, OutputKind
+
+from gpipe.frontend.units import UnitGraph
+
+__all__ = ["CaptureError", "Piece", "cut_graph", "module_path"]
+
+
+class CaptureError(RuntimeError):
+    """A model that cannot be captured or cut where asked; the message says what to do."""
+
+
+@dataclass
+class Piece:
+    """One unit of one mode: its graph and the tensors and modules it reads."""
+
+    name: str
+    graph: UnitGraph
+    tensors: dict[str, tuple[str, torch.Tensor]] = field(default_factory=dict)  # kind, tensor
+    modules: dict[str, nn.Module] = field(default_factory=dict)
+    reads: dict[int, str] = field(default_factory=dict)  # id(tensor) -> name, for ties
+
+
+def module_path(node: fx.Node) -> str:
+    """The path of the innermost module a node ran in ("" at the top)."""
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return ""
+    path = list(stack.values())[-1][0]
+    return ".".join(part.split("@")[0] for part in path.split("."))
+
+
+def _within(node: fx.Node, path: str) -> bool:
+    inner = module_path(node)
+    return inner == path or inner.startswith(path + ".")
+
+
+def keep_as_calls(gm: fx.GraphModule, model: nn.Module, paths: Sequence[str]) -> None:
+    """Replace each module's inlined operations by one call of the module itself (batch
+    norm: so that ``eval()`` and deferred batch norm act on it as on the original)."""
+    graph = gm.graph
+    for path in paths:
+        inside = [n for n in graph.nodes if n.op == "call_function" and _within(n, path)]
+        if not inside:
+            continue
+        members = set(inside)
+        sources = {
+            a
+            for n in inside
+            for a in n.all_input_nodes
+            if a not in members and not (a.op == "placeholder" and a.meta.get("gpipe_attr"))
+        }
+        results = [n for n in inside if any(u not in members for u in n.users)]
+        if len(sources) != 1 or len(results) != 1:
+            raise CaptureError(
+                f"module {path} ({type(model.get_submodule(path)).__name__}) takes "
+                f"{len(sources)} values and gives {len(results)} in the captured graph; "
+                "gpipe can keep it as one call only with one input and one output"
+            )
+        (source,), (result,) = sources, results
+        with graph.inserting_before(inside[0]):
+            call = graph.create_node("call_module", path, (source,))
+        call.meta = dict(result.meta)
+        result.replace_all_uses_with(call)
+        for n in reversed(inside):
+            graph.erase_node(n)
+
+
+def cut_graph(
+    ep: ExportedProgram,
+    gm: fx.GraphModule,
+    model: nn.Module,
+    split: Sequence[str],
+    kept: Sequence[str] = (),
+) -> list[Piece]:
+    """The units of ``gm`` (``ep``'s graph, maybe with modules kept as calls)."""
+    signature = ep.graph_signature
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    specs = dict(zip(placeholders, signature.input_specs, strict=True))
+    inputs = [n for n in placeholders if specs[n].kind == InputKind.USER_INPUT]
+    attrs = {n: specs[n] for n in placeholders if specs[n].kind != InputKind.USER_INPUT}
+    mutations = {
+        s.arg.name: s.target for s in signature.output_specs if s.kind == OutputKind.BUFFER_MUTATION
+    }
+    unsupported = [
+        s.kind.name
+        for s in signature.output_specs
+        if s.kind not in (OutputKind.USER_OUTPUT, OutputKind.BUFFER_MUTATION)
+    ]
+    if unsupported:
+        raise CaptureError(f"the captured graph has outputs gpipe cannot carry: {unsupported}")
+
+    body = [n for n in gm.graph.nodes if n.op in ("call_function", "call_module", "get_attr")]
+    unit_of = _assign(body, split)
+    names = _unit_names(unit_of, body, split)
+    count = len(names)
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    results = [
+        a
+        for a, s in zip(output.args[0], signature.output_specs, strict=True)
+        if s.kind == OutputKind.USER_OUTPUT
+    ]
+    defined = {n: 0 for n in inputs} | {n: unit_of[n] for n in body}
+
+    # last_use[v]: the latest unit that reads v (the output counts as the last unit).
+    last_use: dict[fx.Node, int] = {}
+    for n in body:
+        for a in n.all_input_nodes:
+            if a in defined:
+                last_use[a] = max(last_use.get(a, -1), unit_of[n])
+    for a in results:
+        if isinstance(a, fx.Node):
+            last_use[a] = count - 1
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    live = [
+        sorted((v for v in defined if defined[v] < c <= last_use.get(v, -1)), key=order.get)
+        for c in range(count + 1)
+    ]
+    for c in range(1, count):
+        for v in live[c]:
+            if not _carriable(v):
+                raise CaptureError(
+                    f"the value {v.name} ({type(v.meta.get('val')).__name__}, made in "
+                    f"{module_path(v) or 'the model forward'}) crosses the cut before "
+                    f"{names[c]}; gpipe carries tensors and integers only: cut elsewhere"
+                )
+
+    aliases = _aliases(model)
+    pieces = []
+    for u in range(count):
+        nodes = [n for n in body if unit_of[n] == u]
+        g = fx.Graph()
+        env: dict[fx.Node, fx.Node] = {}
+        carried_in = inputs if u == 0 else live[u]
+        for v in carried_in:
+            env[v] = g.placeholder(v.name)
+            env[v].meta = dict(v.meta)
+        piece = Piece(names[u], UnitGraph(g))
+        for n in nodes:
+            for a in n.all_input_nodes:
+                if a in attrs and a not in env:
+                    name = _name_for(attrs[a], n, aliases)
+                    tensor = _tensor(ep, model, attrs[a])
+                    kind = attrs[a].kind
+                    persistent = kind == InputKind.PARAMETER or bool(attrs[a].persistent)
+                    label = "parameter" if kind == InputKind.PARAMETER else "buffer"
+                    piece.tensors[name] = (label if persistent else "constant", tensor)
+                    piece.reads[id(tensor)] = name
+                    env[a] = g.get_attr(name)
+            if n.op == "call_module":
+                piece.modules[n.target] = model.get_submodule(n.target)
+            env[n] = g.node_copy(n, env.__getitem__)
+            if n.name in mutations:
+                target = _name_for_buffer(mutations[n.name], piece, model, g, env)
+                g.call_function(torch.Tensor.copy_, (target, env[n]))
+        if u == count - 1:
+            g.output(tuple(env[a] if isinstance(a, fx.Node) else a for a in results))
+            piece.graph.out_spec = ep.call_spec.out_spec
+        else:
+            g.output(tuple(env[v] for v in live[u + 1]))
+            piece.graph.int_outputs = _int_slots(live[u + 1])
+        if u == 0:
+            piece.graph.in_spec = ep.call_spec.in_spec
+            piece.graph.fixed_dims = _fixed_dims(inputs)
+        else:
+            piece.graph.int_inputs = _int_slots(carried_in)
+        g.lint()
+        pieces.append(piece)
+    return pieces
+
+
+def _assign(body: list[fx.Node], split: Sequence[str]) -> dict[fx.Node, int]:
+    first, last = {}, {}
+    for i, n in enumerate(body):
+        for k, path in enumerate(split):
+            if _within(n, path):
+                first.setdefault(k, i)
+                last[k] = i
+    missing = [p for k, p in enumerate(split) if k not in first]
+    if missing:
+        raise CaptureError(
+            f"split modules {missing} do no work in the captured forward (never called, or "
+            "called with no operation of their own); name modules that the forward runs"
+        )
+    for k in range(1, len(split)):
+        if first[k] <= last[k - 1]:
+            raise CaptureError(
+                f"the model runs {split[k]} before {split[k - 1]} has finished (their "
+                "operations interleave in the forward), so no cut can separate them; split at "
+                "modules that run one after the other, e.g. their common parent's children"
+            )
+    has_pre = first[0] > 0 and any(_does_work(n) for n in body[: first[0]])
+    has_post = any(_does_work(n) for n in body[last[len(split) - 1] + 1 :])
+    starts = [first[k] for k in range(len(split))]
+    unit_of = {}
+    for i, n in enumerate(body):
+        k = sum(1 for s in starts if s <= i) - 1  # the split module whose run we are in
+        if k < 0:
+            u = 0
+        elif has_post and i > last[len(split) - 1]:
+            u = len(split) + int(has_pre)
+        else:
+            u = k + int(has_pre)
+        unit_of[n] = u
+    return unit_of
+
+
+def _does_work(n: fx.Node) -> bool:
+    if n.op != "call_function":
+        return True
+    name = getattr(n.target, "__name__", str(n.target))
+    return not ("sym_size" in name or "assert" in name or name == "getitem")
+
+
+def _unit_names(unit_of: dict[fx.Node, int], body: list[fx.Node], split: Sequence[str]):
+    count = max(unit_of.values()) + 1
+    has_pre = count > len(split) and unit_of[body[0]] == 0 and not _within(body[0], split[0])
+    names = list(split)
+    if has_pre:
+        names.insert(0, f"before {split[0]}")
+    if len(names) < count:
+        names.append(f"after {split[-1]}")
+    return names
+
+
+def _carriable(v: fx.Node) -> bool:
+    val = v.meta.get("val")
+    return isinstance(val, torch.Tensor | torch.SymInt | int) and not isinstance(val, bool)
+
+
+def _int_slots(values: Sequence[fx.Node]) -> frozenset[int]:
+    return frozenset(
+        i for i, v in enumerate(values) if not isinstance(v.meta.get("val"), torch.Tensor)
+    )
+
+
+def _fixed_dims(inputs: Sequence[fx.Node]) -> dict[tuple[int, int], int]:
+    fixed = {}
+    for i, v in enumerate(inputs):
+        val = v.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            for d, size in enumerate(val.shape):
+                static = size if isinstance(size, int) else size.node.maybe_as_int()
+                if static is not None and d > 0:
+                    fixed[(i, d)] = static
+    return fixed
+
+
+def _aliases(model: nn.Module) -> dict[str, list[str]]:
+    """Every name of a tensor -> all its names (tied weights have several)."""
+    names = defaultdict(list)
+    for name, t in model.named_parameters(remove_duplicate=False):
+        names[id(t)].append(name)
+    for name, t in model.named_buffers(remove_duplicate=False):
+        names[id(t)].append(name)
+    return {name: group for group in names.values() for name in group}
+
+
+def _tensor(ep: ExportedProgram, model: nn.Module, spec) -> torch.Tensor:
+    if spec.kind == InputKind.PARAMETER:
+        return model.get_parameter(spec.target)
+    if spec.kind == InputKind.BUFFER:
+        try:
+            return model.get_buffer(spec.target)
+        except AttributeError:
+            return ep.constants[spec.target]
+    if spec.target in ep.constants:
+        return ep.constants[spec.target]
+    raise CaptureError(f"the captured graph reads {spec.target} ({spec.kind.name}), unknown")
+
+
+def _name_for(spec, user: fx.Node, aliases: dict[str, list[str]]) -> str:
+    """The model's name for the tensor as this unit uses it: of two tied names (``wte`` and
+    ``lm_head``), the one owned by the module that reads it here."""
+    if spec.kind not in (InputKind.PARAMETER, InputKind.BUFFER):
+        return "_constants." + spec.target.replace(".", "_")
+    path = module_path(user)
+    for name in aliases.get(spec.target, ()):
+        owner = name.rpartition(".")[0]
+        if owner and (path == owner or path.startswith(owner + ".")):
+            return name
+    return spec.target
+
+
+def _name_for_buffer(target: str, piece: Piece, model: nn.Module, g: fx.Graph, env) -> fx.Node:
+    buffer = model.get_buffer(target)
+    name = piece.reads.get(id(buffer), target)
+    piece.tensors.setdefault(name, ("buffer", buffer))
+    piece.reads[id(buffer)] = name
+    return g.get_attr(name)

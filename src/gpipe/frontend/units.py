@@ -1,0 +1,165 @@
+"""What a captured model runs as: an ``nn.Sequential`` of units that ``Pipe`` already takes.
+
+A unit is one piece of the model's own computation (a block, or what comes before or after
+the blocks), held as a ``torch.fx`` graph with the parameters and buffers it uses registered
+under the original model's names. Units pass one tuple from each to the next: every value
+that crosses the cut (hidden states, masks, position ids, rotary cos/sin, residuals), so a
+stage boundary can fall between any two units. The first unit takes the model's inputs; the
+last returns the model's own output structure (e.g. a Hugging Face ``ModelOutput``).
+
+A unit holds one graph per mode, ``train()`` and ``eval()``, captured from the model in that
+mode (dropout and batch norm are fixed into the graph by capture).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import fx, nn
+from torch.utils import _pytree as pytree
+
+__all__ = ["CapturedModel", "Unit", "UnitGraph"]
+
+
+@dataclass
+class UnitGraph:
+    """One mode's graph of a unit, and how its tuple in and out is laid out."""
+
+    graph: fx.Graph
+    int_inputs: frozenset[int] = frozenset()  # slots carried as 0-d tensors, ints inside
+    int_outputs: frozenset[int] = frozenset()
+    in_spec: Any = None  # first unit: the model's (args, kwargs) structure
+    out_spec: Any = None  # last unit: the model's output structure
+    fixed_dims: dict[tuple[int, int], int] = field(default_factory=dict)  # (input, dim) -> size
+
+
+class Unit(nn.Module):
+    """One piece of a captured model. ``forward(carried) -> carried`` (see the module doc)."""
+
+    def __init__(
+        self,
+        name: str,
+        holder: nn.Module,
+        graphs: dict[bool, UnitGraph],
+        capture_device: torch.device,
+    ) -> None:
+        super().__init__()
+        # The holder's children become this unit's, so parameter names are the model's.
+        for child_name, child in holder.named_children():
+            self.add_module(child_name, child)
+        for pname, p in holder.named_parameters(recurse=False):
+            self.register_parameter(pname, p)
+        for bname, b in holder.named_buffers(recurse=False):
+            persistent = bname not in holder._non_persistent_buffers_set
+            self.register_buffer(bname, b, persistent=persistent)
+        self.unit_name = name
+        self._graphs = graphs
+        self._compiled: dict[tuple[bool, torch.device], Any] = {}
+        self._capture_device = capture_device
+
+    def extra_repr(self) -> str:
+        return repr(self.unit_name)
+
+    def forward(self, carried: Any) -> Any:
+        graph = self._graphs[self.training]
+        if graph.in_spec is not None:
+            flat = _flatten_inputs(carried, graph.in_spec, self.unit_name)
+            _check_fixed_dims(flat, graph.fixed_dims)
+        else:
+            flat = list(carried) if isinstance(carried, tuple) else [carried]
+            flat = [int(v) if i in graph.int_inputs else v for i, v in enumerate(flat)]
+        out = self._code(graph, _device_of(self, flat))(self, *flat)
+        if graph.out_spec is not None:
+            return pytree.tree_unflatten(list(out), graph.out_spec)
+        return tuple(
+            torch.tensor(v, dtype=torch.int64) if i in graph.int_outputs else v
+            for i, v in enumerate(out)
+        )
+
+    def _code(self, graph: UnitGraph, device: torch.device) -> Any:
+        # The graph's code runs as a method of this unit: ``self.<name>`` reads the unit's
+        # tensors and modules as they are now (moved, tied copies, deferred batch norm).
+        key = (self.training, device)
+        if key not in self._compiled:
+            g = graph.graph
+            if device != self._capture_device:
+                g = _retarget(g, self._capture_device, device)
+            code = g.python_code(root_module="self")
+            namespace = dict(code.globals)
+            exec(compile(code.src, f"<gpipe unit {self.unit_name}>", "exec"), namespace)
+            self._compiled[key] = namespace["forward"]
+        return self._compiled[key]
+
+    def __getstate__(self):  # the compiled code is rebuilt on demand, never pickled
+        return {**self.__dict__, "_compiled": {}}
+
+
+class CapturedModel(nn.Sequential):
+    """The units of a captured model, in order; what ``Pipe`` trains.
+
+    ``tied`` lists the parameters that two units use (GPT-2's ``wte``/``lm_head``), in
+    ``Pipe``'s ``tied=`` form; ``original_name`` turns a unit-qualified name
+    (``"3.model.layers.2.mlp.up_proj.weight"``) back into the model's own.
+    """
+
+    def __init__(self, *units: Unit, tied: list[tuple[str, ...]] = (), split: list[str] = ()):
+        super().__init__(*units)
+        self.tied = list(tied)
+        self.split = list(split)
+
+    @staticmethod
+    def original_name(name: str) -> str:
+        return name.split(".", 1)[1]
+
+    def extra_repr(self) -> str:
+        return f"units={len(self)}, tied={self.tied}"
+
+
+def _flatten_inputs(inputs: Any, in_spec: Any, unit: str) -> list[Any]:
+    args, kwargs = (inputs, {}) if not isinstance(inputs, dict) else ((), inputs)
+    if not isinstance(args, tuple):
+        args = (args,)
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    if spec != in_spec:
+        raise TypeError(
+            f"the inputs of the captured model do not have the structure of its example: "
+            f"got {spec}, captured with {in_spec}; pass the same tuple (or dict) of tensors as "
+            f"the example given to capture"
+        )
+    return leaves
+
+
+def _check_fixed_dims(flat: list[Any], fixed: dict[tuple[int, int], int]) -> None:
+    for (i, dim), size in fixed.items():
+        got = flat[i].shape[dim]
+        if got != size:
+            raise ValueError(
+                f"input {i} has size {got} in dimension {dim}, but the model was captured with "
+                f"that dimension fixed at {size} (export could not keep it dynamic); use size "
+                f"{size}, or capture again with an example of the size you train with"
+            )
+
+
+def _device_of(unit: nn.Module, flat: list[Any]) -> torch.device:
+    for t in unit.parameters():
+        return t.device
+    for t in unit.buffers():
+        return t.device
+    for t in flat:
+        if isinstance(t, torch.Tensor):
+            return t.device
+    return torch.device("cpu")
+
+
+def _retarget(graph: fx.Graph, old: torch.device, new: torch.device) -> fx.Graph:
+    """A copy of ``graph`` whose tensor factories and device checks name ``new``."""
+    copy = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    out = copy.graph_copy(graph, env)
+    copy.output(out)
+    for node in copy.nodes:
+        if node.kwargs.get("device") is not None and torch.device(node.kwargs["device"]) == old:
+            node.kwargs = {**node.kwargs, "device": new}
+    return copy

@@ -1,0 +1,287 @@
+"""Any model as it is: captured, cut, pipelined, and trained exactly as the model itself.
+
+Every case compares each parameter's gradient with the plain model's on the same micro-batches
+(tests/captured_models.py builds the models: Hugging Face GPT-2, Llama, BERT, a torchvision-
+style ResNet, a model whose skips jump cuts).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import gpipe
+from captured_models import (
+    CASES,
+    HF,
+    Case,
+    captured_steps,
+    reference_gradients,
+    transformers,
+    worst_error,
+)
+from gpipe.frontend import CapturedModel, CaptureError, capture, split_points
+from gpipe.parallel.launch import launch
+from gpipe.partition import even_balance
+from reference import running_stats_of_unsplit_batch
+
+SCHEDULES = ["gpipe", "1f1b", "zb-h1", "interleaved-1f1b"]
+REMAT = ["always", "except_last", "never"]
+_CAPTURED: dict[tuple[str, torch.dtype], tuple[nn.Module, CapturedModel]] = {}
+
+
+def needs(name: str):
+    return pytest.mark.skipif(
+        name in HF and transformers is None, reason="transformers (gpipe[hf]) not installed"
+    )
+
+
+MODELS = [pytest.param(name, marks=needs(name)) for name in CASES]
+
+
+def captured(name: str, dtype: torch.dtype = torch.float64) -> tuple[nn.Module, CapturedModel]:
+    """The model and its capture, once per test session (capture takes a second or two)."""
+    if (name, dtype) not in _CAPTURED:
+        case = CASES[name]
+        model = case.build(dtype)
+        _CAPTURED[name, dtype] = (model, capture(model, case.example(dtype), split=case.split))
+    return _CAPTURED[name, dtype]
+
+
+def pipe_of(name, schedule="gpipe", checkpoint="except_last", dtype=torch.float64, **options):
+    model, units = captured(name, dtype)
+    virtual = 2 if schedule == "interleaved-1f1b" else 1
+    options = {"balance": even_balance(len(units), 2 * virtual), "chunks": 3, **options}
+    if virtual == 2:
+        options["chunks"] = 4
+    pipe = gpipe.Pipe(
+        copy.deepcopy(units), schedule=schedule, checkpoint=checkpoint, tied=units.tied, **options
+    )
+    return model, pipe
+
+
+@pytest.mark.parametrize("remat", REMAT)
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("name", MODELS)
+def test_every_schedule_and_remat_gives_the_models_gradients(name, schedule, remat):
+    case = CASES[name]
+    model, pipe = pipe_of(name, schedule, remat)
+    inputs, targets = case.batch(size=11)  # uneven micro-batches
+    loss = pipe.step(inputs, targets, case.loss)
+    expected_loss, grads, _ = reference_gradients(case, model, inputs, targets, pipe.chunks)
+    error, where = worst_error(pipe.named_parameters(remove_duplicate=False), grads)
+    assert error <= 1e-10, (where, error)
+    assert float(loss) == pytest.approx(expected_loss, rel=1e-12)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_float32_within_1e5(name):
+    case = CASES[name]
+    model, pipe = pipe_of(name, "1f1b", dtype=torch.float32)
+    inputs, targets = case.batch(dtype=torch.float32)
+    pipe.step(inputs, targets, case.loss)
+    _, grads, _ = reference_gradients(case, model, inputs, targets, pipe.chunks)
+    error, where = worst_error(pipe.named_parameters(remove_duplicate=False), grads)
+    assert error <= 1e-5, (where, error)
+
+
+@needs("hf-gpt2")
+def test_from_model_one_call_keeps_the_models_names_and_finds_the_tie():
+    case = CASES["hf-gpt2"]
+    model = case.build()
+    plain = copy.deepcopy(model)
+    pipe = gpipe.Pipe.from_model(
+        model, case.example(), split="transformer.h", balance=[2, 3], chunks=4
+    )
+    names = {n for n, _ in plain.named_parameters(remove_duplicate=False)}
+    assert {n for n, _ in pipe.named_parameters(remove_duplicate=False)} == names
+    assert "lm_head.weight" in names and "transformer.wte.weight" in names
+    inputs, targets = case.batch()
+    pipe.step(inputs, targets, case.loss)
+    # The tie is found, not declared: both copies carry the one tensor's gradient.
+    grads = dict(pipe.named_parameters())
+    torch.testing.assert_close(grads["lm_head.weight"].grad, grads["transformer.wte.weight"].grad)
+    # The state dict loads into the original model, strictly, and gives its outputs.
+    fresh = case.build()
+    fresh.load_state_dict(pipe.state_dict(), strict=True)
+    assert list(pipe.state_dict()) == list(plain.state_dict())
+    with torch.no_grad():
+        torch.testing.assert_close(pipe(inputs).logits, fresh(inputs).logits)
+
+
+@needs("hf-gpt2")
+def test_eval_mode_and_dropout_masks_independent_of_cut_and_schedule():
+    case = CASES["hf-gpt2"]
+    model = case.build(dropout=0.1)
+    units = capture(model, case.example(), split=case.split)
+    inputs, targets = case.batch()
+    grads = []
+    for balance, schedule in [([2, 3], "gpipe"), ([1, 4], "1f1b"), ([1, 1, 1, 2], "zb-h1")]:
+        pipe = gpipe.Pipe(
+            copy.deepcopy(units), balance=balance, chunks=3, schedule=schedule, tied=units.tied
+        )
+        pipe.step(inputs, targets, case.loss, seed=7)
+        grads.append({n: p.grad for n, p in pipe.named_parameters()})
+    for other in grads[1:]:
+        for name, grad in grads[0].items():
+            torch.testing.assert_close(other[name], grad, rtol=0, atol=1e-12)
+    # Dropout did act: a plain train-mode forward differs from eval's...
+    pipe.eval()
+    model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(pipe(inputs).logits, model(inputs).logits)
+        pipe.train()
+        assert not torch.allclose(pipe(inputs).logits, model(inputs).logits)
+
+
+@needs("hf-llama")
+def test_batch_and_sequence_length_change_without_capturing_again():
+    case = CASES["hf-llama"]
+    model, pipe = pipe_of("hf-llama", "1f1b")
+    for step, (size, length) in enumerate([(7, 5), (12, 9), (5, 3)]):
+        pipe.zero_grad()
+        inputs, targets = case.batch(step, size=size, length=length)
+        pipe.step(inputs, targets, case.loss)
+        _, grads, _ = reference_gradients(case, model, inputs, targets, pipe.chunks)
+        error, where = worst_error(pipe.named_parameters(remove_duplicate=False), grads)
+        assert error <= 1e-10, (size, length, where, error)
+
+
+def test_batch_norm_deferred_on_a_captured_resnet_gives_the_whole_batch_statistics():
+    case = CASES["resnet"]
+    model, pipe = pipe_of("resnet", "gpipe", "always", deferred_batch_norm=True)
+    inputs, targets = case.batch()
+    pipe.step(inputs, targets, case.loss)
+    expected = running_stats_of_unsplit_batch(model, inputs, pipe.chunks)
+    state = pipe.state_dict()
+    assert set(expected) <= set(state)
+    for name, value in expected.items():
+        torch.testing.assert_close(state[name], value, rtol=1e-10, atol=1e-12)
+
+
+def test_buffers_the_forward_mutates_are_the_models():
+    """Batch norm without deferral updates its running statistics at every micro-batch, as
+    the plain model run micro-batch by micro-batch does."""
+    case = CASES["resnet"]
+    model, pipe = pipe_of("resnet", "1f1b", "never")
+    inputs, targets = case.batch()
+    pipe.step(inputs, targets, case.loss)
+    _, _, trained = reference_gradients(case, model, inputs, targets, pipe.chunks)
+    buffers = dict(pipe.named_buffers())
+    for name, value in trained.named_buffers():
+        torch.testing.assert_close(buffers[name], value, rtol=1e-10, atol=0)
+
+
+def test_a_value_that_jumps_cuts_is_carried():
+    _, units = captured("skips")
+    # enc1's output crosses the cuts before enc2, mid, dec2 and dec1.
+    assert [u.unit_name for u in units] == CASES["skips"].split
+    carried, sizes = CASES["skips"].batch()[0], []
+    for unit in units[:-1]:
+        carried = unit(carried)
+        sizes.append(len(carried))
+    # a = tanh(enc1(x)) rides along until dec1 adds it: (a), (a, b, drop(b)), (a, c + b),
+    # (d + a); dropout is not a split module, so it runs with enc2, before the cut.
+    assert sizes == [1, 3, 2, 1]
+
+
+# -- clear errors -------------------------------------------------------------------------------
+
+
+def test_a_split_name_that_matches_nothing_lists_the_candidates():
+    model = CASES["resnet"].build()
+    with pytest.raises(CaptureError, match=r"not modules of ResNet.*layer1.*candidates"):
+        split_points(model, "layers1")
+    with pytest.raises(CaptureError, match=r"no nn\.ModuleList"):
+        split_points(model, None)
+    assert split_points(model, "layer2") == ["layer2.0", "layer2.1"]
+
+
+def test_split_modules_out_of_order_or_never_run_are_refused():
+    case = CASES["skips"]
+    model = case.build()
+    with pytest.raises(CaptureError, match="runs enc1 before enc2 has finished"):
+        capture(model, case.example(), split=["enc2", "enc1"])
+    model.unused = nn.Linear(2, 2)
+    with pytest.raises(CaptureError, match=r"\['unused'\] do no work"):
+        capture(model, case.example(), split=["enc1", "unused"])
+
+
+class DataDependent(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(4, 4), Branchy()])
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+class Branchy(nn.Linear):
+    def __init__(self) -> None:
+        super().__init__(4, 4)
+
+    def forward(self, x):
+        if x.sum() > 0:  # a branch on a value: export cannot capture it
+            return super().forward(x)
+        return x
+
+
+def test_a_model_export_cannot_capture_names_the_module_and_the_remedy():
+    with pytest.raises(CaptureError, match=r"(?s)in blocks\.1 \(Branchy\.forward\).*remedies"):
+        capture(DataDependent(), (torch.randn(2, 4),), split="blocks")
+
+
+def test_a_dimension_fixed_at_capture_is_checked_with_a_clear_error():
+    _, units = captured("skips")
+    with pytest.raises(ValueError, match=r"dimension 1.* fixed at 8"):
+        units(torch.randn(3, 9, dtype=torch.float64))
+
+
+# -- many processes ---------------------------------------------------------------------------
+
+
+def _runs(stages: int) -> list[dict]:
+    schedules, remats = ["gpipe", "1f1b", "zb-h1"], REMAT
+    runs = []
+    for i, name in enumerate(n for n in CASES if n not in HF or transformers is not None):
+        units = CASES[name].units
+        runs.append(
+            {
+                "model": name,
+                "balance": even_balance(units, stages),
+                "chunks": 3,
+                "schedule": schedules[i % 3],
+                "checkpoint": remats[(i + stages) % 3],
+            }
+        )
+    return runs
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("stages", [2, 3])
+def test_many_processes_give_the_models_gradients(stages):
+    runs = _runs(stages)
+    results = launch(captured_steps, stages, args=(runs,), timeout=200)
+    for index, run_ in enumerate(runs):
+        case: Case = CASES[run_["model"]]
+        model = case.build()
+        inputs, targets = case.batch()
+        expected_loss, grads, _ = reference_gradients(case, model, inputs, targets, 3)
+        seen = {}
+        for rank_results in results:
+            got = rank_results[index]
+            assert got["loss"] == pytest.approx(expected_loss, rel=1e-12)
+            seen.update(got["grads"])
+        assert set(seen) == set(grads), run_
+        for name, grad in grads.items():
+            scale = grad.norm().item() or 1.0
+            assert (seen[name] - grad).norm().item() / scale <= 1e-10, (run_, name)
+        # Each rank's state dict is its shard of the model's, under the model's names.
+        shards = [r[index]["state"] for r in results]
+        assert set().union(*shards) == set(model.state_dict())
+        model.load_state_dict(shards[-1], strict=False)
