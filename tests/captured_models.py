@@ -224,7 +224,8 @@ def captured_steps(rank: int, runs: list[dict]) -> list[dict]:
     results = []
     for run_ in runs:
         case = CASES[run_["model"]]
-        model = case.build()
+        # "factory": each rank builds only its own units, by replaying the construction.
+        model = case.build if run_.get("factory") else case.build()
         pipe = gpipe.Pipe.from_model(
             model,
             case.example(),
@@ -245,6 +246,7 @@ def captured_steps(rank: int, runs: list[dict]) -> list[dict]:
                     n: p.grad.clone() for n, p in pipe.named_parameters(remove_duplicate=False)
                 },
                 "state": {k: v.clone() for k, v in pipe.state_dict().items()},
+                "meta_left": sum(t.is_meta for t in pipe.parameters()),
             }
         )
     return results

@@ -35,7 +35,7 @@ from gpipe.engine.runtime import Runtime, StepInputs, StepResult
 from gpipe.engine.skip import SkipLayout
 from gpipe.engine.stage import LossSpec, Stage, check_batch, loss_specs
 from gpipe.errors import PartitionError, PipelineError
-from gpipe.frontend import CapturedModel, capture
+from gpipe.frontend import CapturedModel, capture, materialize, on_meta, origin_of
 from gpipe.materialize import build
 from gpipe.parallel.data_parallel import GradientReducer
 from gpipe.parallel.group import pipeline_group
@@ -192,11 +192,13 @@ class Pipe(nn.Module):
         stage_devices = [self.devices[rank] for rank in self.schedule.stage_to_rank]
         local = self._ranks.local_stages(self.schedule)
         starts = [sum(balance[:s]) for s in range(self.num_stages)]
+        local_layers = [i for s in local for i in range(starts[s], starts[s] + balance[s])]
         if factory is not None:
             # Built on the CPU, as ``factory()`` would be, then moved: the same weights as
             # Pipe(factory()) on any devices (generators of other device types differ).
-            local_layers = [i for s in local for i in range(starts[s], starts[s] + balance[s])]
             module = build(factory, seed=init_seed, layers=local_layers, tied=bool(tied))
+        elif self._captured and on_meta(module):
+            materialize(module, local_layers, module.origin)
         stage_layers = cut(module, balance)
         check_not_shared(stage_layers, {name for group in tied for name in group})
 
@@ -265,10 +267,12 @@ class Pipe(nn.Module):
     @classmethod
     def from_model(
         cls,
-        model: nn.Module,
+        model: nn.Module | Callable[[], nn.Module],
         example: Any,
         *,
         split: str | Sequence[str] | None = None,
+        weights: str | None = None,
+        init_seed: int = 0,
         tied: Sequence[Sequence[str]] = (),
         **options: Any,
     ) -> Pipe:
@@ -286,9 +290,17 @@ class Pipe(nn.Module):
         Inputs of ``step`` and ``forward`` have the example's structure; the last stage's
         output is the model's own (e.g. a ``ModelOutput`` with ``.logits``). Names in
         ``named_parameters()`` and ``state_dict()`` are the model's own.
+
+        Big models: pass the model on ``meta``, or a function that builds it; each process
+        then materializes only its own units, from ``weights`` (a ``save_pretrained``
+        directory or a ``.safetensors`` file) or by the model's own initialization (a
+        function: exactly ``torch.manual_seed(init_seed); model()``), see
+        ``gpipe.frontend.weights``.
         """
+        model, origin = origin_of(model, weights, init_seed)
         captured = capture(model, example, split=split)
-        return cls(captured, tied=[*captured.tied, *tied], **options)
+        captured.origin = origin
+        return cls(captured, tied=[*captured.tied, *tied], init_seed=init_seed, **options)
 
     # -- the model's own names for a captured model ------------------------------------------
 

@@ -257,6 +257,7 @@ def _runs(stages: int) -> list[dict]:
                 "chunks": 3,
                 "schedule": schedules[i % 3],
                 "checkpoint": remats[(i + stages) % 3],
+                "factory": name == "hf-llama",
             }
         )
     return runs
@@ -276,6 +277,7 @@ def test_many_processes_give_the_models_gradients(stages):
         for rank_results in results:
             got = rank_results[index]
             assert got["loss"] == pytest.approx(expected_loss, rel=1e-12)
+            assert got["meta_left"] == 0
             seen.update(got["grads"])
         assert set(seen) == set(grads), run_
         for name, grad in grads.items():

@@ -8,5 +8,16 @@
 from gpipe.frontend.capture import capture, split_points
 from gpipe.frontend.cut import CaptureError
 from gpipe.frontend.units import CapturedModel, Unit
+from gpipe.frontend.weights import Origin, materialize, on_meta, origin_of
 
-__all__ = ["CaptureError", "CapturedModel", "Unit", "capture", "split_points"]
+__all__ = [
+    "CaptureError",
+    "CapturedModel",
+    "Origin",
+    "Unit",
+    "capture",
+    "materialize",
+    "on_meta",
+    "origin_of",
+    "split_points",
+]

@@ -67,6 +67,10 @@ def capture(
     """Export ``model`` on ``example`` (a tensor, a tuple of positional tensors, or a dict of
     keyword tensors) and cut it before each split module; see the module doc."""
     paths = split_points(model, split)
+    if any(t.is_meta for t in model.parameters()):  # capture a meta model on meta inputs
+        example = pytree.tree_map(
+            lambda x: x.to("meta") if isinstance(x, torch.Tensor) else x, example
+        )
     args, kwargs = (
         ((), dict(example))
         if isinstance(example, dict)
@@ -100,6 +104,7 @@ def capture(
         )
     device = next((t.device for t in [*model.parameters(), *model.buffers()]), torch.device("cpu"))
     _add_other_names(model, train, evaluate)
+    _add_unused(model, paths, train, evaluate)
     order: dict[str, int] = {}  # a tensor's or a module's place in the model's state dict
     keys = [*model.state_dict(keep_vars=True), *(n for n, _ in model.named_buffers())]
     for index, key in enumerate(keys):
@@ -199,6 +204,22 @@ def _add_other_names(model: nn.Module, *modes: list[Piece]) -> None:
                     if other not in held:
                         piece.tensors[other] = (kind, tensor)
                         held.add(other)
+
+
+def _add_unused(model: nn.Module, paths: list[str], *modes: list[Piece]) -> None:
+    """Parameters and persistent buffers the forward never reads stay in the state dict:
+    in the unit of the split module that owns them, else in the first unit."""
+    held = {id(t) for pieces in modes for piece in pieces for _, t in piece.tensors.values()}
+    persistent = dict(model.state_dict(keep_vars=True))
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        if id(t) in held or name not in persistent:
+            continue
+        kind = "parameter" if isinstance(t, nn.Parameter) else "buffer"
+        owner = [p for p in paths if name.startswith(p + ".")]
+        index = [piece.name for piece in modes[0]].index(owner[0]) if owner else 0
+        for pieces in modes:
+            pieces[index].tensors[name] = (kind, t)
+        held.add(id(t))
 
 
 def _owner(root: nn.Module, name: str) -> tuple[nn.Module, str]:

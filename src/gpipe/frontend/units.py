@@ -108,6 +108,7 @@ class CapturedModel(nn.Sequential):
         super().__init__(*units)
         self.tied = list(tied)
         self.split = list(split)
+        self.origin = None  # a gpipe.frontend.weights.Origin when captured on meta
 
     @staticmethod
     def original_name(name: str) -> str:
@@ -159,7 +160,11 @@ def _retarget(graph: fx.Graph, old: torch.device, new: torch.device) -> fx.Graph
     env: dict[fx.Node, fx.Node] = {}
     out = copy.graph_copy(graph, env)
     copy.output(out)
+
+    def swap(value: Any) -> Any:
+        return new if isinstance(value, torch.device) and value == old else value
+
     for node in copy.nodes:
-        if node.kwargs.get("device") is not None and torch.device(node.kwargs["device"]) == old:
-            node.kwargs = {**node.kwargs, "device": new}
+        node.args = pytree.tree_map(swap, node.args)
+        node.kwargs = pytree.tree_map(swap, node.kwargs)
     return copy

@@ -61,7 +61,7 @@ from torch import nn
 from gpipe.materialize.record import Recording, Unreplayable, record
 from gpipe.rng import preserved
 
-__all__ = ["build", "build_full", "materialized_bytes"]
+__all__ = ["build", "build_full", "materialized_bytes", "record_factory", "replay_layers"]
 
 _REMEDY = (
     "create every tensor of the model inside factory() with torch operations, "
@@ -113,7 +113,27 @@ def build(
         stack.enter_context(preserved(torch.device("cpu")))
         if device.type != "cpu":
             stack.enter_context(preserved(device))
-        model, recording = _record(factory, seed, device)
+        model, recording = record_factory(factory, seed=seed, device=device)
+    return replay_layers(model, recording, seed=seed, layers=layers, dtype=dtype, tied=tied)
+
+
+def replay_layers(
+    model: nn.Sequential,
+    recording: Recording,
+    *,
+    seed: int,
+    layers: range | Sequence[int] | None = None,
+    dtype: torch.dtype | None = None,
+    tied: bool = False,
+) -> nn.Sequential:
+    """The second half of :func:`build`: materialize ``layers`` of a ``model`` recorded on
+    meta (``record(factory)``), in place, on the recording's device. ``model`` may be any
+    Sequential whose layers hold the recorded tensors (e.g. a captured model's units)."""
+    device = recording.device
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(preserved(torch.device("cpu")))
+        if device.type != "cpu":
+            stack.enter_context(preserved(device))
         local = _local_layers(layers, len(model))
         slots = _slots(model, local, recording)
         _reject_crossing(slots, allowed=tied)
@@ -155,9 +175,15 @@ def materialized_bytes(module: nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values() if t.device.type != "meta")
 
 
-def _record(
-    factory: Callable[[], nn.Sequential], seed: int, device: torch.device
-) -> tuple[nn.Sequential, Recording]:
+def record_factory(
+    factory: Callable[[], nn.Module],
+    *,
+    seed: int,
+    device: torch.device,
+    sequential: bool = True,
+) -> tuple[nn.Module, Recording]:
+    """``factory()`` built on meta while recording (``gpipe.materialize.record``): the model
+    (an ``nn.Sequential`` unless ``sequential=False``) and what :func:`replay_layers` needs."""
     try:
         model, recording = record(factory, seed=seed, device=device)
     except (RuntimeError, NotImplementedError) as error:
@@ -168,11 +194,11 @@ def _record(
             f"{error}. A factory must not read tensor values (.item(), data-dependent branches); "
             f"build the model in one process and pass it to Pipe instead"
         ) from error
-    if not isinstance(model, nn.Sequential):
+    if sequential and not isinstance(model, nn.Sequential):
         raise TypeError(
-            f"factory() returned {type(model).__name__}, not an nn.Sequential: gpipe cuts a model "
-            f"between the layers of an nn.Sequential, so return nn.Sequential(layer0, layer1, ...) "
-            f"(see gpipe.models)"
+            f"factory() returned {type(model).__name__}, not an nn.Sequential: Pipe cuts a model "
+            f"between the layers of an nn.Sequential; for any other model use "
+            f"Pipe.from_model(factory, example, split=...)"
         )
     placed = [
         f"{name} on {t.device}"
