@@ -202,6 +202,26 @@ def test_resnet_with_replicas_and_bfloat16(in_process, tmp_path):
     plain.load_state_dict(state, strict=True)
 
 
+def test_a_hugging_face_llama_trains_as_it_is_and_exports_to_the_plain_model(in_process, tmp_path):
+    """--model hf-llama: the Hugging Face model captured and cut (gpipe.frontend), 2 processes,
+    checkpoints under the model's own names, text sampled through the pipeline."""
+    transformers = pytest.importorskip("transformers")
+    out = tmp_path / "h"
+    done = in_process(
+        "train", "--model", "hf-llama", "--size", "tiny", "--steps", "6", "--save-every", "3",
+        "--eval-every", "3", "--sample-tokens", "4", "--schedule", "1f1b", "--out", str(out),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "hf-llama tiny, K=2 M=4 1f1b" in done.stdout
+    assert all(torch.isfinite(torch.tensor(v)) for v in losses(out).values())
+    assert (out / "sample.txt").exists()
+    state = ckpt.export_state_dict(out)
+    assert "model.layers.0.self_attn.q_proj.weight" in state
+    plain = build_model(ckpt.read_manifest(out)["model"])
+    assert isinstance(plain, transformers.LlamaForCausalLM)
+    plain.load_state_dict(state, strict=True)
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [

@@ -82,8 +82,9 @@ def run(args: argparse.Namespace) -> int:
     if spec:
         from gpipe.train import constructor
 
+        code = constructor(spec)
         print("load it into the plain model:")
-        print("    import torch, gpipe.models")
-        print(f"    model = {constructor(spec)}")
+        print(f"    import torch, {code.split('(')[0].rsplit('.', 1)[0]}")
+        print(f"    model = {code}")
         print(f"    model.load_state_dict(torch.load({str(out)!r}))")
     return 0

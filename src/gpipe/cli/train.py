@@ -3,6 +3,7 @@
     gpipe train                                   # GPT 'small' on the stdlib's source, K=2
     gpipe train --size tiny --steps 40            # a few seconds
     gpipe train --model resnet                    # ResNet-style CNN (batch norm) on digits
+    gpipe train --model hf-llama                  # a Hugging Face Llama, as it is (gpipe[hf])
     gpipe train --stages 3 --chunks 8 --schedule 1f1b --dtype bfloat16
     gpipe train --stages 2 --replicas 2           # 2 replicas x 2 stages = 4 processes
     gpipe train --resume runs/gpt-small-...       # continue from the newest checkpoint
@@ -10,7 +11,9 @@
 
 The language model (``--model gpt``) is a byte-level GPT trained on the Python standard
 library's own ``.py`` files (``gpipe.data``); ``--model resnet`` trains a small ResNet with
-deferred batch norm on scikit-learn's digits (``pip install 'gpipe[digits]'``).
+deferred batch norm on scikit-learn's digits (``pip install 'gpipe[digits]'``);
+``--model hf-llama`` trains a random byte-level Hugging Face ``LlamaForCausalLM`` on the same
+text, captured and cut between its decoder layers by ``Pipe.from_model`` (``gpipe[hf]``).
 
 The command spawns K x R local processes (``gpipe.launch``), or, when ``RANK`` and
 ``WORLD_SIZE`` are set (``torchrun``), runs as one of them; the job itself is the library
@@ -45,7 +48,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     # Every option defaults to None: "not given", so that presets and, on --resume, the
     # checkpoint's configuration fill it in.
     g = parser.add_argument_group("model and data")
-    g.add_argument("--model", choices=sorted(TASKS), help="gpt (default) or resnet")
+    g.add_argument("--model", choices=sorted(TASKS), help="gpt (default), resnet or hf-llama")
     g.add_argument("--size", choices=SIZES, help="preset (default: small)")
     g.add_argument("--seq", type=int, help="tokens per sample, gpt only (preset: 64)")
     g = parser.add_argument_group("pipeline")

@@ -7,6 +7,7 @@ job is adding a task to :data:`TASKS`; nothing else changes.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -16,8 +17,18 @@ from torch.nn import functional as F
 
 from gpipe.data import TokenWindows, digits, stdlib_corpus
 from gpipe.models import GPTConfig, convnet, gpt
+from gpipe.pipe import Pipe
 
-__all__ = ["TASKS", "Data", "Digits", "LanguageModel", "Task", "build_model", "constructor"]
+__all__ = [
+    "TASKS",
+    "Data",
+    "Digits",
+    "HFLlama",
+    "LanguageModel",
+    "Task",
+    "build_model",
+    "constructor",
+]
 
 
 @dataclass
@@ -48,6 +59,19 @@ class Task:
 
     def build(self, args: dict[str, Any]) -> nn.Sequential:
         raise NotImplementedError
+
+    def units(self, args: dict[str, Any]) -> int:
+        """What ``--balance`` counts: the layers of the Sequential ``build`` returns."""
+        with torch.device("meta"):
+            return len(self.build(args))
+
+    def pipe(self, args: dict[str, Any], **options: Any) -> Pipe:
+        """The model as a Pipe, each rank building only its own layers."""
+        return Pipe(functools.partial(self.build, args), **options)
+
+    def logits(self, output: Any) -> torch.Tensor:
+        """The tensor of scores in the model's output (for sampling text)."""
+        return output
 
     def constructor(self, args: dict[str, Any]) -> str:
         """Python code that builds the plain model, for ``gpipe export``."""
@@ -192,10 +216,66 @@ class Digits(Task):
         return int((output.argmax(-1) == target).sum())
 
 
-TASKS: dict[str, Task] = {task.name: task for task in (LanguageModel(), Digits())}
+class HFLlama(LanguageModel):
+    """A Hugging Face Llama (random, byte-level) on the same corpus, pipelined as it is:
+    ``Pipe.from_model`` captures its own forward and cuts it between its decoder layers."""
+
+    name = "hf-llama"
+    presets: ClassVar[dict[str, dict[str, Any]]] = {
+        size: {
+            **{k: v for k, v in preset.items() if k not in LanguageModel.model_keys},
+            "hidden_size": preset["d_model"], "heads": preset["n_heads"],
+            "n_layers": preset["n_layers"],
+        }
+        for size, preset in LanguageModel.presets.items()
+    }  # fmt: skip
+    model_keys = ("hidden_size", "heads", "n_layers")
+
+    def spec_args(self, seq: int, model_args: dict[str, Any]) -> dict[str, Any]:
+        h, heads = model_args["hidden_size"], model_args["heads"]
+        return dict(
+            vocab_size=256, max_position_embeddings=seq, hidden_size=h,
+            intermediate_size=8 * h // 3 // 16 * 16 or 16, num_hidden_layers=model_args["n_layers"],
+            num_attention_heads=heads, num_key_value_heads=max(1, heads // 2),
+            tie_word_embeddings=False,
+        )  # fmt: skip
+
+    def build(self, args: dict[str, Any]) -> nn.Module:
+        import transformers
+
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(**args))
+
+    def units(self, args: dict[str, Any]) -> int:
+        return args["num_hidden_layers"] + 2  # embedding (and rotary, mask), blocks, head
+
+    def pipe(self, args: dict[str, Any], **options: Any) -> Pipe:
+        example = torch.zeros(2, args["max_position_embeddings"], dtype=torch.int64)
+        return Pipe.from_model(
+            functools.partial(self.build, args), (example,), split="model.layers",
+            **options,
+        )  # fmt: skip
+
+    def constructor(self, args: dict[str, Any]) -> str:
+        return f"transformers.LlamaForCausalLM(transformers.LlamaConfig({_call_args(args)}))"
+
+    def problems(self, given: dict[str, Any]) -> list[str]:
+        try:
+            import transformers  # noqa: F401
+        except ImportError:
+            return ["--model hf-llama needs Hugging Face transformers: pip install 'gpipe[hf]'"]
+        return []
+
+    def loss(self, output: Any, target: torch.Tensor) -> torch.Tensor:
+        return super().loss(output.logits, target)
+
+    def logits(self, output: Any) -> torch.Tensor:
+        return output.logits
 
 
-def build_model(spec: dict[str, Any]) -> nn.Sequential:
+TASKS: dict[str, Task] = {task.name: task for task in (LanguageModel(), Digits(), HFLlama())}
+
+
+def build_model(spec: dict[str, Any]) -> nn.Module:
     """The plain (un-split) model of a checkpoint's spec ``{"kind": ..., "args": {...}}``."""
     if spec["kind"] not in TASKS:
         raise ValueError(f"unknown model kind {spec['kind']!r}; known: {sorted(TASKS)}")

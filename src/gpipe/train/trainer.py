@@ -31,10 +31,8 @@ from gpipe.engine.memory import measure_activations
 from gpipe.errors import NonFiniteError
 from gpipe.parallel.mesh import Mesh, all_gather_object, all_sum, barrier, broadcast_tensor
 from gpipe.partition import even_balance
-from gpipe.pipe import Pipe
 from gpipe.train.config import TrainConfig, model_spec, num_layers
 from gpipe.train.report import Metrics, Reporter, plot_losses, write_json
-from gpipe.train.tasks import build_model
 
 __all__ = ["Trainer"]
 
@@ -56,8 +54,8 @@ class Trainer:
         self.spec = model_spec(c)
         self.layers = num_layers(self.spec)
         self.balance = c.balance or even_balance(self.layers, c.stages * c.virtual_stages)
-        self.pipe = Pipe(
-            functools.partial(build_model, self.spec),
+        self.pipe = self.task.pipe(
+            self.spec["args"],
             balance=self.balance,
             chunks=c.chunks,
             checkpoint=c.checkpoint,
@@ -267,9 +265,10 @@ class Trainer:
         try:
             with torch.no_grad(), self.autocast():
                 for _ in range(c.sample_tokens):
-                    logits = self.pipe(tokens[:, -c.seq :])  # (M, T, 256) on the last stage
+                    out = self.pipe(tokens[:, -c.seq :])  # (M, T, 256) on the last stage
                     chosen = torch.zeros(c.chunks, 1, dtype=torch.int64)
-                    if logits is not None:
+                    if out is not None:
+                        logits = self.task.logits(out)
                         probs = F.softmax(logits[:, -1, :].float() / c.temperature, dim=-1)
                         chosen = torch.multinomial(probs, 1, generator=generator)
                     broadcast_tensor(chosen, src=self.last_global_rank, group=self.mesh.pp)
