@@ -285,7 +285,8 @@ class Pipe(nn.Module):
         ``gpipe.frontend``. ``balance`` then counts units: the work before the first split
         module, each split module, the work after the last one (``len(pipe.units)``
         before building: ``gpipe.frontend.capture(...)``). Parameters used by two units
-        (tied embeddings) are found and tied. Every other option is ``Pipe``'s.
+        (tied embeddings) are found and tied. Every other option is ``Pipe``'s
+        (``balance="auto"`` profiles the units on ``example``).
 
         Inputs of ``step`` and ``forward`` have the example's structure; the last stage's
         output is the model's own (e.g. a ``ModelOutput`` with ``.logits``). Names in
@@ -297,6 +298,8 @@ class Pipe(nn.Module):
         function: exactly ``torch.manual_seed(init_seed); model()``), see
         ``gpipe.frontend.weights``.
         """
+        if options.get("balance") == "auto":
+            options.setdefault("sample", example)  # profile the units on the example
         model, origin = origin_of(model, weights, init_seed)
         captured = capture(model, example, split=split)
         captured.origin = origin

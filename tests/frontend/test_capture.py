@@ -188,6 +188,22 @@ def test_a_value_that_jumps_cuts_is_carried():
     assert sizes == [1, 3, 2, 1]
 
 
+@needs("hf-llama")
+def test_auto_balance_and_the_timeline_work_on_captured_units():
+    case = CASES["hf-llama"]
+    model = case.build()
+    pipe = gpipe.Pipe.from_model(
+        model, case.example(), split=case.split, balance="auto", devices=["cpu", "cpu"], chunks=3
+    )
+    assert sum(pipe.balance) == case.units and len(pipe.balance) == 2
+    inputs, targets = case.batch()
+    pipe.step(inputs, targets, case.loss, trace=True)
+    assert {a.action.kind.name for a in pipe.last_trace} >= {"FORWARD", "BACKWARD"}
+    _, grads, _ = reference_gradients(case, model, inputs, targets, pipe.chunks)
+    error, where = worst_error(pipe.named_parameters(remove_duplicate=False), grads)
+    assert error <= 1e-10, (where, error)
+
+
 # -- clear errors -------------------------------------------------------------------------------
 
 

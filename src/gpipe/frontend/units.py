@@ -13,6 +13,7 @@ mode (dropout and batch norm are fixed into the graph by capture).
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +34,12 @@ class UnitGraph:
     in_spec: Any = None  # first unit: the model's (args, kwargs) structure
     out_spec: Any = None  # last unit: the model's output structure
     fixed_dims: dict[tuple[int, int], int] = field(default_factory=dict)  # (input, dim) -> size
+
+    def __deepcopy__(self, memo: dict) -> UnitGraph:  # tree specs are immutable: shared
+        return UnitGraph(
+            copy.deepcopy(self.graph, memo), self.int_inputs, self.int_outputs,
+            self.in_spec, self.out_spec, dict(self.fixed_dims),
+        )  # fmt: skip
 
 
 class Unit(nn.Module):
