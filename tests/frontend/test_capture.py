@@ -202,6 +202,13 @@ def test_auto_balance_and_the_timeline_work_on_captured_units():
     _, grads, _ = reference_gradients(case, model, inputs, targets, pipe.chunks)
     error, where = worst_error(pipe.named_parameters(remove_duplicate=False), grads)
     assert error <= 1e-10, (where, error)
+    # The planner profiles the units like any layers.
+    _, units = captured("hf-llama")
+    plan = gpipe.plan(
+        units, inputs, devices=2, target=targets, loss_fn=case.loss, repeats=1, warmup=0,
+        chunks=[3], checkpoints=["never"],
+    )  # fmt: skip
+    assert plan.candidates and all(sum(c.balance) == case.units for c in plan.candidates)
 
 
 # -- clear errors -------------------------------------------------------------------------------
