@@ -490,6 +490,9 @@ def markdown(
         *_matrix_table(matrix_rows),
         "## Step time (2 processes, gloo, float32, 1F1B, M = 4, batch 16 × 32 tokens)",
         "",
+        "Both libraries run the same model cut at the same block; a ratio above 1 means gpipe's "
+        "step is the shorter one (an interval that excludes 1: beyond this machine's noise).",
+        "",
         "| model | gpipe step (s) | peer step (s) | peer / gpipe (median of rounds) | 95 % "
         "interval | rounds |",
         "|---|---|---|---|---|---|",
