@@ -356,7 +356,7 @@ def test_ties_survive_within_the_slice_and_are_rejected_across_the_cut():
 
 
 def test_configuration_errors():
-    with pytest.raises(TypeError, match=r"returned Linear, not an nn.Sequential.*nn.Sequential\("):
+    with pytest.raises(TypeError, match=r"returned Linear, not an nn.Sequential.*Pipe\.from_model"):
         build(lambda: nn.Linear(2, 2), seed=0)  # type: ignore[arg-type, return-value]
     with pytest.raises(ValueError, match=r"0\.\.2 .*got \[3, -1\]"):
         build(lambda: mlp([2, 2, 2]), seed=0, layers=[0, 3, -1])

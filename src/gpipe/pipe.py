@@ -301,6 +301,12 @@ class Pipe(nn.Module):
         if options.get("balance") == "auto":
             options.setdefault("sample", example)  # profile the units on the example
         model, origin = origin_of(model, weights, init_seed)
+        if origin is not None and options.get("balance") == "auto":
+            raise PartitionError(
+                "balance='auto' profiles the model, which needs its values, but this one is on "
+                "meta (or a function): pass balance=[units per stage], or plan on a smaller "
+                "configuration built in one process (gpipe.plan)"
+            )
         captured = capture(model, example, split=split)
         captured.origin = origin
         return cls(captured, tied=[*captured.tied, *tied], init_seed=init_seed, **options)

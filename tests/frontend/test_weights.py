@@ -12,6 +12,7 @@ from torch import nn
 
 import gpipe
 from captured_models import BUILDERS, CASES, reference_gradients, transformers, worst_error
+from gpipe.errors import PartitionError
 from gpipe.frontend import capture, materialize, origin_of
 
 pytestmark = pytest.mark.skipif(transformers is None, reason="needs gpipe[hf] (transformers)")
@@ -142,6 +143,11 @@ def test_bad_weights_are_clear(tmp_path):
         gpipe.Pipe.from_model(
             _eager("hf-llama"), CASES["hf-llama"].example(), split="model.layers",
             weights=str(tmp_path), balance=[2, 3], chunks=2,
+        )  # fmt: skip
+    with pytest.raises(PartitionError, match="balance='auto' profiles the model"):
+        gpipe.Pipe.from_model(
+            _meta("hf-llama"), CASES["hf-llama"].example(), split="model.layers",
+            balance="auto", chunks=2,
         )  # fmt: skip
     config = _eager("hf-llama").config
     config.intermediate_size = 48
