@@ -1,7 +1,9 @@
-"""No launched process outlives its launcher: stopped by SIGTERM, or killed outright."""
+"""Signals: no launched process outlives its launcher (stopped by SIGTERM, or killed
+outright), and ``gpipe train`` stopped by Ctrl-C or SIGTERM saves the step in flight."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -11,7 +13,9 @@ from pathlib import Path
 
 import pytest
 
-SRC = Path(__file__).parents[2] / "src"
+from gpipe import checkpoint as ckpt
+from train_runs import SRC, losses
+
 LONG_JOB = """
 import time, gpipe
 
@@ -75,3 +79,48 @@ def _cmdline(pid: int) -> str:
         return Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")
     except OSError:
         return ""
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize(
+    ("how", "code"), [("ctrl-c", 130), ("sigterm", 143)], ids=["ctrl-c", "sigterm"]
+)
+def test_a_signal_saves_the_step_in_flight_and_leaves_no_process(cache, tmp_path, how, code):
+    import signal as signals
+    import time
+
+    out = tmp_path / "stopped"
+    env = {**os.environ, "GPIPE_CACHE_DIR": str(cache), "PYTHONPATH": str(SRC)}
+    for variable in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(variable, None)
+    argv = ["train", "--size", "tiny", "--steps", "5000", "--save-every", "0", "--eval-every",
+            "0", "--sample-tokens", "0", "--progress", "lines", "--out", str(out)]  # fmt: skip
+    job = subprocess.Popen(
+        [sys.executable, "-m", "gpipe", *argv],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,  # its own process group, as a terminal gives a job
+    )  # fmt: skip
+    try:
+        for line in job.stdout:
+            if line.startswith("step    10/"):
+                break
+        if how == "ctrl-c":
+            os.killpg(job.pid, signals.SIGINT)  # what a terminal does: every process
+        else:
+            job.send_signal(signals.SIGTERM)  # what Slurm or Kubernetes does: the launcher
+        started = time.monotonic()
+        assert job.wait(timeout=60) == code, job.stderr.read()
+        assert time.monotonic() - started < 30
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(job.pid, signals.SIGKILL)
+    manifest = ckpt.read_manifest(out)
+    assert manifest["step"] >= 10  # at most the step in flight was lost
+    assert len(losses(out)) == manifest["step"]
+    deadline = time.monotonic() + 10  # multiprocessing's resource tracker exits last
+    while time.monotonic() < deadline:
+        leftover = subprocess.run(["pgrep", "-a", "-s", str(job.pid)], capture_output=True)
+        if not leftover.stdout.strip():
+            break
+        time.sleep(0.2)
+    assert not leftover.stdout.strip(), leftover.stdout.decode()
