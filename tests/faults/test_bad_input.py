@@ -37,6 +37,15 @@ def test_a_timeout_must_be_a_finite_number_of_seconds(timeout):
         (["--model", "resnet", "--seq", "8"], "--seq applies to --model gpt only"),
         (["--timeout", "inf"], "--timeout must be positive (finite)"),
         (["--timeout", "-1"], "--timeout must be positive (finite)"),
+        (
+            ["--size", "tiny", "--seq", "1000000"],  # 2 x 2 heads x 10^12 scores: 29 TiB
+            "--seq 1000000, --batch 8 (--chunks 4): one micro-batch of 2 samples needs at least",
+        ),
+        (["--size", "tiny", "--batch", str(10**12)], f"--batch {10**12} (--chunks 4)"),
+        (
+            ["--size", "tiny", "--replicas", "100000", "--batch", "100000", "--chunks", "1"],
+            "= 200000 processes need about",
+        ),
     ],
 )
 def test_bad_input_is_a_clear_error(argv, message, capsys, tmp_path):
