@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import pickle
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
@@ -30,6 +31,14 @@ import torch.distributed as dist
 from gpipe.errors import PipelineError
 
 __all__ = ["Collectives"]
+
+# The backend's worker thread (gloo's) lets go of a collective's work a moment after wait()
+# returns. Had Python dropped its own reference first, that thread frees the work's tensors,
+# which takes the GIL; at interpreter exit, a thread that takes the GIL is stopped inside
+# torch's C++ code, which aborts the process ("terminate called without an active
+# exception", seen at the exit of ranks after a failed step). The latest works stay
+# referenced here, so that Python's own thread frees them.
+_recent: deque[Any] = deque(maxlen=32)
 
 
 class Collectives:
@@ -53,7 +62,9 @@ class Collectives:
         began = time.monotonic()
         try:
             works = start()
-            for work in works if isinstance(works, Sequence) else [works]:
+            works = list(works) if isinstance(works, Sequence) else [works]
+            _recent.extend(works)
+            for work in works:
                 # A second more than the operation's own timeout, which ends it (see above)
                 left = self.timeout + 1.0 - (time.monotonic() - began)
                 work.wait(timeout=timedelta(seconds=max(left, 0.001)))
