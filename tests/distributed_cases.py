@@ -260,10 +260,16 @@ def faulty_backward(rank, stages, fault_stage, at, schedule, checkpoint, timeout
 
     pipe = gpipe.Pipe(factory, balance=[2] * stages, chunks=4, group=dist.group.WORLD,
                       timeout=timeout, schedule=schedule, checkpoint=checkpoint)  # fmt: skip
-    start = time.monotonic()
+    return _outcome(lambda: pipe.step(torch.randn(8, 8), torch.randn(8, 8), F.mse_loss))
+
+
+def _outcome(call, start: float | None = None) -> dict:
+    """What ``call()`` raised (type, message, the rank it names) and the seconds it took,
+    counted from ``start`` (default: now)."""
+    start = time.monotonic() if start is None else start
     try:
-        pipe.step(torch.randn(8, 8), torch.randn(8, 8), F.mse_loss)
-    except BaseException as error:
+        call()
+    except BaseException as error:  # what each rank raised is the test's subject
         return {
             "type": type(error).__name__,
             "message": str(error),
@@ -360,17 +366,7 @@ def stalled(rank, before, how, timeout, out=None):
         call = (lambda: pipe.step(x, y, F.mse_loss)) if before == "step" else (
             lambda: pipe.clip_grad_norm_(1.0)
         )  # fmt: skip
-    start = _stall_or_die(how, timeout) if rank == 1 else time.monotonic()
-    try:
-        call()
-    except BaseException as error:
-        return {
-            "type": type(error).__name__,
-            "message": str(error),
-            "rank": getattr(error, "rank", None),
-            "seconds": time.monotonic() - start,
-        }
-    return {"type": None, "seconds": time.monotonic() - start}
+    return _outcome(call, start=_stall_or_die(how, timeout) if rank == 1 else None)
 
 
 def carries_on(rank, timeout):
