@@ -24,15 +24,23 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
-from distributed_cases import disagreeing, faulty, faulty_backward, nonfinite  # noqa: E402
+from distributed_cases import (  # noqa: E402
+    carries_on,
+    disagreeing,
+    faulty,
+    faulty_backward,
+    nonfinite,
+    stalled,
+)
 from gpipe import checkpoint as ckpt  # noqa: E402
 from gpipe.parallel.launch import LaunchError, launch  # noqa: E402
 
 TIMEOUT = 20.0  # the pipeline's timeout in the library cases
 
 
-def library_case(fn, nprocs, args, *, expect_kill=False):
-    """(seconds until every rank raised, each rank's error type, processes left)."""
+def library_case(fn, nprocs, args, *, expect_kill=False, messages=None):
+    """(seconds until every rank raised, each rank's error type, processes left); each
+    rank's message goes into the list ``messages``, if given."""
     started = time.monotonic()
     try:
         outcomes = launch(fn, nprocs, args=args, timeout=TIMEOUT + 10, grace=TIMEOUT + 5)
@@ -41,6 +49,8 @@ def library_case(fn, nprocs, args, *, expect_kill=False):
             raise
         outcomes = [error.results.get(r, {"type": "killed", "seconds": 0.0}) for r in range(nprocs)]
     wall = time.monotonic() - started
+    if messages is not None:
+        messages.extend(o.get("message", "") for o in outcomes)
     worst = max(o.get("seconds", 0.0) for o in outcomes)
     types = ",".join(str(o["type"]) for o in outcomes)
     return worst, wall, types, len(multiprocessing.active_children())
@@ -79,13 +89,63 @@ def rows_library() -> list[tuple]:
     return rows
 
 
-def gpipe_train(*argv, cache: Path) -> subprocess.Popen:
+def rows_stalls(work: Path) -> list[tuple]:
+    """A rank alive but silent (it sleeps past the timeout) before each collective a Pipe's
+    user reaches outside the schedule; a rank that carries on after its own error."""
+    rows = []
+    cases = [
+        ("clip", "clip_grad_norm_", "the clip_grad_norm_ all-reduce"),
+        ("step", "the next step", "the step-seed broadcast"),
+        ("save", "gpipe train's checkpoint save", "the checkpoint barrier"),
+    ]
+    os.environ["GPIPE_CACHE_DIR"] = str(work / "cache")
+    for before, where, operation in cases:
+        messages: list[str] = []
+        args = (before, "stall", TIMEOUT, str(work / f"stall-{before}"))
+        worst, wall, types, left = library_case(stalled, 2, args, messages=messages)
+        named = operation in messages[0] and "rank 1 did not arrive" in messages[0]
+        promise = (
+            f"the other rank raises within timeout + 5 s, naming {operation} and rank 1; "
+            "the stalled one as soon as it wakes"
+        )
+        rows.append((f"rank 1 stalled before {where}", promise, worst, wall, types, left,
+                     worst <= TIMEOUT + 5 and named and left == 0))  # fmt: skip
+    worst, wall, types, left = library_case(carries_on, 2, (TIMEOUT,))
+    rows.append(("every rank catches its error and carries on (clip_grad_norm_, a step)",
+                 "each later call raises at once", worst, wall, types, left,
+                 worst <= 1.0 and "None" not in types and left == 0))  # fmt: skip
+    return rows
+
+
+def _env(cache: Path) -> dict[str, str]:
     env = {**os.environ, "GPIPE_CACHE_DIR": str(cache), "PYTHONPATH": str(ROOT / "src")}
     for variable in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(variable, None)
+    return env
+
+
+def _run_until_step(job: subprocess.Popen, step: int) -> int:
+    """Read the job's progress lines until it has printed ``step``; the last one printed."""
+    last = 0
+    for line in job.stdout:
+        if line.startswith("step ") and "/5000" in line:
+            last = int(line.split()[1].split("/")[0])
+            if last >= step:
+                break
+    return last
+
+
+def _saved_step(out: Path) -> int:
+    try:
+        return ckpt.read_manifest(out)["step"]
+    except ckpt.CheckpointError:
+        return 0
+
+
+def gpipe_train(*argv, cache: Path) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "gpipe", "train", *argv],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=_env(cache), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         start_new_session=True,
     )  # fmt: skip
 
@@ -111,21 +171,13 @@ def rows_signals(work: Path) -> list[tuple]:
         job = gpipe_train("--size", "tiny", "--steps", "5000", "--save-every", "0",
                           "--eval-every", "0", "--sample-tokens", "0", "--progress", "lines",
                           "--out", str(out), cache=work / "cache")  # fmt: skip
-        last = 0
-        for line in job.stdout:
-            if line.startswith("step ") and "/5000" in line:
-                last = int(line.split()[1].split("/")[0])
-                if last >= 20:
-                    break
+        last = _run_until_step(job, 20)
         send(job)
         started = time.monotonic()
         code = job.wait(timeout=120)
         seconds = time.monotonic() - started
         left = left_in(job.pid)
-        try:
-            saved = ckpt.read_manifest(out)["step"]
-        except ckpt.CheckpointError:
-            saved = 0
+        saved = _saved_step(out)
         lost = f"{max(0, last - saved)}+ (last step printed {last}, saved {saved})"
         promise = "exit 130/143 after saving the step in flight; no process left"
         if expected < 0:
@@ -133,6 +185,52 @@ def rows_signals(work: Path) -> list[tuple]:
         held = left == 0 and code == expected and (expected < 0 or saved >= last)
         rows.append((name, promise, seconds, seconds, f"exit {code}, lost {lost}", left, held))
     return rows
+
+
+# Each rank of `gpipe train` under torchrun, which reports its own exit code to a file: torchrun,
+# stopping on a signal, says nothing of its workers' codes.
+_RANK = """
+import os, sys
+from gpipe.__main__ import main
+try:
+    code = main(sys.argv[1:])
+except SystemExit as stop:
+    code = stop.code
+with open(os.environ["EXIT_CODES"], "a") as codes:
+    codes.write(f"{os.environ['RANK']} {code}\\n")
+sys.exit(code)
+"""
+
+
+def rows_torchrun(work: Path) -> list[tuple]:
+    """SIGTERM to torchrun, which forwards it to the ranks of `gpipe train`."""
+    script, codes, out = work / "rank.py", work / "exit-codes.txt", work / "torchrun"
+    script.write_text(_RANK)
+    job = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(script),
+         "train", "--size", "tiny", "--steps", "5000", "--save-every", "0", "--eval-every", "0",
+         "--sample-tokens", "0", "--progress", "lines", "--timeout", str(TIMEOUT),
+         "--out", str(out)],
+        env={**_env(work / "cache"), "EXIT_CODES": str(codes)}, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    last = _run_until_step(job, 20)
+    job.send_signal(signal.SIGTERM)
+    started = time.monotonic()
+    code = job.wait(timeout=120)
+    seconds = time.monotonic() - started
+    left = left_in(job.pid)
+    saved = _saved_step(out)
+    ranks = sorted(codes.read_text().split("\n")) if codes.exists() else []
+    ranks = [line.split()[1] for line in ranks if line]
+    outcome = (
+        f"ranks exit {','.join(ranks) or '?'} (torchrun {code}), "
+        f"lost {max(0, last - saved)}+ (last step printed {last}, saved {saved})"
+    )
+    held = ranks == ["143", "143"] and saved >= last and left == 0 and seconds <= TIMEOUT
+    return [("SIGTERM to torchrun (forwarded to the 2 ranks of gpipe train)",
+             "each rank saves the step in flight and exits 143 within the timeout; no process "
+             "left", seconds, seconds, outcome, left, held)]  # fmt: skip
 
 
 def rows_checkpoints(work: Path) -> list[tuple]:
@@ -172,7 +270,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="gpipe-faults-"))
-    rows = rows_library() + rows_signals(work) + rows_checkpoints(work)
+    rows = rows_library() + rows_stalls(work) + rows_signals(work) + rows_torchrun(work)
+    rows += rows_checkpoints(work)
     shutil.rmtree(work, ignore_errors=True)
     lines = [
         "| case | promise | every rank raised (s) | whole run, start-up included (s) | outcome | "
@@ -198,8 +297,11 @@ def main() -> None:
             'would. "Every rank raised": library cases, the slowest rank\'s time from the start '
             "of the failing step to its exception; command-line cases, from the signal (or the "
             "resume command) until the job had exited. Processes left: the job's processes "
-            "still alive afterwards. Not covered yet: a rank that stalls (alive, silent) before "
-            "a collective outside the schedule, and SIGTERM forwarded by torchrun.\n\n"
+            "still alive afterwards. A stalled rank sleeps for the timeout + 3 s; its own time "
+            "counts from when it wakes. Not covered yet: these cases on NCCL (no GPU here), a "
+            "machine that drops off the network (rather than a process), and stalls before "
+            "the data-parallel all-reduce and the tied-weight exchange, which wait through the "
+            "same bounded path as clip_grad_norm_.\n\n"
             "Regenerate: `python benchmarks/faults.py --out docs/reliability.md`\n\n"
             + "\n".join(lines)
             + f"\n\n{summary}\n"

@@ -6,6 +6,7 @@ Every function returns plain data; the references are computed by the tests.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -259,10 +260,16 @@ def faulty_backward(rank, stages, fault_stage, at, schedule, checkpoint, timeout
 
     pipe = gpipe.Pipe(factory, balance=[2] * stages, chunks=4, group=dist.group.WORLD,
                       timeout=timeout, schedule=schedule, checkpoint=checkpoint)  # fmt: skip
-    start = time.monotonic()
+    return _outcome(lambda: pipe.step(torch.randn(8, 8), torch.randn(8, 8), F.mse_loss))
+
+
+def _outcome(call, start: float | None = None) -> dict:
+    """What ``call()`` raised (type, message, the rank it names) and the seconds it took,
+    counted from ``start`` (default: now)."""
+    start = time.monotonic() if start is None else start
     try:
-        pipe.step(torch.randn(8, 8), torch.randn(8, 8), F.mse_loss)
-    except BaseException as error:
+        call()
+    except BaseException as error:  # what each rank raised is the test's subject
         return {
             "type": type(error).__name__,
             "message": str(error),
@@ -323,3 +330,67 @@ def nonfinite(rank, where):
         grads = [p.grad for p in pipe.parameters()]
         return {"type": type(error).__name__, "message": str(error), "grads": grads}
     return {"type": None}
+
+
+def _stall_or_die(how: str, timeout: float) -> float:
+    """Rank 1's fault: sleep past the timeout (alive, silent), or die at once. Returns the
+    time it woke."""
+    if how == "die":
+        os._exit(3)
+    time.sleep(timeout + 3)
+    return time.monotonic()
+
+
+def stalled(rank, before, how, timeout, out=None):
+    """Rank 1 stalls (alive, silent) or dies right before ``before``: "step" (the next
+    step's seed broadcast), "clip" (``clip_grad_norm_``'s all-reduce) or "save" (the first
+    barrier of ``gpipe train``'s checkpoint save into ``out``), after one good step.
+
+    Returns what this rank raised there and after how long; the stalled rank, once awake,
+    what its own call raised and how long that took.
+    """
+    torch.set_num_threads(1)
+    if before == "save":
+        from gpipe.train import Trainer, resolve
+
+        options = {"size": "tiny", "out": out, "timeout": timeout, "sample_tokens": 0}
+        trainer = Trainer(rank, resolve(options, world_size=2))
+        trainer.train_step(1)
+        call = lambda: trainer.save(1)  # noqa: E731
+    else:
+        model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+        pipe = gpipe.Pipe(model, balance=[2, 1], chunks=2, group=dist.group.WORLD, timeout=timeout)
+        x, y = torch.randn(4, 8), torch.randn(4, 8)
+        pipe.step(x, y, F.mse_loss)
+        pipe.clip_grad_norm_(1.0)
+        call = (lambda: pipe.step(x, y, F.mse_loss)) if before == "step" else (
+            lambda: pipe.clip_grad_norm_(1.0)
+        )  # fmt: skip
+    return _outcome(call, start=_stall_or_die(how, timeout) if rank == 1 else None)
+
+
+def carries_on(rank, timeout):
+    """Rank 1's stage raises in step 2; every rank catches its error and carries on as a
+    careless script would: ``clip_grad_norm_``, then another step. What each later call
+    raised, and the longest it took."""
+    torch.set_num_threads(1)
+
+    def factory():
+        return nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), Fault(0, "raise", 1, 2))
+
+    pipe = gpipe.Pipe(factory, balance=[2, 2], chunks=2, group=dist.group.WORLD, timeout=timeout)
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    pipe.step(x, y, F.mse_loss)
+    with contextlib.suppress(KeyError, PipelineError):
+        pipe.step(x, y, F.mse_loss)
+    raised, longest, message = [], 0.0, ""
+    for call in (lambda: pipe.clip_grad_norm_(1.0), lambda: pipe.step(x, y, F.mse_loss)):
+        start = time.monotonic()
+        try:
+            call()
+            raised.append("None")
+        except BaseException as error:
+            raised.append(type(error).__name__)
+            message = str(error)
+        longest = max(longest, time.monotonic() - start)
+    return {"type": "+".join(raised), "seconds": longest, "message": message}

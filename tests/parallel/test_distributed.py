@@ -6,7 +6,6 @@ every configuration is compared, parameter by parameter, with the un-split model
 
 from __future__ import annotations
 
-import multiprocessing
 import subprocess
 import sys
 from pathlib import Path
@@ -21,15 +20,11 @@ from distributed_cases import (
     INIT_SEED,
     batch,
     data_and_pipeline,
-    disagreeing,
-    faulty,
-    faulty_backward,
     loss_of,
-    nonfinite,
     train_steps,
 )
 from gpipe.materialize import build_full
-from gpipe.parallel.launch import LaunchError, free_port, launch
+from gpipe.parallel.launch import free_port, launch
 from reference import reference_step, relative_error, running_stats_of_unsplit_batch
 
 pytestmark = pytest.mark.timeout(600)
@@ -307,104 +302,6 @@ def test_two_machines_with_torchrun(tmp_path):
     from torchrun_job import CASE
 
     check(CASE, [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)])
-
-
-@pytest.mark.parametrize(
-    ("stages", "fault_stage", "after_steps", "ordered"),
-    [(2, 1, 0, False), (2, 0, 0, False), (3, 1, 0, False), (3, 1, 2, False), (3, 2, 2, True)],
-    ids=["last", "first", "middle", "middle-after-steady-steps", "last-nccl-order"],
-)
-def test_exception_in_one_stage_reaches_every_rank(stages, fault_stage, after_steps, ordered):
-    args = (stages, fault_stage, 2, "raise", 20.0, after_steps, ordered)
-    outcomes = launch(faulty, stages, args=args, timeout=30)
-    for rank, outcome in enumerate(outcomes):
-        assert "injected fault at micro-batch 2" in outcome["message"]
-        assert outcome["seconds"] < 20
-        if rank == fault_stage:
-            assert outcome["type"] == "KeyError"  # the original exception, unchanged
-        else:
-            assert outcome["pipeline_error"]
-            assert outcome["rank"] == fault_stage
-            assert f"rank {fault_stage}" in outcome["message"]
-    assert not multiprocessing.active_children()
-
-
-@pytest.mark.parametrize(
-    ("stages", "fault_stage", "at", "schedule", "checkpoint", "before"),
-    [
-        (2, 0, 1, "gpipe", "except_last", 0),  # stalled the others for the whole timeout
-        (2, 0, 2, "gpipe", "never", 0),
-        (2, 1, 1, "gpipe", "except_last", 0),
-        (3, 1, 2, "gpipe", "except_last", 0),
-        (3, 0, 1, "1f1b", "always", 0),
-        (2, 0, 1, "zb-h1", "except_last", 0),
-        (2, 0, 1, "gpipe", "except_last", 2),  # after two other pipelines in the processes
-    ],
-)
-def test_exception_in_a_backward_reaches_every_rank_at_once(
-    stages, fault_stage, at, schedule, checkpoint, before
-):
-    timeout = 20.0
-    args = (stages, fault_stage, at, schedule, checkpoint, timeout, before)
-    outcomes = launch(faulty_backward, stages, args=args, timeout=30)
-    for rank, outcome in enumerate(outcomes):
-        assert "injected fault in backward" in outcome["message"], outcome
-        assert outcome["seconds"] < 5, outcome  # not the timeout
-        if rank == fault_stage:
-            assert outcome["type"] == "KeyError"
-        else:
-            assert outcome["type"] == "PipelineError" and outcome["rank"] == fault_stage
-    assert not multiprocessing.active_children()
-
-
-@pytest.mark.parametrize(
-    ("setting", "expected"),
-    [
-        ("schedule", "schedule: rank 1 has"),
-        ("balance", "balance: rank 1 has '[1, 3]', rank 0 has '[2, 2]'"),
-        ("chunks", "chunks: rank 1 has '2', rank 0 has '4'"),
-        ("batch", "the targets hold 6 samples but the inputs on the first stage's rank 8"),
-    ],
-)
-def test_ranks_that_disagree_refuse_to_train(setting, expected):
-    outcomes = launch(disagreeing, 2, args=(setting,), timeout=30)
-    for outcome in outcomes:
-        assert outcome["type"] is not None and expected in outcome["message"], outcome
-        assert outcome["seconds"] < 5, outcome
-
-
-@pytest.mark.parametrize("where", ["input", "gradient"])
-def test_a_non_finite_step_is_refused_on_every_rank(where):
-    outcomes = launch(nonfinite, 2, args=(where,), timeout=30)
-    for outcome in outcomes:
-        assert outcome["type"] == "NonFiniteError", outcome
-        assert all(g is None for g in outcome["grads"])  # nothing reaches the weights
-        if where == "gradient":
-            assert "rank 0: a non-finite gradient of '0.weight'" in outcome["message"]
-        else:
-            assert "the loss is nan" in outcome["message"]
-
-
-def test_killed_rank_makes_the_others_fail_within_the_timeout():
-    with pytest.raises(LaunchError) as info:
-        launch(faulty, 2, args=(2, 1, 1, "kill", 10.0), timeout=30, grace=40)
-    error = info.value
-    assert error.failures[1] == "killed by signal 9"
-    survivor = error.results[0]
-    assert survivor["pipeline_error"], survivor
-    assert "rank 1" in survivor["message"]
-    assert survivor["seconds"] < 10 + 5
-    assert not multiprocessing.active_children()
-
-
-def test_launch_reports_the_failing_rank_and_leaves_no_process():
-    with pytest.raises(LaunchError, match=r"rank 1: ZeroDivisionError"):
-        launch(_divide_on_rank_one, 2, timeout=10)
-    assert not multiprocessing.active_children()
-
-
-def _divide_on_rank_one(rank):
-    return 1 / (1 - rank)
 
 
 def test_tied_copies_in_two_processes_stay_identical_through_training():

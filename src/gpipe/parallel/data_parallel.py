@@ -16,7 +16,6 @@ Zero gradients before each step: what was in ``.grad`` before is averaged again.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -24,6 +23,7 @@ import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from gpipe.engine.stage import Stage
+from gpipe.parallel.collectives import Collectives
 
 __all__ = ["GradientReducer"]
 
@@ -51,7 +51,7 @@ class GradientReducer:
     ) -> None:
         self.group = group
         self.size = dist.get_world_size(group)
-        self.timeout = timeout
+        self._ops = Collectives(group, timeout=timeout)
         self.bucket_bytes = bucket_bytes
         self._pending: list[tuple[Any, torch.Tensor, list[torch.Tensor]]] = []
         self._stages = list(stages)
@@ -106,7 +106,7 @@ class GradientReducer:
             grads = [p.grad for p in bucket]
             flat = _flatten_dense_tensors(grads)
             flat.div_(self.size)
-            work = dist.all_reduce(flat, group=self.group, async_op=True)
+            work = self._ops.start_all_reduce(flat)
             self._pending.append((work, flat, grads))
             self._launched[index] = self._launched.get(index, 0) + 1
 
@@ -117,7 +117,7 @@ class GradientReducer:
         pending = self._pending
         self.reset()
         for work, flat, bucket in pending:
-            work.wait(timeout=timedelta(seconds=self.timeout))
+            self._ops.wait("the data-parallel gradient all-reduce", lambda work=work: work)
             for grad, averaged in zip(bucket, _unflatten_dense_tensors(flat, bucket), strict=True):
                 grad.copy_(averaged)
 

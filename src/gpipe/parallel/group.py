@@ -12,7 +12,9 @@ touches ``torch.distributed``:
 
 A failure in one rank is announced to its peers through the transport and then agreed on
 by every rank (``fail``/``agree``), so that all ranks raise the same first error instead
-of waiting for messages that will never come.
+of waiting for messages that will never come. Every collective waits at most the Pipe's
+``timeout`` (``gpipe.parallel.collectives``): one that does not complete names itself and
+breaks the pipeline, and its rank tells the others, which then raise at once.
 """
 
 from __future__ import annotations
@@ -20,7 +22,6 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable
-from datetime import timedelta
 from typing import Any, TypeVar
 
 import torch
@@ -29,6 +30,7 @@ from gpipe import rng
 from gpipe._utils import DeviceLike
 from gpipe.engine.stage import Stage
 from gpipe.errors import NonFiniteError, PartitionError, PipelineError
+from gpipe.parallel.collectives import Collectives
 from gpipe.parallel.tied import TiedParameters
 from gpipe.schedule.builders import Schedule
 from gpipe.schedule.routes import Routes
@@ -126,9 +128,27 @@ class MultiProcess:
         self.num_ranks = dist.get_world_size(group)
         self.backend = dist.get_backend(group)
         self.broken: str | None = None  # what failed, once a step has: the ranks may disagree
+        self.steps = 0  # steps begun, for errors that say what this rank was doing
+        self.transport: DistributedTransport | None = None
+        self.ops = Collectives(group, timeout=timeout, device=self._own_device())
 
-    def _wait(self, work: Any) -> None:
-        work.wait(timeout=timedelta(seconds=self.timeout))
+    def _collective(self, run: Callable[[], T]) -> T:
+        """``run()``'s collectives, after any failure a peer announced; one that does not
+        complete breaks this pipeline, and the peers are told (they would wait in vain)."""
+        if self.transport is not None:
+            self.transport.check_notices()
+        try:
+            return run()
+        except PipelineError as error:
+            if self.broken is None:
+                self.broken = str(error)
+                if self.transport is not None:
+                    others = [r for r in range(self.num_ranks) if r != self.rank]
+                    self.transport.announce_failure(
+                        {"rank": others[0] if len(others) == 1 else self.rank,
+                         "message": str(error), "gave_up": True}
+                    )  # fmt: skip
+            raise
 
     # -- devices and stages -------------------------------------------------------------------
 
@@ -164,7 +184,7 @@ class MultiProcess:
             routes=routes,
             receive_ahead=self.receive_ahead,
         )
-        self.wire = self.transport.wire_device  # where collectives' tensors live
+        self.wire = self.ops.device = self.transport.wire_device  # collectives' tensors
         return self.transport
 
     def _global(self, rank: int) -> int:
@@ -182,15 +202,21 @@ class MultiProcess:
         """
         drawn = rng.draw_step_seed() if seed is None else seed
         values = torch.tensor([drawn, -1 if batch is None else batch], dtype=torch.int64)
-        values = values.to(self.wire)
-        self._wait(self._dist.broadcast(values, self._global(0), self.group, async_op=True))
+        self.steps += 1
+        doing = f"starting step {self.steps} of this Pipe"
+        values = self._collective(
+            lambda: self.ops.broadcast(values, "the step-seed broadcast", doing=doing)
+        )
         first_batch = int(values[1])
         return int(values[0]), (None if first_batch < 0 else first_batch)
 
     def check_same(self, configuration: dict[str, Any]) -> None:
         """Refuse to start unless every rank was given the same configuration."""
-        everyone: list[Any] = [None] * self.num_ranks
-        self._dist.all_gather_object(everyone, configuration, group=self.group)
+        everyone = self._collective(
+            lambda: self.ops.all_gather_object(
+                configuration, "the configuration check (all-gather)", doing="building the Pipe"
+            )
+        )
         differences = [
             f"- {key}: rank {rank} has {theirs[key]!r}, rank 0 has {everyone[0][key]!r}"
             for rank, theirs in enumerate(everyone)
@@ -206,25 +232,18 @@ class MultiProcess:
     def _gather(self, value: float, failed: int, troubled: bool = False) -> torch.Tensor:
         """Every rank's (value, failed rank + 1 or 0, non-finite gradient), one row per
         pipeline rank."""
-        rows = torch.zeros(self.num_ranks, 3, dtype=torch.float64, device=self.wire)
+        rows = torch.zeros(self.num_ranks, 3, dtype=torch.float64)
         rows[self.rank] = torch.tensor([value, failed + 1, troubled], dtype=torch.float64)
         # each row is set by one rank only: a sum gathers them
-        self._wait(self._dist.all_reduce(rows, group=self.group, async_op=True))
-        return rows.cpu()
+        doing = f"ending step {self.steps} of this Pipe"
+        return self.ops.all_reduce(rows, "the end-of-step agreement (all-reduce)", doing=doing)
 
     def agree(self, local_loss: torch.Tensor | None, trouble: str | None) -> torch.Tensor:
         """The loss on every rank (it lives on the last stage's), and a last health check:
         a failure, or a non-finite loss or gradient (``trouble``) anywhere, refuses the
         step on every rank."""
         value = float(local_loss) if local_loss is not None else 0.0
-        try:
-            rows = self._gather(value, failed=-1, troubled=trouble is not None)
-        except Exception as error:
-            self.broken = f"a rank did not reach the end of the step: {error}"
-            raise PipelineError(
-                f"rank {self.rank}: the pipeline group did not complete the step "
-                f"(a process died or stalled?): {error}"
-            ) from error
+        rows = self._collective(lambda: self._gather(value, -1, troubled=trouble is not None))
         if rows[:, 1].any():
             self._raise_remote(rows)
         loss = float(rows[self.schedule.stage_to_rank[-1], 0])
@@ -236,6 +255,11 @@ class MultiProcess:
 
     def fail(self, error: BaseException, stages: list[Stage]) -> None:
         """Tell the other ranks this step failed here (or upstream), then agree on who."""
+        if self.broken is not None or self.transport.peer_gave_up():
+            # A collective of this step failed here (the peers have been told), or a peer's
+            # did: nobody would come to agree.
+            self.broken = self.broken or str(error)
+            return
         if isinstance(error, PipelineError) and error.rank is not None:
             origin, message = error.rank, str(error)
         else:
@@ -253,9 +277,13 @@ class MultiProcess:
             pass  # the peers have the announcement; the original error is what we raise
 
     def _share_failures(self, message: str) -> list[str]:
-        messages: list[str] = [""] * self.num_ranks
-        self._dist.all_gather_object(messages, message, group=self.group)
-        return messages
+        try:
+            return self.ops.all_gather_object(
+                message, "the gather of failure messages", doing=f"ending step {self.steps}"
+            )
+        except PipelineError as error:
+            self.broken = self.broken or str(error)
+            raise
 
     def _raise_remote(self, rows: torch.Tensor) -> None:
         origin = int(rows[rows[:, 1] > 0, 1].min().item()) - 1
@@ -269,11 +297,18 @@ class MultiProcess:
 
         Replicas hold equal gradients after averaging: reducing over the pipeline suffices.
         """
-        dist = self._dist
-        op = dist.ReduceOp.MAX if maximum else dist.ReduceOp.SUM
-        wire = local.reshape(1).to(self.wire)
-        self._wait(dist.all_reduce(wire, op=op, group=self.group, async_op=True))
-        return wire.reshape(()).to(local.device)
+        if self.broken is not None:
+            raise PipelineError(
+                f"rank {self.rank}: clip_grad_norm_ after a failed step ({self.broken}); "
+                "build a new Pipe"
+            )
+        doing = f"clip_grad_norm_ after step {self.steps} of this Pipe"
+        total = self._collective(
+            lambda: self.ops.all_reduce(
+                local.reshape(1), "the clip_grad_norm_ all-reduce", maximum=maximum, doing=doing
+            )
+        )
+        return total.reshape(())
 
     def exchange(
         self, holders: list[int], mine: dict[int, torch.Tensor]
@@ -295,8 +330,12 @@ class MultiProcess:
             ops.append(dist.P2POp(dist.isend, tensor, peer, self.group))
             ops.append(dist.P2POp(dist.irecv, received[other], peer, self.group))
         if ops:
-            for work in dist.batch_isend_irecv(ops):
-                self._wait(work)
+            doing = f"step {self.steps} of this Pipe" if self.steps else "building the Pipe"
+            self._collective(
+                lambda: self.ops.wait(
+                    "the tied-weight exchange", lambda: dist.batch_isend_irecv(ops), doing=doing
+                )
+            )
         return received
 
     def tie(self, tied: TiedParameters) -> None:
@@ -309,9 +348,13 @@ class MultiProcess:
 
     def decide(self, choose: Callable[[], T]) -> T:
         """``choose()`` on rank 0, its answer on every rank (timings differ by process)."""
-        found: list[Any] = [choose() if self.rank == 0 else None]
-        self._dist.broadcast_object_list(found, src=self._global(0), group=self.group)
-        return found[0]
+        return self._collective(
+            lambda: self.ops.broadcast_object(
+                choose() if self.rank == 0 else None,
+                "the broadcast of the automatic balance (balance='auto')",
+                doing="building the Pipe",
+            )
+        )
 
 
 def _refuse_nonfinite(loss: float, troubles: list[str]) -> None:

@@ -2,8 +2,9 @@
 
 The layers above (the training job, the planner) use these instead of
 ``torch.distributed``, which only ``gpipe.parallel`` and ``gpipe.transport`` import. Every
-collective here is over the pipeline group, the data-parallel group or the world; values
-are small host-side numbers and objects (losses, counts, traces, manifests).
+collective is over the pipeline group, the data-parallel group or the world, through
+``gpipe.parallel.collectives`` (each bounded by the job's timeout, named when it fails);
+values are small host-side numbers and objects (losses, counts, traces, manifests).
 """
 
 from __future__ import annotations
@@ -18,19 +19,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = [
-    "Mesh",
-    "all_gather_object",
-    "barrier",
-    "broadcast_object",
-    "broadcast_tensor",
-    "ensure_world",
-    "leave_world",
-    "ping_pong",
-    "all_sum",
-    "world",
-    "world_rank",
-]
+from gpipe.parallel.collectives import Collectives
+
+__all__ = ["Mesh", "ensure_world", "leave_world", "ping_pong", "world", "world_collectives"]
 
 
 def world() -> Any:
@@ -52,61 +43,43 @@ def leave_world() -> None:
         dist.destroy_process_group()
 
 
-def world_rank() -> int:
-    return dist.get_rank()
-
-
-def barrier() -> None:
-    dist.barrier()
-
-
-def broadcast_object(value: Any, *, src: int = 0, group: Any = None) -> Any:
-    """``value`` as the process of global rank ``src`` has it, on every process of ``group``."""
-    box = [value]
-    dist.broadcast_object_list(box, src=src, group=group)
-    return box[0]
-
-
-def all_gather_object(value: Any, group: Any = None) -> list[Any]:
-    """Every process's ``value``, by its rank in ``group`` (default: the world)."""
-    gathered: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, value, group=group)
-    return gathered
-
-
-def all_sum(tensor: torch.Tensor, group: Any = None) -> torch.Tensor:
-    """Sum ``tensor`` in place over ``group`` (default: the world); returns it."""
-    dist.all_reduce(tensor, group=group)
-    return tensor
-
-
-def broadcast_tensor(tensor: torch.Tensor, *, src: int, group: Any = None) -> torch.Tensor:
-    """Overwrite ``tensor`` in place with the one of global rank ``src``; returns it."""
-    dist.broadcast(tensor, src=src, group=group)
-    return tensor
+def world_collectives(timeout: float) -> Collectives:
+    """The job's collectives over every process, each bounded by ``timeout`` seconds."""
+    return Collectives(world(), timeout=timeout)
 
 
 @dataclass(frozen=True)
 class Mesh:
-    """The world as ``replicas`` × ``stages``: a pipeline group and a data-parallel group.
+    """The world as ``replicas`` × ``stages``: a pipeline group and a data-parallel group,
+    with their collectives (``everyone``, ``pipeline``, ``data``), each bounded by
+    ``timeout`` seconds.
 
-    Rank ``r`` is stage ``r % stages`` of replica ``r // stages``. ``dp`` is ``None`` with
-    one replica.
+    Rank ``r`` is stage ``r % stages`` of replica ``r // stages``. ``dp`` and ``data`` are
+    ``None`` with one replica.
     """
 
     stages: int
     replicas: int
     pp: Any
     dp: Any
+    timeout: float
 
     @classmethod
-    def build(cls, stages: int, replicas: int, device_type: str = "cpu") -> Mesh:
+    def build(cls, stages: int, replicas: int, *, timeout: float, device_type: str = "cpu") -> Mesh:
         if replicas == 1:
-            return cls(stages, replicas, world(), None)
+            return cls(stages, replicas, world(), None, timeout)
         from torch.distributed.device_mesh import init_device_mesh
 
         mesh = init_device_mesh(device_type, (replicas, stages), mesh_dim_names=("dp", "pp"))
-        return cls(stages, replicas, mesh.get_group("pp"), mesh.get_group("dp"))
+        return cls(stages, replicas, mesh.get_group("pp"), mesh.get_group("dp"), timeout)
+
+    @property
+    def everyone(self) -> Collectives:
+        return world_collectives(self.timeout)
+
+    @property
+    def pipeline(self) -> Collectives:
+        return Collectives(self.pp, timeout=self.timeout)
 
     @property
     def pp_rank(self) -> int:
@@ -116,13 +89,16 @@ class Mesh:
         """The global rank of pipeline rank ``pp_rank`` of this process's replica."""
         return dist.get_global_rank(self.pp, pp_rank)
 
-    def sum_over_pipeline(self, value: float) -> float:
-        return float(all_sum(torch.tensor([float(value)], dtype=torch.float64), self.pp))
+    def sum_over_pipeline(self, value: float, operation: str) -> float:
+        total = torch.tensor([float(value)], dtype=torch.float64)
+        return float(self.pipeline.all_reduce(total, operation))
 
-    def mean_over_replicas(self, value: float) -> float:
+    def mean_over_replicas(self, value: float, operation: str, *, doing: str = "") -> float:
         if self.dp is None:
             return value
-        total = all_sum(torch.tensor([float(value)], dtype=torch.float64), self.dp)
+        replicas = Collectives(self.dp, timeout=self.timeout)
+        total = replicas.all_reduce(torch.tensor([float(value)], dtype=torch.float64), operation,
+                                    doing=doing)  # fmt: skip
         return float(total) / self.replicas
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from gpipe.parallel.launch import LaunchError, launch
-from gpipe.parallel.mesh import barrier, broadcast_object, ensure_world, leave_world
+from gpipe.parallel.mesh import ensure_world, leave_world, world_collectives
 from gpipe.train.config import ConfigError, TrainConfig
 from gpipe.train.report import write_json
 from gpipe.train.trainer import Trainer
@@ -96,10 +96,11 @@ def run_under_torchrun(config: TrainConfig) -> dict[str, Any] | None:
     rank = ensure_world("gloo", timeout=config.timeout)
     try:
         # Every rank resolved the same options; only rank 0's clock named the output folder.
-        config = broadcast_object(config)
+        everyone = world_collectives(config.timeout)
+        config = everyone.broadcast_object(config, "the broadcast of rank 0's options")
         if rank == 0:
             prepare(config)
-        barrier()
+        everyone.barrier("the barrier after preparing the data", doing="starting")
         return train(rank, config)
     finally:
         leave_world()

@@ -92,6 +92,15 @@ class Task:
         """Units of throughput per sample."""
         return 1
 
+    # The options that size a micro-batch's activations, named when they cannot fit.
+    size_options: ClassVar[tuple[str, ...]] = ("batch",)
+
+    def activation_floor(self, args: dict[str, Any], micro_batch: int) -> tuple[int, str]:
+        """A lower bound of the bytes that one micro-batch of ``micro_batch`` samples needs
+        in the model's largest layer, and what they are: no cut, schedule or
+        re-materialization brings a rank below it."""
+        raise NotImplementedError
+
     def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(output.float(), target)
 
@@ -150,6 +159,14 @@ class LanguageModel(Task):
 
     def samples(self, seq: int) -> int:
         return seq
+
+    size_options = ("seq", "batch")
+
+    def activation_floor(self, args: dict[str, Any], micro_batch: int) -> tuple[int, str]:
+        # Attention holds its scores and their softmax, (B, heads, T, T) each, in float32.
+        seq, heads = args["context"], args["n_heads"]
+        scores = micro_batch * heads * seq * seq * 4 * 2
+        return scores, f"{micro_batch} x {heads} heads x {seq}^2 attention scores and softmax"
 
     def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(output.float().flatten(0, 1), target.flatten(), ignore_index=-100)
@@ -215,6 +232,13 @@ class Digits(Task):
     def correct(self, output: torch.Tensor, target: torch.Tensor) -> int:
         return int((output.argmax(-1) == target).sum())
 
+    def activation_floor(self, args: dict[str, Any], micro_batch: int) -> tuple[int, str]:
+        # A convolution's output: (B, channels, 8, 8) float32, its input as large.
+        channels = args["channels"]
+        return micro_batch * channels * 64 * 4 * 2, (
+            f"{micro_batch} x {channels} channels x 8 x 8 of a convolution's input and output"
+        )
+
 
 class HFLlama(LanguageModel):
     """A Hugging Face Llama (random, byte-level) on the same corpus, pipelined as it is:
@@ -247,6 +271,10 @@ class HFLlama(LanguageModel):
 
     def units(self, args: dict[str, Any]) -> int:
         return args["num_hidden_layers"] + 2  # embedding (and rotary, mask), blocks, head
+
+    def activation_floor(self, args: dict[str, Any], micro_batch: int) -> tuple[int, str]:
+        shape = {"context": args["max_position_embeddings"], "n_heads": args["num_attention_heads"]}
+        return super().activation_floor(shape, micro_batch)
 
     def pipe(self, args: dict[str, Any], **options: Any) -> Pipe:
         example = torch.zeros(2, args["max_position_embeddings"], dtype=torch.int64)

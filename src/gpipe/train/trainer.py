@@ -29,7 +29,7 @@ from gpipe import timeline
 from gpipe.data import EpochSampler, hash_seed
 from gpipe.engine.memory import measure_activations
 from gpipe.errors import NonFiniteError
-from gpipe.parallel.mesh import Mesh, all_gather_object, all_sum, barrier, broadcast_tensor
+from gpipe.parallel.mesh import Mesh
 from gpipe.partition import even_balance
 from gpipe.train.config import TrainConfig, model_spec, num_layers
 from gpipe.train.report import Metrics, Reporter, plot_losses, write_json
@@ -49,7 +49,7 @@ class Trainer:
         self.rank, self.out, self.task = rank, Path(config.out), config.task
         threads = c.threads or max(1, len(os.sched_getaffinity(0)) // c.world_size)
         torch.set_num_threads(threads)
-        self.mesh = Mesh.build(c.stages, c.replicas)
+        self.mesh = Mesh.build(c.stages, c.replicas, timeout=c.timeout)
         self.replica = rank // c.stages
         self.spec = model_spec(c)
         self.layers = num_layers(self.spec)
@@ -76,7 +76,6 @@ class Trainer:
         self.start = 0
         if c.resume:
             self._load(c.resume)
-        self.last_global_rank = self.mesh.global_rank(self.pipe.schedule.stage_to_rank[-1])
         self.show = Reporter(c, rank == 0)
         self.autocast = (
             functools.partial(torch.autocast, "cpu", dtype=torch.bfloat16)
@@ -85,7 +84,7 @@ class Trainer:
         )
         self.step_times: list[float] = []
         self.skipped = 0  # steps refused for a non-finite loss or gradient
-        self.signals = _Signals()
+        self.signals = _Signals(self.mesh)
         self.measured: dict[str, Any] = {}  # of the traced step: bubble, memory per rank
 
     def _optimizer(self) -> torch.optim.Optimizer | None:
@@ -120,7 +119,9 @@ class Trainer:
         """Train from the start (or the resumed step) to ``config.steps``; rank 0 returns the
         summary, the other ranks None."""
         c = self.config
-        parameters = self.mesh.sum_over_pipeline(sum(p.numel() for p in self.pipe.parameters()))
+        parameters = self.mesh.sum_over_pipeline(
+            sum(p.numel() for p in self.pipe.parameters()), "the parameter count (all-reduce)"
+        )
         self.show.header(
             parameters=int(parameters), layers=self.layers, balance=self.balance,
             data=self.data.description, start=self.start,
@@ -147,7 +148,7 @@ class Trainer:
                 record.update(self.evaluate())
                 self.show.validation(step, record)
             metrics.write(record)
-            stop = self.signals.agreed()  # Ctrl-C or SIGTERM on any rank
+            stop = self.signals.agreed(step)  # Ctrl-C or SIGTERM on any rank
             if _due(c.save_every, step, c.steps) or (stop and c.save_on_exit):
                 self.show.note(f"step {step}: checkpoint {self.save(step)}")
             if stop:
@@ -183,7 +184,9 @@ class Trainer:
         if self.optimizer is not None:
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
-        loss = self.mesh.mean_over_replicas(float(loss))
+        loss = self.mesh.mean_over_replicas(
+            float(loss), "the loss average over replicas", doing=f"step {step}"
+        )
         seconds = time.perf_counter() - tick
         self.step_times.append(seconds)
         if traced:
@@ -243,7 +246,7 @@ class Trainer:
                         )
         finally:
             self.pipe.train()
-        all_sum(totals)
+        totals = self.mesh.everyone.all_reduce(totals, "the validation loss sum (all-reduce)")
         result = {"val_loss": float(totals[0] / totals[1])}
         if self.task.classifies:
             result["val_accuracy"] = float(totals[2] / totals[1])
@@ -261,6 +264,7 @@ class Trainer:
         prompt = torch.tensor(list(c.prompt.encode()) or [10], dtype=torch.int64)
         tokens = prompt.repeat(c.chunks, 1)  # (M, T)
         generator = torch.Generator().manual_seed(hash_seed(c.seed, -1))
+        last_rank = self.pipe.schedule.stage_to_rank[-1]
         self.pipe.eval()
         try:
             with torch.no_grad(), self.autocast():
@@ -271,7 +275,9 @@ class Trainer:
                         logits = self.task.logits(out)
                         probs = F.softmax(logits[:, -1, :].float() / c.temperature, dim=-1)
                         chosen = torch.multinomial(probs, 1, generator=generator)
-                    broadcast_tensor(chosen, src=self.last_global_rank, group=self.mesh.pp)
+                    chosen = self.mesh.pipeline.broadcast(
+                        chosen, "the broadcast of a sampled byte", src=last_rank
+                    )
                     tokens = torch.cat([tokens, chosen], dim=1)
         finally:
             self.pipe.train()
@@ -297,13 +303,13 @@ class Trainer:
             # ru_maxrss is in KiB on Linux
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         }
-        return {"memory_per_rank": all_gather_object(local, self.mesh.pp)}
+        gathered = self.mesh.pipeline.all_gather_object(local, "the memory report gather")
+        return {"memory_per_rank": gathered}
 
     def _save_timeline(self) -> float | None:
         """Rank 0 saves the traced step's timeline; returns its measured bubble fraction."""
-        events = [
-            e for trace in all_gather_object(self.pipe.last_trace, self.mesh.pp) for e in trace
-        ]
+        traces = self.mesh.pipeline.all_gather_object(self.pipe.last_trace, "the timeline gather")
+        events = [e for trace in traces for e in trace]
         if self.rank != 0:
             return None
         start, end = min(e.start for e in events), max(e.end for e in events)
@@ -324,9 +330,10 @@ class Trainer:
         """Every rank's part of one checkpoint; rank 0 commits it (see gpipe.checkpoint)."""
         c = self.config
         root = self.out / "checkpoints"
+        everyone, doing = self.mesh.everyone, f"saving the checkpoint of step {step}"
         if self.rank == 0:
             ckpt.begin(root, step)
-        barrier()
+        everyone.barrier("the checkpoint barrier before writing", doing=doing)
         folder = ckpt.staging_folder(root, step)
         info = None
         pp_rank = self.mesh.pp_rank
@@ -341,7 +348,7 @@ class Trainer:
                 ckpt.shard_file(pp_rank),
                 {"names": list(state), "stages": stages, "sha256": sha256},
             )
-        gathered = all_gather_object(info)
+        gathered = everyone.all_gather_object(info, "the checkpoint shard gather", doing=doing)
         final = root / ckpt.step_folder(step)
         if self.rank == 0:
             manifest = {
@@ -359,7 +366,7 @@ class Trainer:
                 "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             }
             final = ckpt.commit(root, folder, manifest, keep=c.keep)
-        barrier()
+        everyone.barrier("the checkpoint barrier after the commit", doing=doing)
         return final
 
     def _load(self, path: str) -> None:
@@ -385,7 +392,8 @@ class _Signals:
     step (agreed each step by a one-number all-reduce) and after saving it; a second signal,
     later than a second after the first, stops this process at once."""
 
-    def __init__(self) -> None:
+    def __init__(self, mesh: Mesh) -> None:
+        self.mesh = mesh
         self.received = 0
         self._first = 0.0
         self._agreed = False
@@ -401,10 +409,14 @@ class _Signals:
         if not self.received:
             self.received, self._first = signum, time.monotonic()
 
-    def agreed(self) -> bool:
+    def agreed(self, step: int) -> bool:
         """Whether any rank was asked to stop (collective: every rank calls it each step)."""
         if not self._agreed:
-            self._agreed = bool(all_sum(torch.tensor([float(self.received)])).item())
+            asked = self.mesh.everyone.all_reduce(
+                torch.tensor([float(self.received)]), "the stop-signal agreement (all-reduce)",
+                doing=f"after step {step}",
+            )  # fmt: skip
+            self._agreed = bool(asked.item())
         return self._agreed
 
     @property

@@ -158,6 +158,7 @@ class DistributedTransport:
 
     def begin(self, training: bool) -> None:
         """Start a step: reset the per-peer positions and post the first receives."""
+        self.check_notices()  # a peer gave up on this pipeline since the last step
         self._training = training
         self._incoming, self._outgoing = self._plans[training]
         self._cursor = dict.fromkeys(self._incoming, 0)
@@ -166,7 +167,15 @@ class DistributedTransport:
         self._pending = {src: deque() for src in self._incoming}
         self._arriving.clear()
         for src in self._incoming:
-            self._post_next(src)
+            try:
+                self._post_next(src)
+            except RuntimeError as error:  # gloo: "Connection closed by peer"
+                raise PipelineError(
+                    f"rank {self.rank}: posting the first receives of a step failed: rank "
+                    f"{src} left the group (it died, or gave up on this pipeline): {error}; "
+                    "look for that rank's own error",
+                    rank=src,
+                ) from error
         self._listen_for_notices()
 
     def prepare(self, action: Any) -> None:
@@ -183,7 +192,7 @@ class DistributedTransport:
         timeout (gloo completes a send only once its receive is posted): its notice ends
         the wait at once.
         """
-        self._reaper.drain(check=self._check_notices)
+        self._reaper.drain(check=self.check_notices)
 
     def _listen_for_notices(self) -> None:
         """Start, once, a thread that waits for a failure notice from any peer.
@@ -202,9 +211,15 @@ class DistributedTransport:
             daemon=True,
         ).start()
 
-    def _check_notices(self) -> None:
+    def check_notices(self) -> None:
+        """Raise the failure a peer announced, if one has."""
         if self._notices:
             raise PipelineError(self._notices["message"], rank=self._notices["rank"])
+
+    def peer_gave_up(self) -> bool:
+        """Whether a peer announced that it left the pipeline without agreeing on the
+        failure (a collective of its timed out): nobody is left to agree with."""
+        return bool(self._notices and self._notices.get("gave_up"))
 
     def _global(self, rank: int) -> int:
         return self._dist.get_global_rank(self.group, rank)

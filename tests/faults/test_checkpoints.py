@@ -91,3 +91,31 @@ def test_gpipe_checkpoints_lists_each_state(run, capsys):
     assert lines[1].startswith("step-000020") and "shard-000.pt is not the file saved" in lines[1]
     assert "<- latest" in lines[1]
     assert lines[2].startswith("step-000030.tmp") and "incomplete" in lines[2]
+
+
+def test_resume_folder_without_a_checkpoint_or_with_a_damaged_one(tmp_path, capsys):
+    assert main(["train", "--resume", str(tmp_path)]) == 2
+    assert f"no complete checkpoint in {tmp_path}" in capsys.readouterr().err
+    step = tmp_path / "checkpoints" / "step-000004"
+    step.mkdir(parents=True)
+    (step / "manifest.json").write_text("{")
+    assert main(["train", "--resume", str(tmp_path)]) == 2
+    assert "cannot read" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(200)
+def test_resume_falls_back_from_a_damaged_checkpoint_with_a_warning(tiny_run, in_process, tmp_path):
+    import shutil
+
+    out = tmp_path / "copy"
+    shutil.copytree(tiny_run[0], out)
+    shard = out / "checkpoints" / "step-000010" / "shard-001.pt"
+    data = bytearray(shard.read_bytes())
+    data[300] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    strict = in_process("train", "--resume", str(out), "--steps", "11", "--strict-resume")
+    assert strict.returncode == 2 and "drop --strict-resume" in strict.stderr
+    done = in_process("train", "--resume", str(out), "--steps", "11", "--sample-tokens", "0")
+    assert done.returncode == 0, done.stderr
+    assert "warning:" in done.stderr and "shard-001.pt is not the file saved" in done.stderr
+    assert "resumed from step 5" in done.stdout

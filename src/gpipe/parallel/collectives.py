@@ -1,0 +1,161 @@
+"""Collectives that wait no longer than the pipeline's timeout, and say which one stopped.
+
+torch.distributed bounds a collective by its process group's timeout: torch's default is
+30 minutes, and a group the user built has whatever they gave it. A pipeline promises its
+own ``timeout``, so every collective outside the schedule goes through :class:`Collectives`:
+it is started with that timeout in its options (``AllreduceOptions.timeout``: the backend
+ends the operation itself, so that no abandoned collective stays in flight, where it would
+hang the process group's destruction at exit) and waited for as long
+(``Work.wait(timeout=...)``, on gloo and NCCL alike). One that does not complete in time,
+or fails because a peer left the group (gloo: "Connection reset by peer"), raises a
+:class:`~gpipe.errors.PipelineError` that names the operation, what this rank was doing,
+the timeout, the ranks that did not arrive (with two ranks, the other one; else "a peer":
+a collective does not tell who is missing) and the remedy.
+
+Objects travel as pickled bytes in tensors, as in torch's ``all_gather_object``, whose
+object collectives take no timeout.
+"""
+
+from __future__ import annotations
+
+import pickle
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from gpipe.errors import PipelineError
+
+__all__ = ["Collectives"]
+
+# The backend's worker thread (gloo's) lets go of a collective's work a moment after wait()
+# returns. Had Python dropped its own reference first, that thread frees the work's tensors,
+# which takes the GIL; at interpreter exit, a thread that takes the GIL is stopped inside
+# torch's C++ code, which aborts the process ("terminate called without an active
+# exception", seen at the exit of ranks after a failed step). The latest works stay
+# referenced here, so that Python's own thread frees them.
+_recent: deque[Any] = deque(maxlen=32)
+
+
+class Collectives:
+    """The collectives of one process group, each bounded by ``timeout`` seconds.
+
+    ``device``: where the backend takes tensors (this rank's GPU on NCCL, the CPU on gloo).
+    Each method takes ``operation``, the name an error gives it ("clip_grad_norm_
+    all-reduce"), and ``doing``, what this rank was doing ("step 3"), when known.
+    """
+
+    def __init__(self, group: Any, *, timeout: float, device: torch.device | str = "cpu") -> None:
+        self.group = group
+        self.timeout = timeout
+        self.device = torch.device(device)
+        self.rank = dist.get_rank(group)
+        self.size = dist.get_world_size(group)
+
+    def wait(self, operation: str, start: Callable[[], Any], *, doing: str = "") -> None:
+        """Run ``start()`` (which starts collectives and returns their work, or a list of
+        them) and wait for it, within the timeout."""
+        began = time.monotonic()
+        try:
+            works = start()
+            works = list(works) if isinstance(works, Sequence) else [works]
+            _recent.extend(works)
+            for work in works:
+                # A second more than the operation's own timeout, which ends it (see above)
+                left = self.timeout + 1.0 - (time.monotonic() - began)
+                work.wait(timeout=timedelta(seconds=max(left, 0.001)))
+        except Exception as error:
+            timed_out = time.monotonic() - began >= self.timeout * 0.99
+            raise self.error(operation, error, doing=doing, timed_out=timed_out) from error
+
+    def error(
+        self, operation: str, error: BaseException, *, doing: str = "", timed_out: bool
+    ) -> PipelineError:
+        """The error of a collective that did not complete: what, who, and what to do."""
+        others = [r for r in range(self.size) if r != self.rank]
+        who = f"rank {others[0]}" if len(others) == 1 else "a peer"
+        where = f"rank {self.rank}" + (f", {doing}" if doing else "")
+        if timed_out:
+            what = (
+                f"{operation} did not complete within the pipeline's timeout of "
+                f"{self.timeout:g} s: {who} did not arrive (stalled, or busy elsewhere)"
+            )
+            remedy = (
+                "if that rank is only slow (data loading, a checkpoint write), raise the "
+                "timeout (Pipe(timeout=...), gpipe train --timeout); otherwise look for why it "
+                "stopped (its own error or traceback, py-spy dump)"
+            )
+        else:
+            what = f"{operation} failed: {who} left the group (died or closed it): {error}"
+            remedy = "look for that rank's own error, or why it was killed (out of memory?)"
+        return PipelineError(
+            f"{where}: {what}; {remedy}", rank=others[0] if len(others) == 1 else None
+        )
+
+    # -- tensors ------------------------------------------------------------------------------
+
+    def start_all_reduce(self, tensor: torch.Tensor, *, maximum: bool = False) -> Any:
+        """Start summing (or maxing) ``tensor`` (on :attr:`device`) over the group, in place;
+        its work."""
+        options = dist.AllreduceOptions()
+        options.reduceOp = dist.ReduceOp.MAX if maximum else dist.ReduceOp.SUM
+        options.timeout = timedelta(seconds=self.timeout)
+        return self.group.allreduce([tensor], options)
+
+    def all_reduce(
+        self, tensor: torch.Tensor, operation: str, *, maximum: bool = False, doing: str = ""
+    ) -> torch.Tensor:
+        """The sum (or max) of ``tensor`` over the group, on ``tensor``'s device."""
+        wire = tensor.to(self.device, copy=True)
+        self.wait(operation, lambda: self.start_all_reduce(wire, maximum=maximum), doing=doing)
+        return wire.to(tensor.device)
+
+    def broadcast(
+        self, tensor: torch.Tensor, operation: str, *, src: int = 0, doing: str = ""
+    ) -> torch.Tensor:
+        """Group rank ``src``'s ``tensor`` on every rank, on ``tensor``'s device."""
+        wire = tensor.to(self.device, copy=True)
+        options = dist.BroadcastOptions()
+        options.rootRank, options.rootTensor = src, 0
+        options.timeout = timedelta(seconds=self.timeout)
+        self.wait(operation, lambda: self.group.broadcast([wire], options), doing=doing)
+        return wire.to(tensor.device)
+
+    def barrier(self, operation: str, *, doing: str = "") -> None:
+        """Wait until every rank has arrived here (an all-reduce of one number)."""
+        self.all_reduce(torch.zeros(1), operation, doing=doing)
+
+    # -- objects ------------------------------------------------------------------------------
+
+    def all_gather_object(self, value: Any, operation: str, *, doing: str = "") -> list[Any]:
+        """Every rank's ``value`` (picklable), by group rank.
+
+        Each rank writes its bytes into its own slice of a zeroed buffer and the buffers
+        are summed: an all-reduce, whose options carry a timeout on every backend.
+        """
+        data = torch.frombuffer(bytearray(pickle.dumps(value)), dtype=torch.uint8)
+        sizes = torch.zeros(self.size, dtype=torch.int64)
+        sizes[self.rank] = len(data)
+        sizes = self.all_reduce(sizes, operation, doing=doing)
+        width = int(sizes.max())
+        slices = torch.zeros(self.size, width, dtype=torch.uint8)
+        slices[self.rank, : len(data)] = data
+        slices = self.all_reduce(slices, operation, doing=doing)
+        return [
+            pickle.loads(row[: int(size)].numpy().tobytes())
+            for row, size in zip(slices, sizes, strict=True)
+        ]
+
+    def broadcast_object(self, value: Any, operation: str, *, src: int = 0, doing: str = "") -> Any:
+        """Group rank ``src``'s ``value`` (picklable) on every rank."""
+        data = pickle.dumps(value) if self.rank == src else b""
+        size = self.broadcast(torch.tensor([len(data)]), operation, src=src, doing=doing)
+        buffer = torch.zeros(int(size), dtype=torch.uint8)
+        if self.rank == src:
+            buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        buffer = self.broadcast(buffer, operation, src=src, doing=doing)
+        return pickle.loads(buffer.numpy().tobytes())

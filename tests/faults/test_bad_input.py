@@ -1,0 +1,117 @@
+"""Bad input is a clear error naming the value and the remedy, before anything starts."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+import gpipe
+from gpipe.__main__ import main
+from gpipe.models import mlp
+from train_runs import SRC, gpipe_command
+
+
+@pytest.mark.parametrize("timeout", [float("inf"), -1, 0, "10"])
+def test_a_timeout_must_be_a_finite_number_of_seconds(timeout):
+    with pytest.raises(ValueError, match="timeout must be a finite number of seconds > 0"):
+        gpipe.Pipe(mlp([4, 4]), balance=[1, 1], chunks=2, timeout=timeout)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--size", "tiny", "--stages", "5"], "--stages 5 needs at least 5 layers"),
+        (["--chunks", "0"], "--chunks must be >= 1, got 0"),
+        (["--batch", "6", "--replicas", "4"], "--batch 6 must be divisible by --replicas 4"),
+        (["--batch", "4", "--chunks", "8"], "at least --chunks 8 samples"),
+        (["--schedule", "interleaved-1f1b", "--chunks", "3"], "--schedule interleaved-1f1b"),
+        (["--balance", "3,x"], "--balance must be comma-separated ints"),
+        (
+            ["--size", "tiny", "--balance", "1,1"],
+            "must have 2 entries (one per stage) summing to 4",
+        ),
+        (["--resume", "/nonexistent/run"], "--resume /nonexistent/run: /nonexistent/run does not"),
+        (["--model", "resnet", "--seq", "8"], "--seq applies to --model gpt only"),
+        (["--timeout", "inf"], "--timeout must be positive (finite)"),
+        (["--timeout", "-1"], "--timeout must be positive (finite)"),
+        (
+            ["--size", "tiny", "--seq", "1000000"],  # 2 x 2 heads x 10^12 scores: 29 TiB
+            "--seq 1000000, --batch 8 (--chunks 4): one micro-batch of 2 samples needs at least",
+        ),
+        (["--size", "tiny", "--batch", str(10**12)], f"--batch {10**12} (--chunks 4)"),
+        (
+            ["--model", "hf-llama", "--size", "tiny", "--seq", "1000000"],
+            "--seq 1000000, --batch 8 (--chunks 4): one micro-batch of 2 samples needs at least",
+        ),
+        (
+            ["--size", "tiny", "--replicas", "100000", "--batch", "100000", "--chunks", "1"],
+            "= 200000 processes need about",
+        ),
+    ],
+)
+def test_bad_input_is_a_clear_error(argv, message, capsys, tmp_path):
+    assert main(["train", *argv, "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("gpipe train: error:") and message in err
+    assert not (tmp_path / "x").exists()  # nothing was started
+
+
+def test_problems_are_reported_together(capsys):
+    assert main(["train", "--size", "tiny", "--stages", "9", "--chunks", "0", "--steps", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "--chunks must be >= 1" in err and "--steps must be >= 1" in err
+
+
+def test_unknown_schedule_and_model_are_rejected_by_the_parser(capsys):
+    for argv in (["--schedule", "fifo"], ["--model", "vit"]):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["train", *argv])
+        assert exit_info.value.code == 2
+        assert "invalid choice" in capsys.readouterr().err
+
+
+def test_an_output_that_cannot_hold_a_run_is_a_clear_error(tmp_path, capsys):
+    a_file = tmp_path / "weights.pt"
+    a_file.write_text("x")
+    assert main(["train", "--size", "tiny", "--out", str(a_file)]) == 2
+    assert f"--out {a_file} is a file" in capsys.readouterr().err
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    try:
+        if not os.access(locked, os.W_OK):  # root may write anywhere
+            assert main(["train", "--size", "tiny", "--out", str(locked / "run")]) == 2
+            assert "is not writable" in capsys.readouterr().err
+    finally:
+        locked.chmod(0o700)
+
+
+@pytest.mark.timeout(200)
+def test_two_runs_into_one_folder_are_refused(cache, tmp_path):
+    out = tmp_path / "shared"
+    first = subprocess.Popen(
+        [sys.executable, "-m", "gpipe", "train", "--size", "tiny", "--steps", "3000",
+         "--save-every", "0", "--progress", "lines", "--out", str(out)],
+        env={**os.environ, "GPIPE_CACHE_DIR": str(cache), "PYTHONPATH": str(SRC)},
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        for line in first.stdout:
+            if line.startswith("step "):
+                break
+        second = gpipe_command("train", "--size", "tiny", "--out", str(out), cache=cache)
+        assert second.returncode == 2
+        assert "is in use by another run" in second.stderr
+    finally:
+        first.kill()
+        first.wait()
+
+
+def test_export_refuses_a_json_name_for_the_weights(tiny_run, tmp_path, capsys):
+    out, _ = tiny_run
+    assert main(["export", str(out), "-o", str(tmp_path / "weights.json")]) == 2
+    assert "another name than the .json file" in capsys.readouterr().err
+    assert not (tmp_path / "weights.json").exists()

@@ -1,0 +1,126 @@
+"""Signals: no launched process outlives its launcher (stopped by SIGTERM, or killed
+outright), and ``gpipe train`` stopped by Ctrl-C or SIGTERM saves the step in flight."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from gpipe import checkpoint as ckpt
+from train_runs import SRC, losses
+
+LONG_JOB = """
+import time, gpipe
+
+def work(rank):
+    print("rank", rank, "working", flush=True)
+    time.sleep(120)
+
+if __name__ == "__main__":
+    gpipe.launch(work, 2, timeout=30)
+"""
+
+
+def children(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize(("sent", "code"), [(signal.SIGTERM, 143), (signal.SIGKILL, -9)])
+def test_a_stopped_or_killed_launcher_leaves_no_process(tmp_path, sent, code):
+    script = tmp_path / "job.py"
+    script.write_text(LONG_JOB)
+    env = {**os.environ, "PYTHONPATH": str(SRC)}
+    launcher = subprocess.Popen(
+        [sys.executable, str(script)], env=env, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        for _ in range(2):  # both ranks started
+            assert "working" in launcher.stdout.readline()
+        ranks = [p for p in children(launcher.pid) if "spawn_main" in _cmdline(p)]
+        assert len(ranks) == 2
+        launcher.send_signal(sent)
+        assert launcher.wait(timeout=30) == code
+        deadline = time.monotonic() + 15
+        while any(alive(p) for p in ranks) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(alive(p) for p in ranks)
+    finally:
+        launcher.kill()
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")
+    except OSError:
+        return ""
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize(
+    ("how", "code"), [("ctrl-c", 130), ("sigterm", 143)], ids=["ctrl-c", "sigterm"]
+)
+def test_a_signal_saves_the_step_in_flight_and_leaves_no_process(cache, tmp_path, how, code):
+    import signal as signals
+    import time
+
+    out = tmp_path / "stopped"
+    env = {**os.environ, "GPIPE_CACHE_DIR": str(cache), "PYTHONPATH": str(SRC)}
+    for variable in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(variable, None)
+    argv = ["train", "--size", "tiny", "--steps", "5000", "--save-every", "0", "--eval-every",
+            "0", "--sample-tokens", "0", "--progress", "lines", "--out", str(out)]  # fmt: skip
+    job = subprocess.Popen(
+        [sys.executable, "-m", "gpipe", *argv],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,  # its own process group, as a terminal gives a job
+    )  # fmt: skip
+    try:
+        for line in job.stdout:
+            if line.startswith("step    10/"):
+                break
+        if how == "ctrl-c":
+            os.killpg(job.pid, signals.SIGINT)  # what a terminal does: every process
+        else:
+            job.send_signal(signals.SIGTERM)  # what Slurm or Kubernetes does: the launcher
+        started = time.monotonic()
+        assert job.wait(timeout=60) == code, job.stderr.read()
+        assert time.monotonic() - started < 30
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(job.pid, signals.SIGKILL)
+    manifest = ckpt.read_manifest(out)
+    assert manifest["step"] >= 10  # at most the step in flight was lost
+    assert len(losses(out)) == manifest["step"]
+    deadline = time.monotonic() + 10  # multiprocessing's resource tracker exits last
+    while time.monotonic() < deadline:
+        leftover = subprocess.run(["pgrep", "-a", "-s", str(job.pid)], capture_output=True)
+        if not leftover.stdout.strip():
+            break
+        time.sleep(0.2)
+    assert not leftover.stdout.strip(), leftover.stdout.decode()

@@ -1,0 +1,53 @@
+"""A rank that stalls (alive, silent) or dies before a collective outside the schedule:
+every other rank raises within the pipeline's timeout (+ 5 s), naming the operation."""
+
+from __future__ import annotations
+
+import pytest
+
+from distributed_cases import stalled
+from gpipe.parallel.launch import LaunchError, launch
+
+TIMEOUT = 4.0  # the pipeline's; the process group's is far longer, as torchrun's 30 minutes
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("before", "operation"),
+    [("clip", "the clip_grad_norm_ all-reduce"), ("step", "the step-seed broadcast")],
+)
+def test_a_stalled_rank_makes_the_other_raise_within_the_timeout(before, operation):
+    waiting, woken = launch(stalled, 2, args=(before, "stall", TIMEOUT), timeout=600)
+    assert waiting["type"] == "PipelineError", waiting
+    assert TIMEOUT - 0.5 <= waiting["seconds"] <= TIMEOUT + 5, waiting
+    message = waiting["message"]
+    assert message.startswith(
+        f"rank 0, {'clip_grad_norm_ after step 1' if before == 'clip' else 'starting step 2'}"
+    )
+    assert operation in message and f"timeout of {TIMEOUT:g} s" in message
+    assert "rank 1 did not arrive" in message and "raise the timeout" in message
+    # Awake, the stalled rank learns at once what happened instead of waiting in turn.
+    assert woken["type"] == "PipelineError" and woken["seconds"] < 2, woken
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_that_dies_before_clip_grad_norm_is_named():
+    with pytest.raises(LaunchError) as raised:
+        launch(stalled, 2, args=("clip", "die", TIMEOUT), timeout=600, grace=TIMEOUT + 10)
+    assert list(raised.value.failures) == [1]  # exited with code 3
+    survivor = raised.value.results[0]
+    assert survivor["type"] == "PipelineError" and survivor["seconds"] <= TIMEOUT + 5, survivor
+    message = survivor["message"]
+    assert "the clip_grad_norm_ all-reduce" in message and "rank 1" in message, message
+
+
+@pytest.mark.timeout(180)
+def test_a_rank_stalled_before_the_checkpoint_barrier_of_gpipe_train(tmp_path, monkeypatch):
+    monkeypatch.setenv("GPIPE_CACHE_DIR", str(tmp_path / "cache"))
+    out = str(tmp_path / "run")
+    waiting, woken = launch(stalled, 2, args=("save", "stall", TIMEOUT, out), timeout=600)
+    assert waiting["type"] == "PipelineError", waiting
+    assert waiting["seconds"] <= TIMEOUT + 5, waiting
+    assert "the checkpoint barrier before writing" in waiting["message"]
+    assert "saving the checkpoint of step 1" in waiting["message"]
+    assert woken["type"] is not None  # the stalled rank does not wait forever either
