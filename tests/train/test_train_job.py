@@ -172,7 +172,6 @@ def test_a_hugging_face_llama_trains_as_it_is_and_exports_to_the_plain_model(in_
     plain.load_state_dict(state, strict=True)
 
 
-
 def test_resume_rules(tiny_run, capsys, tmp_path):
     out, _ = tiny_run
     assert main(["train", "--resume", str(out)]) == 2  # at step 10 of 10 already
