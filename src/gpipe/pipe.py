@@ -11,8 +11,7 @@ a pipeline spread over processes and machines; what differs between the two is
 from __future__ import annotations
 
 import warnings
-from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import torch
@@ -35,7 +34,7 @@ from gpipe.engine.runtime import Runtime, StepInputs, StepResult
 from gpipe.engine.skip import SkipLayout
 from gpipe.engine.stage import LossSpec, Stage, check_batch, loss_specs
 from gpipe.errors import PartitionError, PipelineError
-from gpipe.frontend import CapturedModel, capture, materialize, on_meta, origin_of
+from gpipe.frontend import CapturedModel, ModelNames, capture, materialize, on_meta, origin_of
 from gpipe.materialize import build
 from gpipe.parallel.data_parallel import GradientReducer
 from gpipe.parallel.group import pipeline_group
@@ -53,7 +52,7 @@ _FIXED = "a Pipe cannot be moved with {}: each stage lives on its own device; bu
 with devices=[{}] instead"
 
 
-class Pipe(nn.Module):
+class Pipe(ModelNames, nn.Module):
     """An ``nn.Sequential`` cut into stages on devices, trained by micro-batch pipelining.
 
     Args:
@@ -310,51 +309,6 @@ class Pipe(nn.Module):
         captured = capture(model, example, split=split)
         captured.origin = origin
         return cls(captured, tied=[*captured.tied, *tied], init_seed=init_seed, **options)
-
-    # -- the model's own names for a captured model ------------------------------------------
-
-    def _public(self, name: str, prefix: str = "") -> str:
-        if not self._captured:
-            return name
-        return prefix + CapturedModel.original_name(name[len(prefix) :])
-
-    def named_parameters(
-        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
-    ) -> Iterator[tuple[str, nn.Parameter]]:
-        for name, p in super().named_parameters(prefix, recurse, remove_duplicate):
-            yield self._public(name, prefix), p
-
-    def named_buffers(
-        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
-    ) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, b in super().named_buffers(prefix, recurse, remove_duplicate):
-            yield self._public(name, prefix), b
-
-    def state_dict(self, *, destination=None, prefix: str = "", keep_vars: bool = False):
-        if not self._captured:
-            return super().state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
-        if destination is None:
-            destination = OrderedDict()
-        # A tensor two units hold (a tied copy) appears once, as in the model.
-        for name, value in super().state_dict(keep_vars=keep_vars).items():
-            destination.setdefault(prefix + CapturedModel.original_name(name), value)
-        return destination
-
-    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign=False):
-        if not self._captured:
-            return super().load_state_dict(state_dict, strict=strict, assign=assign)
-        ours = list(super().state_dict(keep_vars=True))
-        mine = {name: CapturedModel.original_name(name) for name in ours}
-        missing = sorted({o for o in mine.values() if o not in state_dict})
-        unexpected = sorted(set(state_dict) - set(mine.values()))
-        if strict and (missing or unexpected):
-            raise RuntimeError(
-                f"Error(s) in loading state_dict for Pipe: missing keys {missing}, unexpected "
-                f"keys {unexpected} (a rank holds only its stages: strict=False loads a shard)"
-            )
-        inner = {name: state_dict[o] for name, o in mine.items() if o in state_dict}
-        super().load_state_dict(inner, strict=False, assign=assign)
-        return nn.modules.module._IncompatibleKeys(missing, unexpected)
 
     def _build_schedule(self, schedule: str | Schedule) -> Schedule:
         if isinstance(schedule, str):

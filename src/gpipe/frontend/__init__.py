@@ -7,12 +7,14 @@
 
 from gpipe.frontend.capture import capture, split_points
 from gpipe.frontend.cut import CaptureError
+from gpipe.frontend.names import ModelNames
 from gpipe.frontend.units import CapturedModel, Unit
 from gpipe.frontend.weights import Origin, materialize, on_meta, origin_of
 
 __all__ = [
     "CaptureError",
     "CapturedModel",
+    "ModelNames",
     "Origin",
     "Unit",
     "capture",

@@ -89,7 +89,6 @@ def cut_graph(
     gm: fx.GraphModule,
     model: nn.Module,
     split: Sequence[str],
-    kept: Sequence[str] = (),
 ) -> list[Piece]:
     """The units of ``gm`` (``ep``'s graph, maybe with modules kept as calls)."""
     signature = ep.graph_signature

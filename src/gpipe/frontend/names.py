@@ -1,0 +1,71 @@
+"""The model's own names for a module that holds a captured model's units.
+
+A unit registers the model's tensors under the model's names, and ``Pipe`` registers each unit
+under its index, so inside the Pipe a name reads ``"<unit>.<model's name>"``. :class:`ModelNames`
+drops the unit index wherever names face the user: ``named_parameters``, ``named_buffers``,
+``state_dict`` and ``load_state_dict`` speak the model's names, so a state dict moves between
+the Pipe and the original model (a rank's is a shard of the model's).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from gpipe.frontend.units import CapturedModel
+
+__all__ = ["ModelNames"]
+
+
+class ModelNames:
+    """Mixin for an ``nn.Module`` (``class Pipe(ModelNames, nn.Module)``); active when the
+    module sets ``self._captured = True``."""
+
+    _captured: bool = False
+
+    def _public(self, name: str, prefix: str = "") -> str:
+        if not self._captured:
+            return name
+        return prefix + CapturedModel.original_name(name[len(prefix) :])
+
+    def named_parameters(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Parameter]]:
+        for name, p in super().named_parameters(prefix, recurse, remove_duplicate):
+            yield self._public(name, prefix), p
+
+    def named_buffers(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, b in super().named_buffers(prefix, recurse, remove_duplicate):
+            yield self._public(name, prefix), b
+
+    def state_dict(self, *, destination=None, prefix: str = "", keep_vars: bool = False):
+        if not self._captured:
+            return super().state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
+        if destination is None:
+            destination = OrderedDict()
+        # A tensor two units hold (a tied copy) appears once, as in the model.
+        for name, value in super().state_dict(keep_vars=keep_vars).items():
+            destination.setdefault(prefix + CapturedModel.original_name(name), value)
+        return destination
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign=False):
+        if not self._captured:
+            return super().load_state_dict(state_dict, strict=strict, assign=assign)
+        mine = {n: CapturedModel.original_name(n) for n in super().state_dict(keep_vars=True)}
+        missing = sorted({o for o in mine.values() if o not in state_dict})
+        unexpected = sorted(set(state_dict) - set(mine.values()))
+        if strict and (missing or unexpected):
+            raise RuntimeError(
+                f"Error(s) in loading state_dict for {type(self).__name__}: missing keys "
+                f"{missing}, unexpected keys {unexpected} (a rank holds only its stages: "
+                "strict=False loads a shard)"
+            )
+        inner = {name: state_dict[o] for name, o in mine.items() if o in state_dict}
+        super().load_state_dict(inner, strict=False, assign=assign)
+        return nn.modules.module._IncompatibleKeys(missing, unexpected)
