@@ -224,11 +224,16 @@ def captured_steps(rank: int, runs: list[dict]) -> list[dict]:
     results = []
     for run_ in runs:
         case = CASES[run_["model"]]
-        # "factory": each rank builds only its own units, by replaying the construction.
+        # "factory": each rank builds only its own units, by replaying the construction;
+        # "weights": the model on meta, each rank reading its own tensors from a checkpoint.
         model = case.build if run_.get("factory") else case.build()
+        if run_.get("weights"):
+            with torch.device("meta"):
+                model = case.build()
         pipe = gpipe.Pipe.from_model(
             model,
             case.example(),
+            weights=run_.get("weights"),
             split=case.split,
             balance=run_["balance"],
             chunks=run_["chunks"],

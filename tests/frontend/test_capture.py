@@ -137,6 +137,33 @@ def test_eval_mode_and_dropout_masks_independent_of_cut_and_schedule():
         assert not torch.allclose(pipe(inputs).logits, model(inputs).logits)
 
 
+@needs("hf-gpt2")
+def test_eager_attention_stays_causal_because_the_models_own_mask_is_carried():
+    """A hand-written wrapper that calls GPT-2's blocks without the mask trains a non-causal
+    model under eager attention, silently; capture carries the model's own mask."""
+    config = transformers.GPT2Config(
+        vocab_size=64, n_positions=32, n_embd=16, n_layer=3, n_head=2, resid_pdrop=0.0,
+        embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="eager",
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config).double()
+    case = CASES["hf-gpt2"]
+    pipe = gpipe.Pipe.from_model(
+        copy.deepcopy(model), case.example(), split="transformer.h", balance=[2, 3], chunks=3
+    )
+    inputs, targets = case.batch()
+    pipe.step(inputs, targets, case.loss)
+    _, grads, _ = reference_gradients(case, model, inputs, targets, pipe.chunks)
+    error, where = worst_error(pipe.named_parameters(remove_duplicate=False), grads)
+    assert error <= 1e-10, (where, error)
+    changed = inputs.clone()
+    changed[:, -1] = (changed[:, -1] + 1) % 64  # a later token must not change earlier logits
+    with torch.no_grad():
+        before, after = pipe(inputs).logits, pipe(changed).logits
+    torch.testing.assert_close(before[:, :-1], after[:, :-1], rtol=0, atol=0)
+    assert not torch.equal(before[:, -1], after[:, -1])
+
+
 @needs("hf-llama")
 def test_batch_and_sequence_length_change_without_capturing_again():
     case = CASES["hf-llama"]
@@ -268,7 +295,7 @@ def test_a_dimension_fixed_at_capture_is_checked_with_a_clear_error():
 # -- many processes ---------------------------------------------------------------------------
 
 
-def _runs(stages: int) -> list[dict]:
+def _runs(stages: int, weights: str) -> list[dict]:
     schedules, remats = ["gpipe", "1f1b", "zb-h1"], REMAT
     runs = []
     for i, name in enumerate(n for n in CASES if n not in HF or transformers is not None):
@@ -281,6 +308,7 @@ def _runs(stages: int) -> list[dict]:
                 "schedule": schedules[i % 3],
                 "checkpoint": remats[(i + stages) % 3],
                 "factory": name == "hf-llama",
+                "weights": weights if name == "hf-gpt2" else None,
             }
         )
     return runs
@@ -288,8 +316,12 @@ def _runs(stages: int) -> list[dict]:
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("stages", [2, 3])
-def test_many_processes_give_the_models_gradients(stages):
-    runs = _runs(stages)
+def test_many_processes_give_the_models_gradients(stages, tmp_path):
+    """Each rank captures the model; Llama is built rank by rank from a function, GPT-2 from
+    meta and a save_pretrained checkpoint."""
+    if transformers is not None:
+        CASES["hf-gpt2"].build().save_pretrained(tmp_path, max_shard_size="20KB")
+    runs = _runs(stages, str(tmp_path))
     results = launch(captured_steps, stages, args=(runs,), timeout=200)
     for index, run_ in enumerate(runs):
         case: Case = CASES[run_["model"]]
