@@ -286,6 +286,25 @@ def test_a_model_export_cannot_capture_names_the_module_and_the_remedy():
         capture(DataDependent(), (torch.randn(2, 4),), split="blocks")
 
 
+@needs("hf-llama")
+def test_a_model_cast_after_capture_is_refused_where_its_graph_fixes_dtypes():
+    case = CASES["hf-llama"]
+    _, units = captured("hf-llama", torch.float32)
+    pipe = gpipe.Pipe(copy.deepcopy(units), balance=[2, 3], chunks=2).double()
+    inputs, targets = case.batch()
+    with pytest.raises(TypeError, match=r"captured with torch\.float32 .* capture it again"):
+        pipe.step(inputs, targets, case.loss)
+    # The ResNet's graph names no floating dtype: cast after capture, it trains as the model.
+    model, units = captured("resnet", torch.float32)
+    pipe = gpipe.Pipe(copy.deepcopy(units), balance=[3, 3], chunks=2).double()
+    inputs, targets = CASES["resnet"].batch()
+    pipe.step(inputs, targets, CASES["resnet"].loss)
+    plain = copy.deepcopy(model).double()
+    _, grads, _ = reference_gradients(CASES["resnet"], plain, inputs, targets, 2)
+    error, where = worst_error(pipe.named_parameters(remove_duplicate=False), grads)
+    assert error <= 1e-10, (where, error)
+
+
 def test_a_dimension_fixed_at_capture_is_checked_with_a_clear_error():
     _, units = captured("skips")
     with pytest.raises(ValueError, match=r"dimension 1.* fixed at 8"):

@@ -65,6 +65,8 @@ class Unit(nn.Module):
         self._graphs = graphs
         self._compiled: dict[tuple[bool, torch.device], Any] = {}
         self._capture_device = capture_device
+        # A graph that names a dtype (casts, checks) runs only with the dtype it was captured in.
+        self._capture_dtype = _floating_dtype(self) if _names_a_dtype(graphs) else None
 
     def extra_repr(self) -> str:
         return repr(self.unit_name)
@@ -88,6 +90,14 @@ class Unit(nn.Module):
     def _code(self, graph: UnitGraph, device: torch.device) -> Any:
         # The graph's code runs as a method of this unit: ``self.<name>`` reads the unit's
         # tensors and modules as they are now (moved, tied copies, deferred batch norm).
+        dtype = _floating_dtype(self) if self._capture_dtype is not None else None
+        if dtype != self._capture_dtype:
+            raise TypeError(
+                f"unit {self.unit_name!r} was captured with {self._capture_dtype} tensors and "
+                f"now holds {dtype}: the captured graph fixes its dtypes (casts, checks); cast "
+                f"the model first (model.to({dtype})) and capture it again, or use "
+                "torch.autocast for mixed precision"
+            )
         key = (self.training, device)
         if key not in self._compiled:
             g = graph.graph
@@ -148,6 +158,22 @@ def _check_fixed_dims(flat: list[Any], fixed: dict[tuple[int, int], int]) -> Non
                 f"that dimension fixed at {size} (export could not keep it dynamic); use size "
                 f"{size}, or capture again with an example of the size you train with"
             )
+
+
+def _names_a_dtype(graphs: dict[bool, UnitGraph]) -> bool:
+    return any(
+        isinstance(value, torch.dtype) and value.is_floating_point
+        for g in graphs.values()
+        for node in g.graph.nodes
+        for value in pytree.tree_leaves((node.args, node.kwargs))
+    )
+
+
+def _floating_dtype(unit: nn.Module) -> torch.dtype | None:
+    for t in (*unit.parameters(), *unit.buffers()):
+        if t.is_floating_point():
+            return t.dtype
+    return None
 
 
 def _device_of(unit: nn.Module, flat: list[Any]) -> torch.device:
