@@ -238,6 +238,25 @@ def test_auto_balance_and_the_timeline_work_on_captured_units():
     assert plan.candidates and all(sum(c.balance) == case.units for c in plan.candidates)
 
 
+class Blocks(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = torch.relu(block(x))
+        return x.sum(-1)  # work after the last block, none before the first
+
+
+def test_units_are_named_by_where_they_run():
+    model = Blocks().double()
+    units = capture(model, (torch.randn(3, 4, dtype=torch.float64),), split="blocks")
+    assert [u.unit_name for u in units] == ["blocks.0", "blocks.1", "after blocks.1"]
+    x = torch.randn(5, 4, dtype=torch.float64)
+    torch.testing.assert_close(units(x), model(x))
+
+
 # -- clear errors -------------------------------------------------------------------------------
 
 

@@ -108,8 +108,7 @@ def cut_graph(
         raise CaptureError(f"the captured graph has outputs gpipe cannot carry: {unsupported}")
 
     body = [n for n in gm.graph.nodes if n.op in ("call_function", "call_module", "get_attr")]
-    unit_of = _assign(body, split)
-    names = _unit_names(unit_of, body, split)
+    unit_of, names = _assign(body, split)
     count = len(names)
     output = next(n for n in gm.graph.nodes if n.op == "output")
     results = [
@@ -186,7 +185,8 @@ def cut_graph(
     return pieces
 
 
-def _assign(body: list[fx.Node], split: Sequence[str]) -> dict[fx.Node, int]:
+def _assign(body: list[fx.Node], split: Sequence[str]) -> tuple[dict[fx.Node, int], list[str]]:
+    """Each node's unit, and the units' names."""
     first, last = {}, {}
     for i, n in enumerate(body):
         for k, path in enumerate(split):
@@ -219,7 +219,8 @@ def _assign(body: list[fx.Node], split: Sequence[str]) -> dict[fx.Node, int]:
         else:
             u = k + int(has_pre)
         unit_of[n] = u
-    return unit_of
+    names = [*([f"before {split[0]}"] if has_pre else []), *split]
+    return unit_of, names + ([f"after {split[-1]}"] if has_post else [])
 
 
 def _does_work(n: fx.Node) -> bool:
@@ -227,17 +228,6 @@ def _does_work(n: fx.Node) -> bool:
         return True
     name = getattr(n.target, "__name__", str(n.target))
     return not ("sym_size" in name or "assert" in name or name == "getitem")
-
-
-def _unit_names(unit_of: dict[fx.Node, int], body: list[fx.Node], split: Sequence[str]):
-    count = max(unit_of.values()) + 1
-    has_pre = count > len(split) and unit_of[body[0]] == 0 and not _within(body[0], split[0])
-    names = list(split)
-    if has_pre:
-        names.insert(0, f"before {split[0]}")
-    if len(names) < count:
-        names.append(f"after {split[-1]}")
-    return names
 
 
 def _carriable(v: fx.Node) -> bool:
