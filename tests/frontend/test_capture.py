@@ -324,6 +324,11 @@ def test_a_model_cast_after_capture_is_refused_where_its_graph_fixes_dtypes():
     assert error <= 1e-10, (where, error)
 
 
+def test_an_example_with_python_values_is_refused_with_the_remedy():
+    with pytest.raises(CaptureError, match=r"not tensors: \['flag'\]=True.*model\.config"):
+        capture(Blocks(), {"x": torch.randn(2, 4), "flag": True}, split="blocks")
+
+
 def test_a_dimension_fixed_at_capture_is_checked_with_a_clear_error():
     _, units = captured("skips")
     with pytest.raises(ValueError, match=r"dimension 1.* fixed at 8"):

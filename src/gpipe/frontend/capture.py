@@ -67,6 +67,18 @@ def capture(
     """Export ``model`` on ``example`` (a tensor, a tuple of positional tensors, or a dict of
     keyword tensors) and cut it before each split module; see the module doc."""
     paths = split_points(model, split)
+    path_leaves, _ = pytree.tree_flatten_with_path(example)
+    constants = [
+        f"{pytree.keystr(path)}={leaf!r}"
+        for path, leaf in path_leaves
+        if not isinstance(leaf, torch.Tensor)
+    ]
+    if constants:
+        raise CaptureError(
+            f"the example holds values that are not tensors: {', '.join(constants)}; the "
+            "inputs are split into micro-batches and carried between stages, so pass tensors "
+            "only, and set options on the model instead (e.g. model.config.output_attentions)"
+        )
     if any(t.is_meta for t in model.parameters()):  # capture a meta model on meta inputs
         example = pytree.tree_map(
             lambda x: x.to("meta") if isinstance(x, torch.Tensor) else x, example
