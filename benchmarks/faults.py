@@ -498,9 +498,10 @@ def main() -> None:
             "# Reliability: the fault matrix\n\n"
             "Each fault injected into a real run, the promise, and what was measured on this "
             "machine (2 CPU cores, gloo). Library cases: K processes started by `gpipe.launch` "
-            f"with a pipeline timeout of {TIMEOUT:g} s (tests/distributed_cases.py); command-line "
-            "cases: `gpipe train --size tiny`, stopped or damaged as a user or a scheduler "
-            'would. "Every rank raised": library cases, the slowest rank\'s time from the start '
+            f"with a pipeline timeout of {TIMEOUT:g} s unless the row says otherwise "
+            "(tests/distributed_cases.py); command-line cases: `gpipe train --size tiny`, "
+            "stopped or damaged as a user or a scheduler would. "
+            '"Every rank raised": library cases, the slowest rank\'s time from the start '
             "of the failing step to its exception; command-line cases, from the signal (or the "
             "resume command) until the job had exited. Processes left: the job's processes "
             "still alive afterwards. A stalled rank sleeps for the timeout + 3 s; its own time "
