@@ -11,6 +11,7 @@ job had exited), exit codes, processes left behind, and, for signals, the steps 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import multiprocessing
 import os
 import shutil
@@ -18,6 +19,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -26,9 +28,11 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from distributed_cases import (  # noqa: E402
     carries_on,
+    data_parallel_stalled,
     disagreeing,
     faulty,
     faulty_backward,
+    faulty_in,
     nonfinite,
     stalled,
 )
@@ -36,6 +40,8 @@ from gpipe import checkpoint as ckpt  # noqa: E402
 from gpipe.parallel.launch import LaunchError, launch  # noqa: E402
 
 TIMEOUT = 20.0  # the pipeline's timeout in the library cases
+DP_TIMEOUT = 10.0  # the pipeline's timeout in the data-parallel stall
+SCHEDULES = ("gpipe", "1f1b", "zb-h1", "interleaved-1f1b")
 
 
 def library_case(fn, nprocs, args, *, expect_kill=False, messages=None):
@@ -73,10 +79,25 @@ def rows_library() -> list[tuple]:
         rows.append((f"exception in forward, gpipe, K={stages}, rank {fault_stage}",
                      "every rank raises within 1 s, naming the rank", worst, wall, types, left,
                      worst <= 1.0 and left == 0))  # fmt: skip
-    worst, wall, types, left = library_case(faulty, 2, (2, 1, 1, "kill", 10.0), expect_kill=True)
-    promise = "the survivor raises within timeout + 5 s"
-    rows.append(("kill -9 of rank 1 (pipeline timeout 10 s)", promise, worst, wall, types, left,
-                 worst <= 15.0 and left == 0))  # fmt: skip
+    same = "every rank raises within 1 s, naming the rank"
+    cases = [("loss", schedule, 1) for schedule in SCHEDULES]
+    cases += [("forward", schedule, r) for schedule in SCHEDULES[1:] for r in (0, 1)]
+    cases += [("backward", "interleaved-1f1b", r) for r in (0, 1)]
+    for where, schedule, fault_rank in cases:
+        worst, wall, types, left = library_case(
+            faulty_in, 2, (2, where, fault_rank, schedule, TIMEOUT)
+        )
+        name = {"loss": "the loss (last rank)", "forward": "forward", "backward": "backward"}
+        rank = "" if where == "loss" else f", rank {fault_rank}"
+        rows.append((f"exception in {name[where]}, {schedule}, K=2{rank}", same, worst, wall,
+                     types, left, worst <= 1.0 and left == 0))  # fmt: skip
+    promise = "the survivors raise within timeout + 5 s"
+    for stages, fault_stage in ((2, 1), (3, 0), (3, 2)):
+        worst, wall, types, left = library_case(
+            faulty, stages, (stages, fault_stage, 1, "kill", 10.0), expect_kill=True
+        )
+        rows.append((f"kill -9 of rank {fault_stage}, K={stages} (pipeline timeout 10 s)",
+                     promise, worst, wall, types, left, worst <= 15.0 and left == 0))  # fmt: skip
     for where in ("input", "gradient"):
         worst, wall, types, left = library_case(nonfinite, 2, (where,))
         refused = types == "NonFiniteError,NonFiniteError"
@@ -110,6 +131,28 @@ def rows_stalls(work: Path) -> list[tuple]:
         )
         rows.append((f"rank 1 stalled before {where}", promise, worst, wall, types, left,
                      worst <= TIMEOUT + 5 and named and left == 0))  # fmt: skip
+    for before, where, operation in cases[:2]:
+        messages = []
+        args = (before, "die", TIMEOUT)
+        worst, wall, types, left = library_case(
+            stalled, 2, args, expect_kill=True, messages=messages
+        )
+        named = operation in messages[0] and "rank 1" in messages[0]
+        promise = f"the other rank raises a PipelineError within timeout + 5 s, naming {operation}"
+        rows.append((f"rank 1 dead (os._exit) right before {where}", promise, worst, wall, types,
+                     left, types.startswith("PipelineError") and named and worst <= TIMEOUT + 5
+                     and left == 0))  # fmt: skip
+    messages = []
+    worst, wall, types, left = library_case(
+        data_parallel_stalled, 4, (DP_TIMEOUT,), messages=messages
+    )
+    named = all("did not arrive" in m or "left the group" in m for m in messages)
+    rows.append(("rank 3 (replica 1, stage 1) of 2 replicas x 2 stages stalled before its step: "
+                 f"replica 0 waits in the data-parallel gradient all-reduce (timeout "
+                 f"{DP_TIMEOUT:g} s)", "every other rank raises a PipelineError within timeout + "
+                 "5 s, naming the collective; the stalled one as soon as it wakes", worst, wall,
+                 types, left, "None" not in types and named and worst <= DP_TIMEOUT + 5
+                 and left == 0))  # fmt: skip
     worst, wall, types, left = library_case(carries_on, 2, (TIMEOUT,))
     rows.append(("every rank catches its error and carries on (clip_grad_norm_, a step)",
                  "each later call raises at once", worst, wall, types, left,
@@ -233,6 +276,161 @@ def rows_torchrun(work: Path) -> list[tuple]:
              "left", seconds, seconds, outcome, left, held)]  # fmt: skip
 
 
+class _Lines:
+    """Drains a job's stdout in a thread (so that it never blocks on a full pipe), keeping
+    the last step printed."""
+
+    def __init__(self, job: subprocess.Popen) -> None:
+        self.last, self.text = 0, []
+        self.thread = threading.Thread(target=self._read, args=(job,), daemon=True)
+        self.thread.start()
+
+    def _read(self, job: subprocess.Popen) -> None:
+        for line in job.stdout:
+            self.text.append(line)
+            if line.startswith("step ") and "/5000" in line:
+                self.last = int(line.split()[1].split("/")[0])
+
+    def wait_for(self, step: int, limit: float = 120.0) -> None:
+        deadline = time.monotonic() + limit
+        while self.last < step and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+
+def _workers(launcher: int) -> list[int]:
+    """The rank processes of a `gpipe train` launcher, in start (rank) order."""
+    found = subprocess.run(["pgrep", "-P", str(launcher), "-f", "spawn_main"],
+                           capture_output=True, text=True)  # fmt: skip
+    return sorted(int(pid) for pid in found.stdout.split())
+
+
+def _long_run(out: Path, work: Path, *extra: str) -> subprocess.Popen:
+    return gpipe_train("--size", "tiny", "--steps", "5000", "--eval-every", "0",
+                       "--sample-tokens", "0", "--progress", "lines", "--out", str(out),
+                       *(extra or ("--save-every", "0")), cache=work / "cache")  # fmt: skip
+
+
+def rows_signals_more(work: Path) -> list[tuple]:
+    """SIGTERM to one rank of `gpipe train` (not its launcher); Ctrl-C twice."""
+    rows = []
+    out = work / "worker-sigterm"
+    job = _long_run(out, work)
+    lines = _Lines(job)
+    lines.wait_for(20)
+    ranks = _workers(job.pid)
+    last = lines.last
+    os.kill(ranks[-1], signal.SIGTERM)
+    started = time.monotonic()
+    code = job.wait(timeout=120)
+    seconds = time.monotonic() - started
+    left, saved = left_in(job.pid), _saved_step(out)
+    outcome = (f"exit {code} ({len(ranks)} ranks), lost {max(0, last - saved)} (last step "
+               f"printed {last}, saved {saved})")  # fmt: skip
+    rows.append(("SIGTERM to the last rank of gpipe train (not the launcher)",
+                 "every process exits 143 after saving the step in flight (at most one step "
+                 "lost); no process left", seconds, seconds, outcome, left,
+                 code == 143 and saved >= last - 1 and left == 0))  # fmt: skip
+
+    out = work / "ctrl-c-twice"
+    job = _long_run(out, work)
+    lines = _Lines(job)
+    lines.wait_for(20)
+    os.killpg(job.pid, signal.SIGINT)
+    first = time.monotonic()
+    time.sleep(1.2)  # a second Ctrl-C, not the launcher's SIGTERM that follows the first
+    code = job.poll()
+    if code is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(job.pid, signal.SIGINT)
+        started = time.monotonic()
+        code = job.wait(timeout=120)
+        seconds = time.monotonic() - started
+        how = f"exit {code}, {seconds:.2f} s after the second Ctrl-C"
+    else:
+        seconds = time.monotonic() - first
+        how = f"exit {code} before the second Ctrl-C (the first one was enough)"
+    left = left_in(job.pid)
+    how += f", saved step {_saved_step(out)} (last printed {lines.last})"
+    rows.append(("Ctrl-C twice (SIGINT to every process, 1.2 s apart)",
+                 "the second Ctrl-C stops every process within 2 s; no process left",
+                 seconds, seconds, how, left, seconds <= 2.0 and left == 0))  # fmt: skip
+    return rows
+
+
+def rows_kill_while_saving(work: Path) -> list[tuple]:
+    """kill -9 of the whole job while it writes a checkpoint (every step), then resume."""
+    out = work / "killed-saving"
+    job = _long_run(out, work, "--save-every", "1")
+    lines = _Lines(job)
+    lines.wait_for(10)
+    root = out / "checkpoints"
+    deadline, caught = time.monotonic() + 60, False
+    while time.monotonic() < deadline:
+        if any(p.name.endswith(".tmp") for p in root.glob("step-*")):
+            os.killpg(job.pid, signal.SIGKILL)
+            caught = True
+            break
+        time.sleep(0.002)
+    if not caught:
+        os.killpg(job.pid, signal.SIGKILL)
+    job.wait(timeout=60)
+    last = lines.last
+    staged = sorted(p.name for p in root.glob("step-*.tmp"))
+    left = left_in(job.pid)
+    started = time.monotonic()
+    resumed = gpipe_train("--resume", str(out), "--steps", str(last + 2), "--sample-tokens",
+                          "0", cache=work / "cache")  # fmt: skip
+    stdout, _ = resumed.communicate(timeout=300)
+    seconds = time.monotonic() - started
+    found = [w for w in stdout.split("resumed from step ")[1:]]
+    start = int(found[0].split()[0].rstrip(",.)")) if found else None
+    outcome = (f"killed with {', '.join(staged) or 'no checkpoint'} unfinished; resume exit "
+               f"{resumed.returncode}, resumed from step {start} (last step printed {last}, "
+               f"lost {last - start if start is not None else '?'})")  # fmt: skip
+    held = caught and bool(staged) and resumed.returncode == 0 and start is not None
+    held = held and last - start <= 1 and left == 0 and left_in(resumed.pid) == 0
+    return [("kill -9 of the whole job while it writes a checkpoint (--save-every 1), then "
+             "--resume", "the resume starts from the newest intact checkpoint (at most the "
+             "step being saved lost); no process left", seconds, seconds, outcome, left,
+             held)]  # fmt: skip
+
+
+def rows_refused(work: Path) -> list[tuple]:
+    """Bad output folders and sizes: refused with a clear error, before anything starts."""
+    rows = []
+    promise = "refused with a clear error in < 5 s (exit 2); nothing started"
+    unwritable = Path("/proc/gpipe-run")  # not writable, even for root
+    blocked = work / "busy"
+    cases = [
+        (f"--out under an unwritable folder ({unwritable})", ["--out", str(unwritable)],
+         unwritable, "not writable"),
+        ("--seq 1000000", ["--seq", "1000000", "--out", str(work / "long")], work / "long",
+         "--seq 1000000"),
+        ("a second run into the --out of a running one", ["--out", str(blocked)], None,
+         "is in use by another run"),
+    ]  # fmt: skip
+    for name, argv, folder, expected in cases:
+        if folder is None:  # the first run, training
+            first = _long_run(blocked, work)
+            _Lines(first).wait_for(1)
+        started = time.monotonic()
+        job = gpipe_train("--size", "tiny", "--steps", "5", *argv, cache=work / "cache")
+        _, stderr = job.communicate(timeout=120)
+        seconds = time.monotonic() - started
+        message = " ".join(stderr.split()).replace("gpipe train: error: - ", "")
+        nothing = folder is None or not folder.exists()
+        left = left_in(job.pid)
+        held = job.returncode == 2 and expected in stderr and seconds < 5 and nothing
+        message = message.replace(str(work), "<tmp>").replace("|", "/")
+        outcome = f"exit {job.returncode}: {message[:200]}"
+        rows.append((name, promise, seconds, seconds, outcome, left, held and left == 0))
+    first.kill()
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(first.pid, signal.SIGKILL)
+    first.wait(timeout=60)
+    return rows
+
+
 def rows_checkpoints(work: Path) -> list[tuple]:
     out = work / "ckpt"
     job = gpipe_train("--size", "tiny", "--steps", "10", "--save-every", "5", "--sample-tokens",
@@ -242,6 +440,7 @@ def rows_checkpoints(work: Path) -> list[tuple]:
     for name, damage in [
         ("a flipped byte in the newest shard", "flip"),
         ("the newest manifest deleted", "manifest"),
+        ("the newest shard truncated to half its size", "truncate"),
     ]:
         copy = work / f"ckpt-{damage}"
         shutil.copytree(out, copy)
@@ -251,6 +450,9 @@ def rows_checkpoints(work: Path) -> list[tuple]:
             data = bytearray(shard.read_bytes())
             data[300] ^= 0xFF
             shard.write_bytes(bytes(data))
+        elif damage == "truncate":
+            shard = newest / "shard-001.pt"
+            shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
         else:
             (newest / ckpt.MANIFEST).unlink()
         started = time.monotonic()
@@ -259,8 +461,9 @@ def rows_checkpoints(work: Path) -> list[tuple]:
         stdout, stderr = resumed.communicate(timeout=300)
         seconds = time.monotonic() - started
         warned = "warning:" in stderr and "resumed from step 5" in stdout
+        outcome = f"exit {resumed.returncode}" + (", warned, resumed from step 5" if warned else "")
         rows.append((f"resume with {name}", "falls back to the newest intact one, with a warning",
-                     seconds, seconds, f"exit {resumed.returncode}", left_in(resumed.pid),
+                     seconds, seconds, outcome, left_in(resumed.pid),
                      warned and resumed.returncode == 0))  # fmt: skip
     return rows
 
@@ -270,8 +473,10 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="gpipe-faults-"))
-    rows = rows_library() + rows_stalls(work) + rows_signals(work) + rows_torchrun(work)
-    rows += rows_checkpoints(work)
+    began = time.monotonic()
+    rows = rows_library() + rows_stalls(work) + rows_signals(work) + rows_signals_more(work)
+    rows += rows_torchrun(work) + rows_checkpoints(work) + rows_kill_while_saving(work)
+    rows += rows_refused(work)
     shutil.rmtree(work, ignore_errors=True)
     lines = [
         "| case | promise | every rank raised (s) | whole run, start-up included (s) | outcome | "
@@ -285,23 +490,27 @@ def main() -> None:
         )
         print(lines[-1], flush=True)
     held = sum(1 for row in rows if row[-1])
-    summary = f"{held} of {len(rows)} cases held."
+    minutes = (time.monotonic() - began) / 60
+    summary = f"{held} of {len(rows)} cases held (the whole matrix ran in {minutes:.1f} minutes)."
     print(summary)
     if args.out:
         args.out.write_text(
             "# Reliability: the fault matrix\n\n"
             "Each fault injected into a real run, the promise, and what was measured on this "
             "machine (2 CPU cores, gloo). Library cases: K processes started by `gpipe.launch` "
-            f"with a pipeline timeout of {TIMEOUT:g} s (tests/distributed_cases.py); command-line "
-            "cases: `gpipe train --size tiny`, stopped or damaged as a user or a scheduler "
-            'would. "Every rank raised": library cases, the slowest rank\'s time from the start '
+            f"with a pipeline timeout of {TIMEOUT:g} s unless the row says otherwise "
+            "(tests/distributed_cases.py); command-line cases: `gpipe train --size tiny`, "
+            "stopped or damaged as a user or a scheduler would. "
+            '"Every rank raised": library cases, the slowest rank\'s time from the start '
             "of the failing step to its exception; command-line cases, from the signal (or the "
             "resume command) until the job had exited. Processes left: the job's processes "
             "still alive afterwards. A stalled rank sleeps for the timeout + 3 s; its own time "
-            "counts from when it wakes. Not covered yet: these cases on NCCL (no GPU here), a "
-            "machine that drops off the network (rather than a process), and stalls before "
-            "the data-parallel all-reduce and the tied-weight exchange, which wait through the "
-            "same bounded path as clip_grad_norm_.\n\n"
+            "counts from when it wakes. Refusals of bad options: the whole command, Python's "
+            "start-up included. Not covered yet: these cases on NCCL (no GPU here), a machine "
+            "that drops off the network (rather than a process), a stall before the "
+            "tied-weight exchange (it waits through the same bounded path as the data-parallel "
+            "all-reduce and clip_grad_norm_), and kill -9 of a single rank of `gpipe train` "
+            "(the library's kill -9 rows and the launcher's are covered).\n\n"
             "Regenerate: `python benchmarks/faults.py --out docs/reliability.md`\n\n"
             + "\n".join(lines)
             + f"\n\n{summary}\n"

@@ -394,3 +394,59 @@ def carries_on(rank, timeout):
             message = str(error)
         longest = max(longest, time.monotonic() - start)
     return {"type": "+".join(raised), "seconds": longest, "message": message}
+
+
+def faulty_in(rank, stages, where, fault_rank, schedule, timeout):
+    """Under ``schedule``, rank ``fault_rank`` fails in a forward (its third micro-batch),
+    a backward (the first) or, on the last rank, the loss (the second call); what each rank
+    raised, and when. interleaved-1f1b: two stages a rank, the fault in the first rank's
+    first stage or the last rank's last one."""
+    torch.set_num_threads(1)
+    virtual = 2 if schedule == "interleaved-1f1b" else 1
+    count = stages * virtual
+    fault_stage = count - 1 if fault_rank == stages - 1 else fault_rank
+
+    def factory():
+        layers = []
+        for s in range(count):
+            fault = nn.ReLU()
+            if s == fault_stage and where == "forward":
+                fault = Fault(2, "raise")
+            elif s == fault_stage and where == "backward":
+                fault = BackwardFault(1)
+            layers += [nn.Linear(8, 8), fault]
+        return nn.Sequential(*layers)
+
+    calls = [0]
+
+    def loss(output, target):
+        calls[0] += 1
+        if calls[0] == 2:
+            raise KeyError("injected fault in the loss")
+        return F.mse_loss(output, target)
+
+    pipe = gpipe.Pipe(factory, balance=[2] * count, chunks=4, group=dist.group.WORLD,
+                      timeout=timeout, schedule=schedule, virtual_stages=virtual)  # fmt: skip
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    return _outcome(lambda: pipe.step(x, y, loss if where == "loss" else F.mse_loss))
+
+
+def data_parallel_stalled(rank, timeout):
+    """DP2 x PP2 on four processes; after a good step, rank 3 (replica 1's last stage)
+    sleeps past the timeout before its next step, so that replica 0 waits in the
+    data-parallel gradient all-reduce. What each rank raised, and when (the stalled one:
+    from when it wakes)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+    pipe = gpipe.Pipe(model, balance=[2, 1], chunks=2, group=mesh.get_group("pp"),
+                      data_parallel_group=mesh.get_group("dp"), timeout=timeout)  # fmt: skip
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    pipe.step(x, y, F.mse_loss)
+    start = None
+    if rank == 3:
+        time.sleep(timeout + 3)
+        start = time.monotonic()
+    return _outcome(lambda: pipe.step(x, y, F.mse_loss), start=start)

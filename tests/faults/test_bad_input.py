@@ -89,6 +89,13 @@ def test_an_output_that_cannot_hold_a_run_is_a_clear_error(tmp_path, capsys):
         locked.chmod(0o700)
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs /proc")
+def test_an_output_on_a_read_only_file_system_is_a_clear_error(capsys):
+    # os.access says yes to root even there: the check must try
+    assert main(["train", "--size", "tiny", "--out", "/proc/gpipe-run"]) == 2
+    assert "--out /proc/gpipe-run: /proc is not writable" in capsys.readouterr().err
+
+
 @pytest.mark.timeout(200)
 def test_two_runs_into_one_folder_are_refused(cache, tmp_path):
     out = tmp_path / "shared"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from distributed_cases import stalled
+from distributed_cases import data_parallel_stalled, stalled
 from gpipe.parallel.launch import LaunchError, launch
 
 TIMEOUT = 4.0  # the pipeline's; the process group's is far longer, as torchrun's 30 minutes
@@ -51,3 +51,18 @@ def test_a_rank_stalled_before_the_checkpoint_barrier_of_gpipe_train(tmp_path, m
     assert "the checkpoint barrier before writing" in waiting["message"]
     assert "saving the checkpoint of step 1" in waiting["message"]
     assert woken["type"] is not None  # the stalled rank does not wait forever either
+
+
+@pytest.mark.timeout(180)
+def test_a_rank_stalled_before_the_data_parallel_all_reduce_is_named_by_its_global_rank():
+    # 2 replicas x 2 stages: rank 3 (replica 1, stage 1) sleeps before its step; rank 1
+    # (replica 0, stage 1) waits for it in the data-parallel gradient all-reduce.
+    outcomes = launch(data_parallel_stalled, 4, args=(TIMEOUT,), timeout=600)
+    for rank in (0, 1, 2):
+        assert outcomes[rank]["type"] == "PipelineError", outcomes[rank]
+        assert outcomes[rank]["seconds"] <= TIMEOUT + 5, outcomes[rank]
+    message = outcomes[1]["message"]
+    assert message.startswith("rank 1 (rank 0 of this group)"), message
+    assert "the data-parallel gradient all-reduce" in message, message
+    assert "rank 3 (rank 1 of this group) did not arrive" in message, message
+    assert outcomes[3]["type"] == "PipelineError" and outcomes[3]["seconds"] < 2, outcomes[3]

@@ -10,7 +10,7 @@ hang the process group's destruction at exit) and waited for as long
 or fails because a peer left the group (gloo: "Connection reset by peer"), raises a
 :class:`~gpipe.errors.PipelineError` that names the operation, what this rank was doing,
 the timeout, the ranks that did not arrive (with two ranks, the other one; else "a peer":
-a collective does not tell who is missing) and the remedy.
+a collective does not tell who is missing), each by its global rank, and the remedy.
 
 Objects travel as pickled bytes in tensors, as in torch's ``all_gather_object``, whose
 object collectives take no timeout.
@@ -77,8 +77,8 @@ class Collectives:
     ) -> PipelineError:
         """The error of a collective that did not complete: what, who, and what to do."""
         others = [r for r in range(self.size) if r != self.rank]
-        who = f"rank {others[0]}" if len(others) == 1 else "a peer"
-        where = f"rank {self.rank}" + (f", {doing}" if doing else "")
+        who = self._named(others[0]) if len(others) == 1 else "a peer"
+        where = self._named(self.rank) + (f", {doing}" if doing else "")
         if timed_out:
             what = (
                 f"{operation} did not complete within the pipeline's timeout of "
@@ -95,6 +95,15 @@ class Collectives:
         return PipelineError(
             f"{where}: {what}; {remedy}", rank=others[0] if len(others) == 1 else None
         )
+
+    def _named(self, rank: int) -> str:
+        """A rank of this group as a user knows it: its global rank (a data-parallel group's
+        rank 1 is no process's name)."""
+        try:
+            known = dist.get_global_rank(self.group, rank)
+        except (RuntimeError, ValueError):  # a group torch.distributed does not know
+            known = rank
+        return f"rank {rank}" if known == rank else f"rank {known} (rank {rank} of this group)"
 
     # -- tensors ------------------------------------------------------------------------------
 

@@ -5,6 +5,7 @@ every problem at once (:class:`ConfigError`) before any process starts."""
 from __future__ import annotations
 
 import os
+import tempfile
 import time
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -168,7 +169,7 @@ def _problems(c: TrainConfig, start: int, world_size: int | None, *, fresh: bool
         problems.append(f"--out {c.out} is a file: give a folder for the run's outputs")
     else:
         existing = next(p for p in (out, *out.parents) if p.exists())
-        if not os.access(existing, os.W_OK | os.X_OK):
+        if not _writable(existing):
             problems.append(f"--out {c.out}: {existing} is not writable; choose another --out")
     if problems:
         return problems  # the checks below assume sane numbers
@@ -277,3 +278,16 @@ def _physical_memory() -> int | None:
 
 def _gib(size: float) -> str:
     return f"{size / 2**30:,.1f} GiB"
+
+
+def _writable(folder: Path) -> bool:
+    """Whether a folder can be made in ``folder``: tried, since ``os.access`` says yes to
+    root everywhere, even on a read-only file system (/proc, a read-only mount)."""
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return False
+    try:
+        probe = tempfile.mkdtemp(prefix=".gpipe-probe-", dir=folder)
+    except OSError:
+        return False
+    os.rmdir(probe)
+    return True

@@ -141,6 +141,11 @@ class LanguageModel(Task):
     def build(self, args: dict[str, Any]) -> nn.Sequential:
         return gpt(GPTConfig(**args))
 
+    def units(self, args: dict[str, Any]) -> int:
+        # gpt(): the embedding, n_layers blocks, the head. Not built (even on the meta
+        # device, the first build loads torch's meta kernels: seconds before any refusal).
+        return args["n_layers"] + 2
+
     def constructor(self, args: dict[str, Any]) -> str:
         return f"gpipe.models.gpt(gpipe.models.GPTConfig({_call_args(args)}))"
 
