@@ -164,6 +164,34 @@ def test_eager_attention_stays_causal_because_the_models_own_mask_is_carried():
     assert not torch.equal(before[:, -1], after[:, -1])
 
 
+@needs("hf-gpt2")
+def test_an_encoder_decoder_cut_in_both_stacks():
+    """T5: the encoder's output crosses every decoder cut (cross-attention); the shared
+    embedding is tied across the stages; the decoder stack's own config holds a cache flag."""
+    config = transformers.T5Config(
+        vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2,
+        num_heads=4, dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.T5ForConditionalGeneration(config).double()
+    g = torch.Generator().manual_seed(0)
+    ids, labels = (
+        torch.randint(1, 64, (6, 8), generator=g),
+        torch.randint(1, 64, (6, 5), generator=g),
+    )
+    inputs = {"input_ids": ids, "decoder_input_ids": model._shift_right(labels)}
+    case = CASES["hf-gpt2"]  # its loss: cross entropy of .logits
+    split = ["encoder.block.0", "encoder.block.1", "decoder.block.0", "decoder.block.1"]
+    pipe = gpipe.Pipe.from_model(
+        copy.deepcopy(model), {k: v[:2] for k, v in inputs.items()}, split=split,
+        balance=[3, 3], chunks=3, schedule="1f1b",
+    )  # fmt: skip
+    pipe.step(inputs, labels, case.loss)
+    _, grads, _ = reference_gradients(case, model, inputs, labels, pipe.chunks)
+    error, where = worst_error(pipe.named_parameters(remove_duplicate=False), grads)
+    assert error <= 1e-10, (where, error)
+
+
 @needs("hf-llama")
 def test_batch_and_sequence_length_change_without_capturing_again():
     case = CASES["hf-llama"]

@@ -149,16 +149,17 @@ def _export(model: nn.Module, args: tuple, kwargs: dict, dynamic: bool):
 
 @contextmanager
 def _no_cache(model: nn.Module):
-    """Hugging Face models return a key-value cache for generation; training has none."""
-    config = getattr(model, "config", None)
-    saved = getattr(config, "use_cache", None)
-    if saved:
-        config.use_cache = False
+    """Hugging Face models return a key-value cache for generation; training has none.
+    Sub-models may hold configs of their own (an encoder-decoder's decoder stack)."""
+    configs = {id(c): c for m in model.modules() if (c := getattr(m, "config", None)) is not None}
+    saved = {key: c.use_cache for key, c in configs.items() if getattr(c, "use_cache", False)}
+    for key in saved:
+        configs[key].use_cache = False
     try:
         yield
     finally:
-        if saved:
-            config.use_cache = saved
+        for key, value in saved.items():
+            configs[key].use_cache = value
 
 
 def _explain(model: nn.Module, error: Exception) -> str:
