@@ -42,6 +42,15 @@ def needs(name: str):
 MODELS = [pytest.param(name, marks=needs(name)) for name in CASES]
 
 
+def assert_trains_as(model, pipe, case, inputs, targets, tolerance=1e-10):
+    """One pipelined step gives the plain model's gradients on the same micro-batches."""
+    loss = pipe.step(inputs, targets, case.loss)
+    _, grads, _ = reference_gradients(case, model, inputs, targets, pipe.chunks)
+    error, where = worst_error(pipe.named_parameters(remove_duplicate=False), grads)
+    assert error <= tolerance, (where, error)
+    return loss
+
+
 def captured(name: str, dtype: torch.dtype = torch.float64) -> tuple[nn.Module, CapturedModel]:
     """The model and its capture, once per test session (capture takes a second or two)."""
     if (name, dtype) not in _CAPTURED:
@@ -152,10 +161,7 @@ def test_eager_attention_stays_causal_because_the_models_own_mask_is_carried():
         copy.deepcopy(model), case.example(), split="transformer.h", balance=[2, 3], chunks=3
     )
     inputs, targets = case.batch()
-    pipe.step(inputs, targets, case.loss)
-    _, grads, _ = reference_gradients(case, model, inputs, targets, pipe.chunks)
-    error, where = worst_error(pipe.named_parameters(remove_duplicate=False), grads)
-    assert error <= 1e-10, (where, error)
+    assert_trains_as(model, pipe, case, inputs, targets)
     changed = inputs.clone()
     changed[:, -1] = (changed[:, -1] + 1) % 64  # a later token must not change earlier logits
     with torch.no_grad():
@@ -186,10 +192,7 @@ def test_an_encoder_decoder_cut_in_both_stacks():
         copy.deepcopy(model), {k: v[:2] for k, v in inputs.items()}, split=split,
         balance=[3, 3], chunks=3, schedule="1f1b",
     )  # fmt: skip
-    pipe.step(inputs, labels, case.loss)
-    _, grads, _ = reference_gradients(case, model, inputs, labels, pipe.chunks)
-    error, where = worst_error(pipe.named_parameters(remove_duplicate=False), grads)
-    assert error <= 1e-10, (where, error)
+    assert_trains_as(model, pipe, case, inputs, labels)
 
 
 @needs("hf-llama")
