@@ -201,18 +201,7 @@ def faulty(rank, stages, fault_stage, microbatch, how, timeout, after_steps=0, o
     x = torch.randn(8, 8)
     for _ in range(after_steps):
         pipe.step(x, torch.randn(8, 8), F.mse_loss)
-    start = time.monotonic()
-    try:
-        pipe.step(x, torch.randn(8, 8), F.mse_loss)
-    except BaseException as error:  # what each rank raised is the test's subject
-        return {
-            "type": type(error).__name__,
-            "message": str(error),
-            "rank": getattr(error, "rank", None),
-            "seconds": time.monotonic() - start,
-            "pipeline_error": isinstance(error, PipelineError),
-        }
-    return {"type": None, "seconds": time.monotonic() - start}
+    return _outcome(lambda: pipe.step(x, torch.randn(8, 8), F.mse_loss))
 
 
 class _Backward(torch.autograd.Function):
@@ -275,6 +264,7 @@ def _outcome(call, start: float | None = None) -> dict:
             "message": str(error),
             "rank": getattr(error, "rank", None),
             "seconds": time.monotonic() - start,
+            "pipeline_error": isinstance(error, PipelineError),
         }
     return {"type": None, "seconds": time.monotonic() - start}
 
