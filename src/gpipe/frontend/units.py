@@ -68,8 +68,9 @@ class Unit(nn.Module):
         # A graph that names a dtype (casts, checks) runs only with the dtype it was captured in.
         self._capture_dtype = _floating_dtype(self) if _names_a_dtype(graphs) else None
 
-    def extra_repr(self) -> str:
-        return repr(self.unit_name)
+    def __repr__(self) -> str:  # one line: the holder modules are plain containers
+        params = sum(p.numel() for p in self.parameters())
+        return f"Unit({self.unit_name!r}, {params:,} parameters)"
 
     def forward(self, carried: Any) -> Any:
         graph = self._graphs[self.training]
