@@ -18,16 +18,7 @@ from torch.nn import functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import gpipe
-from gpipe.data import stdlib_bytes
-
-
-def batches(steps: int, batch: int = 16, length: int = 64):
-    data, g = stdlib_bytes(200_000), torch.Generator().manual_seed(0)
-    for _ in range(steps):
-        offsets = torch.randint(0, len(data) - length - 1, (batch,), generator=g)
-        window = torch.stack([data[o : o + length + 1] for o in offsets])
-        yield window[:, :-1], window[:, 1:]
-
+from gpipe.data import TokenWindows, stdlib_bytes
 
 # -- the user code, from model to training loop ---------------------------------------------------
 group = None
@@ -45,7 +36,9 @@ pipe = gpipe.Pipe.from_model(
 )  # fmt: skip
 optimizer = torch.optim.AdamW(pipe.parameters(), lr=3e-3)
 loss_fn = lambda out, y: F.cross_entropy(out.logits.flatten(0, 1), y.flatten())  # noqa: E731
-for step, (x, y) in enumerate(batches(30)):
+windows, g = TokenWindows(stdlib_bytes(200_000), seq=64), torch.Generator().manual_seed(0)
+for step in range(30):
+    x, y = windows[torch.randint(len(windows), (16,), generator=g)]  # 16 windows of 64 bytes
     loss = pipe.step(x, y, loss_fn)
     optimizer.step()
     optimizer.zero_grad()
