@@ -197,17 +197,17 @@ def _initialize(units: nn.Sequential, layers: list[int], origin: Origin) -> None
     """The model's own initialization, module by module, of what is still on meta."""
     model = origin.model
     init_weights = getattr(model, "_init_weights", None)
+    # The model's modules own the units' tensors: give them real memory, initialize them as
+    # the model would, then hand the new tensors to the unit.
+    source: dict[int, tuple[nn.Module, str]] = {}  # a (meta) tensor -> its owner, attribute
+    for m in model.modules():
+        for attr, t in [*m._parameters.items(), *m._buffers.items()]:
+            if t is not None:
+                source.setdefault(id(t), (m, attr))
     for i in layers:
         meta = [(module, attr, t) for _, module, attr, _, t in _slots(units, [i]) if t.is_meta]
         if not meta:
             continue
-        # The model's modules own these tensors: give them real memory, initialize them as
-        # the model would, then hand the new tensors to the unit.
-        source: dict[int, tuple[nn.Module, str]] = {}
-        for m in model.modules():
-            for attr, t in [*m._parameters.items(), *m._buffers.items()]:
-                if t is not None:
-                    source.setdefault(id(t), (m, attr))
         todo = {id(source[id(t)][0]): source[id(t)][0] for _, _, t in meta if id(t) in source}
         generator_state = torch.random.get_rng_state()
         torch.manual_seed(origin.seed * 100_003 + i)
