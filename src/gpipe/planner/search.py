@@ -213,7 +213,13 @@ def _evaluate(
         )
     costs, transfer = _stage_costs(prof, part.balance, schedule, mode, link, overhead)
     result = simulate(schedule, costs, transfer=transfer)
-    stage_mem = stage_memory(prof, part.balance, held_in(result, mode), memory)
+    stage_mem = stage_memory(
+        prof,
+        part.balance,
+        held_in(result, mode),
+        memory,
+        splits_backward=schedule.splits_backward(0, 0),
+    )
     per_device = [0.0] * k
     for s, stage in enumerate(stage_mem):
         per_device[schedule.stage_to_rank[s]] += stage.total

@@ -248,8 +248,8 @@ def balance_profile(
     built = _schedule_of(schedule, stages, chunks, virtual_stages)
     if held is None:
         held = held_microbatches(built, checkpoint)
-    table = StageMemoryTable(prof.layers, held, model)
     split = built.splits_backward(0, 0)
+    table = StageMemoryTable(prof.layers, held, model, splits_backward=split)
     times = prefix_sums(layer_times(prof, checkpoint=checkpoint, chunks=chunks, split=split))
     budgets = _budgets(memory_budget, stages)
 

@@ -1,8 +1,8 @@
 """What a stage holds while training: parameters, optimizer state, activations.
 
-Memory model of a stage (bytes; :class:`MemoryModel`)::
+Memory model of a stage, per process (bytes; :class:`MemoryModel`), P its parameter bytes::
 
-    parameters × (1 + gradients + optimizer_state)        AdamW: optimizer_state = 2
+    P × (1 + gradients + optimizer_state)                 AdamW: optimizer_state = 2
     + buffers
     + boundary input × micro-batches held                 (kept for backward)
     + inner activations × micro-batches held without re-materialization
@@ -18,6 +18,28 @@ only from the start of its backward. The peaks of the two counts are added, whic
 overstate a little when they do not coincide. Not modelled: the loss's saved tensors
 unless the profile included the loss, allocator fragmentation, temporary buffers of a
 single operation, communication buffers.
+
+Replicas (``MemoryModel(replicas=R)``: R copies of the pipeline, each on its own share of
+the mini-batch; the activations come from a profile of that share). Plain replicas average
+their gradients with a bucketed all-reduce (``gpipe.parallel.data_parallel``) whose flat
+buckets stay alive until the step ends, so a process holds one replica's memory plus one
+more copy of the gradients::
+
+    + P × gradients                                       (reduction buffers)
+
+Sharded replicas (``MemoryModel(replicas=R, shard=True)``: FSDP2 ``fully_shard`` on each
+layer of a stage with parameters) keep 1/R of the parameters and optimizer state; a layer's
+parameters are gathered whole for its forward or backward and freed after it, and the
+gradients are accumulated unsharded over the step's micro-batches, then reduce-scattered
+once per step::
+
+    P / R + P × gradients + P × optimizer_state / R + buffers
+    + gathered: the stage's largest layer (P under a split backward: W gathers the stage)
+    + boundary and inner activations as above
+
+The peaks of the terms are added, as for the activations: an upper bound where they do not
+coincide (the reduction buffers, e.g., live after the last backward has freed most
+activations).
 """
 
 from __future__ import annotations
@@ -51,12 +73,35 @@ class MemoryModel:
 
     gradients: float = 1.0  # one gradient per parameter
     optimizer_state: float = 2.0  # AdamW: two moments per parameter; SGD+momentum: 1
+    replicas: int = 1  # R pipelines, data parallel: each process holds one stage of one
+    shard: bool = False  # parameters, gradients, optimizer state sharded over the R replicas
 
     def __post_init__(self) -> None:
         for label in ("gradients", "optimizer_state"):
             value = getattr(self, label)
             if not (isinstance(value, int | float) and value >= 0):
                 raise ValueError(f"{label} must be a non-negative number, got {value!r}")
+        if (
+            not isinstance(self.replicas, int)
+            or isinstance(self.replicas, bool)
+            or self.replicas < 1
+        ):
+            raise ValueError(f"replicas must be a positive int, got {self.replicas!r}")
+        if self.shard and self.replicas < 2:
+            raise ValueError(
+                f"shard=True shards over the replicas, but replicas={self.replicas}: "
+                "use replicas >= 2, or shard=False"
+            )
+
+    @property
+    def kept(self) -> float:
+        """Of the parameters and optimizer state, the fraction a process keeps."""
+        return 1.0 / self.replicas if self.shard else 1.0
+
+    @property
+    def reduction(self) -> float:
+        """Multiple of parameter bytes held by the gradient all-reduce's buffers."""
+        return self.gradients if self.replicas > 1 and not self.shard else 0.0
 
 
 @dataclass(frozen=True)
@@ -80,25 +125,38 @@ class StageMemory:
     boundary: float  # boundary inputs × held micro-batches
     inner: float  # inner activations × micro-batches holding them
     held: Held
+    gathered: float = 0.0  # sharded: parameters gathered whole at once
+    reduction: float = 0.0  # plain replicas: the gradient all-reduce's buffers
 
     @property
     def total(self) -> float:
-        return (
-            self.parameters
-            + self.gradients
-            + self.optimizer
-            + self.buffers
-            + self.boundary
-            + self.inner
-        )
+        return sum(self.terms().values())
+
+    def terms(self) -> dict[str, float]:
+        """Each term of the total by name, in the order of the module docstring."""
+        return {
+            "parameters": self.parameters,
+            "gradients": self.gradients,
+            "optimizer": self.optimizer,
+            "buffers": self.buffers,
+            "inputs": self.boundary,
+            "activations": self.inner,
+            "gathered": self.gathered,
+            "reduction": self.reduction,
+        }
 
     def describe(self) -> str:
+        extra = ""
+        if self.gathered:
+            extra += f" + gathered parameters {self.gathered / MiB:.1f}"
+        if self.reduction:
+            extra += f" + reduction buffers {self.reduction / MiB:.1f}"
         return (
             f"{self.total / MiB:.1f} MiB (parameters {self.parameters / MiB:.1f} + gradients "
             f"{self.gradients / MiB:.1f} + optimizer {self.optimizer / MiB:.1f} + buffers "
             f"{self.buffers / MiB:.1f} + inputs {self.boundary / MiB:.1f} for "
             f"{self.held.boundary} micro-batches + inner activations {self.inner / MiB:.1f} "
-            f"for {self.held.inner})"
+            f"for {self.held.inner}{extra})"
         )
 
 
@@ -160,14 +218,46 @@ def held_in(result: SimulationResult, checkpoint: str) -> list[Held]:
     return held
 
 
-class StageMemoryTable:
-    """O(1) memory of any stage (layers i..j-1 at position s), from prefix sums."""
+class _RangeMax:
+    """Largest of ``values[i:j]`` in O(1), after O(n log n) preparation (a sparse table)."""
 
-    def __init__(self, layers: Sequence[LayerProfile], held: Sequence[Held], model: MemoryModel):
+    def __init__(self, values: Sequence[float]) -> None:
+        self.levels = [list(values)]
+        width = 1
+        while 2 * width <= len(values):
+            below = self.levels[-1]
+            self.levels.append(
+                [max(below[i], below[i + width]) for i in range(len(values) - 2 * width + 1)]
+            )
+            width *= 2
+
+    def __call__(self, i: int, j: int) -> float:
+        level = (j - i).bit_length() - 1
+        row = self.levels[level]
+        return max(row[i], row[j - (1 << level)])
+
+
+class StageMemoryTable:
+    """O(1) memory of any stage (layers i..j-1 at position s), from prefix sums.
+
+    ``splits_backward``: the schedule runs W apart (zero bubble), which under sharding
+    gathers the whole stage's parameters at once.
+    """
+
+    def __init__(
+        self,
+        layers: Sequence[LayerProfile],
+        held: Sequence[Held],
+        model: MemoryModel,
+        *,
+        splits_backward: bool = False,
+    ):
         n = len(layers)
         self.layers, self.held, self.model = layers, held, model
-        self.factor = 1.0 + model.gradients + model.optimizer_state
+        self.splits_backward = splits_backward
+        self.factor = (1.0 + model.optimizer_state) * model.kept + model.gradients + model.reduction
         self.params = prefix_sums([lay.param_bytes for lay in layers])
+        self.largest = _RangeMax([lay.param_bytes for lay in layers])
         self.buffers = prefix_sums([lay.buffer_bytes for lay in layers])
         self.inner = prefix_sums([lay.inner_bytes for lay in layers])
         self.has_params = [lay.param_bytes > 0 for lay in layers]
@@ -208,36 +298,58 @@ class StageMemoryTable:
             inner -= self._freed_after_input_grad(i, j) * held.after_input_grad
         return inner
 
+    def _gathered(self, i: int, j: int) -> float:
+        if not self.model.shard:
+            return 0.0
+        return self.params[j] - self.params[i] if self.splits_backward else self.largest(i, j)
+
+    def weights(self, i: int, j: int) -> float:
+        """The terms that grow with the parameters alone (never less for more layers)."""
+        return (
+            (self.params[j] - self.params[i]) * self.factor
+            + self.buffers[j]
+            - self.buffers[i]
+            + self._gathered(i, j)
+        )
+
     def __call__(self, s: int, i: int, j: int) -> StageMemory:
         params = self.params[j] - self.params[i]
         held = self.held[s]
+        model = self.model
         return StageMemory(
-            parameters=params,
-            gradients=params * self.model.gradients,
-            optimizer=params * self.model.optimizer_state,
+            parameters=params * model.kept,
+            gradients=params * model.gradients,
+            optimizer=params * model.optimizer_state * model.kept,
             buffers=self.buffers[j] - self.buffers[i],
             boundary=self.layers[i].input_bytes * held.boundary,
             inner=self._held_inner(s, i, j),
             held=held,
+            gathered=self._gathered(i, j),
+            reduction=params * model.reduction,
         )
 
     def total(self, s: int, i: int, j: int) -> float:
         """``self(s, i, j).total``, without building the breakdown (the hot path)."""
         held = self.held[s]
         return (
-            (self.params[j] - self.params[i]) * self.factor
-            + self.buffers[j]
-            - self.buffers[i]
+            self.weights(i, j)
             + self.layers[i].input_bytes * held.boundary
             + self._held_inner(s, i, j)
         )
 
 
 def stage_memory(
-    prof: Profile, balance: Sequence[int], held: Sequence[Held], model: MemoryModel | None = None
+    prof: Profile,
+    balance: Sequence[int],
+    held: Sequence[Held],
+    model: MemoryModel | None = None,
+    *,
+    splits_backward: bool = False,
 ) -> list[StageMemory]:
     """The memory of each stage of ``balance`` (see the module docstring)."""
-    table = StageMemoryTable(prof.layers, held, model or MemoryModel())
+    table = StageMemoryTable(
+        prof.layers, held, model or MemoryModel(), splits_backward=splits_backward
+    )
     out, start = [], 0
     for s, size in enumerate(balance):
         out.append(table(s, start, start + size))
