@@ -9,6 +9,10 @@ Memory model of a stage, per process (bytes; :class:`MemoryModel`), P its parame
                         (with it, those being recomputed: 1, more under zero bubble)
     − freed after B × micro-batches past B waiting for W (zero bubble: what lies above
                         the stage's last weights, e.g. the loss's log-softmax)
+    + workspace (``MemoryModel(workspace=True)``): the largest saved bytes of one layer
+                        for one micro-batch (a layer's backward makes the gradients of what
+                        it saved while that is alive; measured, ``docs/capacity.md``: the
+                        loss of a large vocabulary needs about twice its logits)
 
 "Held" comes from simulating the schedule (``gpipe.schedule.simulate``): a micro-batch is held
 on a stage from the start of its forward until its backward is complete. Inner
@@ -75,6 +79,7 @@ class MemoryModel:
     optimizer_state: float = 2.0  # AdamW: two moments per parameter; SGD+momentum: 1
     replicas: int = 1  # R pipelines, data parallel: each process holds one stage of one
     shard: bool = False  # parameters, gradients, optimizer state sharded over the R replicas
+    workspace: bool = False  # count the backward's workspace (see the module docstring)
 
     def __post_init__(self) -> None:
         for label in ("gradients", "optimizer_state"):
@@ -127,6 +132,7 @@ class StageMemory:
     held: Held
     gathered: float = 0.0  # sharded: parameters gathered whole at once
     reduction: float = 0.0  # plain replicas: the gradient all-reduce's buffers
+    workspace: float = 0.0  # the gradients one layer's backward makes at once
 
     @property
     def total(self) -> float:
@@ -141,12 +147,15 @@ class StageMemory:
             "buffers": self.buffers,
             "inputs": self.boundary,
             "activations": self.inner,
+            "workspace": self.workspace,
             "gathered": self.gathered,
             "reduction": self.reduction,
         }
 
     def describe(self) -> str:
         extra = ""
+        if self.workspace:
+            extra += f" + backward workspace {self.workspace / MiB:.1f}"
         if self.gathered:
             extra += f" + gathered parameters {self.gathered / MiB:.1f}"
         if self.reduction:
@@ -258,6 +267,7 @@ class StageMemoryTable:
         self.factor = (1.0 + model.optimizer_state) * model.kept + model.gradients + model.reduction
         self.params = prefix_sums([lay.param_bytes for lay in layers])
         self.largest = _RangeMax([lay.param_bytes for lay in layers])
+        self.largest_saved = _RangeMax([lay.saved_bytes for lay in layers])
         self.buffers = prefix_sums([lay.buffer_bytes for lay in layers])
         self.inner = prefix_sums([lay.inner_bytes for lay in layers])
         self.has_params = [lay.param_bytes > 0 for lay in layers]
@@ -303,6 +313,9 @@ class StageMemoryTable:
             return 0.0
         return self.params[j] - self.params[i] if self.splits_backward else self.largest(i, j)
 
+    def _workspace(self, i: int, j: int) -> float:
+        return self.largest_saved(i, j) if self.model.workspace else 0.0
+
     def weights(self, i: int, j: int) -> float:
         """The terms that grow with the parameters alone (never less for more layers)."""
         return (
@@ -326,6 +339,7 @@ class StageMemoryTable:
             held=held,
             gathered=self._gathered(i, j),
             reduction=params * model.reduction,
+            workspace=self._workspace(i, j),
         )
 
     def total(self, s: int, i: int, j: int) -> float:
@@ -335,6 +349,7 @@ class StageMemoryTable:
             self.weights(i, j)
             + self.layers[i].input_bytes * held.boundary
             + self._held_inner(s, i, j)
+            + self._workspace(i, j)
         )
 
 

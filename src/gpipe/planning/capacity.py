@@ -1,0 +1,683 @@
+"""Capacity: the largest model of a family that trains within a memory budget per process.
+
+GPipe's Table 1 asks how large a model K devices can train: with re-materialization the
+answer grows about linearly with K. :func:`capacity` answers it for a *family* of models
+that differ only in depth (the GPT of ``gpipe.models`` by ``n_layers``, the ResNet by
+``blocks``), a budget of bytes per process, a number of processes and an optimizer:
+
+1. profile one small member of the family (``gpipe.planning.profile``) once per
+   micro-batch size, and extrapolate it to any depth: the blocks are identical, so a
+   deeper model's profile is the small one's with its blocks repeated (embedding, head,
+   stem, classifier stay as they are);
+2. for every layout — K stages, R replicas (K·R ≤ processes, sharded or not), M
+   micro-batches, schedule, re-materialization — find the largest depth whose every
+   stage fits the budget under the memory model (``gpipe.planning.memory_model``) plus a
+   fixed cost per process, by bisection (a deeper member never needs less memory);
+3. cut the largest fitting depth with the memory balance (``balance_profile(by="size")``:
+   the partition with the most room in its fullest stage).
+
+Layouts are ranked by parameters, then by fewer processes, no sharding, less
+recomputation, fewer micro-batches. The mini-batch is global: each of R replicas trains on
+``batch / R`` samples, in M micro-batches. Interleaved stages (v > 1) are not searched.
+
+Example::
+
+    family = gpt_family(d_model=256, heads=4, seq=128, vocab=8192, batch=16)
+    result = capacity(family, memory_budget=2 * 2**30, processes=8)
+    print(result.table())
+    result.best.layout, result.best.depth, result.best.parameters
+
+:mod:`gpipe.planner` verifies a row by training it for real (``verify_capacity``).
+"""
+
+from __future__ import annotations
+
+import bisect
+import functools
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+from torch import nn
+
+from gpipe import remat
+from gpipe._utils import MiB
+from gpipe.planning.memory_model import (
+    MemoryModel,
+    StageMemory,
+    StageMemoryTable,
+    held_microbatches,
+)
+from gpipe.planning.profile import Profile, profile
+from gpipe.schedule import SCHEDULES, build_schedule
+
+__all__ = [
+    "OPTIMIZER_STATE",
+    "Capacity",
+    "Family",
+    "Fit",
+    "Layout",
+    "NothingFits",
+    "capacity",
+    "cut_within",
+    "extrapolate",
+    "fit_of",
+    "gpt_family",
+    "layouts",
+    "lightest_cut",
+    "optimizer_state_of",
+    "resnet_family",
+]
+
+# Optimizer state per parameter, in multiples of its bytes.
+OPTIMIZER_STATE = {"adamw": 2.0, "adam": 2.0, "sgd": 0.0, "sgd-momentum": 1.0}
+RECOMPUTATION = {"never": 0, "except_last": 1, "always": 2}  # ranks ties: less is better
+
+
+# -- families --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Family:
+    """Models that differ only in depth: identical blocks between fixed layers.
+
+    ``build(depth)`` makes the model; ``kinds(depth)`` names each of its layers' kind
+    (layers of one kind are identical, e.g. ``["embedding", "block", "block", "head"]``);
+    ``batch(n)`` gives ``n`` samples of (inputs, targets); ``loss_fn(output, target)``
+    the loss. Everything is picklable (module-level functions and partials), so that
+    :func:`gpipe.planner.verify_capacity` can send it to new processes.
+    """
+
+    name: str
+    build: Callable[[int], nn.Sequential]
+    kinds: Callable[[int], list[str]]
+    batch: Callable[[int], tuple[Any, Any]]
+    loss_fn: Callable[[Any, Any], torch.Tensor]
+    batch_size: int  # samples per mini-batch, over all replicas
+    profile_depth: int = 2  # the member profiled
+
+    def describe(self, depth: int | None = None) -> str:
+        at = "" if depth is None else f", depth {depth}"
+        return f"{self.name}{at}, batch {self.batch_size}"
+
+
+def _gpt_model(depth: int, *, d_model: int, heads: int, seq: int, vocab: int) -> nn.Sequential:
+    from gpipe.models import GPTConfig, gpt
+
+    # no dropout: its masks are memory the budget should not depend on a rate for
+    config = GPTConfig(vocab, seq, d_model, heads, depth, dropout=0.0)
+    return gpt(config)
+
+
+def _gpt_kinds(depth: int) -> list[str]:
+    return ["embedding", *["block"] * depth, "head"]
+
+
+def _tokens(n: int, *, seq: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (n, seq + 1), generator=generator)
+    return ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
+
+
+def gpt_family(*, d_model: int, heads: int, seq: int, vocab: int, batch: int) -> Family:
+    """The GPT of ``gpipe.models`` by ``n_layers``, at a fixed width, context and vocabulary."""
+    from gpipe.models import lm_loss
+
+    return Family(
+        name=f"GPT d_model {d_model}, {heads} heads, seq {seq}, vocab {vocab}",
+        build=functools.partial(_gpt_model, d_model=d_model, heads=heads, seq=seq, vocab=vocab),
+        kinds=_gpt_kinds,
+        batch=functools.partial(_tokens, seq=seq, vocab=vocab),
+        loss_fn=lm_loss,
+        batch_size=batch,
+    )
+
+
+def _resnet_model(depth: int, *, channels: int, classes: int) -> nn.Sequential:
+    from gpipe.models import resnet
+
+    return resnet(widths=(channels, 2 * channels, 4 * channels), blocks=depth, classes=classes)
+
+
+def _resnet_kinds(depth: int) -> list[str]:
+    kinds = ["stem"]
+    for level in range(3):
+        if level:
+            kinds.append(f"down{level}")
+        kinds += [f"residual{level}"] * depth
+    return [*kinds, "pool", "flatten", "classifier"]
+
+
+def _images(n: int, *, image: int, classes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(n, 3, image, image, generator=generator)
+    return x, torch.randint(0, classes, (n,), generator=generator)
+
+
+def resnet_family(*, channels: int, image: int, batch: int, classes: int = 10) -> Family:
+    """The ResNet of ``gpipe.models`` by ``blocks`` (per resolution: depth d has 3·d blocks)."""
+    from torch.nn import functional as F
+
+    return Family(
+        name=f"ResNet widths {channels}/{2 * channels}/{4 * channels}, {image}px",
+        build=functools.partial(_resnet_model, channels=channels, classes=classes),
+        kinds=_resnet_kinds,
+        batch=functools.partial(_images, image=image, classes=classes),
+        loss_fn=F.cross_entropy,
+        batch_size=batch,
+    )
+
+
+# -- extrapolated profiles -------------------------------------------------------------------
+
+
+def extrapolate(prof: Profile, kinds: Sequence[str], target: Sequence[str]) -> Profile:
+    """The profile of a member whose layers have kinds ``target``, from the profile of one
+    whose layers have kinds ``kinds``: each layer takes the measured costs of a layer of
+    its kind (layers of a kind are identical, so any will do)."""
+    if len(kinds) != len(prof.layers):
+        raise ValueError(f"{len(kinds)} kinds for a profile of {len(prof.layers)} layers")
+    of_kind = {kind: layer for kind, layer in zip(kinds, prof.layers, strict=True)}
+    missing = sorted(set(target) - set(of_kind))
+    if missing:
+        raise ValueError(f"the profiled model has no layer of kind {missing}: profile a deeper one")
+    layers = []
+    for index, kind in enumerate(target):
+        layer = of_kind[kind]
+        layers.append(replace(layer, name=f"{index} {layer.name.partition(' ')[2]}"))
+    return Profile(tuple(layers), prof.batch_size, prof.device)
+
+
+@dataclass
+class _FamilyCosts:
+    """A family's profiles by micro-batch size (measured once each) and parameter counts."""
+
+    family: Family
+    profiles: dict[int, Profile] = field(default_factory=dict)
+    counts: dict[str, int] = field(default_factory=dict)  # parameters per layer, by kind
+
+    def profile(self, samples: int) -> Profile:
+        if samples not in self.profiles:
+            torch.manual_seed(0)
+            model = self.family.build(self.family.profile_depth)
+            kinds = self.family.kinds(self.family.profile_depth)
+            for kind, layer in zip(kinds, model, strict=True):
+                self.counts[kind] = sum(p.numel() for p in layer.parameters())
+            x, y = self.family.batch(samples)
+            self.profiles[samples] = profile(
+                model, x, "cpu", target=y, loss_fn=self.family.loss_fn, repeats=1, warmup=0
+            )
+        return self.profiles[samples]
+
+    def at(self, depth: int, samples: int) -> Profile:
+        small = self.profile(samples)
+        family = self.family
+        return extrapolate(small, family.kinds(family.profile_depth), family.kinds(depth))
+
+    def parameters(self, depth: int) -> int:
+        return sum(self.counts[kind] for kind in self.family.kinds(depth))
+
+
+# -- layouts and their rows -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How the processes train one model: K stages × R replicas, M micro-batches."""
+
+    stages: int
+    replicas: int = 1
+    shard: bool = False
+    chunks: int = 1
+    schedule: str = "gpipe"
+    checkpoint: str = "never"
+
+    @property
+    def processes(self) -> int:
+        return self.stages * self.replicas
+
+    def label(self) -> str:
+        replicas = (
+            f" R={self.replicas}{' sharded' if self.shard else ''}" if self.replicas > 1 else ""
+        )
+        return f"K={self.stages}{replicas} M={self.chunks} {self.schedule} {self.checkpoint}"
+
+    def rank_key(self) -> tuple:
+        """Ties of capacity go to the cheaper layout."""
+        return (
+            self.processes,
+            self.shard,
+            RECOMPUTATION[self.checkpoint],
+            self.chunks,
+            self.schedule,
+            self.replicas,
+        )
+
+
+@dataclass(frozen=True)
+class Fit:
+    """A member of the family in a layout: the largest that fits, in a capacity row.
+
+    ``memory`` is the predicted peak of each stage's processes without ``overhead`` (the
+    fixed cost of a training process); ``peak`` adds it. When it does not fit (``fits``
+    false; in a capacity row: not even the smallest member), ``balance`` and ``memory``
+    are those of the partition that misses the budget by the least, ``missing`` what each
+    of its stages lacks.
+    """
+
+    layout: Layout
+    depth: int
+    parameters: int
+    balance: tuple[int, ...]
+    memory: tuple[StageMemory, ...] = field(repr=False)
+    overhead: float
+    budget: float
+    fits: bool = True
+    missing: tuple[float, ...] = ()
+
+    @property
+    def peaks(self) -> tuple[float, ...]:
+        return tuple(m.total + self.overhead for m in self.memory)
+
+    @property
+    def peak(self) -> float:
+        return max(self.peaks)
+
+    @property
+    def fullest(self) -> int:
+        """The stage whose processes need the most."""
+        return max(range(len(self.memory)), key=lambda s: self.memory[s].total)
+
+    def terms(self, stage: int | None = None) -> dict[str, float]:
+        """The predicted peak of a stage's process by term (default: the fullest stage)."""
+        memory = self.memory[self.fullest if stage is None else stage]
+        return {**memory.terms(), "process": self.overhead}
+
+
+class NothingFits(ValueError):
+    """No layout trains even the smallest member; the message says why and what would."""
+
+
+@dataclass
+class Capacity:
+    """The capacity search's answer: one :class:`Fit` per layout, the largest first."""
+
+    family: Family
+    budget: float  # bytes per process
+    processes: int
+    optimizer_state: float
+    overhead: float  # bytes per process beyond the memory model
+    rows: list[Fit]
+    advice: str = ""  # what would fit, when nothing does
+
+    @property
+    def best(self) -> Fit:
+        if not self.rows or not self.rows[0].fits:
+            raise NothingFits(self.explain())
+        return self.rows[0]
+
+    def best_of(self, **layout: Any) -> Fit:
+        """The largest row whose layout has the given fields, e.g. ``best_of(stages=4)``."""
+        for row in self.rows:
+            if all(getattr(row.layout, k) == v for k, v in layout.items()):
+                return row
+        raise KeyError(f"no row with {layout}")
+
+    def table(self, top: int | None = 12) -> str:
+        """Rows as text: layout, depth, parameters, balance and the fullest process's terms."""
+        lines = [
+            f"capacity of {self.family.describe()}: budget {self.budget / MiB:,.1f} MiB per "
+            f"process, {self.processes} processes, optimizer state {self.optimizer_state:g}x "
+            f"parameters, {self.overhead / MiB:.1f} MiB per process beyond the model",
+            "",
+            f"{'layout':<36}{'depth':>6} {'parameters':>12} {'peak MiB':>9}  {'balance':<22}"
+            "fullest process: params + grads + optim + buffers + inputs + activations "
+            "+ gathered + reduction + process (MiB)",
+        ]
+        shown = self.rows if top is None else self.rows[:top]
+        for row in shown:
+            lines.append(_row(row))
+        if len(self.rows) > len(shown):
+            lines.append(f"... {len(self.rows) - len(shown)} more layouts")
+        if not self.rows or not self.rows[0].fits:
+            lines += ["", self.explain()]
+        return "\n".join(lines)
+
+    def explain(self) -> str:
+        """Why nothing fits: the closest layout's stage, its largest term, the shortfall,
+        and what would fit."""
+        if self.rows and self.rows[0].fits:
+            return f"the largest fit is {_row(self.rows[0]).strip()}"
+        if not self.rows:
+            return "no layout was searched: widen stages, replicas, chunks or schedules"
+        closest = min(self.rows, key=lambda r: (max(r.missing), r.layout.rank_key()))
+        stage = max(range(len(closest.missing)), key=closest.missing.__getitem__)
+        terms = closest.terms(stage)
+        term = max(terms, key=terms.__getitem__)
+        over = closest.missing[stage]
+        return (
+            f"nothing fits {self.budget / MiB:.1f} MiB per process: even depth {closest.depth} of "
+            f"{self.family.name} does not. Closest: {closest.layout.label()}, balance "
+            f"{list(closest.balance)}; stage {stage} needs "
+            f"{(closest.memory[stage].total + closest.overhead) / MiB:.1f} MiB, "
+            f"{over / MiB:.1f} MiB over, its largest term {term} "
+            f"({terms[term] / MiB:.1f} MiB; "
+            + ", ".join(f"{k} {v / MiB:.1f}" for k, v in terms.items() if v)
+            + f").\nTo fit: a budget of {(self.budget + over) / MiB:.1f} MiB"
+            + (f"; {self.advice}" if self.advice else "")
+        )
+
+
+def _row(row: Fit) -> str:
+    balance = str(list(row.balance))
+    if len(balance) > 21:
+        balance = balance[:18] + "..."
+    terms = " + ".join(f"{v / MiB:.1f}" for v in row.terms().values())
+    depth = str(row.depth) if row.fits else "-"
+    params = f"{row.parameters:,}" if row.fits else "-"
+    return (
+        f"{row.layout.label():<36}{depth:>6} {params:>12} {row.peak / MiB:>9.1f}  "
+        f"{balance:<22}{terms}"
+    )
+
+
+# -- the search --------------------------------------------------------------------------------
+
+
+def _smallest_depth(family: Family, stages: int) -> int:
+    """The shallowest member with a layer for each of ``stages`` stages."""
+    depth = 1
+    while len(family.kinds(depth)) < stages:
+        depth += 1
+    return depth
+
+
+def cut_within(table: StageMemoryTable, n: int, stages: int, bound: float) -> list[int] | None:
+    """A cut of ``n`` layers into ``stages`` stages whose every stage needs at most ``bound``
+    bytes (``table.total``), or None if there is none. Exact, in about O(stages · n):
+
+    stage s may end at layer j if it can start at a layer i where stage s - 1 ended with
+    ``table.weights(i, j) <= bound`` — the weights never shrink as a stage grows, so the
+    smallest such i only moves right as j does — and ``table.total(s, i, j) <= bound``,
+    tried from the latest such end down.
+    """
+    ends = [0]  # where the stages so far can end, ascending
+    came_from: list[dict[int, int]] = []  # per stage: end -> start
+    for s in range(stages):
+        last = s == stages - 1
+        reach, starts, lo = [], {}, 0
+        for j in [n] if last else range(s + 1, n - (stages - s - 1) + 1):
+            while lo < j and table.weights(lo, j) > bound:
+                lo += 1
+            if lo > ends[-1]:  # too heavy to start after any end: so is every later j
+                break
+            k = bisect.bisect_right(ends, j - 1) - 1
+            while k >= 0 and ends[k] >= lo:
+                if table.total(s, ends[k], j) <= bound:
+                    reach.append(j)
+                    starts[j] = ends[k]
+                    break
+                k -= 1
+        if not reach:
+            return None
+        ends = reach
+        came_from.append(starts)
+    balance, j = [], n
+    for s in range(stages - 1, -1, -1):
+        i = came_from[s][j]
+        balance.append(j - i)
+        j = i
+    return balance[::-1]
+
+
+def lightest_cut(table: StageMemoryTable, n: int, stages: int) -> list[int]:
+    """The cut whose fullest stage needs the least (to a relative 1e-6), by bisection on
+    :func:`cut_within`'s bound."""
+    even = [n // stages + (s < n % stages) for s in range(stages)]
+    high, start = 0.0, 0
+    for s, size in enumerate(even):
+        high = max(high, table.total(s, start, start + size))
+        start += size
+    best, low = even, 0.0
+    while high - low > 1e-6 * high:
+        middle = (low + high) / 2
+        balance = cut_within(table, n, stages, middle)
+        if balance is None:
+            low = middle
+        else:
+            best, high = balance, middle
+    return best
+
+
+def _choices(values: Iterable[Any] | None, default: list[Any], label: str, allowed=None) -> list:
+    chosen = list(dict.fromkeys(values)) if values is not None else default
+    if allowed is not None:
+        bad = [v for v in chosen if v not in allowed]
+        if bad:
+            raise ValueError(f"unknown {label} {bad}; choose from {', '.join(map(str, allowed))}")
+    return chosen
+
+
+def optimizer_state_of(optimizer: str | float) -> float:
+    """Optimizer state per parameter in multiples of its bytes, from a name or a number."""
+    if isinstance(optimizer, str):
+        if optimizer.lower() not in OPTIMIZER_STATE:
+            raise ValueError(
+                f"unknown optimizer {optimizer!r}; use one of {', '.join(OPTIMIZER_STATE)} "
+                "or a number (state bytes per parameter byte)"
+            )
+        return OPTIMIZER_STATE[optimizer.lower()]
+    if not (isinstance(optimizer, int | float) and optimizer >= 0):
+        raise ValueError(f"optimizer state must be a non-negative number, got {optimizer!r}")
+    return float(optimizer)
+
+
+def layouts(
+    family: Family,
+    processes: int,
+    *,
+    stages: Iterable[int] | None = None,
+    replicas: Iterable[int] | None = None,
+    shard: Iterable[bool] | None = None,
+    chunks: Iterable[int] | None = None,
+    schedules: Iterable[str] | None = None,
+    checkpoints: Iterable[str] | None = None,
+) -> list[Layout]:
+    """Every layout to search (defaults: K·R ≤ processes, R dividing the batch, sharded
+    and not, M = powers of two dividing the replica's batch, every non-interleaved
+    schedule, every re-materialization mode)."""
+    if not isinstance(processes, int) or processes < 1:
+        raise ValueError(f"processes must be a positive int, got {processes!r}")
+    batch = family.batch_size
+    stage_list = _choices(stages, list(range(1, processes + 1)), "stages")
+    replica_list = _choices(replicas, list(range(1, processes + 1)), "replicas")
+    schedule_list = _choices(
+        schedules, [s for s in SCHEDULES if s != "interleaved-1f1b"], "schedules", SCHEDULES
+    )
+    if "interleaved-1f1b" in schedule_list:
+        raise ValueError("the capacity search does not place virtual stages: drop interleaved-1f1b")
+    mode_list = _choices(checkpoints, list(remat.REMAT_MODES), "checkpoints", remat.REMAT_MODES)
+    shard_list = _choices(shard, [False, True], "shard", (False, True))
+    out = []
+    for k in stage_list:
+        for r in replica_list:
+            if k * r > processes or batch % r:
+                continue
+            per_replica = batch // r
+            m_list = _choices(
+                chunks, [m for m in (1, 2, 4, 8, 16, 32) if per_replica % m == 0], "chunks"
+            )
+            for sharded in shard_list:
+                if sharded and r == 1:
+                    continue
+                for m in m_list:
+                    if per_replica % m:
+                        continue
+                    for name in schedule_list:
+                        if k == 1 and name != "gpipe":  # one stage: every schedule is one
+                            continue
+                        for mode in mode_list:
+                            if mode == "except_last" and m == 1:  # the same as "never"
+                                continue
+                            out.append(Layout(k, r, sharded, m, name, mode))
+    return out
+
+
+def capacity(
+    family: Family,
+    *,
+    memory_budget: float,
+    processes: int,
+    optimizer: str | float = "adamw",
+    overhead: float = 0.0,
+    stages: Iterable[int] | None = None,
+    replicas: Iterable[int] | None = None,
+    shard: Iterable[bool] | None = None,
+    chunks: Iterable[int] | None = None,
+    schedules: Iterable[str] | None = None,
+    checkpoints: Iterable[str] | None = None,
+    max_depth: int = 10_000,
+) -> Capacity:
+    """The largest member of ``family`` each layout trains in ``memory_budget`` bytes per
+    process (see the module docstring); rows sorted largest first.
+
+    ``optimizer``: ``"adamw"`` (2 states per parameter), ``"sgd"`` (0), ``"sgd-momentum"``
+    (1), or the number. ``overhead``: bytes a training process needs beyond the memory
+    model (measured by ``gpipe.planner.calibrate``). The other arguments restrict the
+    layouts (:func:`layouts`). When nothing fits, ``result.best`` raises
+    :class:`NothingFits` with the closest layout's shortfall and what would fit.
+    """
+    if not memory_budget > 0:
+        raise ValueError(f"memory_budget must be a positive number of bytes, got {memory_budget!r}")
+    if not overhead >= 0:
+        raise ValueError(f"overhead must be a non-negative number of bytes, got {overhead!r}")
+    state = optimizer_state_of(optimizer)
+    costs = _FamilyCosts(family)
+    candidates = layouts(
+        family,
+        processes,
+        stages=stages,
+        replicas=replicas,
+        shard=shard,
+        chunks=chunks,
+        schedules=schedules,
+        checkpoints=checkpoints,
+    )
+    rows = [
+        _largest(costs, layout, memory_budget, overhead, state, max_depth) for layout in candidates
+    ]
+    rows.sort(key=lambda r: (not r.fits, -r.parameters if r.fits else max(r.missing),
+                             r.layout.rank_key()))  # fmt: skip
+    result = Capacity(family, float(memory_budget), processes, state, float(overhead), rows)
+    if rows and not rows[0].fits:
+        result.advice = _advice(costs, rows, memory_budget, overhead, state, max_depth)
+    return result
+
+
+def _memory_model(layout: Layout, state: float) -> MemoryModel:
+    return MemoryModel(
+        optimizer_state=state, replicas=layout.replicas, shard=layout.shard, workspace=True
+    )
+
+
+class _LayoutCosts:
+    """The memory table of a layout at any depth."""
+
+    def __init__(self, costs: _FamilyCosts, layout: Layout, state: float) -> None:
+        self.costs, self.layout = costs, layout
+        schedule = build_schedule(
+            layout.schedule, num_ranks=layout.stages, num_microbatches=layout.chunks
+        )
+        self.held = held_microbatches(schedule, layout.checkpoint)
+        self.split = schedule.splits_backward(0, 0)
+        self.model = _memory_model(layout, state)
+        self.samples = costs.family.batch_size // layout.replicas // layout.chunks
+
+    def table(self, depth: int) -> StageMemoryTable:
+        prof = self.costs.at(depth, self.samples)
+        return StageMemoryTable(prof.layers, self.held, self.model, splits_backward=self.split)
+
+
+def _largest(
+    costs: _FamilyCosts, layout: Layout, budget: float, overhead: float, state: float, cap: int
+) -> Fit:
+    """The largest depth of ``layout`` that fits: grow by doubling steps, then bisect."""
+    at = _LayoutCosts(costs, layout, state)
+    room = budget - overhead
+
+    def fits(depth: int) -> bool:
+        table = at.table(depth)
+        return room > 0 and cut_within(table, len(table.layers), layout.stages, room) is not None
+
+    low = _smallest_depth(costs.family, layout.stages)
+    if not fits(low):
+        return _fit(at, low, budget, overhead)
+    high = low  # the largest depth known to fit
+    step = 1
+    while True:
+        probe = min(high + step, cap)
+        if probe == high or not fits(probe):
+            break
+        high, step = probe, step * 2
+    top = min(high + step, cap + 1)  # the smallest depth known not to fit (or past the cap)
+    while top - high > 1:
+        middle = (high + top) // 2
+        if fits(middle):
+            high = middle
+        else:
+            top = middle
+    return _fit(at, high, budget, overhead)
+
+
+def fit_of(
+    family: Family,
+    layout: Layout,
+    depth: int,
+    *,
+    optimizer: str | float = "adamw",
+    budget: float,
+    overhead: float = 0.0,
+) -> Fit:
+    """``layout`` at ``depth``: its memory balance and predicted memory, whether it fits or
+    not (then ``missing`` says by how much each stage does not)."""
+    return _fit(_LayoutCosts(_FamilyCosts(family), layout, optimizer_state_of(optimizer)),
+                depth, budget, overhead)  # fmt: skip
+
+
+def _fit(at: _LayoutCosts, depth: int, budget: float, overhead: float) -> Fit:
+    """The lightest cut of ``depth``: the most room in its fullest stage, or, when it does
+    not fit, the least missing there."""
+    table = at.table(depth)
+    balance = lightest_cut(table, len(table.layers), at.layout.stages)
+    memory, start = [], 0
+    for s, size in enumerate(balance):
+        memory.append(table(s, start, start + size))
+        start += size
+    missing = tuple(max(0.0, m.total + overhead - budget) for m in memory)
+    return Fit(
+        at.layout,
+        depth,
+        at.costs.parameters(depth),
+        tuple(balance),
+        tuple(memory),
+        overhead,
+        budget,
+        fits=not any(missing),
+        missing=missing,
+    )
+
+
+def _advice(costs, rows, budget, overhead, state, cap) -> str:
+    """What would fit when nothing does: more stages (up to 8× the most searched)."""
+    searched = max(r.layout.stages for r in rows)
+    closest = min(rows, key=lambda r: max(r.missing)).layout
+    for k in range(searched + 1, 8 * searched + 1):
+        layout = replace(closest, stages=k, replicas=1, shard=False, checkpoint="always")
+        row = _largest(costs, layout, budget, overhead, state, cap)
+        if row.fits:
+            return (
+                f"or K >= {k} stages ({layout.label()} trains depth {row.depth}, "
+                f"{row.parameters:,} parameters)"
+            )
+    return f"no layout of up to {8 * searched} stages fits: a single layer is too large"
