@@ -10,6 +10,18 @@ fit the budget are ranked by predicted throughput::
 ``--verify N`` then trains the top N for a few steps on K local processes and prints the
 measured throughput next to the prediction. From Python, ``gpipe.plan(model, sample, ...)``
 takes any ``nn.Sequential``.
+
+``--capacity`` asks another question: the largest model of the preset's family (the GPT by
+its number of blocks, the ResNet by blocks per resolution) that trains within ``--memory``
+per process on ``--processes`` processes, and the layout that achieves it (stages,
+replicas, sharding, micro-batches, schedule, re-materialization, balance)::
+
+    gpipe plan --capacity --model gpt --d-model 256 --seq 128 --vocab 2048 --batch 16 \
+        --memory 320MiB --processes 8 --optimizer adamw --calibrate --verify 1
+
+``--calibrate`` measures the memory a training process needs beyond the model (or give it:
+``--process-memory 100MiB``); ``--verify N`` trains the N largest for real, and each one's
+next size up, and prints measured peaks next to predicted ones (``docs/capacity.md``).
 """
 
 from __future__ import annotations
@@ -121,9 +133,76 @@ def configure(p: argparse.ArgumentParser) -> None:
     g.add_argument("--verify", type=int, default=0, metavar="N", help="run the top N for real")
     g.add_argument("--steps", type=int, default=10, help="timed steps per verified run")
     g.add_argument("--seed", type=int, default=0)
+    g = p.add_argument_group("capacity: the largest model of the family that fits --memory")
+    g.add_argument("--capacity", action="store_true", help="search depth x layout instead")
+    g.add_argument("--processes", type=int, help="processes available (default: --devices)")
+    g.add_argument("--optimizer", default="adamw", help="adamw (2 states), sgd-momentum, sgd")
+    g.add_argument("--stages", type=int, nargs="+", help="stage counts K to try (default: all)")
+    g.add_argument("--replicas", type=int, nargs="+", help="replica counts R to try")
+    g.add_argument(
+        "--shard", choices=["both", "yes", "no"], default="both", help="shard replicas' state"
+    )
+    g.add_argument(
+        "--process-memory", type=parse_bytes, default=0.0, help="per process beyond the model"
+    )
+    g.add_argument("--calibrate", action="store_true", help="measure --process-memory first")
+
+
+def family(args: argparse.Namespace):
+    """The preset's family (by depth) for ``--capacity``."""
+    from gpipe.planning.capacity import gpt_family, resnet_family
+
+    if args.model == "gpt":
+        return gpt_family(
+            d_model=args.d_model, heads=args.heads, seq=args.seq, vocab=args.vocab, batch=args.batch
+        )
+    return resnet_family(channels=args.channels, image=args.image, batch=args.batch)
+
+
+def run_capacity(args: argparse.Namespace) -> int:
+    from gpipe._utils import MiB
+    from gpipe.planner import calibrate, capacity, verify_capacity
+
+    if args.memory is None:
+        raise SystemExit("gpipe plan --capacity needs --memory (bytes per process, e.g. 2GiB)")
+    models = family(args)
+    overhead = args.process_memory
+    if args.calibrate:
+        overhead = calibrate(models, optimizer=args.optimizer)
+        print(f"calibrated: a training process needs {overhead / MiB:.1f} MiB beyond the model")
+    shard = {"both": None, "yes": [True], "no": [False]}[args.shard]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(args.threads)
+    start = time.perf_counter()
+    try:
+        result = capacity(
+            models,
+            memory_budget=args.memory,
+            processes=args.processes or args.devices,
+            optimizer=args.optimizer,
+            overhead=overhead,
+            stages=args.stages,
+            replicas=args.replicas,
+            shard=shard,
+            chunks=args.chunks,
+            schedules=args.schedules,
+            checkpoints=args.checkpoints,
+        )
+    finally:
+        torch.set_num_threads(threads)
+    print(f"gpipe plan --capacity: searched {len(result.rows)} layouts in "
+          f"{time.perf_counter() - start:.1f} s")  # fmt: skip
+    print(result.table(top=args.top))
+    fitting = [row for row in result.rows if row.fits]
+    for row in fitting[: args.verify]:
+        print()
+        print(verify_capacity(models, row, optimizer=args.optimizer, steps=2).describe())
+    return 0 if fitting else 1
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.capacity:
+        return run_capacity(args)
     from gpipe.planner import Link, plan, verify
     from gpipe.planning.memory_model import MemoryModel
 

@@ -73,6 +73,9 @@ __all__ = [
 # Optimizer state per parameter, in multiples of its bytes.
 OPTIMIZER_STATE = {"adamw": 2.0, "adam": 2.0, "sgd": 0.0, "sgd-momentum": 1.0}
 RECOMPUTATION = {"never": 0, "except_last": 1, "always": 2}  # ranks ties: less is better
+# A process's predicted peak by term: the memory model's, and the process's own overhead.
+TERMS = ("parameters", "gradients", "optimizer", "buffers", "inputs", "activations",
+         "workspace", "gathered", "reduction", "process")  # fmt: skip
 
 
 # -- families --------------------------------------------------------------------------------
@@ -332,8 +335,7 @@ class Capacity:
             f"parameters, {self.overhead / MiB:.1f} MiB per process beyond the model",
             "",
             f"{'layout':<36}{'depth':>6} {'parameters':>12} {'peak MiB':>9}  {'balance':<22}"
-            "fullest process: params + grads + optim + buffers + inputs + activations "
-            "+ gathered + reduction + process (MiB)",
+            "fullest process (MiB): " + " + ".join(TERMS),
         ]
         shown = self.rows if top is None else self.rows[:top]
         for row in shown:

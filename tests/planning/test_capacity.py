@@ -1,0 +1,184 @@
+"""Capacity: the search against brute force, the extrapolated profile against a measured one,
+sharded memory by hand, the answer when nothing fits, and a measured two-process run."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from gpipe._utils import MiB
+from gpipe.planner import calibrate, capacity, verify_capacity
+from gpipe.planning.capacity import (
+    Layout,
+    NothingFits,
+    _FamilyCosts,
+    _LayoutCosts,
+    gpt_family,
+    layouts,
+    resnet_family,
+)
+from gpipe.planning.memory_model import Held, MemoryModel, StageMemoryTable
+from gpipe.planning.profile import Profile, profile
+
+
+def tiny_gpt(batch: int = 4):
+    return gpt_family(d_model=16, heads=2, seq=8, vocab=64, batch=batch)
+
+
+def compositions(n: int, k: int):
+    """Every balance of n layers into k non-empty stages."""
+    for cuts in itertools.combinations(range(1, n), k - 1):
+        bounds = (0, *cuts, n)
+        yield [bounds[s + 1] - bounds[s] for s in range(k)]
+
+
+def fits_by_brute_force(table: StageMemoryTable, n: int, k: int, room: float) -> bool:
+    for balance in compositions(n, k):
+        start, ok = 0, True
+        for s, size in enumerate(balance):
+            ok = ok and table(s, start, start + size).total <= room
+            start += size
+        if ok:
+            return True
+    return False
+
+
+def test_search_matches_brute_force_over_depths_and_layouts():
+    family = tiny_gpt()
+    costs = _FamilyCosts(family)
+    budget = 0.6 * MiB
+    result = capacity(family, memory_budget=budget, processes=3, chunks=[1, 2], max_depth=14)
+    assert len(result.rows) == len(layouts(family, 3, chunks=[1, 2]))
+    best_params = 0
+    for row in result.rows:
+        at = _LayoutCosts(costs, row.layout, 2.0)
+        largest = 0
+        for depth in range(1, 15):
+            table = at.table(depth)
+            n = len(table.layers)
+            if n >= row.layout.stages and fits_by_brute_force(table, n, row.layout.stages, budget):
+                largest = depth
+        assert (row.depth if row.fits else 0) == largest, row.layout.label()
+        if row.fits:
+            best_params = max(best_params, costs.parameters(largest))
+            assert max(row.peaks) <= budget
+            assert sum(row.balance) == largest + 2
+    assert result.best.parameters == best_params
+    # ranked: most parameters first, a tie to the cheaper layout
+    keys = [(-r.parameters, r.layout.rank_key()) for r in result.rows if r.fits]
+    assert keys == sorted(keys)
+    assert "parameters" in result.table() and result.best.layout.label() in result.table()
+
+
+@pytest.mark.parametrize(
+    "family, depth",
+    [(tiny_gpt(), 5), (resnet_family(channels=4, image=8, batch=4), 3)],
+    ids=["gpt", "resnet"],
+)
+def test_extrapolated_profile_matches_a_measured_deeper_one(family, depth):
+    costs = _FamilyCosts(family)
+    predicted = costs.at(depth, 2)
+    torch.manual_seed(0)
+    model = family.build(depth)
+    x, y = family.batch(2)
+    measured = profile(model, x, target=y, loss_fn=family.loss_fn, repeats=1, warmup=0)
+    assert len(predicted) == len(measured)
+    fields = ("param_bytes", "buffer_bytes", "input_bytes", "output_bytes", "saved_bytes",
+              "saved_input_bytes", "saved_output_bytes")  # fmt: skip
+    for p, m in zip(predicted.layers, measured.layers, strict=True):
+        assert p.name == m.name
+        for name in fields:
+            assert getattr(p, name) == pytest.approx(getattr(m, name), rel=0.02), (p.name, name)
+    assert costs.parameters(depth) == sum(p.numel() for p in model.parameters())
+
+
+def test_sharded_memory_by_hand():
+    prof = Profile.from_costs(
+        [1.0] * 3, param_bytes=[4 * MiB, 1 * MiB, 2 * MiB], activation_bytes=MiB, saved_bytes=0
+    )
+    held = [Held(boundary=2, inner=1)]
+    plain = StageMemoryTable(prof.layers, held, MemoryModel())(0, 0, 3)
+    assert plain.total == pytest.approx(4 * 7 * MiB + 2 * MiB)  # P (1 + 1 + 2), 2 inputs
+    replicas = StageMemoryTable(prof.layers, held, MemoryModel(replicas=2))(0, 0, 3)
+    assert replicas.reduction == 7 * MiB and replicas.total == plain.total + 7 * MiB
+    sharded = StageMemoryTable(prof.layers, held, MemoryModel(replicas=2, shard=True))(0, 1, 3)
+    terms = sharded.terms()
+    assert terms["parameters"] == 1.5 * MiB and terms["optimizer"] == 3 * MiB
+    assert terms["gradients"] == 3 * MiB and terms["gathered"] == 2 * MiB  # its largest layer
+    split = StageMemoryTable(
+        prof.layers, held, MemoryModel(replicas=2, shard=True), splits_backward=True
+    )(0, 1, 3)
+    assert split.gathered == 3 * MiB  # W gathers the whole stage
+    with pytest.raises(ValueError, match="replicas >= 2"):
+        MemoryModel(shard=True)
+
+
+def test_nothing_fits_names_the_stage_the_term_and_the_shortfall():
+    family = gpt_family(d_model=32, heads=2, seq=8, vocab=4096, batch=4)
+    # the embedding and the head hold 4096 x 32 floats each: 2 MiB each with AdamW
+    result = capacity(
+        family, memory_budget=3.5 * MiB, processes=1, chunks=[1], checkpoints=["never"]
+    )
+    with pytest.raises(NothingFits) as caught:
+        result.best  # noqa: B018
+    text = str(caught.value)
+    row = result.rows[0]
+    over = max(row.missing)
+    assert not row.fits and over > 0
+    assert "stage 0" in text and "optimizer" in text  # AdamW's state is the largest term
+    assert f"{over / MiB:.1f} MiB over" in text
+    assert f"a budget of {(3.5 * MiB + over) / MiB:.1f} MiB" in text
+    assert "K >= 2" in text  # the two big layers on two processes fit
+    assert "nothing fits" in result.table()
+
+
+def test_cli_prints_the_capacity_table(in_process):
+    done = in_process(
+        "plan", "--capacity", "--model", "gpt", "--d-model", "16", "--heads", "2", "--seq", "8",
+        "--vocab", "64", "--batch", "4", "--memory", "2MiB", "--processes", "2", "--chunks", "2",
+        "--top", "4",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "capacity of GPT d_model 16" in done.stdout
+    assert "budget 2.0 MiB per process, 2 processes" in done.stdout
+    rows = [line for line in done.stdout.splitlines() if line.startswith("K=")]
+    assert len(rows) == 4 and rows[0].startswith("K=2")
+
+
+@pytest.mark.timeout(180)
+def test_verify_measures_the_found_model_and_the_next_size_up():
+    family = tiny_gpt(batch=8)
+    overhead = calibrate(family)
+    assert overhead > 0
+    budget = overhead + 1.0 * MiB
+    result = capacity(
+        family,
+        memory_budget=budget,
+        processes=2,
+        overhead=overhead,
+        stages=[2],
+        replicas=[1],
+        chunks=[2],
+        schedules=["1f1b"],
+        checkpoints=["always"],
+    )
+    found = result.best
+    check = verify_capacity(family, found)
+    assert check.found.fit == found and len(check.found.measured) == 2
+    for ratio in check.found.ratios:
+        assert 0.5 < ratio < 1.5  # measured within 50 % of predicted
+    bigger = check.next_size
+    assert bigger is not None and bigger.fit.depth == found.depth + 1
+    assert not bigger.fit.fits and max(bigger.fit.peaks) > budget
+    assert len(bigger.measured) == 2
+    assert "next size" in check.describe() and "measured" in check.describe()
+
+
+def test_layout_labels_and_options():
+    assert Layout(2, 2, True, 8, "1f1b", "always").label() == "K=2 R=2 sharded M=8 1f1b always"
+    with pytest.raises(ValueError, match="unknown optimizer"):
+        capacity(tiny_gpt(), memory_budget=MiB, processes=1, optimizer="lion")
+    with pytest.raises(ValueError, match="interleaved"):
+        layouts(tiny_gpt(), 2, schedules=["interleaved-1f1b"])
