@@ -35,14 +35,14 @@ count each process will have (the CLI uses one thread, as :func:`verify` runs).
 Capacity — the largest model of a family that trains within a budget per process, and the
 layout that achieves it — is :func:`capacity` (``gpipe.planning.capacity``, no model run
 beyond one small profile) and :func:`verify_capacity` (trains it for real and measures each
-process's peak; ``gpipe.planner.capacity``).
+process's peak; ``gpipe.planner.measured``).
 
 ``gpipe.plan`` is this module's :func:`plan`; its other names come from here, e.g.
 ``from gpipe.planner import Plan, plan_from_profiles, verify`` (the module was
 ``gpipe.plan`` before the redesign).
 """
 
-from gpipe.planner.capacity import CapacityCheck, Measured, calibrate, verify_capacity
+from gpipe.planner.measured import CapacityCheck, Measured, calibrate, verify_capacity
 from gpipe.planner.results import Candidate, Link, Plan, Verified
 from gpipe.planner.search import plan, plan_from_profiles, verify
 from gpipe.planning.capacity import Capacity, Family, Fit, Layout, capacity

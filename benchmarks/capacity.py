@@ -1,0 +1,243 @@
+"""The largest model that trains within a fixed memory budget per process, for K = 1, 2, 4, 8.
+
+    python benchmarks/capacity.py --out docs/capacity.md --plot docs/img/capacity.png
+
+GPipe's Table 1: with re-materialization the largest trainable model grows about linearly
+with the number of stages K. For the GPT and the ResNet of ``gpipe.models`` (by depth), one
+budget of resident memory per process and AdamW, each row is the largest depth that
+``gpipe.planner.capacity`` predicts to fit, over micro-batch counts and schedules, for K
+stages without re-materialization, with it, and with 2 sharded replicas (predicted only
+until ``Pipe(shard="params")`` exists). Every unsharded row is then trained for real (2
+steps, one process per stage, ``gpipe.planner.verify_capacity``) and its measured peak —
+the growth of each process's peak RSS over its RSS before the model was built — is shown
+next to the prediction, with the next size up (depth + 1), predicted not to fit, measured
+too. The per-process memory beyond the model is calibrated once per family
+(``gpipe.planner.calibrate``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from gpipe._utils import MiB
+from gpipe.planner import Fit, Measured, calibrate, capacity, verify_capacity
+from gpipe.planning.capacity import Family, gpt_family, resnet_family
+
+STAGES = (1, 2, 4, 8)
+SHARDED_STAGES = (1, 2, 4)  # K·R ≤ 8
+CHUNKS = (1, 2, 4, 8, 16)
+TARGETS = {"remat": 2.5, "stages": 7.0, "sharded": 1.6}
+
+
+def families() -> dict[str, Family]:
+    return {
+        "GPT": gpt_family(d_model=256, heads=4, seq=128, vocab=2048, batch=16),
+        "ResNet": resnet_family(channels=64, image=32, batch=16),
+    }
+
+
+@dataclass
+class Row:
+    kind: str  # "no remat", "remat", "2 sharded replicas"
+    fit: Fit
+    found: Measured | None = None
+    bigger: Measured | None = None
+
+
+def search(family: Family, budget: float, overhead: float) -> list[Row]:
+    rows = []
+    common = {"memory_budget": budget, "processes": 8, "overhead": overhead, "chunks": CHUNKS}
+    for k in STAGES:
+        for kind, modes in (("no remat", ["never"]), ("remat", ["always", "except_last"])):
+            result = capacity(family, stages=[k], replicas=[1], checkpoints=modes, **common)
+            rows.append(Row(kind, result.best))
+    for k in SHARDED_STAGES:
+        result = capacity(family, stages=[k], replicas=[2], shard=[True], **common)
+        rows.append(Row("2 sharded replicas", result.best))
+    return rows
+
+
+def measure(family: Family, rows: list[Row], next_size: tuple[int, ...]) -> None:
+    for row in rows:
+        if row.fit.layout.shard:
+            continue
+        start = time.perf_counter()
+        bigger = row.fit.layout.stages in next_size
+        check = verify_capacity(family, row.fit, next_size=bigger, steps=2)
+        row.found, row.bigger = check.found, check.next_size
+        print(f"  {check.describe()}  ({time.perf_counter() - start:.0f} s)", flush=True)
+
+
+def ratio(rows: list[Row], kind: str, k: int, other_kind: str, other_k: int) -> float:
+    a = next(r for r in rows if r.kind == kind and r.fit.layout.stages == k)
+    b = next(r for r in rows if r.kind == other_kind and r.fit.layout.stages == other_k)
+    return a.fit.parameters / b.fit.parameters
+
+
+def _mib(x: float) -> str:
+    return f"{x / MiB:.1f}"
+
+
+def table(rows: list[Row]) -> list[str]:
+    lines = [
+        "| K | mode | layout | depth | parameters | balance | predicted peak MiB (fullest) "
+        "| measured peak MiB (max) | next size up: predicted / measured MiB |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        fit = row.fit
+        measured = _mib(row.found.peak) if row.found and row.found.ran else "not run"
+        if fit.layout.shard:
+            measured += " (sharded: predicted only)"
+        bigger = "–"
+        if row.bigger is not None and row.bigger.ran:
+            verdict = "exceeds" if not row.bigger.fits else "**fits**"
+            bigger = f"{_mib(row.bigger.fit.peak)} / {_mib(row.bigger.peak)} ({verdict})"
+        lines.append(
+            f"| {fit.layout.stages} | {row.kind} | {fit.layout.label()} | {fit.depth} | "
+            f"{fit.parameters / 1e6:.2f} M | {list(fit.balance)} | {_mib(fit.peak)} | "
+            f"{measured} | {bigger} |"
+        )
+    return lines
+
+
+def terms_table(rows: list[Row]) -> list[str]:
+    names = list(rows[0].fit.terms())
+    lines = [
+        "| K | mode | " + " | ".join(names) + " |",
+        "|---|---|" + "---|" * len(names),
+    ]
+    for row in rows:
+        terms = row.fit.terms()
+        lines.append(
+            f"| {row.fit.layout.stages} | {row.kind} | "
+            + " | ".join(_mib(terms[n]) for n in names)
+            + " |"
+        )
+    return lines
+
+
+def limiting_term(row: Row) -> str:
+    """The largest term of the fullest process, but the fixed process overhead."""
+    terms = {k: v for k, v in row.fit.terms().items() if k != "process"}
+    name = max(terms, key=terms.__getitem__)
+    return f"{name} ({_mib(terms[name])} MiB of {_mib(row.fit.peak)})"
+
+
+def targets(rows: list[Row]) -> list[str]:
+    lines = []
+    remat = ratio(rows, "remat", 1, "no remat", 1)
+    lines.append(
+        f"- remat at K=1 fits **{remat:.2f}x** the parameters of no remat "
+        f"(target >= {TARGETS['remat']}): {'met' if remat >= TARGETS['remat'] else 'missed'}."
+    )
+    stages = ratio(rows, "remat", 8, "remat", 1)
+    lines.append(
+        f"- remat at K=8 fits **{stages:.2f}x** K=1 (target >= {TARGETS['stages']}): "
+        f"{'met' if stages >= TARGETS['stages'] else 'missed'}."
+    )
+    for k in SHARDED_STAGES:
+        sharded = ratio(rows, "2 sharded replicas", k, "remat", k)
+        met = sharded >= TARGETS["sharded"]
+        row = next(r for r in rows if r.kind == "2 sharded replicas" and r.fit.layout.stages == k)
+        lines.append(
+            f"- 2 sharded replicas at K={k} fit **{sharded:.2f}x** one replica with remat "
+            f"(target >= {TARGETS['sharded']}, predicted only): {'met' if met else 'missed'}"
+            + ("." if met else f"; the fullest process is limited by {limiting_term(row)}.")
+        )
+    misses = [r for r in rows if r.found and r.found.ran and not r.found.fits]
+    if misses:
+        lines.append(
+            "- measured over budget although predicted to fit: "
+            + ", ".join(f"{r.fit.layout.label()} ({_mib(r.found.peak)} MiB)" for r in misses)
+        )
+    return lines
+
+
+def plot(results: dict[str, list[Row]], path: Path, budget: float) -> None:
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(10, 4))
+    for axis, (name, rows) in zip(figure.subplots(1, 2), results.items(), strict=True):
+        for kind, marker in (("no remat", "o"), ("remat", "s"), ("2 sharded replicas", "^")):
+            chosen = [r for r in rows if r.kind == kind]
+            ks = [r.fit.layout.stages for r in chosen]
+            params = [r.fit.parameters / 1e6 for r in chosen]
+            note = " (predicted)" if "shard" in kind else " (measured)"
+            axis.plot(ks, params, marker=marker, label=kind + note)
+        axis.set_xscale("log", base=2)
+        axis.set_xticks(list(STAGES), [str(k) for k in STAGES])
+        axis.set_xlabel("stages K")
+        axis.set_ylabel("largest trainable model (M parameters)")
+        axis.set_title(f"{name}, {budget / MiB:.0f} MiB per process, AdamW")
+        axis.grid(alpha=0.3)
+        axis.legend(fontsize=8)
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--budget", type=float, default=320, help="MiB per process")
+    parser.add_argument("--out", type=Path, default=None, help="write the markdown here")
+    parser.add_argument("--plot", type=Path, default=None, help="save the plot here")
+    parser.add_argument(
+        "--next-size", type=int, nargs="*", default=[1, 8], help="K whose depth + 1 is run"
+    )
+    parser.add_argument("--predict-only", action="store_true", help="no measured runs")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    budget = args.budget * MiB
+    start = time.perf_counter()
+    results, overheads, doc = {}, {}, []
+    for name, family in families().items():
+        print(f"{family.describe()}:", flush=True)
+        overheads[name] = calibrate(family)
+        print(f"  calibrated: {_mib(overheads[name])} MiB per process", flush=True)
+        rows = search(family, budget, overheads[name])
+        if not args.predict_only:
+            measure(family, rows, next_size=tuple(args.next_size))
+        results[name] = rows
+        doc += [
+            f"### {name}: {family.describe()}",
+            "",
+            f"Process overhead (calibrated): {_mib(overheads[name])} MiB.",
+            "",
+            *table(rows),
+            "",
+            "Predicted peak of the fullest process by term (MiB):",
+            "",
+            *terms_table(rows),
+            "",
+            "Targets:",
+            "",
+            *targets(rows),
+            "",
+        ]
+    elapsed = time.perf_counter() - start
+    doc.append(f"Benchmark wall time: {elapsed / 60:.1f} min on this machine.")
+    text = "\n".join(doc)
+    print(text)
+    if args.out:
+        write_doc(args.out, text)
+    if args.plot:
+        plot(results, args.plot, budget)
+
+
+def write_doc(path: Path, results: str) -> None:
+    """Replace the generated part of the doc (between the markers), keep the prose."""
+    begin, end = "<!-- capacity results: begin -->", "<!-- capacity results: end -->"
+    text = path.read_text() if path.exists() else f"{begin}\n{end}\n"
+    head, _, rest = text.partition(begin)
+    _, _, tail = rest.partition(end)
+    path.write_text(f"{head}{begin}\n{results}\n{end}{tail}")
+
+
+if __name__ == "__main__":
+    main()
