@@ -198,7 +198,7 @@ def main() -> None:
     results, overheads, doc = {}, {}, []
     for name, family in families().items():
         print(f"{family.describe()}:", flush=True)
-        overheads[name] = calibrate(family)
+        overheads[name] = calibrate(family, processes=8)
         print(f"  calibrated: {_mib(overheads[name])} MiB per process", flush=True)
         rows = search(family, budget, overheads[name])
         if not args.predict_only:

@@ -166,9 +166,10 @@ def run_capacity(args: argparse.Namespace) -> int:
     if args.memory is None:
         raise SystemExit("gpipe plan --capacity needs --memory (bytes per process, e.g. 2GiB)")
     models = family(args)
+    processes = args.processes or args.devices
     overhead = args.process_memory
     if args.calibrate:
-        overhead = calibrate(models, optimizer=args.optimizer)
+        overhead = calibrate(models, processes=processes, optimizer=args.optimizer)
         print(f"calibrated: a training process needs {overhead / MiB:.1f} MiB beyond the model")
     shard = {"both": None, "yes": [True], "no": [False]}[args.shard]
     threads = torch.get_num_threads()
@@ -178,7 +179,7 @@ def run_capacity(args: argparse.Namespace) -> int:
         result = capacity(
             models,
             memory_budget=args.memory,
-            processes=args.processes or args.devices,
+            processes=processes,
             optimizer=args.optimizer,
             overhead=overhead,
             stages=args.stages,

@@ -253,15 +253,28 @@ def verify_capacity(
 
 
 def calibrate(
-    family: Family, *, optimizer: str | float = "adamw", steps: int = 2, timeout: float = 300.0
+    family: Family,
+    *,
+    processes: int = 1,
+    optimizer: str | float = "adamw",
+    steps: int = 2,
+    timeout: float = 300.0,
 ) -> float:
-    """Bytes a training process needs beyond the memory model, measured: the family's
-    smallest member on one process, once in one micro-batch without re-materialization and
-    once in micro-batches of one sample with it; the larger of measured peak growth minus
-    predicted memory. (Measured in ``docs/capacity.md``: 90-97 MiB with small
-    micro-batches, 55-77 MiB with large ones, where the predicted workspace overlaps it.)"""
+    """Bytes a training process needs beyond the memory model, measured on the family's
+    smallest member: the larger excess of measured peak growth over predicted memory of
+    two runs, one process in one micro-batch without re-materialization, and
+    ``processes`` replicas (as many processes as the rows will use: each peer costs
+    connection buffers) in micro-batches of one sample with re-materialization.
+
+    Measured in ``docs/capacity.md``: 90-97 MiB with one-sample micro-batches, 55-77 MiB
+    with 16-sample ones (where the predicted workspace overlaps it), 3-4 MiB more with 8
+    processes than with one.
+    """
+    batch = family.batch_size
+    replicas = max(r for r in range(1, processes + 1) if batch % r == 0)
+    one_sample = Layout(1, replicas, chunks=batch // replicas, checkpoint="always")
     excess = 0.0
-    for layout in (Layout(1), Layout(1, chunks=family.batch_size, checkpoint="always")):
+    for layout in (Layout(1), one_sample):
         row = fit_of(family, layout, 1, optimizer=optimizer, budget=float("inf"))
         measured = measure_fit(family, row, optimizer=optimizer, steps=steps, timeout=timeout)
         excess = max(excess, measured.peak - row.memory[0].total)
