@@ -356,7 +356,8 @@ class Capacity:
         closest = min(self.rows, key=lambda r: (max(r.missing), r.layout.rank_key()))
         stage = max(range(len(closest.missing)), key=closest.missing.__getitem__)
         terms = closest.terms(stage)
-        term = max(terms, key=terms.__getitem__)
+        # the process's own overhead is fixed: name the largest term the layout can change
+        term = max((k for k in terms if k != "process"), key=terms.__getitem__)
         over = closest.missing[stage]
         return (
             f"nothing fits {self.budget / MiB:.1f} MiB per process: even depth {closest.depth} of "
