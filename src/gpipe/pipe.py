@@ -147,11 +147,6 @@ class Pipe(ModelNames, nn.Module):
                 f"shard={shard!r} shards over the replicas: pass data_parallel_group= (and "
                 "group=), e.g. from gpipe.parallel.mesh.Mesh.build(stages, replicas, ...)"
             )
-        if shard is not None and tied:
-            raise ValueError(
-                f"shard={shard!r} with tied parameters {list(tied)} is not supported yet: "
-                "untie them (separate embedding and head) or use plain replicas (shard=None)"
-            )
         if virtual_stages is None:
             virtual_stages = 2 if schedule == "interleaved-1f1b" else 1
         if isinstance(balance, str):
@@ -273,6 +268,8 @@ class Pipe(ModelNames, nn.Module):
             self._reducer = self._sharded = ShardedStages(
                 self.stages, data_parallel_group, timeout=self.timeout
             )
+            if self._tied is not None:
+                self._tied.rebind()
         elif data_parallel_group is not None:
             self._reducer = GradientReducer(self.stages, data_parallel_group, timeout=self.timeout)
         self._runtime = Runtime(

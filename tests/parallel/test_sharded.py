@@ -11,6 +11,7 @@ import torch
 
 from distributed_cases import (
     FACTORIES,
+    GPT_TIED,
     INIT_SEED,
     batch,
     data_and_pipeline,
@@ -35,6 +36,12 @@ def _cases():
                 {"model": "gpt", "balance": balance, "chunks": 4, "schedule": schedule,
                  "checkpoint": checkpoint, "virtual": virtual, "shard": "params"}
             )  # fmt: skip
+    # Tied embedding and head on the two stages: each holds a sharded copy.
+    for schedule, checkpoint in (("1f1b", "always"), ("zb-h1", "never")):
+        cases.append(
+            {"model": "gpt-tied", "balance": [3, 3], "chunks": 4, "schedule": schedule,
+             "checkpoint": checkpoint, "shard": "params"}
+        )  # fmt: skip
     # Deferred batch norm, split backward, uneven micro-batches (12 samples in 5).
     cases.append(
         {"model": "cnn", "balance": [4, 4], "chunks": 5, "schedule": "zb-h1",
@@ -92,6 +99,9 @@ def test_sharded_replicas_give_the_unsplit_models_gradients_for_every_schedule_a
             weights.update(result["params"])
             loss = torch.tensor(result["losses"][-1], dtype=torch.float64)
             assert relative_error(loss, losses[outcome["replica"]]) <= 1e-10, case
+        if case["model"] == "gpt-tied":  # the head's copy of the tied tensor, by its name
+            grads[GPT_TIED[1]] = grads[GPT_TIED[0]]
+            params[GPT_TIED[1]] = params[GPT_TIED[0]]
         assert sorted(merged) == sorted(grads)
         for name, grad in grads.items():
             assert relative_error(merged[name], grad) <= 1e-10, (case, name)

@@ -37,9 +37,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.tensor import DTensor, distribute_tensor
 
 from gpipe.engine.stage import Stage
 from gpipe.errors import PipelineError
@@ -56,7 +53,7 @@ _COMMUNICATION_FAILURES = ("Timed out", "timed out", "Connection closed", "Conne
 def full_value(value: Any) -> Any:
     """``value`` (a tensor, or dicts and lists of them) with every ``DTensor`` gathered
     whole: a collective over its replicas, which must all call it, in the same order."""
-    if isinstance(value, DTensor):
+    if hasattr(value, "full_tensor"):  # a DTensor
         return value.full_tensor()
     if isinstance(value, dict):
         return {k: full_value(v) for k, v in value.items()}
@@ -68,8 +65,10 @@ def full_value(value: Any) -> Any:
 def shard_like(parameter: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
     """This replica's shard of the whole tensor ``full``, laid out as ``parameter`` (a
     sharded one; anything else gets ``full`` back)."""
-    if not isinstance(parameter, DTensor) or isinstance(full, DTensor):
+    if not hasattr(parameter, "device_mesh") or hasattr(full, "device_mesh"):
         return full
+    from torch.distributed.tensor import distribute_tensor
+
     return distribute_tensor(
         full.to(parameter.device, parameter.dtype),
         parameter.device_mesh,
@@ -103,8 +102,12 @@ def _has_parameters(layer: nn.Module) -> bool:
     return next(layer.parameters(), None) is not None
 
 
-def _param_groups(layer: FSDPModule) -> list[Any]:
-    return list(fully_shard.state(layer)._fsdp_param_groups)
+def _param_groups(layer: nn.Module) -> list[Any]:
+    from torch.distributed.fsdp import fully_shard
+
+    state = fully_shard.state(layer)
+    groups = getattr(state, "_fsdp_param_groups", None)  # torch >= 2.10; before: one group
+    return list(groups) if groups is not None else [state._fsdp_param_group]
 
 
 class ShardedStages:
@@ -116,6 +119,10 @@ class ShardedStages:
     """
 
     def __init__(self, stages: Sequence[Stage], group: Any, *, timeout: float) -> None:
+        # FSDP2 is public from torch 2.6; imported here so that older ones run the rest.
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.fsdp import fully_shard
+
         self.group = group
         self.size = dist.get_world_size(group)
         self._stages = list(stages)
@@ -124,7 +131,7 @@ class ShardedStages:
         group.set_timeout(timedelta(seconds=timeout))
         mesh = DeviceMesh.from_group(group, device_type)
         self._ops = Collectives(group, timeout=timeout, device=_collective_device(group))
-        self._layers: dict[int, list[FSDPModule]] = {}
+        self._layers: dict[int, list[nn.Module]] = {}
         for stage in self._stages:
             sharded = []
             for layer in stage.layers:
@@ -185,7 +192,6 @@ class ShardedStages:
         for layer in self._layers[stage.index]:
             layer.set_requires_gradient_sync(True)
             try:
-                state = fully_shard.state(layer)
                 for group in _param_groups(layer):
                     for param in group.fsdp_params:  # unused this step: zeros, as replicas
                         unsharded = param.unsharded_param  # must all reduce the same set
@@ -194,7 +200,7 @@ class ShardedStages:
                                 unsharded.shape, dtype=unsharded.dtype, device=unsharded.device
                             )
                     group.post_backward()
-                state._root_post_backward_final_callback()
+                _final_callback(layer)
             finally:
                 layer.set_requires_gradient_sync(False)
 
@@ -255,6 +261,14 @@ class ShardedStages:
             doing=doing,
         )
         return total.reshape(()).to(local.device)
+
+
+def _final_callback(layer: nn.Module) -> None:
+    """What FSDP runs when autograd's backward ends (waits for the reductions, resets its
+    state); gpipe's reduce happens outside any backward, so it is called here."""
+    from torch.distributed.fsdp import fully_shard
+
+    fully_shard.state(layer)._root_post_backward_final_callback()
 
 
 def _collective_device(group: Any) -> torch.device:
