@@ -318,7 +318,7 @@ def markdown(exact: list[dict], mem: dict[str, list[dict]], time_row: dict, comm
         "activations, against 4P + activations). With glibc's default the freed gather and "
         "reduce buffers stay in the heap and the peak does not fall at all: a "
         "memory-bound run should set `MALLOC_MMAP_THRESHOLD_` (or use jemalloc/tcmalloc); "
-        "on GPUs PyTorch's caching allocator reuses those blocks and this does not arise.",
+        "on GPUs PyTorch's caching allocator manages these blocks instead (not measured here).",
     ]
     t = time_row
     low, high = t["interval"]
