@@ -17,8 +17,10 @@ from torch import nn
 from torch.nn import functional as F
 
 import gpipe
+from gpipe._utils import local_value
 from gpipe.errors import PipelineError
 from gpipe.models import GPTConfig, convnet, gpt, gpt_tied_names, lm_loss, unet
+from gpipe.parallel.sharded import full_value
 
 GPT = GPTConfig(vocab_size=32, context=8, d_model=16, n_heads=2, n_layers=4, dropout=0.1)
 INIT_SEED = 3
@@ -90,14 +92,17 @@ def train_steps(rank, cases, group=None, data_parallel_group=None, replica=0, ke
         norm = float(pipe.clip_grad_norm_(case.get("clip", 1e12)))
         if keep is not None:
             keep.append(pipe)
+        # sharded (shard="params"): each replica holds a part; gathered whole to compare
         results.append(
             {
                 "losses": losses,
                 "norm": norm,
-                "grads": {n: p.grad.clone() for n, p in pipe.named_parameters()},
+                "grads": {n: full_value(p.grad).clone() for n, p in pipe.named_parameters()},
                 "buffers": {n: b.clone() for n, b in pipe.named_buffers()},
-                "params": {n: p.detach().clone() for n, p in pipe.named_parameters()},
+                "params": {n: full_value(p.detach()).clone() for n, p in pipe.named_parameters()},
                 "receive_ahead": pipe._transport.receive_ahead,
+                "elements": sum(p.numel() for p in pipe.parameters()),
+                "local_elements": sum(local_value(p).numel() for p in pipe.parameters()),
                 "buckets_started_during_backward": early,
             }
         )
@@ -107,7 +112,7 @@ def train_steps(rank, cases, group=None, data_parallel_group=None, replica=0, ke
 def _count_buckets_started_during_backward(pipe, bucket_bytes):
     """Per step: gradient buckets whose all-reduce began before their stage's backward ended."""
     reducer, counts = pipe._reducer, []
-    if reducer is None:
+    if reducer is None or pipe._sharded is not None:
         return counts
     if bucket_bytes is not None:  # small buckets, so that a stage has several
         reducer.bucket_bytes = bucket_bytes
@@ -133,6 +138,7 @@ def _pipe_of(case, group, data_parallel_group):
         deferred_batch_norm=model == "cnn",
         group=group,
         data_parallel_group=data_parallel_group,
+        shard=case.get("shard"),
         init_seed=INIT_SEED,
         timeout=30,
         tied=[GPT_TIED] if model == "gpt-tied" else (),
@@ -440,3 +446,29 @@ def data_parallel_stalled(rank, timeout):
         time.sleep(timeout + 3)
         start = time.monotonic()
     return _outcome(lambda: pipe.step(x, y, F.mse_loss), start=start)
+
+
+def sharded_faulty(rank, fault_rank, at, schedule, timeout):
+    """2 sharded replicas × 2 stages; rank ``fault_rank`` fails in its ``at``-th backward
+    of the second step, then stays alive (it must not be the one that ends the others'
+    waits). What each rank raised, and when."""
+    from gpipe.parallel.mesh import Mesh
+
+    torch.set_num_threads(1)
+    mesh = Mesh.build(2, 2, timeout=timeout)
+    fault = BackwardFault(at=0)
+
+    def factory():
+        layers = [nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU()]
+        layers[1] = fault if rank == fault_rank and fault_rank % 2 == 0 else layers[1]
+        layers[3] = fault if rank == fault_rank and fault_rank % 2 == 1 else layers[3]
+        return nn.Sequential(*layers)
+
+    pipe = gpipe.Pipe(factory, balance=[2, 2], chunks=4, group=mesh.pp, timeout=timeout,
+                      data_parallel_group=mesh.dp, shard="params", schedule=schedule)  # fmt: skip
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    pipe.step(x, y, F.mse_loss)
+    fault.calls, fault.at = 0, at
+    outcome = _outcome(lambda: pipe.step(x, y, F.mse_loss))
+    time.sleep(max(0.0, 2 * timeout + 5 - outcome["seconds"]))  # alive: no closed socket tells
+    return outcome

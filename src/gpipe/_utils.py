@@ -14,6 +14,7 @@ __all__ = [
     "DeviceLike",
     "add_earlier_gradients",
     "first_nonfinite_grad",
+    "local_value",
     "norm_part",
     "restore_gradients",
     "seconds",
@@ -55,8 +56,10 @@ def to_device(value: Any, device: torch.device, *, as_leaves: bool = False) -> A
 
 
 def storage_key(tensor: torch.Tensor) -> tuple[torch.device, int]:
-    """What identifies the memory behind a tensor: views of one storage share it."""
-    return tensor.device, tensor.untyped_storage().data_ptr()
+    """What identifies the memory behind a tensor: views of one storage share it. The
+    storage object, not its address: a sharded parameter's gathered copy keeps its storage
+    object while FSDP frees and refills it (``gpipe.parallel.sharded``)."""
+    return tensor.device, tensor.untyped_storage()._cdata
 
 
 def synchronize(device: torch.device) -> None:
@@ -87,18 +90,25 @@ def restore_gradients(
         p.grad = earlier.get(p)
 
 
+def local_value(tensor: torch.Tensor) -> torch.Tensor:
+    """This process's part of a tensor: the local shard of a sharded one (a ``DTensor``,
+    see ``gpipe.parallel.sharded``), else the tensor itself."""
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if to_local is not None else tensor
+
+
 def norm_part(grads: list[torch.Tensor], p: float, device: torch.device) -> torch.Tensor:
     """This process's part of the ``p``-norm of ``grads``: the sum of their ``p``-th powers
     (their largest entry for ``inf``), in float64 on ``device``."""
     if not grads:
         return torch.zeros((), dtype=torch.float64, device=device)
-    norms = torch.stack([g.detach().norm(p).to(device, torch.float64) for g in grads])
+    norms = torch.stack([local_value(g).detach().norm(p).to(device, torch.float64) for g in grads])
     return norms.max() if p == float("inf") else norms.pow(p).sum()
 
 
 def first_nonfinite_grad(named: Iterable[tuple[str, torch.Tensor]]) -> str | None:
     """The name of the first parameter whose gradient holds a NaN or an infinity."""
-    grads = [(name, p.grad) for name, p in named if p.grad is not None]
+    grads = [(name, local_value(p.grad)) for name, p in named if p.grad is not None]
     if not grads:
         return None
     device = grads[0][1].device

@@ -22,6 +22,7 @@ from gpipe._utils import (
     DeviceLike,
     add_earlier_gradients,
     first_nonfinite_grad,
+    local_value,
     norm_part,
     restore_gradients,
     seconds,
@@ -38,6 +39,7 @@ from gpipe.frontend import CapturedModel, ModelNames, capture, materialize, on_m
 from gpipe.materialize import build
 from gpipe.parallel.data_parallel import GradientReducer
 from gpipe.parallel.group import pipeline_group
+from gpipe.parallel.sharded import SHARD_MODES, ShardedStages, full_value, shard_like
 from gpipe.parallel.tied import TiedParameters
 from gpipe.partition import check_not_shared, configuration_problems, cut, fingerprint
 from gpipe.planning.auto import auto_balance
@@ -83,6 +85,12 @@ class Pipe(ModelNames, nn.Module):
             ranks; each process then holds only its own stages. ``None``: one process.
         data_parallel_group: with ``group``, the replicas of this rank's stages; their
             gradients are averaged over it once per step (bucketed all-reduce).
+        shard: with ``data_parallel_group``, ``"params"`` shards each stage's parameters,
+            gradients and optimizer state over the replicas (FSDP2, one unit per layer;
+            gathered per layer for each forward and backward, gradients reduce-scattered
+            once per step; see ``gpipe.parallel.sharded``): about (P + 3P) / R bytes per
+            process instead of 4P with AdamW. Parameters become ``DTensor`` shards: build
+            the optimizer after the Pipe. ``None`` (default): every replica holds all.
         init_seed: seed of the per-layer initialization when ``module`` is a function.
         timeout: seconds any rank waits for another before raising (multi-process).
         receive_ahead: multi-process, how receives are posted (``gpipe.transport.distributed``):
@@ -118,6 +126,7 @@ class Pipe(ModelNames, nn.Module):
         virtual_stages: int | None = None,
         group: Any = None,
         data_parallel_group: Any = None,
+        shard: Literal["params"] | None = None,
         init_seed: int = 0,
         timeout: float = 60.0,
         sample: Any = None,
@@ -131,6 +140,13 @@ class Pipe(ModelNames, nn.Module):
         self._captured = isinstance(module, CapturedModel)
         self._ranks = pipeline_group(group, timeout=self.timeout, receive_ahead=receive_ahead)
         self.rank = self._ranks.rank
+        if shard is not None and shard not in SHARD_MODES:
+            raise ValueError(f"shard must be None or one of {SHARD_MODES}, got {shard!r}")
+        if shard is not None and data_parallel_group is None:
+            raise ValueError(
+                f"shard={shard!r} shards over the replicas: pass data_parallel_group= (and "
+                "group=), e.g. from gpipe.parallel.mesh.Mesh.build(stages, replicas, ...)"
+            )
         if virtual_stages is None:
             virtual_stages = 2 if schedule == "interleaved-1f1b" else 1
         if isinstance(balance, str):
@@ -246,11 +262,16 @@ class Pipe(ModelNames, nn.Module):
             )
 
         self._transport = self._ranks.connect(self.schedule, stage_devices, routes)
-        self._reducer = (
-            GradientReducer(self.stages, data_parallel_group, timeout=self.timeout)
-            if data_parallel_group is not None
-            else None
-        )
+        self._sharded: ShardedStages | None = None
+        self._reducer: GradientReducer | ShardedStages | None = None
+        if shard is not None:
+            self._reducer = self._sharded = ShardedStages(
+                self.stages, data_parallel_group, timeout=self.timeout
+            )
+            if self._tied is not None:
+                self._tied.rebind()
+        elif data_parallel_group is not None:
+            self._reducer = GradientReducer(self.stages, data_parallel_group, timeout=self.timeout)
         self._runtime = Runtime(
             self.schedule,
             {stage.index: stage for stage in self.stages},
@@ -448,7 +469,10 @@ class Pipe(ModelNames, nn.Module):
             if self._reducer is not None:
                 self._reducer.reset()
             restore_gradients(self.parameters(), earlier)
-            self._ranks.fail(error, self.stages)
+            explained = self._sharded.explain(error) if self._sharded is not None else error
+            self._ranks.fail(explained, self.stages)
+            if explained is not error:
+                raise explained from error
             raise
         local_loss = None
         if losses is not None and self._holds(self.num_stages - 1):
@@ -456,6 +480,8 @@ class Pipe(ModelNames, nn.Module):
             local_loss = torch.stack(losses_mb).sum()
         trouble = first_nonfinite_grad(self.named_parameters()) if losses is not None else None
         try:
+            if self._sharded is not None and losses is not None:
+                trouble = self._sharded.nonfinite_anywhere(trouble, doing="ending a step")
             result.loss = self._ranks.agree(local_loss, trouble)
         except BaseException:  # refused here or elsewhere: this step counts nowhere
             restore_gradients(self.parameters(), earlier)
@@ -479,12 +505,33 @@ class Pipe(ModelNames, nn.Module):
         counted = [p.grad for p in self.parameters() if p.grad is not None and id(p) not in extra]
         p = float(norm_type)
         local = norm_part(counted, p, self.stages[0].device)
+        if self._sharded is not None:  # each replica holds a shard of every gradient
+            local = self._sharded.norm_over_replicas(
+                local, maximum=p == float("inf"), doing="clip_grad_norm_"
+            )
         local = self._ranks.norm_total(local, maximum=p == float("inf"))
         total = local if p == float("inf") else local.pow(1.0 / p)
         scale = (max_norm / (total + 1e-6)).clamp(max=1.0)
         for g in grads:
-            g.mul_(scale.to(g.device, g.dtype))
+            local_value(g).mul_(scale.to(g.device, g.dtype))
         return total.float()
+
+    # -- state of a sharded Pipe -------------------------------------------------------------
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """``state_dict()`` with whole tensors, detached, on the CPU. With ``shard=``, each
+        parameter is gathered from the replicas: every replica must call it."""
+        return {k: full_value(v).detach().cpu() for k, v in self.state_dict().items()}
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        """As ``nn.Module.load_state_dict``; with ``shard=`` it takes whole tensors (as
+        :meth:`full_state_dict` gives, or the plain model's), each replica keeping its shard."""
+        if self._sharded is not None:
+            own = self.state_dict(keep_vars=True)
+            state_dict = {
+                k: shard_like(own[k], v) if k in own else v for k, v in state_dict.items()
+            }
+        return super().load_state_dict(state_dict, strict=strict, assign=assign)
 
     # -- devices are fixed at construction --------------------------------------------------
 

@@ -152,6 +152,30 @@ def test_resnet_with_replicas_and_bfloat16(in_process, tmp_path):
     plain.load_state_dict(state, strict=True)
 
 
+@pytest.mark.timeout(240)
+def test_sharded_replicas_train_as_plain_ones_and_their_checkpoints_load_at_other_layouts(
+    in_process, tmp_path
+):
+    """--replicas 2 --shard: the losses of plain replicas; a checkpoint (whole tensors,
+    gathered from the shards) resumes at K=1 with the same losses and exports."""
+    common = ["train", "--size", "tiny", "--steps", "6", "--save-every", "3", "--eval-every",
+              "3", "--replicas", "2", "--sample-tokens", "4"]  # fmt: skip
+    sharded, plain, resumed = tmp_path / "sharded", tmp_path / "plain", tmp_path / "resumed"
+    for out, extra in ((sharded, ["--shard"]), (plain, [])):
+        done = in_process(*common, *extra, "--out", str(out))
+        assert done.returncode == 0, done.stderr
+    for step, loss in losses(plain).items():
+        assert abs(losses(sharded)[step] - loss) <= 1e-5 * abs(loss), step
+    middle = sharded / "checkpoints" / "step-000003"
+    done = in_process("train", "--resume", str(middle), "--stages", "1", "--out", str(resumed))
+    assert done.returncode == 0, done.stderr
+    for step in (4, 5, 6):
+        assert abs(losses(resumed)[step] - losses(sharded)[step]) <= 1e-5 * losses(sharded)[step]
+    state = ckpt.export_state_dict(sharded)
+    plain_model = build_model(ckpt.read_manifest(sharded)["model"])
+    plain_model.load_state_dict(state, strict=True)
+
+
 def test_a_hugging_face_llama_trains_as_it_is_and_exports_to_the_plain_model(in_process, tmp_path):
     """--model hf-llama: the Hugging Face model captured and cut (gpipe.frontend), 2 processes,
     checkpoints under the model's own names, text sampled through the pipeline."""

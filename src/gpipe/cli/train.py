@@ -6,6 +6,7 @@
     gpipe train --model hf-llama                  # a Hugging Face Llama, as it is (gpipe[hf])
     gpipe train --stages 3 --chunks 8 --schedule 1f1b --dtype bfloat16
     gpipe train --stages 2 --replicas 2           # 2 replicas x 2 stages = 4 processes
+    gpipe train --stages 2 --replicas 2 --shard   # the same, each stage sharded over its 2
     gpipe train --resume runs/gpt-small-...       # continue from the newest checkpoint
     torchrun --nproc-per-node 2 -m gpipe train    # the same, launched by torchrun
 
@@ -63,6 +64,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--balance", help="layers per stage, e.g. 3,3 (default: even)")
     g.add_argument("-R", "--replicas", type=int, help="data-parallel replicas (default 1)")
+    g.add_argument(
+        "--shard", action=argparse.BooleanOptionalAction, default=None,
+        help="shard each stage's parameters, gradients and optimizer state over its replicas "
+        "(FSDP2): about 1/R of the memory for weights (default: off)",
+    )  # fmt: skip
     g = parser.add_argument_group("optimization")
     g.add_argument("--batch", type=int, help="global mini-batch size (preset)")
     g.add_argument("--steps", type=int, help="optimizer steps in all (preset)")

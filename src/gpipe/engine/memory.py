@@ -111,7 +111,18 @@ def measure_activations(pipe: _HasStages) -> Iterator[ActivationMeter]:
     ``pipe`` is a :class:`gpipe.Pipe`, or anything with its ``num_stages``, ``stages`` and
     ``parameters()``.
     """
-    meter = ActivationMeter(pipe.num_stages, pipe.parameters())
+    # What autograd saves of the weights is not an activation (for a sharded stage: the
+    # gathered copies, see Stage.autograd_parameters).
+    weights = [
+        p
+        for stage in pipe.stages
+        for p in (
+            stage.autograd_parameters()
+            if getattr(stage, "autograd_parameters", None)
+            else stage.parameters()
+        )
+    ]
+    meter = ActivationMeter(pipe.num_stages, weights)
     for stage in pipe.stages:
         stage.meter = meter
     try:

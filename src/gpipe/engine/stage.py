@@ -165,6 +165,11 @@ class Stage:
         self._stored: dict[int, _Stored] = {}
         self._weight_work: dict[int, WeightWork] = {}
         self._writes_input: bool | None = None  # do the layers write to their input?
+        # Set when the stage's parameters are sharded (gpipe.parallel.sharded): the tensors
+        # autograd differentiates (the gathered parameters), and a context that gathers
+        # them all (for W, whose autograd call the sharding's own hooks do not see).
+        self.autograd_parameters: Callable[[], list[torch.Tensor]] | None = None
+        self.gathered: Callable[[], Any] = nullcontext
 
     def parameters(self) -> Iterator[nn.Parameter]:
         for layer in self.layers:
@@ -306,7 +311,12 @@ class Stage:
             roots, grads = self._roots(stored, grad_outputs, microbatch)
             inputs = tensors_of(stored.inputs)
             if split:
-                grad_inputs, work = backward_input(roots, grads, inputs, list(self.parameters()))
+                params = (
+                    self.autograd_parameters()
+                    if self.autograd_parameters is not None
+                    else list(self.parameters())
+                )
+                grad_inputs, work = backward_input(roots, grads, inputs, params)
                 work.held = stored.held  # activations stay until W has run
                 self._weight_work[microbatch] = work
                 return grad_inputs
@@ -318,7 +328,7 @@ class Stage:
     def backward_weight(self, microbatch: int) -> None:
         """Run W for one micro-batch: the parameter gradients its split B left."""
         work = self._take(self._weight_work, microbatch, "split backward", "B (split) before W")
-        with torch.enable_grad():
+        with torch.enable_grad(), self.gathered():
             backward_weight(work)
         work.held.clear()
 

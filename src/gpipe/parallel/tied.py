@@ -16,10 +16,12 @@ every holder adds them in the same (stage) order, so all copies get the same bit
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+
+from gpipe._utils import local_value
 
 __all__ = ["TiedError", "TiedParameters"]
 
@@ -36,6 +38,7 @@ class _Tie:
     names: list[str]  # whole-model parameter names, as declared
     stages: list[int]  # the stages holding them, ascending, without repeats
     copies: dict[int, nn.Parameter]  # stage -> this process's copy (local stages only)
+    names_at: dict[int, list[str]] = field(default_factory=dict)  # local stage -> its names
 
 
 def _owner(root: nn.Module, name: str) -> tuple[nn.Module, str]:
@@ -55,6 +58,7 @@ class TiedParameters:
         local_stages: set[int],
         devices: Sequence[torch.device],
     ) -> None:
+        self._model = model
         every = dict(model.named_parameters(remove_duplicate=False))
         problems, self.ties = [], []
         for group in groups:
@@ -98,6 +102,16 @@ class TiedParameters:
                     setattr(module, attr, copy)
                 claimed.add(id(copy))
                 tie.copies[stage] = copy
+                tie.names_at[stage] = here
+
+    def rebind(self) -> None:
+        """Hold the parameters the model holds now: sharding (``gpipe.parallel.sharded``)
+        replaces each by its shard. A sharded copy's exchanges carry its local shard, which
+        matches the other holders' (the same replicas, the same layout)."""
+        for tie in self.ties:
+            for stage, names in tie.names_at.items():
+                module, attr = _owner(self._model, names[0])
+                tie.copies[stage] = getattr(module, attr)
 
     def extra_copies(self) -> set[int]:
         """ids of the local copies other than the reference: the un-split model has none."""
@@ -139,11 +153,11 @@ class TiedParameters:
         """Make every copy equal to the reference copy (the last holder's)."""
         for tie in self.ties:
             if tie.copies:
-                mine = {stage: copy.detach() for stage, copy in tie.copies.items()}
+                mine = {stage: local_value(copy.detach()) for stage, copy in tie.copies.items()}
                 reference = exchange(tie.stages, mine)[tie.stages[-1]]
                 with torch.no_grad():
                     for copy in tie.copies.values():
-                        copy.copy_(reference)
+                        local_value(copy).copy_(reference)
 
     def sync_gradients(self, exchange: Exchange) -> None:
         """Every copy's gradient becomes the sum over all copies, added in stage order on
@@ -152,7 +166,9 @@ class TiedParameters:
             if not tie.copies:
                 continue
             mine = {
-                stage: copy.grad if copy.grad is not None else torch.zeros_like(copy)
+                stage: local_value(copy.grad)
+                if copy.grad is not None
+                else torch.zeros_like(local_value(copy))
                 for stage, copy in tie.copies.items()
             }
             everyone = exchange(tie.stages, mine)
@@ -160,4 +176,7 @@ class TiedParameters:
             for holder in tie.stages:
                 total += everyone[holder]
             for copy in tie.copies.values():
-                copy.grad = total.to(copy.device, copy=True)
+                if hasattr(copy.grad, "to_local"):  # a shard (its reduce-scatter made it)
+                    copy.grad.to_local().copy_(total)
+                else:
+                    copy.grad = total.to(copy.device, copy=True)

@@ -30,6 +30,7 @@ class TrainConfig:
     size: str = "small"  # preset: "tiny", "small", "base"
     stages: int = 2  # K: pipeline stages, one process each
     replicas: int = 1  # R: data-parallel replicas of the pipeline (K x R processes)
+    shard: bool = False  # shard each stage's parameters over its replicas (Pipe's shard=)
     chunks: int = 4  # M: micro-batches per mini-batch
     schedule: str = "gpipe"
     virtual_stages: int = 1  # stages per process, for "interleaved-1f1b"
@@ -197,6 +198,11 @@ def _problems(c: TrainConfig, start: int, world_size: int | None, *, fresh: bool
         problems.append(
             f"each replica's batch ({c.batch // c.replicas}) must have at least --chunks "
             f"{c.chunks} samples: one per micro-batch; raise --batch or lower --chunks"
+        )
+    if c.shard and c.replicas < 2:
+        problems.append(
+            f"--shard splits each stage over its replicas: it needs --replicas >= 2, got "
+            f"{c.replicas} (or --no-shard)"
         )
     if c.virtual_stages > 1 and c.schedule != "interleaved-1f1b":
         problems.append("--virtual-stages > 1 needs --schedule interleaved-1f1b")

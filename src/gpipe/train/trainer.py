@@ -26,10 +26,12 @@ from torch.nn import functional as F
 
 from gpipe import checkpoint as ckpt
 from gpipe import timeline
+from gpipe._utils import local_value
 from gpipe.data import EpochSampler, hash_seed
 from gpipe.engine.memory import measure_activations
 from gpipe.errors import NonFiniteError
 from gpipe.parallel.mesh import Mesh
+from gpipe.parallel.sharded import full_value, sharded_optimizer_state
 from gpipe.partition import even_balance
 from gpipe.train.config import TrainConfig, model_spec, num_layers
 from gpipe.train.report import Metrics, Reporter, plot_losses, write_json
@@ -64,6 +66,7 @@ class Trainer:
             deferred_batch_norm=self.task.deferred_batch_norm,
             group=self.mesh.pp,
             data_parallel_group=self.mesh.dp,
+            shard="params" if c.shard else None,
             init_seed=c.seed,
             timeout=c.timeout,
         )
@@ -259,7 +262,7 @@ class Trainer:
         broadcasts it to the pipeline, whose first stage feeds it back in.
         """
         c = self.config
-        if self.replica != 0:
+        if self.replica != 0 and not c.shard:  # sharded: every replica holds part of a layer
             return None
         prompt = torch.tensor(list(c.prompt.encode()) or [10], dtype=torch.int64)
         tokens = prompt.repeat(c.chunks, 1)  # (M, T)
@@ -286,7 +289,7 @@ class Trainer:
             (self.out / "sample.txt").write_text(
                 "\n\n".join(f"--- sample {i} ---\n{t}" for i, t in enumerate(texts)) + "\n"
             )
-        return texts[0]
+        return texts[0] if self.replica == 0 else None
 
     # -- measurements ----------------------------------------------------------------------
 
@@ -299,7 +302,7 @@ class Trainer:
         local = {
             "stages": [s.index for s in self.pipe.stages],
             "activation_bytes": sum(meter.peak_bytes[s.index] for s in self.pipe.stages),
-            "state_bytes": sum(t.numel() * t.element_size() for t in state),
+            "state_bytes": sum(local_value(t).numel() * t.element_size() for t in state),
             # ru_maxrss is in KiB on Linux
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         }
@@ -337,9 +340,12 @@ class Trainer:
         folder = ckpt.staging_folder(root, step)
         info = None
         pp_rank = self.mesh.pp_rank
+        # Whole tensors on every replica (sharded replicas gather their shards, together).
+        state = self.pipe.full_state_dict()
+        optimizer = self.optimizer and full_value(
+            ckpt.optimizer_state_by_name(self.optimizer, self.names)
+        )
         if self.replica == 0:  # replicas hold equal weights: one writer per stage
-            state = {k: v.detach().cpu() for k, v in self.pipe.state_dict().items()}
-            optimizer = self.optimizer and ckpt.optimizer_state_by_name(self.optimizer, self.names)
             stages = [s.index for s in self.pipe.stages]
             shard = {"model": state, "optimizer": optimizer, "stages": stages,
                      "rng": {"torch": torch.get_rng_state()}}  # fmt: skip
@@ -376,6 +382,7 @@ class Trainer:
         if self.optimizer is not None:
             params = list(self.names.values())
             state = ckpt.load_optimizer_state(manifest, params)
+            state = sharded_optimizer_state(state, {n: p for p, n in self.names.items()})
             ckpt.load_optimizer_state_by_name(self.optimizer, self.names, state)
         self.sampler.load_state_dict(manifest["data"])
         same_layout = manifest["layout"]["stages"] == self.config.stages

@@ -1,0 +1,121 @@
+"""Sharded replicas (pipeline × FSDP, ``Pipe(shard="params")``): 2 replicas × 2 stages on
+four processes give the un-split, un-sharded model's gradients, for every schedule and
+re-materialization mode, and train as it does."""
+
+from __future__ import annotations
+
+import multiprocessing
+
+import pytest
+import torch
+
+from distributed_cases import (
+    FACTORIES,
+    GPT_TIED,
+    INIT_SEED,
+    batch,
+    data_and_pipeline,
+    loss_of,
+    sharded_faulty,
+)
+from gpipe.materialize import build_full
+from gpipe.parallel.launch import launch
+from reference import reference_step, relative_error
+
+pytestmark = pytest.mark.timeout(300)
+
+SCHEDULES = {"gpipe": 1, "1f1b": 1, "zb-h1": 1, "interleaved-1f1b": 2}
+
+
+def _cases():
+    cases = []
+    for schedule, virtual in SCHEDULES.items():
+        for checkpoint in ("never", "except_last", "always"):
+            balance = [2, 1, 2, 1] if virtual == 2 else [3, 3]
+            cases.append(
+                {"model": "gpt", "balance": balance, "chunks": 4, "schedule": schedule,
+                 "checkpoint": checkpoint, "virtual": virtual, "shard": "params"}
+            )  # fmt: skip
+    # Tied embedding and head on the two stages: each holds a sharded copy.
+    for schedule, checkpoint in (("1f1b", "always"), ("zb-h1", "never")):
+        cases.append(
+            {"model": "gpt-tied", "balance": [3, 3], "chunks": 4, "schedule": schedule,
+             "checkpoint": checkpoint, "shard": "params"}
+        )  # fmt: skip
+    # Deferred batch norm, split backward, uneven micro-batches (12 samples in 5).
+    cases.append(
+        {"model": "cnn", "balance": [4, 4], "chunks": 5, "schedule": "zb-h1",
+         "checkpoint": "never", "shard": "params"}
+    )  # fmt: skip
+    # Training for three steps: AdamW on the shards moves the weights as on the whole model.
+    cases.append(
+        {"model": "gpt", "balance": [3, 3], "chunks": 3, "schedule": "1f1b",
+         "checkpoint": "except_last", "shard": "params", "train": True, "lengths": [8, 8, 8]}
+    )  # fmt: skip
+    return cases
+
+
+CASES = _cases()
+
+
+def _reference(case):
+    """Per step: the loss of each replica, and the gradients averaged over both; AdamW
+    between steps, as the pipes do."""
+    model = build_full(FACTORIES[case["model"]], seed=INIT_SEED)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    lengths = case.get("lengths", [8])
+    for step, length in enumerate(lengths):
+        model.zero_grad(set_to_none=True)
+        grads, losses = {}, []
+        for replica in (0, 1):
+            x, y = batch(case["model"], step, length, replica)
+            losses.append(
+                reference_step(model, x, y, loss_of(case["model"]), chunks=case["chunks"],
+                               seed=100 + step)
+            )  # fmt: skip
+            for name, p in model.named_parameters():
+                grads[name] = grads.get(name, 0) + p.grad / 2
+            model.zero_grad(set_to_none=True)
+        for name, p in model.named_parameters():
+            p.grad = grads[name]
+        if step < len(lengths) - 1:
+            optimizer.step()
+    return losses, grads, {n: p.detach() for n, p in model.named_parameters()}
+
+
+def test_sharded_replicas_give_the_unsplit_models_gradients_for_every_schedule_and_remat():
+    outcomes = launch(data_and_pipeline, 4, args=(CASES,), timeout=240)
+    assert sorted(o["replica"] for o in outcomes) == [0, 0, 1, 1]
+    for index, case in enumerate(CASES):
+        losses, grads, params = _reference(case)
+        merged, weights = {}, {}
+        norm = sum(g.pow(2).sum() for g in grads.values()).sqrt()
+        for outcome in outcomes:
+            result = outcome["results"][index]
+            # each process holds half of its stage's parameters (FSDP pads to even shards)
+            assert result["local_elements"] <= result["elements"] / 2 + 64, case
+            assert relative_error(torch.tensor(result["norm"]), norm) <= 1e-6, case  # float32
+            merged.update(result["grads"])
+            weights.update(result["params"])
+            loss = torch.tensor(result["losses"][-1], dtype=torch.float64)
+            assert relative_error(loss, losses[outcome["replica"]]) <= 1e-10, case
+        if case["model"] == "gpt-tied":  # the head's copy of the tied tensor, by its name
+            grads[GPT_TIED[1]] = grads[GPT_TIED[0]]
+            params[GPT_TIED[1]] = params[GPT_TIED[0]]
+        assert sorted(merged) == sorted(grads)
+        for name, grad in grads.items():
+            assert relative_error(merged[name], grad) <= 1e-10, (case, name)
+            assert relative_error(weights[name], params[name]) <= 1e-10, (case, name)
+
+
+@pytest.mark.parametrize(("fault_rank", "schedule"), [(3, "1f1b"), (0, "zb-h1")])
+def test_a_failure_in_one_rank_of_a_sharded_run_ends_every_rank_within_the_timeout(
+    fault_rank, schedule
+):
+    timeout = 6.0
+    outcomes = launch(sharded_faulty, 4, args=(fault_rank, 2, schedule, timeout), timeout=60)
+    for rank, outcome in enumerate(outcomes):
+        assert outcome["seconds"] < timeout + 5, (rank, outcome)  # the faulty rank lives on
+        expected = "KeyError" if rank == fault_rank else "PipelineError"
+        assert outcome["type"] == expected, (rank, outcome)
+    assert not multiprocessing.active_children()
