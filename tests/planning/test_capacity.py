@@ -10,11 +10,14 @@ import torch
 
 from gpipe._utils import MiB
 from gpipe.planner import calibrate, capacity, verify_capacity
+from gpipe.planner.measured import measure_fit
 from gpipe.planning.capacity import (
+    Calibration,
     Layout,
     NothingFits,
     _FamilyCosts,
     _LayoutCosts,
+    fit_of,
     gpt_family,
     layouts,
     resnet_family,
@@ -147,17 +150,23 @@ def test_cli_prints_the_capacity_table(in_process):
     assert len(rows) == 4 and rows[0].startswith("K=2")
 
 
+@pytest.fixture(scope="module")
+def calibration() -> Calibration:
+    """The tiny family's memory beyond the model's terms (one process: the 2-process runs
+    below miss its peers' buffers, well within their bounds)."""
+    return calibrate(tiny_gpt(batch=8))
+
+
 @pytest.mark.timeout(180)
-def test_verify_measures_the_found_model_and_the_next_size_up():
+def test_verify_measures_the_found_model_and_the_next_size_up(calibration):
     family = tiny_gpt(batch=8)
-    overhead = calibrate(family)
-    assert overhead > 0
-    budget = overhead + 1.0 * MiB
+    assert calibration.process > 0 and calibration.per_layer >= 0
+    budget = calibration.process + 1.0 * MiB
     result = capacity(
         family,
         memory_budget=budget,
         processes=2,
-        overhead=overhead,
+        overhead=calibration,
         stages=[2],
         replicas=[1],
         chunks=[2],
@@ -182,3 +191,14 @@ def test_layout_labels_and_options():
         capacity(tiny_gpt(), memory_budget=MiB, processes=1, optimizer="lion")
     with pytest.raises(ValueError, match="interleaved"):
         layouts(tiny_gpt(), 2, schedules=["interleaved-1f1b"])
+
+
+@pytest.mark.timeout(120)
+def test_sharded_replicas_are_measured(calibration):
+    family = tiny_gpt(batch=8)
+    layout = Layout(1, 2, True, chunks=2, checkpoint="always")
+    fit = fit_of(family, layout, 2, budget=calibration.process + 4 * MiB, overhead=calibration)
+    assert fit.fits and fit.terms()["gathered"] > 0
+    measured = measure_fit(family, fit)
+    assert measured.ran and len(measured.measured) == 2
+    assert 0.5 < measured.ratios[0] < 1.5

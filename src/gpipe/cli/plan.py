@@ -19,9 +19,10 @@ replicas, sharding, micro-batches, schedule, re-materialization, balance)::
     gpipe plan --capacity --model gpt --d-model 256 --seq 128 --vocab 2048 --batch 16 \
         --memory 320MiB --processes 8 --optimizer adamw --calibrate --verify 1
 
-``--calibrate`` measures the memory a training process needs beyond the model (or give it:
-``--process-memory 100MiB``); ``--verify N`` trains the N largest for real, and each one's
-next size up, and prints measured peaks next to predicted ones (``docs/capacity.md``).
+``--calibrate`` measures the memory a training process needs beyond the model's terms (or
+give it: ``--process-memory 95MiB --layer-memory 0.3MiB``); ``--verify N`` trains the N
+largest for real, and each one's next size up, and prints measured peaks next to predicted
+ones (``docs/capacity.md``).
 """
 
 from __future__ import annotations
@@ -145,7 +146,10 @@ def configure(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--process-memory", type=parse_bytes, default=0.0, help="per process beyond the model"
     )
-    g.add_argument("--calibrate", action="store_true", help="measure --process-memory first")
+    g.add_argument(
+        "--layer-memory", type=parse_bytes, default=0.0, help="per layer held beyond the model"
+    )
+    g.add_argument("--calibrate", action="store_true", help="measure both memories first")
 
 
 def family(args: argparse.Namespace):
@@ -160,17 +164,17 @@ def family(args: argparse.Namespace):
 
 
 def run_capacity(args: argparse.Namespace) -> int:
-    from gpipe._utils import MiB
     from gpipe.planner import calibrate, capacity, verify_capacity
+    from gpipe.planning.capacity import Calibration
 
     if args.memory is None:
         raise SystemExit("gpipe plan --capacity needs --memory (bytes per process, e.g. 2GiB)")
     models = family(args)
     processes = args.processes or args.devices
-    overhead = args.process_memory
+    overhead = Calibration(args.process_memory, args.layer_memory)
     if args.calibrate:
         overhead = calibrate(models, processes=processes, optimizer=args.optimizer)
-        print(f"calibrated: a training process needs {overhead / MiB:.1f} MiB beyond the model")
+        print(f"calibrated: a training process needs {overhead} beyond the model's terms")
     shard = {"both": None, "yes": [True], "no": [False]}[args.shard]
     threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)

@@ -25,8 +25,9 @@ carved from the heap and their memory stays resident when freed, so the peak RSS
 follow the allocator's history (measured: 30-70 MiB of scatter between runs) rather than
 the tensors alive. Set it for training runs that must fit what was measured.
 
-Sharded replicas are predicted only until ``Pipe(..., shard="params")`` exists: their rows
-are not run (:class:`Measured` says so).
+Sharded replicas run as ``Pipe(..., group=pp, data_parallel_group=dp, shard="params")``
+with the groups of ``gpipe.parallel.mesh.Mesh``; with a Pipe that has no ``shard`` option
+their rows are returned unmeasured (:class:`Measured` says so).
 """
 
 from __future__ import annotations
@@ -47,7 +48,14 @@ from gpipe._utils import MiB
 from gpipe.parallel import mesh
 from gpipe.parallel.launch import launch
 from gpipe.pipe import Pipe
-from gpipe.planning.capacity import Family, Fit, Layout, fit_of, optimizer_state_of
+from gpipe.planning.capacity import (
+    Calibration,
+    Family,
+    Fit,
+    Layout,
+    fit_of,
+    optimizer_state_of,
+)
 
 __all__ = ["CapacityCheck", "Measured", "calibrate", "measure_fit", "verify_capacity"]
 
@@ -246,7 +254,7 @@ def verify_capacity(
             fit.depth + 1,
             optimizer=optimizer,
             budget=fit.budget,
-            overhead=fit.overhead,
+            overhead=fit.calibration,
         )
         bigger = measure_fit(family, row, optimizer=optimizer, steps=steps, timeout=timeout)
     return CapacityCheck(found, bigger)
@@ -259,23 +267,34 @@ def calibrate(
     optimizer: str | float = "adamw",
     steps: int = 2,
     timeout: float = 300.0,
-) -> float:
-    """Bytes a training process needs beyond the memory model, measured on the family's
-    smallest member: the larger excess of measured peak growth over predicted memory of
-    two runs, one process in one micro-batch without re-materialization, and
-    ``processes`` replicas (as many processes as the rows will use: each peer costs
-    connection buffers) in micro-batches of one sample with re-materialization.
+) -> Calibration:
+    """What a training process needs beyond the memory model's terms, measured in
+    micro-batches of one sample with re-materialization (where the terms are smallest, so
+    the excess shows most): on one process at depth 1 and at a deeper member, whose
+    difference per layer is the cost per layer held; and with ``processes`` replicas at
+    depth 1 (as many processes as the rows will use: each peer costs connection buffers).
+    The constant is the larger excess of the two depth-1 runs, less its layers' share.
 
-    Measured in ``docs/capacity.md``: 90-97 MiB with one-sample micro-batches, 55-77 MiB
-    with 16-sample ones (where the predicted workspace overlaps it), 3-4 MiB more with 8
-    processes than with one.
+    Measured in ``docs/capacity.md``: about 95 MiB per process (70 of them the modules that
+    recording a model on ``meta`` imports), a few MiB more with 8 processes than with one,
+    and about 0.3 MiB per small GPT block.
     """
     batch = family.batch_size
     replicas = max(r for r in range(1, processes + 1) if batch % r == 0)
-    one_sample = Layout(1, replicas, chunks=batch // replicas, checkpoint="always")
-    excess = 0.0
-    for layout in (Layout(1), one_sample):
-        row = fit_of(family, layout, 1, optimizer=optimizer, budget=float("inf"))
+    deeper = 1 + 16
+    excess = {}
+    runs = {
+        "one": (Layout(1, 1, chunks=batch, checkpoint="always"), 1),
+        "deeper": (Layout(1, 1, chunks=batch, checkpoint="always"), deeper),
+        "peers": (Layout(1, replicas, chunks=batch // replicas, checkpoint="always"), 1),
+    }
+    for name, (layout, depth) in runs.items():
+        if name == "peers" and replicas == 1:
+            continue
+        row = fit_of(family, layout, depth, optimizer=optimizer, budget=float("inf"))
         measured = measure_fit(family, row, optimizer=optimizer, steps=steps, timeout=timeout)
-        excess = max(excess, measured.peak - row.memory[0].total)
-    return excess
+        excess[name] = (measured.peak - row.memory[0].total, len(family.kinds(depth)))
+    (one, layers_one), (deep, layers_deep) = excess["one"], excess["deeper"]
+    per_layer = max(0.0, (deep - one) / (layers_deep - layers_one))
+    process = max(e for e, _ in excess.values()) - per_layer * layers_one
+    return Calibration(max(0.0, process), per_layer)

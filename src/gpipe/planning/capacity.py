@@ -54,6 +54,7 @@ from gpipe.schedule import SCHEDULES, build_schedule
 
 __all__ = [
     "OPTIMIZER_STATE",
+    "Calibration",
     "Capacity",
     "Family",
     "Fit",
@@ -75,7 +76,25 @@ OPTIMIZER_STATE = {"adamw": 2.0, "adam": 2.0, "sgd": 0.0, "sgd-momentum": 1.0}
 RECOMPUTATION = {"never": 0, "except_last": 1, "always": 2}  # ranks ties: less is better
 # A process's predicted peak by term: the memory model's, and the process's own overhead.
 TERMS = ("parameters", "gradients", "optimizer", "buffers", "inputs", "activations",
-         "workspace", "gathered", "reduction", "process")  # fmt: skip
+         "workspace", "gathered", "reduction", "layers", "process")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """What a training process needs beyond the memory model's terms, measured
+    (``gpipe.planner.calibrate``): a constant per process, and bytes per layer it holds."""
+
+    process: float = 0.0
+    per_layer: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not (self.process >= 0 and self.per_layer >= 0):
+            raise ValueError(f"calibration must be non-negative bytes, got {self}")
+
+    def __str__(self) -> str:
+        return (
+            f"{self.process / MiB:.1f} MiB per process + {self.per_layer / MiB:.2f} MiB per layer"
+        )
 
 
 # -- families --------------------------------------------------------------------------------
@@ -278,6 +297,11 @@ class Fit:
     budget: float
     fits: bool = True
     missing: tuple[float, ...] = ()
+    per_layer: float = 0.0  # bytes per layer held beyond the terms (in ``memory`` already)
+
+    @property
+    def calibration(self) -> Calibration:
+        return Calibration(self.overhead, self.per_layer)
 
     @property
     def peaks(self) -> tuple[float, ...]:
@@ -310,7 +334,7 @@ class Capacity:
     budget: float  # bytes per process
     processes: int
     optimizer_state: float
-    overhead: float  # bytes per process beyond the memory model
+    calibration: Calibration  # what a process needs beyond the memory model's terms
     rows: list[Fit]
     advice: str = ""  # what would fit, when nothing does
 
@@ -332,7 +356,7 @@ class Capacity:
         lines = [
             f"capacity of {self.family.describe()}: budget {self.budget / MiB:,.1f} MiB per "
             f"process, {self.processes} processes, optimizer state {self.optimizer_state:g}x "
-            f"parameters, {self.overhead / MiB:.1f} MiB per process beyond the model",
+            f"parameters; beyond the model {self.calibration}",
             "",
             f"{'layout':<36}{'depth':>6} {'parameters':>12} {'peak MiB':>9}  {'balance':<22}"
             "fullest process (MiB): " + " + ".join(TERMS),
@@ -533,7 +557,7 @@ def capacity(
     memory_budget: float,
     processes: int,
     optimizer: str | float = "adamw",
-    overhead: float = 0.0,
+    overhead: float | Calibration = 0.0,
     stages: Iterable[int] | None = None,
     replicas: Iterable[int] | None = None,
     shard: Iterable[bool] | None = None,
@@ -547,14 +571,14 @@ def capacity(
 
     ``optimizer``: ``"adamw"`` (2 states per parameter), ``"sgd"`` (0), ``"sgd-momentum"``
     (1), or the number. ``overhead``: bytes a training process needs beyond the memory
-    model (measured by ``gpipe.planner.calibrate``). The other arguments restrict the
+    model, or the :class:`Calibration` that ``gpipe.planner.calibrate`` measures (a
+    constant per process and bytes per layer held). The other arguments restrict the
     layouts (:func:`layouts`). When nothing fits, ``result.best`` raises
     :class:`NothingFits` with the closest layout's shortfall and what would fit.
     """
     if not memory_budget > 0:
         raise ValueError(f"memory_budget must be a positive number of bytes, got {memory_budget!r}")
-    if not overhead >= 0:
-        raise ValueError(f"overhead must be a non-negative number of bytes, got {overhead!r}")
+    calibration = _calibration(overhead)
     state = optimizer_state_of(optimizer)
     costs = _FamilyCosts(family)
     candidates = layouts(
@@ -568,33 +592,40 @@ def capacity(
         checkpoints=checkpoints,
     )
     rows = [
-        _largest(costs, layout, memory_budget, overhead, state, max_depth) for layout in candidates
+        _largest(costs, layout, memory_budget, calibration, state, max_depth)
+        for layout in candidates
     ]
     rows.sort(key=lambda r: (not r.fits, -r.parameters if r.fits else max(r.missing),
                              r.layout.rank_key()))  # fmt: skip
-    result = Capacity(family, float(memory_budget), processes, state, float(overhead), rows)
+    result = Capacity(family, float(memory_budget), processes, state, calibration, rows)
     if rows and not rows[0].fits:
-        result.advice = _advice(costs, rows, memory_budget, overhead, state, max_depth)
+        result.advice = _advice(costs, rows, memory_budget, calibration, state, max_depth)
     return result
 
 
-def _memory_model(layout: Layout, state: float) -> MemoryModel:
+def _memory_model(layout: Layout, state: float, per_layer: float) -> MemoryModel:
     return MemoryModel(
-        optimizer_state=state, replicas=layout.replicas, shard=layout.shard, workspace=True
+        optimizer_state=state,
+        replicas=layout.replicas,
+        shard=layout.shard,
+        workspace=True,
+        layer_overhead=per_layer,
     )
 
 
 class _LayoutCosts:
     """The memory table of a layout at any depth."""
 
-    def __init__(self, costs: _FamilyCosts, layout: Layout, state: float) -> None:
+    def __init__(
+        self, costs: _FamilyCosts, layout: Layout, state: float, per_layer: float = 0.0
+    ) -> None:
         self.costs, self.layout = costs, layout
         schedule = build_schedule(
             layout.schedule, num_ranks=layout.stages, num_microbatches=layout.chunks
         )
         self.held = held_microbatches(schedule, layout.checkpoint)
         self.split = schedule.splits_backward(0, 0)
-        self.model = _memory_model(layout, state)
+        self.model = _memory_model(layout, state, per_layer)
         self.samples = costs.family.batch_size // layout.replicas // layout.chunks
 
     def table(self, depth: int) -> StageMemoryTable:
@@ -603,10 +634,16 @@ class _LayoutCosts:
 
 
 def _largest(
-    costs: _FamilyCosts, layout: Layout, budget: float, overhead: float, state: float, cap: int
+    costs: _FamilyCosts,
+    layout: Layout,
+    budget: float,
+    calibration: Calibration,
+    state: float,
+    cap: int,
 ) -> Fit:
     """The largest depth of ``layout`` that fits: grow by doubling steps, then bisect."""
-    at = _LayoutCosts(costs, layout, state)
+    at = _LayoutCosts(costs, layout, state, calibration.per_layer)
+    overhead = calibration.process
     room = budget - overhead
 
     def fits(depth: int) -> bool:
@@ -640,12 +677,22 @@ def fit_of(
     *,
     optimizer: str | float = "adamw",
     budget: float,
-    overhead: float = 0.0,
+    overhead: float | Calibration = 0.0,
 ) -> Fit:
     """``layout`` at ``depth``: its memory balance and predicted memory, whether it fits or
     not (then ``missing`` says by how much each stage does not)."""
-    return _fit(_LayoutCosts(_FamilyCosts(family), layout, optimizer_state_of(optimizer)),
-                depth, budget, overhead)  # fmt: skip
+    calibration = _calibration(overhead)
+    at = _LayoutCosts(_FamilyCosts(family), layout, optimizer_state_of(optimizer),
+                      calibration.per_layer)  # fmt: skip
+    return _fit(at, depth, budget, calibration.process)
+
+
+def _calibration(overhead: float | Calibration) -> Calibration:
+    if isinstance(overhead, Calibration):
+        return overhead
+    if not (isinstance(overhead, int | float) and overhead >= 0):
+        raise ValueError(f"overhead must be a non-negative number of bytes, got {overhead!r}")
+    return Calibration(float(overhead))
 
 
 def _fit(at: _LayoutCosts, depth: int, budget: float, overhead: float) -> Fit:
@@ -668,16 +715,17 @@ def _fit(at: _LayoutCosts, depth: int, budget: float, overhead: float) -> Fit:
         budget,
         fits=not any(missing),
         missing=missing,
+        per_layer=at.model.layer_overhead,
     )
 
 
-def _advice(costs, rows, budget, overhead, state, cap) -> str:
+def _advice(costs, rows, budget, calibration, state, cap) -> str:
     """What would fit when nothing does: more stages (up to 8× the most searched)."""
     searched = max(r.layout.stages for r in rows)
     closest = min(rows, key=lambda r: max(r.missing)).layout
     for k in range(searched + 1, 8 * searched + 1):
         layout = replace(closest, stages=k, replicas=1, shard=False, checkpoint="always")
-        row = _largest(costs, layout, budget, overhead, state, cap)
+        row = _largest(costs, layout, budget, calibration, state, cap)
         if row.fits:
             return (
                 f"or K >= {k} stages ({layout.label()} trains depth {row.depth}, "
