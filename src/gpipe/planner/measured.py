@@ -264,33 +264,36 @@ def calibrate(
     family: Family,
     *,
     processes: int = 1,
+    layers: int = 64,
     optimizer: str | float = "adamw",
     steps: int = 2,
     timeout: float = 300.0,
 ) -> Calibration:
     """What a training process needs beyond the memory model's terms, measured in
     micro-batches of one sample with re-materialization (where the terms are smallest, so
-    the excess shows most): on one process at depth 1 and at a deeper member, whose
-    difference per layer is the cost per layer held; and with ``processes`` replicas at
-    depth 1 (as many processes as the rows will use: each peer costs connection buffers).
-    The constant is the larger excess of the two depth-1 runs, less its layers' share.
+    the excess shows most): on one process at depth 1 and at the first depth with
+    ``layers`` layers, whose difference per layer is the cost per layer of the model; and
+    with ``processes`` replicas at depth 1 (as many processes as the rows will use: each
+    peer costs connection buffers). The constant is the larger excess of the two depth-1
+    runs, less its layers' share.
 
     Measured in ``docs/capacity.md``: about 95 MiB per process (70 of them the modules that
     recording a model on ``meta`` imports), a few MiB more with 8 processes than with one,
-    and about 0.3 MiB per small GPT block.
+    and about 0.17 MiB per layer of the whole model.
     """
     batch = family.batch_size
     replicas = max(r for r in range(1, processes + 1) if batch % r == 0)
-    deeper = 1 + 16
-    excess = {}
+    deeper = 1
+    while len(family.kinds(deeper)) < layers:
+        deeper += 1
     runs = {
         "one": (Layout(1, 1, chunks=batch, checkpoint="always"), 1),
         "deeper": (Layout(1, 1, chunks=batch, checkpoint="always"), deeper),
-        "peers": (Layout(1, replicas, chunks=batch // replicas, checkpoint="always"), 1),
     }
+    if replicas > 1:
+        runs["peers"] = (Layout(1, replicas, chunks=batch // replicas, checkpoint="always"), 1)
+    excess = {}
     for name, (layout, depth) in runs.items():
-        if name == "peers" and replicas == 1:
-            continue
         row = fit_of(family, layout, depth, optimizer=optimizer, budget=float("inf"))
         measured = measure_fit(family, row, optimizer=optimizer, steps=steps, timeout=timeout)
         excess[name] = (measured.peak - row.memory[0].total, len(family.kinds(depth)))

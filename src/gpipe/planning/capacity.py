@@ -76,16 +76,23 @@ OPTIMIZER_STATE = {"adamw": 2.0, "adam": 2.0, "sgd": 0.0, "sgd-momentum": 1.0}
 RECOMPUTATION = {"never": 0, "except_last": 1, "always": 2}  # ranks ties: less is better
 # A process's predicted peak by term: the memory model's, and the process's own overhead.
 TERMS = ("parameters", "gradients", "optimizer", "buffers", "inputs", "activations",
-         "workspace", "gathered", "reduction", "layers", "process")  # fmt: skip
+         "workspace", "gathered", "reduction", "model layers", "process")  # fmt: skip
 
 
 @dataclass(frozen=True)
 class Calibration:
     """What a training process needs beyond the memory model's terms, measured
-    (``gpipe.planner.calibrate``): a constant per process, and bytes per layer it holds."""
+    (``gpipe.planner.calibrate``): a constant per process, and bytes per layer of the
+    *whole* model — every process records the whole model on ``meta`` to build its own
+    layers, and what that leaves in Python's allocator stays resident (about 0.17 MiB per
+    GPT block measured, 25 MiB at 230 blocks)."""
 
     process: float = 0.0
     per_layer: float = 0.0
+
+    def at(self, layers: int) -> float:
+        """Bytes per process for a model of ``layers`` layers."""
+        return self.process + self.per_layer * layers
 
     def __post_init__(self) -> None:
         if not (self.process >= 0 and self.per_layer >= 0):
@@ -281,8 +288,9 @@ class Layout:
 class Fit:
     """A member of the family in a layout: the largest that fits, in a capacity row.
 
-    ``memory`` is the predicted peak of each stage's processes without ``overhead`` (the
-    fixed cost of a training process); ``peak`` adds it. When it does not fit (``fits``
+    ``memory`` is the predicted peak of each stage's processes without ``overhead`` (what
+    a training process needs beyond the model's terms: ``calibration.at(layers)``);
+    ``peak`` adds it. When it does not fit (``fits``
     false; in a capacity row: not even the smallest member), ``balance`` and ``memory``
     are those of the partition that misses the budget by the least, ``missing`` what each
     of its stages lacks.
@@ -297,11 +305,7 @@ class Fit:
     budget: float
     fits: bool = True
     missing: tuple[float, ...] = ()
-    per_layer: float = 0.0  # bytes per layer held beyond the terms (in ``memory`` already)
-
-    @property
-    def calibration(self) -> Calibration:
-        return Calibration(self.overhead, self.per_layer)
+    calibration: Calibration = Calibration()
 
     @property
     def peaks(self) -> tuple[float, ...]:
@@ -319,7 +323,8 @@ class Fit:
     def terms(self, stage: int | None = None) -> dict[str, float]:
         """The predicted peak of a stage's process by term (default: the fullest stage)."""
         memory = self.memory[self.fullest if stage is None else stage]
-        return {**memory.terms(), "process": self.overhead}
+        layers = self.overhead - self.calibration.process
+        return {**memory.terms(), "model layers": layers, "process": self.calibration.process}
 
 
 class NothingFits(ValueError):
@@ -381,7 +386,8 @@ class Capacity:
         stage = max(range(len(closest.missing)), key=closest.missing.__getitem__)
         terms = closest.terms(stage)
         # the process's own overhead is fixed: name the largest term the layout can change
-        term = max((k for k in terms if k != "process"), key=terms.__getitem__)
+        fixed = ("process", "model layers")
+        term = max((k for k in terms if k not in fixed), key=terms.__getitem__)
         over = closest.missing[stage]
         return (
             f"nothing fits {self.budget / MiB:.1f} MiB per process: even depth {closest.depth} of "
@@ -603,29 +609,23 @@ def capacity(
     return result
 
 
-def _memory_model(layout: Layout, state: float, per_layer: float) -> MemoryModel:
+def _memory_model(layout: Layout, state: float) -> MemoryModel:
     return MemoryModel(
-        optimizer_state=state,
-        replicas=layout.replicas,
-        shard=layout.shard,
-        workspace=True,
-        layer_overhead=per_layer,
+        optimizer_state=state, replicas=layout.replicas, shard=layout.shard, workspace=True
     )
 
 
 class _LayoutCosts:
     """The memory table of a layout at any depth."""
 
-    def __init__(
-        self, costs: _FamilyCosts, layout: Layout, state: float, per_layer: float = 0.0
-    ) -> None:
+    def __init__(self, costs: _FamilyCosts, layout: Layout, state: float) -> None:
         self.costs, self.layout = costs, layout
         schedule = build_schedule(
             layout.schedule, num_ranks=layout.stages, num_microbatches=layout.chunks
         )
         self.held = held_microbatches(schedule, layout.checkpoint)
         self.split = schedule.splits_backward(0, 0)
-        self.model = _memory_model(layout, state, per_layer)
+        self.model = _memory_model(layout, state)
         self.samples = costs.family.batch_size // layout.replicas // layout.chunks
 
     def table(self, depth: int) -> StageMemoryTable:
@@ -642,17 +642,17 @@ def _largest(
     cap: int,
 ) -> Fit:
     """The largest depth of ``layout`` that fits: grow by doubling steps, then bisect."""
-    at = _LayoutCosts(costs, layout, state, calibration.per_layer)
-    overhead = calibration.process
-    room = budget - overhead
+    at = _LayoutCosts(costs, layout, state)
 
     def fits(depth: int) -> bool:
         table = at.table(depth)
-        return room > 0 and cut_within(table, len(table.layers), layout.stages, room) is not None
+        n = len(table.layers)
+        room = budget - calibration.at(n)
+        return room > 0 and cut_within(table, n, layout.stages, room) is not None
 
     low = _smallest_depth(costs.family, layout.stages)
     if not fits(low):
-        return _fit(at, low, budget, overhead)
+        return _fit(at, low, budget, calibration)
     high = low  # the largest depth known to fit
     step = 1
     while True:
@@ -667,7 +667,7 @@ def _largest(
             high = middle
         else:
             top = middle
-    return _fit(at, high, budget, overhead)
+    return _fit(at, high, budget, calibration)
 
 
 def fit_of(
@@ -681,10 +681,8 @@ def fit_of(
 ) -> Fit:
     """``layout`` at ``depth``: its memory balance and predicted memory, whether it fits or
     not (then ``missing`` says by how much each stage does not)."""
-    calibration = _calibration(overhead)
-    at = _LayoutCosts(_FamilyCosts(family), layout, optimizer_state_of(optimizer),
-                      calibration.per_layer)  # fmt: skip
-    return _fit(at, depth, budget, calibration.process)
+    at = _LayoutCosts(_FamilyCosts(family), layout, optimizer_state_of(optimizer))
+    return _fit(at, depth, budget, _calibration(overhead))
 
 
 def _calibration(overhead: float | Calibration) -> Calibration:
@@ -695,10 +693,11 @@ def _calibration(overhead: float | Calibration) -> Calibration:
     return Calibration(float(overhead))
 
 
-def _fit(at: _LayoutCosts, depth: int, budget: float, overhead: float) -> Fit:
+def _fit(at: _LayoutCosts, depth: int, budget: float, calibration: Calibration) -> Fit:
     """The lightest cut of ``depth``: the most room in its fullest stage, or, when it does
     not fit, the least missing there."""
     table = at.table(depth)
+    overhead = calibration.at(len(table.layers))
     balance = lightest_cut(table, len(table.layers), at.layout.stages)
     memory, start = [], 0
     for s, size in enumerate(balance):
@@ -715,7 +714,7 @@ def _fit(at: _LayoutCosts, depth: int, budget: float, overhead: float) -> Fit:
         budget,
         fits=not any(missing),
         missing=missing,
-        per_layer=at.model.layer_overhead,
+        calibration=calibration,
     )
 
 
