@@ -271,33 +271,40 @@ def calibrate(
 ) -> Calibration:
     """What a training process needs beyond the memory model's terms, measured in
     micro-batches of one sample with re-materialization (where the terms are smallest, so
-    the excess shows most): on one process at depth 1 and at the first depth with
-    ``layers`` layers, whose difference per layer is the cost per layer of the model; and
-    with ``processes`` replicas at depth 1 (as many processes as the rows will use: each
-    peer costs connection buffers). The constant is the larger excess of the two depth-1
-    runs, less its layers' share.
+    the excess shows most), on a pipeline of ``processes`` stages (as many processes as the
+    rows will use: each peer costs connection buffers): the cost per layer of the whole
+    model is the slope of the excess between its shallowest member and the first with
+    ``layers`` layers; the constant is the largest excess, less its layers' share, of
+    those runs and of one process at depth 1.
 
     Measured in ``docs/capacity.md``: about 95 MiB per process (70 of them the modules that
     recording a model on ``meta`` imports), a few MiB more with 8 processes than with one,
-    and about 0.17 MiB per layer of the whole model.
+    and about 0.15 MiB per layer of the whole model (a first slope measured on one process,
+    where every layer is also local, came out twice as large).
     """
     batch = family.batch_size
-    replicas = max(r for r in range(1, processes + 1) if batch % r == 0)
-    deeper = 1
-    while len(family.kinds(deeper)) < layers:
-        deeper += 1
+
+    def first_depth(n: int) -> int:
+        depth = 1
+        while len(family.kinds(depth)) < n:
+            depth += 1
+        return depth
+
+    pipeline = Layout(processes, chunks=batch, checkpoint="always")
     runs = {
-        "one": (Layout(1, 1, chunks=batch, checkpoint="always"), 1),
-        "deeper": (Layout(1, 1, chunks=batch, checkpoint="always"), deeper),
+        "one": (Layout(1, chunks=batch, checkpoint="always"), 1),
+        "small": (pipeline, first_depth(processes)),
+        "deep": (pipeline, first_depth(layers)),
     }
-    if replicas > 1:
-        runs["peers"] = (Layout(1, replicas, chunks=batch // replicas, checkpoint="always"), 1)
     excess = {}
     for name, (layout, depth) in runs.items():
+        if name == "one" and processes == 1:
+            continue  # it is "small"
         row = fit_of(family, layout, depth, optimizer=optimizer, budget=float("inf"))
         measured = measure_fit(family, row, optimizer=optimizer, steps=steps, timeout=timeout)
-        excess[name] = (measured.peak - row.memory[0].total, len(family.kinds(depth)))
-    (one, layers_one), (deep, layers_deep) = excess["one"], excess["deeper"]
-    per_layer = max(0.0, (deep - one) / (layers_deep - layers_one))
-    process = max(e for e, _ in excess.values()) - per_layer * layers_one
+        worst = max(m - p.total for m, p in zip(measured.per_stage, row.memory, strict=True))
+        excess[name] = (worst, len(family.kinds(depth)))
+    (small, layers_small), (deep, layers_deep) = excess["small"], excess["deep"]
+    per_layer = max(0.0, (deep - small) / (layers_deep - layers_small))
+    process = max(e - per_layer * n for e, n in excess.values())
     return Calibration(max(0.0, process), per_layer)
