@@ -271,16 +271,13 @@ def calibrate(
 ) -> Calibration:
     """What a training process needs beyond the memory model's terms, measured in
     micro-batches of one sample with re-materialization (where the terms are smallest, so
-    the excess shows most), on a pipeline of ``processes`` stages (as many processes as the
-    rows will use: each peer costs connection buffers): the cost per layer of the whole
-    model is the slope of the excess between its shallowest member and the first with
-    ``layers`` layers; the constant is the largest excess, less its layers' share, of
-    those runs and of one process at depth 1.
-
-    Measured in ``docs/capacity.md``: about 95 MiB per process (70 of them the modules that
-    recording a model on ``meta`` imports), a few MiB more with 8 processes than with one,
-    and about 0.15 MiB per layer of the whole model (a first slope measured on one process,
-    where every layer is also local, came out twice as large).
+    the excess shows most): a constant, a cost per layer of its stage and one per layer of
+    the whole model. On one process (every layer local) at the shallowest member and the
+    first with ``layers`` layers, the slope is the sum of the two per-layer costs; on a
+    pipeline of ``processes`` stages (as many processes as the rows will use: each peer
+    costs connection buffers) at the same two depths, the slope of the stages' mean excess
+    separates them. The constant is the largest excess of a stage, less its layers' share.
+    With one process the whole slope is charged to the stage's layers.
     """
     batch = family.batch_size
 
@@ -290,21 +287,31 @@ def calibrate(
             depth += 1
         return depth
 
-    pipeline = Layout(processes, chunks=batch, checkpoint="always")
-    runs = {
-        "one": (Layout(1, chunks=batch, checkpoint="always"), 1),
-        "small": (pipeline, first_depth(processes)),
-        "deep": (pipeline, first_depth(layers)),
-    }
-    excess = {}
-    for name, (layout, depth) in runs.items():
-        if name == "one" and processes == 1:
-            continue  # it is "small"
+    one = Layout(1, chunks=batch, checkpoint="always")
+    runs = [(one, first_depth(1)), (one, first_depth(layers))]
+    if processes > 1:
+        pipeline = Layout(processes, chunks=batch, checkpoint="always")
+        runs += [(pipeline, first_depth(processes)), (pipeline, first_depth(layers))]
+    stages = []  # per run: (model layers, [(excess, stage layers) per stage])
+    for layout, depth in runs:
         row = fit_of(family, layout, depth, optimizer=optimizer, budget=float("inf"))
         measured = measure_fit(family, row, optimizer=optimizer, steps=steps, timeout=timeout)
-        worst = max(m - p.total for m, p in zip(measured.per_stage, row.memory, strict=True))
-        excess[name] = (worst, len(family.kinds(depth)))
-    (small, layers_small), (deep, layers_deep) = excess["small"], excess["deep"]
-    per_layer = max(0.0, (deep - small) / (layers_deep - layers_small))
-    process = max(e - per_layer * n for e, n in excess.values())
-    return Calibration(max(0.0, process), per_layer)
+        excess = [m - p.total for m, p in zip(measured.per_stage, row.memory, strict=True)]
+        stages.append((len(family.kinds(depth)), list(zip(excess, row.balance, strict=True))))
+
+    def mean(run: int) -> tuple[float, float, int]:
+        n, per_stage = stages[run]
+        count = len(per_stage)
+        return sum(e for e, _ in per_stage) / count, sum(l for _, l in per_stage) / count, n
+
+    (e0, _, n0), (e1, _, n1) = mean(0), mean(1)
+    both = max(0.0, (e1 - e0) / (n1 - n0))  # per layer that is both local and the model's
+    whole = 0.0
+    if processes > 1:
+        (e2, l2, n2), (e3, l3, n3) = mean(2), mean(3)
+        # e3 - e2 = whole · (n3 - n2) + (both - whole) · (l3 - l2)
+        whole = (e3 - e2 - both * (l3 - l2)) / ((n3 - n2) - (l3 - l2))
+        whole = min(max(0.0, whole), both)
+    local = both - whole
+    process = max(e - local * l - whole * n for n, per_stage in stages for e, l in per_stage)
+    return Calibration(max(0.0, process), whole, local)

@@ -76,26 +76,27 @@ OPTIMIZER_STATE = {"adamw": 2.0, "adam": 2.0, "sgd": 0.0, "sgd-momentum": 1.0}
 RECOMPUTATION = {"never": 0, "except_last": 1, "always": 2}  # ranks ties: less is better
 # A process's predicted peak by term: the memory model's, and the process's own overhead.
 TERMS = ("parameters", "gradients", "optimizer", "buffers", "inputs", "activations",
-         "workspace", "gathered", "reduction", "model layers", "process")  # fmt: skip
+         "workspace", "gathered", "reduction", "layers", "model layers", "process")  # fmt: skip
 
 
 @dataclass(frozen=True)
 class Calibration:
     """What a training process needs beyond the memory model's terms, measured
-    (``gpipe.planner.calibrate``): a constant per process, and bytes per layer of the
-    *whole* model — every process records the whole model on ``meta`` to build its own
-    layers, and what that leaves in Python's allocator stays resident (about 0.17 MiB per
-    GPT block measured, 25 MiB at 230 blocks)."""
+    (``gpipe.planner.calibrate``): a constant per process, bytes per layer of the *whole*
+    model (every process records the whole model on ``meta`` to build its own layers, and
+    what that leaves in Python's allocator stays resident), and bytes per layer of its
+    own stage (``MemoryModel(layer_overhead=...)``)."""
 
     process: float = 0.0
-    per_layer: float = 0.0
+    per_layer: float = 0.0  # per layer of the whole model
+    per_stage_layer: float = 0.0  # per layer of the process's stage
 
     def at(self, layers: int) -> float:
         """Bytes per process for a model of ``layers`` layers."""
         return self.process + self.per_layer * layers
 
     def __post_init__(self) -> None:
-        if not (self.process >= 0 and self.per_layer >= 0):
+        if not (self.process >= 0 and self.per_layer >= 0 and self.per_stage_layer >= 0):
             raise ValueError(f"calibration must be non-negative bytes, got {self}")
 
     def __str__(self) -> str:
@@ -609,23 +610,29 @@ def capacity(
     return result
 
 
-def _memory_model(layout: Layout, state: float) -> MemoryModel:
+def _memory_model(layout: Layout, state: float, per_stage_layer: float) -> MemoryModel:
     return MemoryModel(
-        optimizer_state=state, replicas=layout.replicas, shard=layout.shard, workspace=True
+        optimizer_state=state,
+        replicas=layout.replicas,
+        shard=layout.shard,
+        workspace=True,
+        layer_overhead=per_stage_layer,
     )
 
 
 class _LayoutCosts:
     """The memory table of a layout at any depth."""
 
-    def __init__(self, costs: _FamilyCosts, layout: Layout, state: float) -> None:
+    def __init__(
+        self, costs: _FamilyCosts, layout: Layout, state: float, per_stage_layer: float = 0.0
+    ) -> None:
         self.costs, self.layout = costs, layout
         schedule = build_schedule(
             layout.schedule, num_ranks=layout.stages, num_microbatches=layout.chunks
         )
         self.held = held_microbatches(schedule, layout.checkpoint)
         self.split = schedule.splits_backward(0, 0)
-        self.model = _memory_model(layout, state)
+        self.model = _memory_model(layout, state, per_stage_layer)
         self.samples = costs.family.batch_size // layout.replicas // layout.chunks
 
     def table(self, depth: int) -> StageMemoryTable:
@@ -642,7 +649,7 @@ def _largest(
     cap: int,
 ) -> Fit:
     """The largest depth of ``layout`` that fits: grow by doubling steps, then bisect."""
-    at = _LayoutCosts(costs, layout, state)
+    at = _LayoutCosts(costs, layout, state, calibration.per_stage_layer)
 
     def fits(depth: int) -> bool:
         table = at.table(depth)
@@ -681,8 +688,10 @@ def fit_of(
 ) -> Fit:
     """``layout`` at ``depth``: its memory balance and predicted memory, whether it fits or
     not (then ``missing`` says by how much each stage does not)."""
-    at = _LayoutCosts(_FamilyCosts(family), layout, optimizer_state_of(optimizer))
-    return _fit(at, depth, budget, _calibration(overhead))
+    calibration = _calibration(overhead)
+    at = _LayoutCosts(_FamilyCosts(family), layout, optimizer_state_of(optimizer),
+                      calibration.per_stage_layer)  # fmt: skip
+    return _fit(at, depth, budget, calibration)
 
 
 def _calibration(overhead: float | Calibration) -> Calibration:

@@ -9,6 +9,9 @@ Memory model of a stage, per process (bytes; :class:`MemoryModel`), P its parame
                         (with it, those being recomputed: 1, more under zero bubble)
     − freed after B × micro-batches past B waiting for W (zero bubble: what lies above
                         the stage's last weights, e.g. the loss's log-softmax)
+    + layers × layer_overhead (``MemoryModel(layer_overhead=...)``, bytes per layer of
+                        the stage that the terms above miss, measured by
+                        ``gpipe.planner.calibrate``)
     + workspace (``MemoryModel(workspace=True)``): the largest saved bytes of one layer
                         for one micro-batch (a layer's backward makes the gradients of what
                         it saved while that is alive; measured, ``docs/capacity.md``: the
@@ -80,9 +83,10 @@ class MemoryModel:
     replicas: int = 1  # R pipelines, data parallel: each process holds one stage of one
     shard: bool = False  # parameters, gradients, optimizer state sharded over the R replicas
     workspace: bool = False  # count the backward's workspace (see the module docstring)
+    layer_overhead: float = 0.0  # bytes per layer of a stage beyond its terms (measured)
 
     def __post_init__(self) -> None:
-        for label in ("gradients", "optimizer_state"):
+        for label in ("gradients", "optimizer_state", "layer_overhead"):
             value = getattr(self, label)
             if not (isinstance(value, int | float) and value >= 0):
                 raise ValueError(f"{label} must be a non-negative number, got {value!r}")
@@ -133,6 +137,7 @@ class StageMemory:
     gathered: float = 0.0  # sharded: parameters gathered whole at once
     reduction: float = 0.0  # plain replicas: the gradient all-reduce's buffers
     workspace: float = 0.0  # the gradients one layer's backward makes at once
+    layers: float = 0.0  # the measured cost of holding its layers, beyond the terms above
 
     @property
     def total(self) -> float:
@@ -150,6 +155,7 @@ class StageMemory:
             "workspace": self.workspace,
             "gathered": self.gathered,
             "reduction": self.reduction,
+            "layers": self.layers,
         }
 
     def describe(self) -> str:
@@ -323,6 +329,7 @@ class StageMemoryTable:
             + self.buffers[j]
             - self.buffers[i]
             + self._gathered(i, j)
+            + (j - i) * self.model.layer_overhead
         )
 
     def __call__(self, s: int, i: int, j: int) -> StageMemory:
@@ -340,6 +347,7 @@ class StageMemoryTable:
             gathered=self._gathered(i, j),
             reduction=params * model.reduction,
             workspace=self._workspace(i, j),
+            layers=(j - i) * model.layer_overhead,
         )
 
     def total(self, s: int, i: int, j: int) -> float:
