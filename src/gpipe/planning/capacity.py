@@ -101,7 +101,8 @@ class Calibration:
 
     def __str__(self) -> str:
         return (
-            f"{self.process / MiB:.1f} MiB per process + {self.per_layer / MiB:.2f} MiB per layer"
+            f"{self.process / MiB:.1f} MiB per process + {self.per_layer / MiB:.2f} MiB per "
+            f"layer of the model + {self.per_stage_layer / MiB:.2f} MiB per layer of its stage"
         )
 
 
