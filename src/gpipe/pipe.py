@@ -43,7 +43,7 @@ from gpipe.parallel.sharded import SHARD_MODES, ShardedStages, full_value, shard
 from gpipe.parallel.tied import TiedParameters
 from gpipe.partition import check_not_shared, configuration_problems, cut, fingerprint
 from gpipe.planning.auto import auto_balance
-from gpipe.schedule import Schedule, TimedAction, build_schedule
+from gpipe.schedule import Schedule, TimedAction, build_schedule, default_virtual_stages
 from gpipe.schedule.routes import Routes
 
 __all__ = ["Pipe"]
@@ -68,14 +68,16 @@ class Pipe(ModelNames, nn.Module):
             that minimise the slowest stage (``gpipe.planning.balance.balance_by_time``).
         devices: one device per rank (default: all ``"cpu"``; with ``group``, this
             process's ``cuda:LOCAL_RANK`` under NCCL). A rank holds one stage, or
-            ``virtual_stages`` stages with ``"interleaved-1f1b"``.
+            ``virtual_stages`` stages with ``"interleaved-1f1b"``, two with ``"zb-v"`` and
+            ``"dualpipe-v"`` (rank r holds stages r and 2K-1-r).
         chunks: micro-batches per mini-batch (M).
         checkpoint: re-materialization: ``"always"``, ``"except_last"`` (every
             micro-batch but the last, whose backward follows its forward at once) or
             ``"never"``.
         schedule: a name from ``gpipe.schedule.SCHEDULES`` (``"gpipe"``, ``"1f1b"``,
-            ``"interleaved-1f1b"``, ``"zb-h1"``) or a ``Schedule`` of your own for these
-            stages and M micro-batches.
+            ``"interleaved-1f1b"``, ``"zb-h1"``, ``"zb-v"``, ``"dualpipe-v"``, ``"zb-auto"``)
+            or a ``Schedule`` of your own for these stages and M micro-batches (e.g.
+            ``gpipe.schedule.auto.zb_auto`` built for measured costs).
         deferred_batch_norm: replace BatchNorm layers by ``DeferredBatchNorm`` so that
             running statistics are updated once per mini-batch, as without splitting.
         virtual_stages: stages per device for ``"interleaved-1f1b"`` (stage s lives on
@@ -148,7 +150,11 @@ class Pipe(ModelNames, nn.Module):
                 "group=), e.g. from gpipe.parallel.mesh.Mesh.build(stages, replicas, ...)"
             )
         if virtual_stages is None:
-            virtual_stages = 2 if schedule == "interleaved-1f1b" else 1
+            virtual_stages = (
+                schedule.num_stages // schedule.num_ranks
+                if isinstance(schedule, Schedule)
+                else default_virtual_stages(schedule)
+            )
         if isinstance(balance, str):
             balance = auto_balance(
                 module,
