@@ -74,7 +74,7 @@ class Pipe(ModelNames, nn.Module):
         checkpoint: re-materialization: ``"always"``, ``"except_last"`` (every
             micro-batch but the last, whose backward follows its forward at once) or
             ``"never"``.
-        schedule: a name from ``gpipe.schedule.SCHEDULES`` (``"gpipe"``, ``"1f1b"``,
+        schedule: a name from ``gpipe.schedule.ALL_SCHEDULES`` (``"gpipe"``, ``"1f1b"``,
             ``"interleaved-1f1b"``, ``"zb-h1"``, ``"zb-v"``, ``"dualpipe-v"``, ``"zb-auto"``)
             or a ``Schedule`` of your own for these stages and M micro-batches (e.g.
             ``gpipe.schedule.auto.zb_auto`` built for measured costs).

@@ -9,7 +9,9 @@
 * ``simulate``: per-action costs in, makespan, bubble and memory peaks out.
 """
 
+from gpipe.schedule.auto import zb_auto  # also registers "zb-auto" in ALL_SCHEDULES
 from gpipe.schedule.builders import (
+    ALL_SCHEDULES,
     SCHEDULES,
     Schedule,
     build_schedule,
@@ -26,6 +28,7 @@ from gpipe.schedule.check import RECV_AHEAD
 from gpipe.schedule.ir import Action, Kind, ScheduleError, TimedAction
 
 __all__ = [
+    "ALL_SCHEDULES",
     "RECV_AHEAD",
     "SCHEDULES",
     "Action",
@@ -40,6 +43,7 @@ __all__ = [
     "interleaved_1f1b",
     "one_f_one_b",
     "v_stage_to_rank",
+    "zb_auto",
     "zb_h1",
     "zb_v",
 ]

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from gpipe.schedule.builders import Schedule, _build, _check_sizes, zb_h1
+from gpipe.schedule.builders import ALL_SCHEDULES, Schedule, _build, _check_sizes, zb_h1
 from gpipe.schedule.ir import Action, Kind, ScheduleError
 from gpipe.schedule.simulate import Costs, simulate
 
@@ -174,3 +174,6 @@ def _greedy(
         remaining -= 1
         blocked = [False] * K
     return rows
+
+
+ALL_SCHEDULES["zb-auto"] = zb_auto

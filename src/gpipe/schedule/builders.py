@@ -26,6 +26,7 @@ from gpipe.schedule.check import RECV_AHEAD, check
 from gpipe.schedule.ir import Action, Kind, ScheduleError
 
 __all__ = [
+    "ALL_SCHEDULES",
     "SCHEDULES",
     "Schedule",
     "build_schedule",
@@ -452,22 +453,21 @@ def dualpipe_v(num_ranks: int, num_microbatches: int) -> Schedule:
     return _build("dualpipe-v", M, v_stage_to_rank(K), rows, buffered_sends=True)
 
 
-def _zb_auto(num_ranks: int, num_microbatches: int, **options: Any) -> Schedule:
-    # Imported here: the search times candidates with gpipe.schedule.simulate, which
-    # imports this module.
-    from gpipe.schedule.auto import zb_auto
-
-    return zb_auto(num_ranks, num_microbatches, **options)
-
-
+# The schedules of one stage per rank, or interleaved: those gpipe.planner searches (its
+# memory model and balance know these placements) and the CLI offers.
 SCHEDULES: dict[str, Callable[..., Schedule]] = {
     "gpipe": fill_drain,
     "1f1b": one_f_one_b,
     "interleaved-1f1b": interleaved_1f1b,
     "zb-h1": zb_h1,
+}
+# Every schedule a Pipe can be given by name: also the V-shaped ones, and "zb-auto", which
+# gpipe.schedule.auto adds (it times candidates with gpipe.schedule.simulate, which imports
+# this module; the package imports it, so it is registered before any lookup).
+ALL_SCHEDULES: dict[str, Callable[..., Schedule]] = {
+    **SCHEDULES,
     "zb-v": zb_v,
     "dualpipe-v": dualpipe_v,
-    "zb-auto": _zb_auto,
 }
 _V_SHAPED = frozenset({"zb-v", "dualpipe-v"})  # two stages per rank, placed in a V
 _TAKES_COSTS = frozenset({"zb-auto"})  # built for given costs and a memory limit
@@ -486,7 +486,7 @@ def build_schedule(
     virtual_stages: int | None = None,
     **options: Any,
 ) -> Schedule:
-    """The built-in schedule ``name`` (a key of :data:`SCHEDULES`) for ``num_ranks`` ranks.
+    """The built-in schedule ``name`` (a key of :data:`ALL_SCHEDULES`) for ``num_ranks`` ranks.
 
     ``virtual_stages`` (stages per rank, default :func:`default_virtual_stages`) may be
     chosen for ``"interleaved-1f1b"`` only; ``"zb-v"`` and ``"dualpipe-v"`` hold two.
@@ -497,8 +497,8 @@ def build_schedule(
         build_schedule("zb-auto", num_ranks=4, num_microbatches=8,
                        costs=Costs(forward=1.0, backward=1.2, weight=0.8), memory_limit=4)
     """
-    if name not in SCHEDULES:
-        raise ScheduleError(f"unknown schedule {name!r}; known: {', '.join(SCHEDULES)}")
+    if name not in ALL_SCHEDULES:
+        raise ScheduleError(f"unknown schedule {name!r}; known: {', '.join(ALL_SCHEDULES)}")
     if options and name not in _TAKES_COSTS:
         raise ScheduleError(
             f"schedule {name!r} takes no options, got {', '.join(sorted(options))}; costs and "
@@ -520,4 +520,4 @@ def build_schedule(
             f"schedule {name!r} holds one stage per rank, got virtual_stages={virtual_stages!r}; "
             "use 'interleaved-1f1b', 'zb-v' or 'dualpipe-v' for several stages per rank"
         )
-    return SCHEDULES[name](num_ranks, num_microbatches, **options)
+    return ALL_SCHEDULES[name](num_ranks, num_microbatches, **options)
