@@ -385,13 +385,13 @@ def zb_v(num_ranks: int, num_microbatches: int) -> Schedule:
     Stages are placed in a V (:func:`v_stage_to_rank`), 2K of them on K ranks, and every
     backward is split into ``B`` (input gradient) and ``W`` (weight gradients). Rank r
     warms up with ``2(K-r)-1`` forwards of its first stage, ``r`` pairs of forwards of its
-    two stages, then ``K-r`` rounds of F, B, W on its second stage (whose backward follows at
-    once: the turn of the V is local); in the steady state it runs F, B, W on each stage in
-    turn; it cools down with ``r`` pairs of backwards, ``K-r`` of B and W on its first stage,
-    then the weight gradients still owed. With equal F, B, W costs per stage and
-    M >= 2K-1 the only idle time is the fill and drain of one forward and one backward
-    per rank, and a rank holds at most 2K stage-activations, each half a micro-batch: the
-    K micro-batches 1F1B holds on its first rank.
+    two stages, then ``K-r`` rounds of F, B, W on its second stage; in the steady state it
+    runs F, B, W on each stage in turn; it cools down with ``r`` pairs of backwards, ``K-r``
+    of B and W on its first stage, then the weight gradients still owed. With equal F, B,
+    W costs and M >= 2K-1 a rank idles only for the V's fill, K-1 stage forwards: a bubble
+    of ``(K-1)/(6M+K-1)`` (a stage being half a rank's layers), half of ZB-H1's idle time;
+    and a rank holds at most 2K stage-activations of half a micro-batch each: the K
+    micro-batches 1F1B holds on its first rank.
     """
     _check_sizes("zb-v", num_ranks=num_ranks, num_microbatches=num_microbatches)
     K, M = num_ranks, num_microbatches
