@@ -4,19 +4,20 @@ In the spirit of the automatic scheduler of the zero-bubble paper (Qi et al., IC
 section 3), without its ILP: a greedy list scheduler plays the step forward in time under
 the simulator's model (``gpipe.schedule.simulate``) and, each time a rank is free, picks
 
-1. a backward ``B`` (input gradient) whose inputs are there: the previous rank waits on it;
-2. else a forward ``F`` whose input is there, if one more live micro-batch fits the rank's
-   ``memory_limit``;
-3. else the oldest owed weight gradient ``W``: nothing waits on it, so it fills what
-   would be idle time (and frees its micro-batch's activations);
-4. else it waits for the first input to arrive.
+1. the oldest owed weight gradient ``W``, if the rank owes more than ``defer`` of them
+   (``defer + r`` on rank r when ``slope`` is 1, ZB-H1's shape);
+2. else a ready forward ``F`` if one more live micro-batch fits the rank's
+   ``memory_limit`` and either no backward is ready or fewer than ``warmup - r`` of the
+   rank's micro-batches await their ``B`` (1F1B's warm-up shape);
+3. else a ready backward ``B`` (input gradient): the previous rank waits on it;
+4. else the oldest owed ``W``: nothing waits on it, so it fills what would be idle time
+   (and frees its micro-batch's activations);
+5. else it waits for the first input to arrive.
 
-Two knobs shape the result: when both an ``F`` and a ``B`` are ready, rank r takes the
-``F`` while it holds fewer than ``warmup - r`` live micro-batches (1F1B's warm-up shape),
-else the ``B``; and a rank owing more than ``defer`` (+ r) weight gradients pays one first.
-Each setting is tried, and ZB-H1's order besides; the simulator times every candidate
-(sends that do not block, as gpipe's transports') and the fastest within the memory limit
-is kept, the one holding less on a tie. Every backward is split, so ``W`` exists for
+A micro-batch is live from its ``F`` to its ``W``. Every (warmup, defer, slope) setting
+is tried, and ZB-H1's order besides; the simulator times every candidate (sends that do
+not block, as gpipe's transports') and the fastest within the memory limit is kept, the
+one holding less on a tie. Every backward is split, so ``W`` exists for
 every (stage, micro-batch)::
 
     >>> s = zb_auto(4, 8, costs=Costs(forward=1.0, backward=1.0, weight=1.0))
@@ -83,10 +84,8 @@ def zb_auto(
     return best
 
 
-def _knobs(K: int, M: int, limit: int) -> list[tuple[int, int]]:
-    """The (warmup, defer) pairs tried: warm-ups of 1F1B's shape (rank r takes a ready F over
-    a ready B while it holds fewer than ``warmup - r``), and W deferred by at most 0, 1, 3 or M
-    (plus r on rank r with ``slope`` 1, ZB-H1's shape) before it goes ahead of F and B."""
+def _knobs(K: int, M: int, limit: int) -> list[tuple[int, int, int]]:
+    """The (warmup, defer, slope) settings tried (see the module docstring)."""
     defers = sorted({0, 1, 3, M})
     return [(w, d, slope) for w in range(1, min(limit, M) + K) for d in defers for slope in (0, 1)]
 
@@ -142,12 +141,15 @@ def _greedy(
         f_at, b_at = ready_f(r), ready_b(r)
         f_now = f_at is not None and f_at <= now
         b_now = b_at is not None and b_at <= now
-        if len(owed[r]) > defer + slope * r:
+        pay = bool(owed[r]) and (
+            len(owed[r]) > defer + slope * r or not (f_now or b_now)  # rules 1 and 4
+        )
+        if pay:
             m = owed[r].popleft()
             live[r] -= 1
             clock[r] = now + weight[r]
             rows[r].append(Action(Kind.WEIGHT, r, m))
-        elif f_now and (not b_now or live[r] < warmup - r):
+        elif f_now and (not b_now or next_f[r] - next_b[r] < warmup - r):
             m = next_f[r]
             next_f[r] += 1
             live[r] += 1
@@ -159,11 +161,6 @@ def _greedy(
             owed[r].append(m)
             clock[r] = b_end[r][m] = now + backward[r]
             rows[r].append(Action(Kind.BACKWARD, r, m))
-        elif owed[r]:
-            m = owed[r].popleft()
-            live[r] -= 1
-            clock[r] = now + weight[r]
-            rows[r].append(Action(Kind.WEIGHT, r, m))
         else:
             later = [t for t in (f_at, b_at) if t is not None]
             if later:
