@@ -149,6 +149,34 @@ def searched() -> list[str]:
     return lines
 
 
+V_PICTURE = "timeline-zbh1-vs-zbv-vs-dualpipev.png"
+
+
+def draw_v_schedules(path: Path) -> None:
+    """ZB-H1 against the V schedules on one time scale (a V stage costs half)."""
+    from gpipe import timeline
+
+    runs = [
+        simulate(build_schedule("zb-h1", num_ranks=K, num_microbatches=8)),
+        simulate(build_schedule("zb-v", num_ranks=K, num_microbatches=8), Costs(0.5, 0.5, 0.5)),
+        simulate(
+            build_schedule("dualpipe-v", num_ranks=K, num_microbatches=8), Costs(0.5, 0.5, 0.5)
+        ),
+    ]
+    from matplotlib.figure import Figure
+
+    # Wider than timeline.stack_png's: the V panels' legends (two shades per kind) and
+    # their titles share a line.
+    fig = Figure(figsize=(17, 9), layout="constrained")
+    axes = fig.subplots(len(runs), 1, sharex=True)
+    for ax, run, name in zip(axes, runs, ("zb-h1", "zb-v", "dualpipe-v"), strict=True):
+        timeline.draw(run, title=name, ax=ax)
+    for ax in axes[:-1]:
+        ax.set_xlabel("")
+    axes[0].set_xlim(0, max(run.makespan for run in runs))  # each draw set its own
+    fig.savefig(path, dpi=100)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None)
@@ -189,7 +217,9 @@ def main() -> None:
             + ABOUT
             + table
             + "\n\n![GPipe, 1F1B and ZB-H1 at K=4, M=8](img/timeline-gpipe-vs-1f1b-vs-zbh1.png)\n"
+            + f"\n![ZB-H1, ZB-V and DualPipe-V at K=4, M=8](img/{V_PICTURE})\n"
         )
+        draw_v_schedules(args.out.parent / "img" / V_PICTURE)
 
 
 if __name__ == "__main__":
