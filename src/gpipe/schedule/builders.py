@@ -120,7 +120,9 @@ class Schedule:
         """Build and validate a schedule from per-rank lists of actions or strings.
 
         ``stage_to_rank`` defaults to the rank each stage's actions appear on, and
-        ``num_microbatches`` to one more than the largest micro-batch index::
+        ``num_microbatches`` to one more than the largest micro-batch index.
+        ``buffered_sends`` checks it under sends that never block, as gpipe's transports'
+        (``gpipe.schedule.check``), for orders whose sends run far ahead of their receives::
 
             Schedule.from_actions([["F0@0", "F1@0", "B1@0", "B0@0"],
                                    ["F0@1", "B0@1", "F1@1", "B1@1"]])
