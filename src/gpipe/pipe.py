@@ -82,7 +82,8 @@ class Pipe(ModelNames, nn.Module):
             running statistics are updated once per mini-batch, as without splitting.
         virtual_stages: stages per device for ``"interleaved-1f1b"`` (stage s lives on
             ``devices[s % len(devices)]``; default 2 for that schedule, 1 otherwise); see
-            ``gpipe.schedule.interleaved_1f1b`` for the constraint on ``chunks``.
+            ``gpipe.schedule.interleaved_1f1b`` for the constraint on ``chunks``. 2 for
+            the V schedules (their default), and 1 or 2 (a V) for ``"zb-auto"``.
         group: a ``torch.distributed`` process group whose ranks are the pipeline's
             ranks; each process then holds only its own stages. ``None``: one process.
         data_parallel_group: with ``group``, the replicas of this rank's stages; their

@@ -21,11 +21,12 @@ from reference import even_balance, reference_step, relative_error, twin, worst_
 
 CHECKPOINTS = ["never", "except_last", "always"]
 ONE_PROCESS = [
-    # (schedule, ranks, chunks): V schedules hold 2 stages per rank
-    ("zb-v", 2, 4),
-    ("zb-v", 3, 5),  # fewer micro-batches than the 2K-1 of its warm-up
-    ("dualpipe-v", 2, 5),
-    ("zb-auto", 3, 5),
+    # (schedule, ranks, virtual stages, chunks)
+    ("zb-v", 2, 2, 4),
+    ("zb-v", 3, 2, 5),  # fewer micro-batches than the 2K-1 of its warm-up
+    ("dualpipe-v", 2, 2, 5),
+    ("zb-auto", 3, 1, 5),
+    ("zb-auto", 2, 2, 3),  # searched on a V
 ]
 
 
@@ -39,20 +40,20 @@ def gpt_case(seed: int = 1):
 
 
 @pytest.mark.parametrize("checkpoint", CHECKPOINTS)
-@pytest.mark.parametrize(("schedule", "ranks", "chunks"), ONE_PROCESS)
-def test_one_process_equals_unsplit_model(schedule, ranks, chunks, checkpoint):
+@pytest.mark.parametrize(("schedule", "ranks", "virtual", "chunks"), ONE_PROCESS)
+def test_one_process_equals_unsplit_model(schedule, ranks, virtual, chunks, checkpoint):
     model, x, y = gpt_case()
     reference = twin(model)
-    stages = ranks * (2 if schedule != "zb-auto" else 1)
     pipe = gpipe.Pipe(
         model,
-        balance=even_balance(len(model), stages),
+        balance=even_balance(len(model), ranks * virtual),
         devices=["cpu"] * ranks,
         chunks=chunks,
         checkpoint=checkpoint,
         schedule=schedule,
+        virtual_stages=None if schedule != "zb-auto" else virtual,  # V: 2 by default
     )
-    assert pipe.virtual_stages == stages // ranks
+    assert pipe.virtual_stages == virtual
     loss = pipe.step(x, y, lm_loss, seed=99)
     expected = reference_step(reference, x, y, lm_loss, chunks=chunks, seed=99)
     assert relative_error(loss, expected) <= 1e-10
@@ -96,6 +97,16 @@ TWO_PROCESS_CASES = [
     {"model": "gpt", "balance": [3, 3], "chunks": 5, "schedule": "zb-auto", "checkpoint": c}
     for c in CHECKPOINTS
 ]
+TWO_PROCESS_CASES.append(  # searched on a V
+    {
+        "model": "gpt",
+        "balance": V_BALANCE[2],
+        "virtual": 2,
+        "chunks": 3,
+        "schedule": "zb-auto",
+        "checkpoint": "except_last",
+    }
+)
 # Receives posted as on NCCL (at the comm plan's points), though gloo carries them; and
 # three steps, so that receives are posted ahead by the third, whose shape then changes.
 TWO_PROCESS_CASES += [

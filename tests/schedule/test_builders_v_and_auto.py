@@ -163,6 +163,22 @@ def test_zb_auto_is_at_least_as_fast_as_zb_h1_at_its_memory(costs):
         assert auto.peak_live <= 4
 
 
+@pytest.mark.parametrize("k", [1, 2, 3, 4])
+def test_zb_auto_on_a_v(k):
+    for m in (1, 3, 8):
+        for limit in sorted({1, k}):
+            schedule = zb_auto(k, m, memory_limit=limit, virtual_stages=2)
+            assert schedule.stage_to_rank == v_stage_to_rank(k)
+            assert simulate(schedule).peak_live <= 2 * limit  # a V stage holds half
+        auto = simulate(zb_auto(k, m, virtual_stages=2, costs=HALF), HALF)
+        assert auto.makespan <= simulate(zb_v(k, m), HALF).makespan + 1e-9
+    # with fewer micro-batches than ZB-V's warm-up is sized for, the search does better
+    assert simulate(zb_auto(4, 3, virtual_stages=2, costs=HALF), HALF).makespan == 11.5
+    assert simulate(zb_v(4, 3), HALF).makespan == 13.0
+    with pytest.raises(ScheduleError, match=r"virtual_stages must be 1 .* or 2 .* got 3"):
+        build_schedule("zb-auto", num_ranks=2, num_microbatches=4, virtual_stages=3)
+
+
 def test_zb_auto_trades_memory_for_time():
     tight, loose = simulate(zb_auto(4, 8, memory_limit=2)), simulate(zb_auto(4, 8))
     assert tight.peak_live <= 2 < loose.peak_live

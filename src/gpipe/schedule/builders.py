@@ -491,7 +491,8 @@ def build_schedule(
     """The built-in schedule ``name`` (a key of :data:`ALL_SCHEDULES`) for ``num_ranks`` ranks.
 
     ``virtual_stages`` (stages per rank, default :func:`default_virtual_stages`) may be
-    chosen for ``"interleaved-1f1b"`` only; ``"zb-v"`` and ``"dualpipe-v"`` hold two.
+    chosen for ``"interleaved-1f1b"`` and ``"zb-auto"`` (1, or 2 placed in a V);
+    ``"zb-v"`` and ``"dualpipe-v"`` hold two.
     ``options`` go to ``"zb-auto"`` (``costs``, ``transfer``, ``memory_limit``, see
     ``gpipe.schedule.auto.zb_auto``)::
 
@@ -511,6 +512,9 @@ def build_schedule(
         virtual_stages = default
     if name == "interleaved-1f1b":
         return interleaved_1f1b(num_ranks, num_microbatches, virtual_stages)
+    if name in _TAKES_COSTS:  # it checks virtual_stages itself
+        builder = ALL_SCHEDULES[name]
+        return builder(num_ranks, num_microbatches, virtual_stages=virtual_stages, **options)
     if virtual_stages != default:
         if name in _V_SHAPED:
             raise ScheduleError(
@@ -520,6 +524,6 @@ def build_schedule(
             )
         raise ScheduleError(
             f"schedule {name!r} holds one stage per rank, got virtual_stages={virtual_stages!r}; "
-            "use 'interleaved-1f1b', 'zb-v' or 'dualpipe-v' for several stages per rank"
+            "use 'interleaved-1f1b', 'zb-v', 'dualpipe-v' or 'zb-auto' for several stages per rank"
         )
     return ALL_SCHEDULES[name](num_ranks, num_microbatches, **options)
