@@ -36,6 +36,12 @@ def _cases():
                 {"model": "gpt", "balance": balance, "chunks": 4, "schedule": schedule,
                  "checkpoint": checkpoint, "virtual": virtual, "shard": "params"}
             )  # fmt: skip
+    # The V schedules: two stages per rank, the first and the last on rank 0.
+    for schedule, checkpoint in (("zb-v", "always"), ("dualpipe-v", "never")):
+        cases.append(
+            {"model": "gpt", "balance": [2, 1, 1, 2], "chunks": 4, "schedule": schedule,
+             "checkpoint": checkpoint, "virtual": 2, "shard": "params"}
+        )  # fmt: skip
     # Tied embedding and head on the two stages: each holds a sharded copy.
     for schedule, checkpoint in (("1f1b", "always"), ("zb-h1", "never")):
         cases.append(
