@@ -39,7 +39,13 @@ from gpipe.frontend import CapturedModel, ModelNames, capture, materialize, on_m
 from gpipe.materialize import build
 from gpipe.parallel.data_parallel import GradientReducer
 from gpipe.parallel.group import pipeline_group
-from gpipe.parallel.sharded import SHARD_MODES, ShardedStages, full_value, shard_like
+from gpipe.parallel.sharded import (
+    SHARD_MODES,
+    ShardedStages,
+    full_value,
+    shard_like,
+    sharing_problems,
+)
 from gpipe.parallel.tied import TiedParameters
 from gpipe.partition import check_not_shared, configuration_problems, cut, fingerprint
 from gpipe.planning.auto import auto_balance
@@ -188,6 +194,8 @@ class Pipe(ModelNames, nn.Module):
             shape_model, balance, devices, virtual_stages, chunks, checkpoint, schedule
         )
         problems += self._ranks.device_problems(devices)
+        if shard is not None and not problems:
+            problems += sharing_problems(cut(shape_model, balance))
         if problems:
             raise PartitionError("invalid Pipe configuration:\n" + "\n".join(problems))
 
