@@ -9,7 +9,8 @@ re-materialization, plus gpipe with ``checkpoint="except_last"`` at M=8 to show 
 
 The peer is PyTorch's own ``torch.distributed.pipelining`` (``ScheduleGPipe``,
 ``Schedule1F1B``, ``ScheduleInterleavedZeroBubble`` with one stage per rank, the ZB-H1
-analogue, and ``ScheduleInterleaved1F1B``) on the same two stage modules (the same layers,
+analogue, ``ScheduleInterleaved1F1B``, and for the V schedules ``ScheduleZBVZeroBubble`` and
+``ScheduleDualPipeV``, given gpipe's V placement) on the same two stage modules (the same layers,
 copied before gpipe sees them, so the same initial weights), the same batch and loss, in
 the same processes: for each configuration the two libraries' steps alternate, so they
 see the same machine. Each step is bracketed by barriers, so a step time is that of the
@@ -82,6 +83,8 @@ PEERS = {
     "1f1b": "Schedule1F1B",
     "zb-h1": "ScheduleInterleavedZeroBubble",  # one stage per rank: ZB-H1's analogue
     "interleaved-1f1b": "ScheduleInterleaved1F1B",
+    "zb-v": "ScheduleZBVZeroBubble",  # V placement: rank r holds stages r and 2K-1-r
+    "dualpipe-v": "ScheduleDualPipeV",
 }
 
 
@@ -111,6 +114,8 @@ class Setup:
             cases += [Case("gpipe", m), Case("1f1b", m), Case("zb-h1", m)]
             if m % K == 0:
                 cases.append(Case("interleaved-1f1b", m, virtual=2))
+            if m >= 2 * K:  # DualPipe-V needs M >= 2K; ZB-V's gain shows from there too
+                cases += [Case("zb-v", m, virtual=2), Case("dualpipe-v", m, virtual=2)]
             if m == 8:
                 cases.append(Case("gpipe", m, checkpoint="except_last"))
         return cases
@@ -166,7 +171,7 @@ def _peer(rank: int, case: Case, model: nn.Sequential, bounds: list[tuple[int, i
     from torch.distributed import pipelining
 
     num_stages = K * case.virtual
-    mine = [s for s in range(num_stages) if s % K == rank]
+    mine = [s for s in range(num_stages) if _placement(case)[s] == rank]
     modules = [nn.Sequential(*copy.deepcopy(list(model[a:b]))) for a, b in bounds]
     stages = [
         pipelining.PipelineStage(
@@ -180,6 +185,14 @@ def _peer(rank: int, case: Case, model: nn.Sequential, bounds: list[tuple[int, i
     else:
         schedule = cls(stages, n_microbatches=case.chunks, loss_fn=lm_loss)
     return schedule, [modules[s] for s in mine]
+
+
+def _placement(case: Case) -> list[int]:
+    """The rank of each stage, as gpipe's schedule places them (the peer is given the same)."""
+    schedule = build_schedule(
+        case.schedule, num_ranks=K, num_microbatches=case.chunks, virtual_stages=case.virtual
+    )
+    return list(schedule.stage_to_rank)
 
 
 def _relative_error(ours: Sequence[nn.Parameter], theirs: Sequence[nn.Parameter]) -> float:
@@ -241,7 +254,8 @@ def _measure(
         virtual_stages=case.virtual,
         group=dist.group.WORLD,
     )
-    holds_last = rank == (K * case.virtual - 1) % K
+    placement = _placement(case)
+    holds_first, holds_last = rank == placement[0], rank == placement[-1]
     losses: list[torch.Tensor] = []
 
     def gpipe_step() -> None:
@@ -249,10 +263,9 @@ def _measure(
 
     def peer_step() -> None:
         losses.clear()
-        if rank == 0:
-            peer.step(x, return_outputs=False)
-        else:
-            peer.step(target=y, losses=losses, return_outputs=False)
+        inputs = (x,) if holds_first else ()
+        targets = {"target": y, "losses": losses} if holds_last else {}
+        peer.step(*inputs, **targets, return_outputs=False)
         if holds_last:  # micro-batch losses are means over equal micro-batches
             out.loss_peer = float(torch.stack(losses).detach().mean())
 

@@ -18,7 +18,7 @@ from torch.nn import functional as F
 
 import gpipe
 from gpipe._utils import local_value
-from gpipe.errors import PipelineError
+from gpipe.errors import PartitionError, PipelineError
 from gpipe.models import GPTConfig, convnet, gpt, gpt_tied_names, lm_loss, unet
 from gpipe.parallel.sharded import full_value
 
@@ -472,3 +472,45 @@ def sharded_faulty(rank, fault_rank, at, schedule, timeout):
     outcome = _outcome(lambda: pipe.step(x, y, F.mse_loss))
     time.sleep(max(0.0, 2 * timeout + 5 - outcome["seconds"]))  # alive: no closed socket tells
     return outcome
+
+
+class TwinOf(nn.Module):
+    """A second module holding another module's weight (a shared parameter)."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.weight = linear.weight
+
+    def forward(self, x):
+        return x @ self.weight.t()
+
+
+def reused_factory(twin: bool):
+    def factory():
+        linear = nn.Linear(4, 4)
+        extra = [TwinOf(linear)] if twin else []
+        return nn.Sequential(linear, nn.Tanh(), linear, *extra, nn.Linear(4, 4)).double()
+
+    return factory
+
+
+def sharded_reuse(rank):
+    """A module used twice in a stage, sharded: its gradients; and the error for two
+    modules sharing a weight."""
+    from gpipe.parallel.mesh import Mesh
+
+    torch.set_num_threads(1)
+    mesh = Mesh.build(2, 2, timeout=30)
+    options = {"chunks": 2, "group": mesh.pp, "data_parallel_group": mesh.dp,
+               "shard": "params", "init_seed": 2}  # fmt: skip
+    pipe = gpipe.Pipe(reused_factory(False), balance=[3, 1], **options)
+    generator = torch.Generator().manual_seed(rank // 2)
+    x = torch.randn(4, 4, generator=generator, dtype=torch.float64)
+    pipe.step(x, torch.randn(4, 4, generator=generator, dtype=torch.float64), F.mse_loss)
+    grads = {n: full_value(p.grad) for n, p in pipe.named_parameters()}
+    try:
+        gpipe.Pipe(reused_factory(True), balance=[4, 1], **options)
+        error = None
+    except PartitionError as caught:
+        error = str(caught)
+    return grads, error

@@ -17,7 +17,7 @@ from gpipe import remat
 from gpipe._utils import DeviceLike
 from gpipe.errors import PartitionError
 from gpipe.microbatch import chunk_sizes
-from gpipe.schedule import SCHEDULES
+from gpipe.schedule import ALL_SCHEDULES
 
 __all__ = [
     "configuration_problems",
@@ -97,8 +97,8 @@ def configuration_problems(
         remat.check_mode(checkpoint)
     except ValueError as error:
         problems.append(f"- {error}")
-    if isinstance(schedule, str) and schedule not in SCHEDULES:
-        problems.append(f"- unknown schedule {schedule!r}; known: {', '.join(SCHEDULES)}")
+    if isinstance(schedule, str) and schedule not in ALL_SCHEDULES:
+        problems.append(f"- unknown schedule {schedule!r}; known: {', '.join(ALL_SCHEDULES)}")
     if schedule == "interleaved-1f1b" and virtual_stages == 1:
         problems.append(
             "- schedule='interleaved-1f1b' with virtual_stages=1 is plain 1f1b: pass "

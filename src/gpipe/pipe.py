@@ -39,11 +39,17 @@ from gpipe.frontend import CapturedModel, ModelNames, capture, materialize, on_m
 from gpipe.materialize import build
 from gpipe.parallel.data_parallel import GradientReducer
 from gpipe.parallel.group import pipeline_group
-from gpipe.parallel.sharded import SHARD_MODES, ShardedStages, full_value, shard_like
+from gpipe.parallel.sharded import (
+    SHARD_MODES,
+    ShardedStages,
+    full_value,
+    shard_like,
+    sharing_problems,
+)
 from gpipe.parallel.tied import TiedParameters
 from gpipe.partition import check_not_shared, configuration_problems, cut, fingerprint
 from gpipe.planning.auto import auto_balance
-from gpipe.schedule import Schedule, TimedAction, build_schedule
+from gpipe.schedule import Schedule, TimedAction, build_schedule, default_virtual_stages
 from gpipe.schedule.routes import Routes
 
 __all__ = ["Pipe"]
@@ -68,19 +74,22 @@ class Pipe(ModelNames, nn.Module):
             that minimise the slowest stage (``gpipe.planning.balance.balance_by_time``).
         devices: one device per rank (default: all ``"cpu"``; with ``group``, this
             process's ``cuda:LOCAL_RANK`` under NCCL). A rank holds one stage, or
-            ``virtual_stages`` stages with ``"interleaved-1f1b"``.
+            ``virtual_stages`` stages with ``"interleaved-1f1b"``, two with ``"zb-v"`` and
+            ``"dualpipe-v"`` (rank r holds stages r and 2K-1-r).
         chunks: micro-batches per mini-batch (M).
         checkpoint: re-materialization: ``"always"``, ``"except_last"`` (every
             micro-batch but the last, whose backward follows its forward at once) or
             ``"never"``.
-        schedule: a name from ``gpipe.schedule.SCHEDULES`` (``"gpipe"``, ``"1f1b"``,
-            ``"interleaved-1f1b"``, ``"zb-h1"``) or a ``Schedule`` of your own for these
-            stages and M micro-batches.
+        schedule: a name from ``gpipe.schedule.ALL_SCHEDULES`` (``"gpipe"``, ``"1f1b"``,
+            ``"interleaved-1f1b"``, ``"zb-h1"``, ``"zb-v"``, ``"dualpipe-v"``, ``"zb-auto"``)
+            or a ``Schedule`` of your own for these stages and M micro-batches (e.g.
+            ``gpipe.schedule.auto.zb_auto`` built for measured costs).
         deferred_batch_norm: replace BatchNorm layers by ``DeferredBatchNorm`` so that
             running statistics are updated once per mini-batch, as without splitting.
         virtual_stages: stages per device for ``"interleaved-1f1b"`` (stage s lives on
             ``devices[s % len(devices)]``; default 2 for that schedule, 1 otherwise); see
-            ``gpipe.schedule.interleaved_1f1b`` for the constraint on ``chunks``.
+            ``gpipe.schedule.interleaved_1f1b`` for the constraint on ``chunks``. 2 for
+            the V schedules (their default), and 1 or 2 (a V) for ``"zb-auto"``.
         group: a ``torch.distributed`` process group whose ranks are the pipeline's
             ranks; each process then holds only its own stages. ``None``: one process.
         data_parallel_group: with ``group``, the replicas of this rank's stages; their
@@ -148,7 +157,11 @@ class Pipe(ModelNames, nn.Module):
                 "group=), e.g. from gpipe.parallel.mesh.Mesh.build(stages, replicas, ...)"
             )
         if virtual_stages is None:
-            virtual_stages = 2 if schedule == "interleaved-1f1b" else 1
+            virtual_stages = (
+                schedule.num_stages // schedule.num_ranks
+                if isinstance(schedule, Schedule)
+                else default_virtual_stages(schedule)
+            )
         if isinstance(balance, str):
             balance = auto_balance(
                 module,
@@ -181,6 +194,8 @@ class Pipe(ModelNames, nn.Module):
             shape_model, balance, devices, virtual_stages, chunks, checkpoint, schedule
         )
         problems += self._ranks.device_problems(devices)
+        if shard is not None and not problems:
+            problems += sharing_problems(cut(shape_model, balance))
         if problems:
             raise PartitionError("invalid Pipe configuration:\n" + "\n".join(problems))
 

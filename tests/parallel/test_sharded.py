@@ -16,7 +16,9 @@ from distributed_cases import (
     batch,
     data_and_pipeline,
     loss_of,
+    reused_factory,
     sharded_faulty,
+    sharded_reuse,
 )
 from gpipe.materialize import build_full
 from gpipe.parallel.launch import launch
@@ -36,6 +38,12 @@ def _cases():
                 {"model": "gpt", "balance": balance, "chunks": 4, "schedule": schedule,
                  "checkpoint": checkpoint, "virtual": virtual, "shard": "params"}
             )  # fmt: skip
+    # The V schedules: two stages per rank, the first and the last on rank 0.
+    for schedule, checkpoint in (("zb-v", "always"), ("dualpipe-v", "never")):
+        cases.append(
+            {"model": "gpt", "balance": [2, 1, 1, 2], "chunks": 4, "schedule": schedule,
+             "checkpoint": checkpoint, "virtual": 2, "shard": "params"}
+        )  # fmt: skip
     # Tied embedding and head on the two stages: each holds a sharded copy.
     for schedule, checkpoint in (("1f1b", "always"), ("zb-h1", "never")):
         cases.append(
@@ -119,3 +127,21 @@ def test_a_failure_in_one_rank_of_a_sharded_run_ends_every_rank_within_the_timeo
         expected = "KeyError" if rank == fault_rank else "PipelineError"
         assert outcome["type"] == expected, (rank, outcome)
     assert not multiprocessing.active_children()
+
+
+def test_a_module_used_twice_in_a_stage_shards_and_modules_sharing_a_weight_are_refused():
+    outcomes = launch(sharded_reuse, 4, timeout=60)
+    model = build_full(reused_factory(False), seed=2)
+    for replica in (0, 1):
+        generator = torch.Generator().manual_seed(replica)
+        x = torch.randn(4, 4, generator=generator, dtype=torch.float64)
+        y = torch.randn(4, 4, generator=generator, dtype=torch.float64)
+        (torch.nn.functional.mse_loss(model(x), y) / 2).backward()
+    merged = {}
+    for grads, _ in outcomes:
+        merged.update(grads)
+    for name, p in model.named_parameters():
+        assert relative_error(merged[name], p.grad) <= 1e-10, name
+    errors = [error for _, error in outcomes]
+    # refused on every rank, before anything is sharded, naming the layers
+    assert all("stage 0: layers 0, 3 share a parameter" in e for e in errors), errors

@@ -26,6 +26,11 @@ CASES = [
     ("zb-h1", 4, 8, 1),
     ("interleaved-1f1b", 2, 4, 2),
     ("interleaved-1f1b", 4, 8, 2),
+    ("zb-v", 2, 4, 2),  # the turn of the V stays on one rank: no transfer there
+    ("zb-v", 4, 8, 2),
+    ("dualpipe-v", 3, 6, 2),
+    ("dualpipe-v", 4, 10, 2),
+    ("zb-auto", 4, 8, 1),
 ]
 
 

@@ -42,7 +42,14 @@ from gpipe.engine.stage import Stage
 from gpipe.errors import PipelineError
 from gpipe.parallel.collectives import Collectives
 
-__all__ = ["SHARD_MODES", "ShardedStages", "full_value", "shard_like", "sharded_optimizer_state"]
+__all__ = [
+    "SHARD_MODES",
+    "ShardedStages",
+    "full_value",
+    "shard_like",
+    "sharded_optimizer_state",
+    "sharing_problems",
+]
 
 SHARD_MODES = ("params",)
 # How gloo and NCCL say that a peer did not come (timeout) or left (closed connection).
@@ -102,6 +109,50 @@ def _has_parameters(layer: nn.Module) -> bool:
     return next(layer.parameters(), None) is not None
 
 
+def sharing_problems(stages: Sequence[Sequence[tuple[str, nn.Module]]]) -> list[str]:
+    """Why these stages ((name, layer) pairs) cannot be sharded layer by layer: layers of
+    one stage that share a parameter (FSDP shards each parameter in one unit only). A module
+    used twice is one layer."""
+    problems = []
+    for index, named in enumerate(stages):
+        name_of: dict[int, str] = {}
+        for name, layer in named:
+            name_of.setdefault(id(layer), name)
+        for unit in _units([layer for _, layer in named]):
+            if len(unit) > 1:
+                names = ", ".join(name_of[id(m)] for m in unit)
+                problems.append(
+                    f"stage {index}: layers {names} share a parameter, and shard='params' "
+                    "shards each layer on its own; make them one layer (one nn.Module holding "
+                    "them) or use plain replicas (shard=None)"
+                )
+    return problems
+
+
+def _units(layers: Sequence[nn.Module]) -> list[list[nn.Module]]:
+    """The stage's layers that have parameters, grouped where they share one (a module
+    used twice counts once): FSDP must shard each parameter in exactly one unit."""
+    unique = list({id(layer): layer for layer in layers if _has_parameters(layer)}.values())
+    parent = list(range(len(unique)))
+
+    def root(i: int) -> int:
+        while parent[i] != i:
+            i = parent[i]
+        return i
+
+    owner: dict[int, int] = {}
+    for index, layer in enumerate(unique):
+        for param in layer.parameters():
+            if id(param) in owner:
+                parent[root(index)] = root(owner[id(param)])
+            else:
+                owner[id(param)] = index
+    units: dict[int, list[nn.Module]] = {}
+    for index, layer in enumerate(unique):
+        units.setdefault(root(index), []).append(layer)
+    return list(units.values())
+
+
 def _param_groups(layer: nn.Module) -> list[Any]:
     from torch.distributed.fsdp import fully_shard
 
@@ -134,12 +185,10 @@ class ShardedStages:
         self._layers: dict[int, list[nn.Module]] = {}
         for stage in self._stages:
             sharded = []
-            for layer in stage.layers:
-                if not _has_parameters(layer):
-                    continue
-                fully_shard(layer, mesh=mesh, reshard_after_forward=True)
-                layer.set_requires_gradient_sync(False)  # reduced once per step, below
-                sharded.append(layer)
+            for unit in _units(stage.layers):  # one layer each: see sharing_problems
+                fully_shard(unit[0], mesh=mesh, reshard_after_forward=True)
+                unit[0].set_requires_gradient_sync(False)  # reduced once per step, below
+                sharded.append(unit[0])
             self._layers[stage.index] = sharded
             for layer in sharded:  # FSDP makes the gathered copies at the first gather
                 layer.unshard()

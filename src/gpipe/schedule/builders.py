@@ -17,20 +17,27 @@ all or nothing.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from gpipe.schedule.check import RECV_AHEAD, check
 from gpipe.schedule.ir import Action, Kind, ScheduleError
 
 __all__ = [
+    "ALL_SCHEDULES",
     "SCHEDULES",
     "Schedule",
     "build_schedule",
+    "default_virtual_stages",
+    "dualpipe_v",
     "fill_drain",
     "interleaved_1f1b",
     "one_f_one_b",
+    "v_stage_to_rank",
     "zb_h1",
+    "zb_v",
 ]
 
 
@@ -47,6 +54,8 @@ class Schedule:
     num_microbatches: int  # M
     stage_to_rank: tuple[int, ...]  # the rank (device) holding each stage
     actions: tuple[tuple[Action, ...], ...]  # per rank, in execution order
+    # Checked with sends that never block (gpipe's transports'), not rendezvous: see check.py.
+    buffered_sends: bool = False
     _split: frozenset[tuple[int, int]] | None = field(
         default=None, init=False, repr=False, compare=False
     )
@@ -106,11 +115,14 @@ class Schedule:
         stage_to_rank: Sequence[int] | None = None,
         num_microbatches: int | None = None,
         name: str = "custom",
+        buffered_sends: bool = False,
     ) -> Schedule:
         """Build and validate a schedule from per-rank lists of actions or strings.
 
         ``stage_to_rank`` defaults to the rank each stage's actions appear on, and
-        ``num_microbatches`` to one more than the largest micro-batch index::
+        ``num_microbatches`` to one more than the largest micro-batch index.
+        ``buffered_sends`` checks it under sends that never block, as gpipe's transports'
+        (``gpipe.schedule.check``), for orders whose sends run far ahead of their receives::
 
             Schedule.from_actions([["F0@0", "F1@0", "B1@0", "B0@0"],
                                    ["F0@1", "B0@1", "F1@1", "B1@1"]])
@@ -161,6 +173,7 @@ class Schedule:
             num_microbatches=num_microbatches,
             stage_to_rank=tuple(stage_to_rank),
             actions=tuple(parsed),
+            buffered_sends=buffered_sends,
         ).validate()
 
 
@@ -177,7 +190,12 @@ def _check_sizes(name: str, **sizes: int) -> None:
 
 
 def _build(
-    name: str, num_microbatches: int, stage_to_rank: Sequence[int], rows: Sequence[list[Action]]
+    name: str,
+    num_microbatches: int,
+    stage_to_rank: Sequence[int],
+    rows: Sequence[list[Action]],
+    *,
+    buffered_sends: bool = False,
 ) -> Schedule:
     return Schedule(
         name=name,
@@ -185,6 +203,7 @@ def _build(
         num_microbatches=num_microbatches,
         stage_to_rank=tuple(stage_to_rank),
         actions=tuple(tuple(row) for row in rows),
+        buffered_sends=buffered_sends,
     ).validate()
 
 
@@ -305,30 +324,206 @@ def zb_h1(num_stages: int, num_microbatches: int) -> Schedule:
     return _build("zb-h1", M, range(K), rows)
 
 
+# -- V-shape schedules: two stages per rank, the first and the last on rank 0 ---------------
+
+
+def v_stage_to_rank(num_ranks: int) -> tuple[int, ...]:
+    """V placement: rank r holds stages ``r`` and ``2K-1-r`` (K = ``num_ranks``).
+
+    The first and the last stage share rank 0, so the loss is computed where the input
+    entered, and the hand-off between stages K-1 and K stays on rank K-1.
+    """
+    return tuple(range(num_ranks)) + tuple(reversed(range(num_ranks)))
+
+
+class _VRank:
+    """One rank's action list of a V schedule, written as patterns of tokens.
+
+    A token is a kind and a chunk: chunk 0 is the rank's stage on the way down (``r``),
+    chunk 1 its stage on the way up (``2K-1-r``). ``F0`` is the next forward of chunk 0;
+    ``B0`` the next whole backward; ``I0`` the next input-gradient backward, whose ``W``
+    is then owed; ``W0`` pays the oldest ``W`` owed by chunk 0, ``W`` the oldest of any
+    chunk (nothing if none is owed). Micro-batches are counted per kind and chunk, so a
+    pattern is written once for any M; those past the last micro-batch are left out
+    (the warm-up of ZB-V is sized for at least 2K-1 of them).
+    """
+
+    def __init__(self, rank: int, num_ranks: int, num_microbatches: int) -> None:
+        self.stages = (rank, 2 * num_ranks - 1 - rank)
+        self.num_microbatches = num_microbatches
+        self.counts: dict[tuple[str, int], int] = {}  # (F or B, chunk) -> next micro-batch
+        self.owed: deque[Action] = deque()  # weight gradients not yet scheduled, oldest first
+        self.actions: list[Action] = []
+
+    def add(self, pattern: str, times: int = 1) -> None:
+        for _ in range(times):
+            for token in pattern.split():
+                self._add(token[0], int(token[1:]) if token[1:] else None)
+
+    def _add(self, kind: str, chunk: int | None) -> None:
+        if kind == "W":
+            for owed in self.owed:
+                if chunk is None or owed.stage == self.stages[chunk]:
+                    self.owed.remove(owed)
+                    self.actions.append(owed)
+                    return
+            return
+        assert chunk is not None, "F, B and I tokens name their chunk"
+        stage, counter = self.stages[chunk], ("F" if kind == "F" else "B", chunk)
+        microbatch = self.counts.get(counter, 0)
+        self.counts[counter] = microbatch + 1
+        if microbatch >= self.num_microbatches:
+            return
+        self.actions.append(
+            Action(Kind.FORWARD if kind == "F" else Kind.BACKWARD, stage, microbatch)
+        )
+        if kind == "I":
+            self.owed.append(Action(Kind.WEIGHT, stage, microbatch))
+
+
+def zb_v(num_ranks: int, num_microbatches: int) -> Schedule:
+    """ZB-V (Qi et al., ICLR 2024, section 6): zero bubble at 1F1B's activation memory.
+
+    Stages are placed in a V (:func:`v_stage_to_rank`), 2K of them on K ranks, and every
+    backward is split into ``B`` (input gradient) and ``W`` (weight gradients). Rank r
+    warms up with ``2(K-r)-1`` forwards of its first stage, ``r`` pairs of forwards of its
+    two stages, then ``K-r`` rounds of F, B, W on its second stage; in the steady state it
+    runs F, B, W on each stage in turn; it cools down with ``r`` pairs of backwards, ``K-r``
+    of B and W on its first stage, then the weight gradients still owed. With equal F, B,
+    W costs and M >= 2K-1 a rank idles only for the V's fill, K-1 stage forwards: a bubble
+    of ``(K-1)/(6M+K-1)`` (a stage being half a rank's layers), half of ZB-H1's idle time;
+    and a rank holds at most 2K stage-activations of half a micro-batch each: the K
+    micro-batches 1F1B holds on its first rank.
+    """
+    _check_sizes("zb-v", num_ranks=num_ranks, num_microbatches=num_microbatches)
+    K, M = num_ranks, num_microbatches
+    n = max(M, 2 * K - 1)  # the pattern's micro-batches; those >= M are left out
+    rows = []
+    for r in range(K):
+        rank = _VRank(r, K, M)
+        rank.add("F0", 2 * (K - r) - 1)
+        rank.add("F1 F0", r)
+        rank.add("F1 I1 W1", K - r)
+        rank.add("F0 I0 W0 F1 I1 W1", n - 2 * K + r + 1)
+        rank.add("I0 W0 F1 I1 W1", K - r - 1)
+        rank.add("I0 I1", r)
+        rank.add("I0 W0", K - r)
+        rank.add("W1", r)
+        rank.add("W0", r)
+        rows.append(rank.actions)
+    return _build("zb-v", M, v_stage_to_rank(K), rows, buffered_sends=True)
+
+
+def dualpipe_v(num_ranks: int, num_microbatches: int) -> Schedule:
+    """DualPipe-V (DeepSeek-V3's DualPipe folded into a V): forward and backward in pairs.
+
+    Same placement as ZB-V. In the steady state rank r runs pairs of the forward of one
+    micro-batch and the backward of another on its other stage (``F0 B1`` then ``F1 B0``),
+    which DualPipe overlaps so that one's communication hides behind the other's compute;
+    here a pair is two consecutive actions, the order the overlap would follow. Backwards
+    are whole there; the warm-up's and the drain's backwards are split, their ``W`` filling
+    the gaps. Rank r: ``2(K-r-1)`` forwards of its first stage, ``r+1`` pairs of forwards,
+    ``K-r-1`` rounds of B, W, F on its second stage, ``M-2K+r+1`` double pairs, ``K-r-1``
+    rounds of B1 F1 B0, then ``r+1`` pairs of backwards (the later half split), then the
+    first stage's remaining backwards, split, and the owed ``W``. Needs M >= 2K.
+    """
+    _check_sizes("dualpipe-v", num_ranks=num_ranks, num_microbatches=num_microbatches)
+    K, M = num_ranks, num_microbatches
+    if M < 2 * K:
+        raise ScheduleError(
+            f"dualpipe-v: num_microbatches={M} is fewer than its {2 * K} stages (2 per rank "
+            f"on {K} ranks); its steady state pairs micro-batches across the V: use chunks >= "
+            f"{2 * K}, or 'zb-v'"
+        )
+    rows = []
+    for r in range(K):
+        rank = _VRank(r, K, M)
+        rank.add("F0", 2 * (K - r - 1))
+        rank.add("F0 F1", r + 1)
+        rank.add("I1 W F1", K - r - 1)
+        rank.add("F0 B1 F1 B0", M - 2 * K + r + 1)
+        rank.add("B1 F1 B0", K - r - 1)
+        # The drain splits its later backwards so that their W fill the bubbles; on odd
+        # ranks the split starts one action earlier, so ranks alternate.
+        middle = (r + 1) // 2
+        for i in range(r + 1):
+            split_from_first = i > middle or (i == middle and r % 2 == 1)
+            rank.add(("I1" if split_from_first else "B1") + (" I0" if i >= middle else " B0"))
+        rank.add("W I0", K - r - 1)
+        rank.add("W", r + 1)
+        rows.append(rank.actions)
+    return _build("dualpipe-v", M, v_stage_to_rank(K), rows, buffered_sends=True)
+
+
+# The schedules of one stage per rank, or interleaved: those gpipe.planner searches (its
+# memory model and balance know these placements) and the CLI offers.
 SCHEDULES: dict[str, Callable[..., Schedule]] = {
     "gpipe": fill_drain,
     "1f1b": one_f_one_b,
     "interleaved-1f1b": interleaved_1f1b,
     "zb-h1": zb_h1,
 }
+# Every schedule a Pipe can be given by name: also the V-shaped ones, and "zb-auto", which
+# gpipe.schedule.auto adds (it times candidates with gpipe.schedule.simulate, which imports
+# this module; the package imports it, so it is registered before any lookup).
+ALL_SCHEDULES: dict[str, Callable[..., Schedule]] = {
+    **SCHEDULES,
+    "zb-v": zb_v,
+    "dualpipe-v": dualpipe_v,
+}
+_V_SHAPED = frozenset({"zb-v", "dualpipe-v"})  # two stages per rank, placed in a V
+_TAKES_COSTS = frozenset({"zb-auto"})  # built for given costs and a memory limit
+
+
+def default_virtual_stages(name: str) -> int:
+    """Stages per rank of schedule ``name`` when none is given: 2 for interleaved and V."""
+    return 2 if isinstance(name, str) and (name == "interleaved-1f1b" or name in _V_SHAPED) else 1
 
 
 def build_schedule(
-    name: str, *, num_ranks: int, num_microbatches: int, virtual_stages: int = 1
+    name: str,
+    *,
+    num_ranks: int,
+    num_microbatches: int,
+    virtual_stages: int | None = None,
+    **options: Any,
 ) -> Schedule:
-    """The built-in schedule ``name`` (a key of :data:`SCHEDULES`) for ``num_ranks`` ranks.
+    """The built-in schedule ``name`` (a key of :data:`ALL_SCHEDULES`) for ``num_ranks`` ranks.
 
-    ``virtual_stages`` (stages per rank) applies to ``"interleaved-1f1b"`` only::
+    ``virtual_stages`` (stages per rank, default :func:`default_virtual_stages`) may be
+    chosen for ``"interleaved-1f1b"`` and ``"zb-auto"`` (1, or 2 placed in a V);
+    ``"zb-v"`` and ``"dualpipe-v"`` hold two.
+    ``options`` go to ``"zb-auto"`` (``costs``, ``transfer``, ``memory_limit``, see
+    ``gpipe.schedule.auto.zb_auto``)::
 
         build_schedule("interleaved-1f1b", num_ranks=4, num_microbatches=8, virtual_stages=2)
+        build_schedule("zb-auto", num_ranks=4, num_microbatches=8,
+                       costs=Costs(forward=1.0, backward=1.2, weight=0.8), memory_limit=4)
     """
-    if name not in SCHEDULES:
-        raise ScheduleError(f"unknown schedule {name!r}; known: {', '.join(SCHEDULES)}")
+    if name not in ALL_SCHEDULES:
+        raise ScheduleError(f"unknown schedule {name!r}; known: {', '.join(ALL_SCHEDULES)}")
+    if options and name not in _TAKES_COSTS:
+        raise ScheduleError(
+            f"schedule {name!r} takes no options, got {', '.join(sorted(options))}; costs and "
+            "a memory limit are for 'zb-auto'"
+        )
+    default = default_virtual_stages(name)
+    if virtual_stages is None:
+        virtual_stages = default
     if name == "interleaved-1f1b":
         return interleaved_1f1b(num_ranks, num_microbatches, virtual_stages)
-    if virtual_stages != 1:
+    if name in _TAKES_COSTS:  # it checks virtual_stages itself
+        builder = ALL_SCHEDULES[name]
+        return builder(num_ranks, num_microbatches, virtual_stages=virtual_stages, **options)
+    if virtual_stages != default:
+        if name in _V_SHAPED:
+            raise ScheduleError(
+                f"schedule {name!r} places 2 stages per rank in a V (rank r holds stages r and "
+                f"2K-1-r), got virtual_stages={virtual_stages!r}: pass virtual_stages=2 and a "
+                f"balance of 2K entries ({2 * num_ranks} for {num_ranks} ranks)"
+            )
         raise ScheduleError(
             f"schedule {name!r} holds one stage per rank, got virtual_stages={virtual_stages!r}; "
-            "use 'interleaved-1f1b' for several stages per rank"
+            "use 'interleaved-1f1b', 'zb-v', 'dualpipe-v' or 'zb-auto' for several stages per rank"
         )
-    return SCHEDULES[name](num_ranks, num_microbatches)
+    return ALL_SCHEDULES[name](num_ranks, num_microbatches, **options)

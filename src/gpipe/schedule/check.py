@@ -21,6 +21,12 @@ whose sends do not block (``isend``), can only make more progress, so a schedule
 passes is safe for it too. A backend that runs a process's operations in issue order
 (NCCL) is different; where the transport posts receives for it is decided by
 :mod:`gpipe.schedule.comm_plan`.
+
+A schedule with ``buffered_sends`` is checked under the model of gpipe's own transports
+instead: a send never blocks its rank (``gpipe.transport.sender`` waits for it on a
+thread), so only a cycle of ranks each waiting to *receive* deadlocks. The V schedules
+need it: in their warm-up rank 0 sends forwards that rank 1 takes only after its own
+turn of the V, about 3K actions later, beyond any fixed ``recv_ahead``.
 """
 
 from __future__ import annotations
@@ -188,9 +194,11 @@ class _Checker:
         def produced(rank: int, pos: int) -> bool:
             return pc[rank] > pos or (pc[rank] == pos and computed[rank])
 
+        buffered = getattr(self.s, "buffered_sends", False)
+
         def receiving(rank: int, pos: int) -> bool:
             # Posted: positions up to pc + self.recv_ahead - 1, one more once pc is computed.
-            return pc[rank] + computed[rank] + self.recv_ahead - 1 >= pos
+            return buffered or pc[rank] + computed[rank] + self.recv_ahead - 1 >= pos
 
         pending, queued = list(range(R)), [True] * R
         while pending:

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from gpipe import checkpoint as ckpt
-from gpipe.schedule import ScheduleError, build_schedule
+from gpipe.schedule import ScheduleError, build_schedule, default_virtual_stages
 from gpipe.train.tasks import TASKS, Task
 
 __all__ = ["SIZES", "ConfigError", "TrainConfig", "model_spec", "num_layers", "resolve"]
@@ -33,7 +33,7 @@ class TrainConfig:
     shard: bool = False  # shard each stage's parameters over its replicas (Pipe's shard=)
     chunks: int = 4  # M: micro-batches per mini-batch
     schedule: str = "gpipe"
-    virtual_stages: int = 1  # stages per process, for "interleaved-1f1b"
+    virtual_stages: int = 1  # stages per process: 2 for "interleaved-1f1b" and the V schedules
     checkpoint: str = "except_last"  # re-materialization (Pipe's checkpoint=)
     balance: list[int] | None = None  # layers per stage (default: as even as possible)
     batch: int = 16  # global mini-batch (all replicas together)
@@ -129,7 +129,7 @@ def resolve(options: dict[str, Any], *, world_size: int | None = None) -> TrainC
         model_args = {k: preset.pop(k) for k in task.model_keys}
         values = {**preset, **given, "model": task.name, "model_args": model_args}
     problems += TASKS[values["model"]].problems(given)
-    values.setdefault("virtual_stages", 2 if values.get("schedule") == "interleaved-1f1b" else 1)
+    values.setdefault("virtual_stages", default_virtual_stages(values.get("schedule", "gpipe")))
     if world_size is not None and "stages" not in given:
         values["stages"] = max(1, world_size // values.get("replicas", 1))
     config = TrainConfig(**{k: v for k, v in values.items() if k in names})
@@ -204,8 +204,11 @@ def _problems(c: TrainConfig, start: int, world_size: int | None, *, fresh: bool
             f"--shard splits each stage over its replicas: it needs --replicas >= 2, got "
             f"{c.replicas} (or --no-shard)"
         )
-    if c.virtual_stages > 1 and c.schedule != "interleaved-1f1b":
-        problems.append("--virtual-stages > 1 needs --schedule interleaved-1f1b")
+    if c.virtual_stages > 1 and default_virtual_stages(c.schedule) == 1:
+        problems.append(
+            f"--virtual-stages {c.virtual_stages} needs a schedule with several stages per "
+            "process: interleaved-1f1b, zb-v or dualpipe-v"
+        )
     else:
         try:
             build_schedule(

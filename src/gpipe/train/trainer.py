@@ -234,7 +234,10 @@ class Trainer:
         """Mean loss (and accuracy) on the fixed validation set, shared out over replicas."""
         c = self.config
         mine = torch.tensor_split(self.data.val_indices, c.replicas)[self.replica]
-        batches = max(1, len(mine) // max(c.batch // c.replicas, c.chunks))
+        # As many forwards on every replica (sharded ones run each together): by the
+        # shortest share.
+        shortest = len(self.data.val_indices) // c.replicas
+        batches = max(1, shortest // max(c.batch // c.replicas, c.chunks))
         totals = torch.zeros(3, dtype=torch.float64)  # loss sum, samples, correct
         self.pipe.eval()
         try:
