@@ -210,11 +210,13 @@ def _train_rank(
         timeout=timeout,
         **options,
     )
-    optimizer = _optimizer(pipe.parameters(), state)
+    parameters = list(pipe.parameters())  # a stage of pooling layers has none
+    optimizer = _optimizer(parameters, state) if parameters else None
     for step in range(steps):
         pipe.step(x, y, family.loss_fn, seed=step)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        if optimizer is not None:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
     return float(_peak_resident_bytes() - before)
 
 
