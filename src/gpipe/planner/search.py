@@ -20,6 +20,7 @@ from gpipe.parallel.launch import launch
 from gpipe.pipe import Pipe
 from gpipe.planner.results import Candidate, Link, Plan, Verified
 from gpipe.planning.balance import BudgetError, balance_profile
+from gpipe.planning.costs import stage_costs
 from gpipe.planning.memory_model import (
     MemoryModel,
     held_in,
@@ -27,7 +28,7 @@ from gpipe.planning.memory_model import (
     stage_memory,
 )
 from gpipe.planning.profile import Profile, profile
-from gpipe.remat import REMAT_MODES, recompute_fraction
+from gpipe.remat import REMAT_MODES
 from gpipe.schedule import SCHEDULES, Schedule, build_schedule
 from gpipe.schedule.simulate import Costs, simulate
 
@@ -189,7 +190,7 @@ def _evaluate(
         part = balance_profile(
             prof,
             stages=num_stages,
-            by="time",
+            by="step",
             chunks=m,
             checkpoint=mode,  # type: ignore[arg-type]
             schedule=schedule,
@@ -244,28 +245,16 @@ def _stage_costs(
     link: Link,
     overhead: float,
 ) -> tuple[Costs, float]:
-    """Per-stage costs of one micro-batch, and the transfer time between devices."""
-    again = recompute_fraction(checkpoint, schedule.num_microbatches)
-    split = schedule.splits_backward(0, 0)
-    forward, backward, weight = [], [], []
-    boundary = 0.0
-    start = 0
-    for s, size in enumerate(balance):
-        layers = prof.layers[start : start + size]
+    """Per-stage costs of one micro-batch (``gpipe.planning.costs``), and the transfer
+    time between devices: the largest hand-over between two ranks."""
+    costs = stage_costs(prof, balance, schedule, checkpoint, overhead=overhead)
+    boundary, start = 0.0, 0
+    for s, size in enumerate(balance[:-1]):
         start += size
-        f = sum(lay.forward for lay in layers)
-        forward.append(f + overhead)
-        if split:
-            backward.append(sum(lay.backward_input for lay in layers) + f * again + overhead)
-            weight.append(sum(lay.backward_weight for lay in layers) + overhead)
-        else:
-            backward.append(sum(lay.backward for lay in layers) + f * again + overhead)
-            weight.append(0.0)
-        last = s == len(balance) - 1
-        if not last and schedule.stage_to_rank[s] != schedule.stage_to_rank[s + 1]:
-            boundary = max(boundary, layers[-1].output_bytes)
+        if schedule.stage_to_rank[s] != schedule.stage_to_rank[s + 1]:
+            boundary = max(boundary, prof.layers[start - 1].output_bytes)
     transfer = link.time(boundary) if schedule.num_ranks > 1 else 0.0
-    return Costs(forward=forward, backward=backward, weight=weight), transfer
+    return costs, transfer
 
 
 # -- measuring -------------------------------------------------------------------------------
