@@ -29,11 +29,13 @@ from gpipe.planning.memory_model import (
 )
 from gpipe.planning.profile import Profile, profile
 from gpipe.remat import REMAT_MODES
-from gpipe.schedule import SCHEDULES, Schedule, build_schedule
+from gpipe.schedule import ALL_SCHEDULES, Schedule, build_schedule, default_virtual_stages
 from gpipe.schedule.simulate import Costs, simulate
 
 __all__ = ["DEFAULT_OVERHEAD", "plan", "plan_from_profiles", "verify"]
 
+# Every named schedule but "zb-auto", which is built for given costs (pass one to a Pipe).
+SEARCHED = tuple(name for name in ALL_SCHEDULES if name != "zb-auto")
 DEFAULT_OVERHEAD = 100e-6  # seconds of runtime bookkeeping per action, measured on a CPU
 ProfileSource = Profile | Mapping[int, Profile] | Callable[[int], Profile]
 
@@ -105,13 +107,13 @@ def plan_from_profiles(
     too_many = [m for m in chunk_list if not 1 <= m <= batch_size]
     if too_many:
         raise ValueError(f"chunks {too_many} are not in 1..batch_size ({batch_size})")
-    schedule_list = sorted(set(schedules)) if schedules is not None else sorted(SCHEDULES)
-    unknown = [s for s in schedule_list if s not in SCHEDULES]
+    schedule_list = sorted(set(schedules)) if schedules is not None else sorted(SEARCHED)
+    unknown = [s for s in schedule_list if s not in SEARCHED]
     modes = list(checkpoints) if checkpoints is not None else list(REMAT_MODES)
     unknown += [c for c in modes if c not in REMAT_MODES]
     if unknown:
         raise ValueError(
-            f"unknown schedule or checkpoint {unknown}; schedules: {', '.join(SCHEDULES)}; "
+            f"unknown schedule or checkpoint {unknown}; schedules: {', '.join(SEARCHED)}; "
             f"checkpoints: {', '.join(REMAT_MODES)}"
         )
     stage_list = sorted(set(stages)) if stages is not None else list(range(1, devices + 1))
@@ -159,6 +161,8 @@ def _configurations(layers, m, stage_list, virtual_list, schedule_list, modes):
                     applies = name == "gpipe" and v == 1
                 elif name == "interleaved-1f1b":
                     applies = v > 1 and m % k == 0
+                elif default_virtual_stages(name) == 2:  # the V schedules: two stages a rank
+                    applies = v == 2 and (name != "dualpipe-v" or m >= 2 * k)
                 else:
                     applies = v == 1
                 if not applies:
