@@ -88,8 +88,8 @@ def plan_from_profiles(
     per action on a CPU (``DEFAULT_OVERHEAD``); ``link`` prices the hand-overs between
     devices (:meth:`Link.measure` measures this machine's).
     The other arguments restrict the search; the defaults try K = 1..devices, M = powers
-    of two up to min(batch_size, 32), every schedule (v = 2 for interleaved 1F1B) and
-    checkpoint mode. K = 1 is tried with ``"gpipe"`` only (every schedule is the same
+    of two up to min(batch_size, 32), every schedule but ``"zb-auto"`` (``SEARCHED``; v = 2
+    for interleaved 1F1B and the V schedules) and checkpoint mode. K = 1 is tried with ``"gpipe"`` only (every schedule is the same
     there), and ``"except_last"`` only with M > 1 (at M = 1 it is ``"never"``).
     """
     if not isinstance(devices, int) or devices < 1:
