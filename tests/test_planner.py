@@ -20,6 +20,7 @@ from gpipe.schedule.simulate import Costs, simulate
 
 BATCH = 8
 FREE_LINK = Link(latency=0.0, bandwidth=1e30)
+CLASSIC = ("gpipe", "1f1b", "zb-h1", "interleaved-1f1b")  # one stage per rank, or interleaved
 
 
 def known_profile() -> Profile:
@@ -58,28 +59,33 @@ def test_plan_of_known_costs_is_deterministic_and_ranked():
     # gpipe and 1f1b take equally long with equal costs: 1f1b ranks first by name
     assert names.index((2, 8, "1f1b", "never")) + 1 == names.index((2, 8, "gpipe", "never"))
 
-    # Equal costs, free transfers: ZB-H1's bubble (K-1)/(3M+K-1) is the smallest, at the
-    # largest M, without recomputation.
+    # Equal costs, free transfers: ZB-V's bubble (K-1)/(6M+K-1) is the smallest, at the
+    # largest M, without recomputation; of one stage per rank, ZB-H1's (K-1)/(3M+K-1).
     best = first.best
-    assert (best.stages, best.chunks, best.schedule, best.checkpoint) == (2, 8, "zb-h1", "never")
-    assert best.balance == (3, 3)
-    # its prediction is the simulated makespan of the per-stage costs of one sample
-    costs = Costs(forward=[3e-3 / 8] * 2, backward=[3e-3 / 8] * 2, weight=[3e-3 / 8] * 2)
-    makespan = simulate(build_schedule("zb-h1", num_ranks=2, num_microbatches=8), costs).makespan
-    assert best.step_time == pytest.approx(makespan)
-    assert best.throughput == pytest.approx(BATCH / makespan)
-    assert best.bubble == pytest.approx(1 / 25)
-    assert "zb-h1" in first.table(top=3).splitlines()[4]
+    assert (best.stages, best.virtual_stages, best.chunks, best.schedule, best.checkpoint) == (
+        2, 2, 8, "zb-v", "never",
+    )  # fmt: skip
+    one_each = ranked(schedules=CLASSIC).best
+    assert (one_each.chunks, one_each.schedule, one_each.checkpoint) == (8, "zb-h1", "never")
+    assert one_each.balance == (3, 3) and best.balance == (1, 1, 2, 2)
+    # its prediction is the simulated makespan of the per-stage costs of one sample; the
+    # first stage computes no input gradient: its B is empty and its W the whole backward
+    costs = Costs(forward=[3e-3 / 8] * 2, backward=[0.0, 3e-3 / 8], weight=[6e-3 / 8, 3e-3 / 8])
+    result = simulate(build_schedule("zb-h1", num_ranks=2, num_microbatches=8), costs)
+    assert one_each.step_time == pytest.approx(result.makespan)
+    assert one_each.throughput == pytest.approx(BATCH / result.makespan)
+    assert one_each.bubble == pytest.approx(result.bubble_fraction)
+    assert "zb-v" in first.table(top=3).splitlines()[4]
 
 
 def test_memory_budget_filters_and_changes_the_choice():
-    unlimited = ranked()
+    unlimited = ranked(schedules=CLASSIC)
     # The unconstrained best, ZB-H1 at M=8 without recomputation, needs on its first device
     # (1 + 1 + AdamW 2) x 6 MiB of parameters + 2 micro-batches of one sample, each with
     # 3 x 4 MiB of saved activations and a 0.125 MiB input.
     assert max(unlimited.best.memory) == pytest.approx(24 * 2**20 + 2 * (12 + 0.125) * 2**20)
     budget = 48 * 2**20
-    limited = ranked(memory_budget=budget)
+    limited = ranked(memory_budget=budget, schedules=CLASSIC)
     assert limited.candidates and limited.rejected
     assert all(max(c.memory) <= budget for c in limited.candidates)
     assert all(not c.fits and c.reason for c in limited.rejected)
@@ -138,7 +144,7 @@ def test_search_space_and_costs_are_honoured():
     # no optimizer state: parameters and their gradients only
     assert only.stage_memory[0].optimizer == 0
     with pytest.raises(ValueError, match="unknown schedule"):
-        plan_from_profiles(prof, batch_size=BATCH, devices=2, schedules=["zb-v"])
+        plan_from_profiles(prof, batch_size=BATCH, devices=2, schedules=["zb-auto"])
     with pytest.raises(ValueError, match="chunks"):
         plan_from_profiles(prof, batch_size=BATCH, devices=2, chunks=[16])
 

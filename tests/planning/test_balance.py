@@ -246,3 +246,47 @@ def test_pipe_auto_balance_trains_like_the_unsplit_model():
     assert relative_error(loss, expected) <= 1e-10
     worst, where = worst_gradient_error(pipe, reference)
     assert worst <= 1e-10, f"worst gradient error {worst:.3g} at {where}"
+
+
+def test_stage_costs_give_the_first_stage_an_empty_b_and_the_whole_backward_as_w():
+    from gpipe.planning.costs import stage_costs
+    from gpipe.schedule import build_schedule
+
+    prof = Profile.from_costs([1.0, 2.0, 3.0, 4.0], [2.0, 4.0, 6.0, 8.0], weight_fraction=0.25)
+    split = build_schedule("zb-h1", num_ranks=2, num_microbatches=4)
+    costs = stage_costs(prof, [2, 2], split, "never")
+    assert costs.forward == [3.0, 7.0]
+    assert costs.backward == [0.0, 14.0 * 0.75]  # stage 0 computes no input gradient
+    assert costs.weight == [6.0, 14.0 * 0.25]  # ... so its W is its whole backward
+    whole = stage_costs(prof, [2, 2], build_schedule("1f1b", num_ranks=2, num_microbatches=4),
+                        "always")  # fmt: skip
+    assert whole.backward == [6.0 + 3.0, 14.0 + 7.0] and whole.weight == [0.0, 0.0]
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1", "zb-v"])
+def test_balance_by_step_never_lengthens_the_simulated_step(schedule):
+    from gpipe.planning.costs import stage_costs
+    from gpipe.schedule import build_schedule
+    from gpipe.schedule.simulate import simulate
+
+    built = build_schedule(schedule, num_ranks=3, num_microbatches=6)
+    stages = built.num_stages
+    shorter = 0
+    for seed in range(12):
+        rng = random.Random(seed)
+        forward = [rng.uniform(0.2, 3.0) for _ in range(14)]
+        prof = Profile.from_costs(forward, [f * rng.uniform(1.5, 3.0) for f in forward],
+                                  weight_fraction=rng.uniform(0.2, 0.6))  # fmt: skip
+        options = {"stages": stages, "chunks": 6, "schedule": schedule, "checkpoint": "never",
+                   "virtual_stages": built.num_stages // 3}  # fmt: skip
+        by_time = balance_profile(prof, by="time", **options).balance
+        by_step = balance_profile(prof, by="step", **options).balance
+
+        def step(cut, prof=prof):
+            return simulate(built, stage_costs(prof, cut, built, "never")).makespan
+
+        assert sum(by_step) == 14 and min(by_step) >= 1
+        assert step(by_step) <= step(by_time) * (1 + 1e-12)
+        shorter += step(by_step) < step(by_time) * (1 - 1e-6)
+    if schedule == "zb-v":  # two stages per rank: the slowest stage misjudges the step
+        assert shorter >= 3, shorter

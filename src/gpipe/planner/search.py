@@ -20,6 +20,7 @@ from gpipe.parallel.launch import launch
 from gpipe.pipe import Pipe
 from gpipe.planner.results import Candidate, Link, Plan, Verified
 from gpipe.planning.balance import BudgetError, balance_profile
+from gpipe.planning.costs import stage_costs
 from gpipe.planning.memory_model import (
     MemoryModel,
     held_in,
@@ -27,12 +28,14 @@ from gpipe.planning.memory_model import (
     stage_memory,
 )
 from gpipe.planning.profile import Profile, profile
-from gpipe.remat import REMAT_MODES, recompute_fraction
-from gpipe.schedule import SCHEDULES, Schedule, build_schedule
+from gpipe.remat import REMAT_MODES
+from gpipe.schedule import ALL_SCHEDULES, Schedule, build_schedule, default_virtual_stages
 from gpipe.schedule.simulate import Costs, simulate
 
 __all__ = ["DEFAULT_OVERHEAD", "plan", "plan_from_profiles", "verify"]
 
+# Every named schedule but "zb-auto", which is built for given costs (pass one to a Pipe).
+SEARCHED = tuple(name for name in ALL_SCHEDULES if name != "zb-auto")
 DEFAULT_OVERHEAD = 100e-6  # seconds of runtime bookkeeping per action, measured on a CPU
 ProfileSource = Profile | Mapping[int, Profile] | Callable[[int], Profile]
 
@@ -85,9 +88,10 @@ def plan_from_profiles(
     per action on a CPU (``DEFAULT_OVERHEAD``); ``link`` prices the hand-overs between
     devices (:meth:`Link.measure` measures this machine's).
     The other arguments restrict the search; the defaults try K = 1..devices, M = powers
-    of two up to min(batch_size, 32), every schedule (v = 2 for interleaved 1F1B) and
-    checkpoint mode. K = 1 is tried with ``"gpipe"`` only (every schedule is the same
-    there), and ``"except_last"`` only with M > 1 (at M = 1 it is ``"never"``).
+    of two up to min(batch_size, 32), every schedule but ``"zb-auto"`` (``SEARCHED``; v = 2
+    for interleaved 1F1B and the V schedules) and every checkpoint mode. K = 1 is tried
+    with ``"gpipe"`` only (every schedule is the same there), and ``"except_last"`` only
+    with M > 1 (at M = 1 it is ``"never"``).
     """
     if not isinstance(devices, int) or devices < 1:
         raise ValueError(f"devices must be a positive int, got {devices!r}")
@@ -104,13 +108,13 @@ def plan_from_profiles(
     too_many = [m for m in chunk_list if not 1 <= m <= batch_size]
     if too_many:
         raise ValueError(f"chunks {too_many} are not in 1..batch_size ({batch_size})")
-    schedule_list = sorted(set(schedules)) if schedules is not None else sorted(SCHEDULES)
-    unknown = [s for s in schedule_list if s not in SCHEDULES]
+    schedule_list = sorted(set(schedules)) if schedules is not None else sorted(SEARCHED)
+    unknown = [s for s in schedule_list if s not in SEARCHED]
     modes = list(checkpoints) if checkpoints is not None else list(REMAT_MODES)
     unknown += [c for c in modes if c not in REMAT_MODES]
     if unknown:
         raise ValueError(
-            f"unknown schedule or checkpoint {unknown}; schedules: {', '.join(SCHEDULES)}; "
+            f"unknown schedule or checkpoint {unknown}; schedules: {', '.join(SEARCHED)}; "
             f"checkpoints: {', '.join(REMAT_MODES)}"
         )
     stage_list = sorted(set(stages)) if stages is not None else list(range(1, devices + 1))
@@ -158,6 +162,8 @@ def _configurations(layers, m, stage_list, virtual_list, schedule_list, modes):
                     applies = name == "gpipe" and v == 1
                 elif name == "interleaved-1f1b":
                     applies = v > 1 and m % k == 0
+                elif default_virtual_stages(name) == 2:  # the V schedules: two stages a rank
+                    applies = v == 2 and (name != "dualpipe-v" or m >= 2 * k)
                 else:
                     applies = v == 1
                 if not applies:
@@ -189,7 +195,7 @@ def _evaluate(
         part = balance_profile(
             prof,
             stages=num_stages,
-            by="time",
+            by="step",
             chunks=m,
             checkpoint=mode,  # type: ignore[arg-type]
             schedule=schedule,
@@ -250,28 +256,16 @@ def _stage_costs(
     link: Link,
     overhead: float,
 ) -> tuple[Costs, float]:
-    """Per-stage costs of one micro-batch, and the transfer time between devices."""
-    again = recompute_fraction(checkpoint, schedule.num_microbatches)
-    split = schedule.splits_backward(0, 0)
-    forward, backward, weight = [], [], []
-    boundary = 0.0
-    start = 0
-    for s, size in enumerate(balance):
-        layers = prof.layers[start : start + size]
+    """Per-stage costs of one micro-batch (``gpipe.planning.costs``), and the transfer
+    time between devices: the largest hand-over between two ranks."""
+    costs = stage_costs(prof, balance, schedule, checkpoint, overhead=overhead)
+    boundary, start = 0.0, 0
+    for s, size in enumerate(balance[:-1]):
         start += size
-        f = sum(lay.forward for lay in layers)
-        forward.append(f + overhead)
-        if split:
-            backward.append(sum(lay.backward_input for lay in layers) + f * again + overhead)
-            weight.append(sum(lay.backward_weight for lay in layers) + overhead)
-        else:
-            backward.append(sum(lay.backward for lay in layers) + f * again + overhead)
-            weight.append(0.0)
-        last = s == len(balance) - 1
-        if not last and schedule.stage_to_rank[s] != schedule.stage_to_rank[s + 1]:
-            boundary = max(boundary, layers[-1].output_bytes)
+        if schedule.stage_to_rank[s] != schedule.stage_to_rank[s + 1]:
+            boundary = max(boundary, prof.layers[start - 1].output_bytes)
     transfer = link.time(boundary) if schedule.num_ranks > 1 else 0.0
-    return Costs(forward=forward, backward=backward, weight=weight), transfer
+    return costs, transfer
 
 
 # -- measuring -------------------------------------------------------------------------------

@@ -12,7 +12,10 @@ they can be too.
 
 The cost of a stage may depend on its position (the first stage of a 1F1B pipeline holds
 K micro-batches, the last one), and a stage may be required to fit a memory budget;
-both enter the same recursion. Entry points:
+both enter the same recursion. By time, that cut is then the start of a hill climb on the
+schedule's simulated step (``_by_makespan``): a stage's actions are not one number (a split
+backward's B and W, the first stage's empty B, the loss on the last), and the schedule, not
+the slowest stage alone, sets the step. Entry points:
 
 * :func:`balance_by_time` — profile the model (``gpipe.planning.profile``) and balance forward +
   backward (+ recomputation) time: what ``Pipe(balance="auto", sample=...)`` uses;
@@ -37,6 +40,7 @@ from torch import nn
 from gpipe import remat
 from gpipe._utils import MiB
 from gpipe.errors import PartitionError
+from gpipe.planning.costs import stage_costs
 from gpipe.planning.memory_model import (
     Held,
     MemoryModel,
@@ -48,7 +52,7 @@ from gpipe.planning.memory_model import (
 )
 from gpipe.planning.profile import LayerProfile, Profile, profile
 from gpipe.schedule.builders import Schedule, build_schedule
-from gpipe.schedule.simulate import per_stage
+from gpipe.schedule.simulate import per_stage, simulate
 
 __all__ = [
     "BudgetError",
@@ -220,7 +224,7 @@ def balance_profile(
     prof: Profile,
     *,
     stages: int,
-    by: Literal["time", "size"] = "time",
+    by: Literal["time", "step", "size"] = "time",
     chunks: int = 1,
     checkpoint: remat.Remat = "except_last",
     schedule: str | Schedule = "gpipe",
@@ -232,18 +236,19 @@ def balance_profile(
     """The best partition of a profiled model into ``stages`` stages.
 
     ``by="time"`` minimises the slowest stage's forward + backward (+ recomputation)
-    time, ``by="size"`` the largest stage's memory. ``memory_budget`` (bytes per stage,
-    one number or one per stage) is a hard constraint on the memory model of the module
-    docstring, for ``chunks`` micro-batches under ``schedule`` and ``checkpoint``.
-    ``held`` overrides the simulated micro-batches held per stage.
+    time; ``by="step"`` starts there and shortens the schedule's simulated step (see the
+    module docstring); ``by="size"`` minimises the largest stage's memory.
+    ``memory_budget`` (bytes per stage, one number or one per stage) is a hard constraint
+    on the memory model of the module docstring, for ``chunks`` micro-batches under
+    ``schedule`` and ``checkpoint``. ``held`` overrides the simulated micro-batches held per stage.
 
     Raises :class:`BudgetError`, naming what each stage of the closest partition
     lacks, when no partition fits.
     """
     n = len(prof.layers)
     _check_stages(n, stages)
-    if by not in ("time", "size"):
-        raise ValueError(f"by must be 'time' or 'size', got {by!r}")
+    if by not in ("time", "step", "size"):
+        raise ValueError(f"by must be 'time', 'step' or 'size', got {by!r}")
     model = memory or MemoryModel()
     built = _schedule_of(schedule, stages, chunks, virtual_stages)
     if held is None:
@@ -253,7 +258,7 @@ def balance_profile(
     times = prefix_sums(layer_times(prof, checkpoint=checkpoint, chunks=chunks, split=split))
     budgets = _budgets(memory_budget, stages)
 
-    if by == "time":
+    if by in ("time", "step"):
         cost: Callable[[int, int, int], float] = lambda s, i, j: times[j] - times[i]  # noqa: E731
     else:
         cost = table.total
@@ -265,6 +270,8 @@ def balance_profile(
         assert budgets is not None
         _raise_budget(prof, stages, table, budgets, chunks, checkpoint, schedule)
     balance = solved[1]
+    if by == "step" and stages > 1:
+        balance = _by_makespan(prof, balance, built, checkpoint, fits)
     starts = prefix_sums(balance)
     bounds = [(int(starts[s]), int(starts[s + 1])) for s in range(stages)]
     return Partition(
@@ -272,6 +279,41 @@ def balance_profile(
         times=[times[j] - times[i] for i, j in bounds],
         memory=[table(s, i, j) for s, (i, j) in enumerate(bounds)],
     )
+
+
+def _by_makespan(prof: Profile, balance: list[int], schedule: Schedule, checkpoint: str, fits):
+    """Move single layers across stage boundaries while the simulated step gets shorter.
+
+    The slowest stage is not the whole story: under a schedule the stages' actions differ
+    (a split backward, the first stage's empty B and whole W, the loss on the last stage,
+    the warm-up each rank waits through), and the step is the schedule's makespan with
+    those costs (``gpipe.planning.costs``). Starting from the best cut by the slowest
+    stage, a hill climb on the makespan keeps every stage within its budget.
+    """
+
+    def makespan(cut: list[int]) -> float:
+        return simulate(schedule, stage_costs(prof, cut, schedule, checkpoint)).makespan
+
+    best, best_time = list(balance), makespan(balance)
+    improved = True
+    while improved:
+        improved = False
+        for s in range(len(best) - 1):
+            for move in (-1, 1):
+                cut = list(best)
+                cut[s] += move
+                cut[s + 1] -= move
+                if min(cut) < 1:
+                    continue
+                starts = prefix_sums(cut)
+                if fits is not None and not all(
+                    fits(t, int(starts[t]), int(starts[t + 1])) for t in range(len(cut))
+                ):
+                    continue
+                time = makespan(cut)
+                if time < best_time * (1 - 1e-9):  # strictly shorter: no cycling on ties
+                    best, best_time, improved = cut, time, True
+    return best
 
 
 def _raise_budget(prof, stages, table, budgets, chunks, checkpoint, schedule) -> None:
@@ -325,8 +367,11 @@ def balance_by_time(
     optimizer_state: float = 2.0,
     target: Any = None,
     loss_fn: Callable | None = None,
+    by: Literal["time", "step"] = "step",
 ) -> list[int]:
-    """Layers per stage that minimise the slowest stage, measured on ``sample``.
+    """Layers per stage that make the step fastest, measured on ``sample``: the shortest
+    simulated step of ``schedule`` (``by="step"``, from the cut whose slowest stage is
+    fastest, ``by="time"``).
 
     ``sample`` is one micro-batch of inputs; each layer's forward and backward are timed
     on ``device`` (default: the model's) by :func:`gpipe.profile`. With
@@ -343,7 +388,7 @@ def balance_by_time(
     return balance_profile(
         prof,
         stages=stages,
-        by="time",
+        by=by,
         chunks=chunks,
         checkpoint=checkpoint,
         schedule=schedule,

@@ -1,0 +1,61 @@
+"""What each action of a schedule costs, per stage, from a profile: the one rule the
+balancer (``gpipe.planning.balance``) and the planner (``gpipe.planner``) simulate with.
+
+Per micro-batch, for the layers of each stage:
+
+* F: their forwards;
+* B: with a split backward (zero-bubble schedules), the input-gradient parts; otherwise
+  the whole backward. Re-materialization adds one more forward to B (the share of
+  micro-batches that recompute);
+* W: the weight-gradient parts (0 without a split backward).
+
+The first stage computes no input gradient: under a split backward its B is only the
+recomputation and its W the whole backward (``gpipe.engine.split_backward``). The loss is
+in the last stage's costs when the profile was taken with one (``profile(..., target=,
+loss_fn=)``). ``overhead`` (seconds) is added to every action: the runtime's bookkeeping.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from gpipe.planning.profile import Profile
+from gpipe.remat import recompute_fraction
+from gpipe.schedule.builders import Schedule
+from gpipe.schedule.simulate import Costs
+
+__all__ = ["stage_costs"]
+
+
+def stage_costs(
+    prof: Profile,
+    balance: Sequence[int],
+    schedule: Schedule,
+    checkpoint: str,
+    *,
+    overhead: float = 0.0,
+) -> Costs:
+    """F, B and W of one micro-batch on each stage of ``balance`` under ``schedule``."""
+    again = recompute_fraction(checkpoint, schedule.num_microbatches)
+    split = any(
+        schedule.splits_backward(s, m)
+        for s in range(schedule.num_stages)
+        for m in range(schedule.num_microbatches)
+    )
+    forward, backward, weight = [], [], []
+    start = 0
+    for s, size in enumerate(balance):
+        layers = prof.layers[start : start + size]
+        start += size
+        f = sum(lay.forward for lay in layers)
+        forward.append(f + overhead)
+        if not split:
+            backward.append(sum(lay.backward for lay in layers) + f * again + overhead)
+            weight.append(0.0)
+        elif s == 0:  # no input gradient: B only recomputes, W is the whole backward
+            backward.append(f * again + overhead)
+            weight.append(sum(lay.backward for lay in layers) + overhead)
+        else:
+            backward.append(sum(lay.backward_input for lay in layers) + f * again + overhead)
+            weight.append(sum(lay.backward_weight for lay in layers) + overhead)
+    return Costs(forward=forward, backward=backward, weight=weight)
