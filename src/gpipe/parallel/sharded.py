@@ -175,7 +175,6 @@ class ShardedStages:
         from torch.distributed.fsdp import fully_shard
 
         self.group = group
-        self.size = dist.get_world_size(group)
         self._stages = list(stages)
         device_type = self._stages[0].device.type if self._stages else "cpu"
         # FSDP's collectives wait as long as the group's timeout: make it the pipeline's.
@@ -242,8 +241,10 @@ class ShardedStages:
             layer.set_requires_gradient_sync(True)
             try:
                 for group in _param_groups(layer):
-                    for param in group.fsdp_params:  # unused this step: zeros, as replicas
-                        unsharded = param.unsharded_param  # must all reduce the same set
+                    # A parameter unused this step gets zeros: every replica must
+                    # reduce-scatter the same set.
+                    for param in group.fsdp_params:
+                        unsharded = param.unsharded_param
                         if unsharded.requires_grad and unsharded.grad is None:
                             unsharded.grad = torch.zeros(
                                 unsharded.shape, dtype=unsharded.dtype, device=unsharded.device
