@@ -28,8 +28,10 @@ ones (``docs/capacity.md``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import re
 import time
+from collections.abc import Iterator
 
 import torch
 
@@ -50,6 +52,17 @@ _UNITS = {
     "tib": 2**40,
     "tb": 10**12,
 }
+
+
+@contextlib.contextmanager
+def _threads(count: int) -> Iterator[None]:
+    """Profile with ``count`` torch threads (as each pipeline process gets), then restore."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def parse_bytes(text: str) -> float:
@@ -176,10 +189,8 @@ def run_capacity(args: argparse.Namespace) -> int:
         overhead = calibrate(models, processes=processes, optimizer=args.optimizer)
         print(f"calibrated: a training process needs {overhead} beyond the model's terms")
     shard = {"both": None, "yes": [True], "no": [False]}[args.shard]
-    threads = torch.get_num_threads()
-    torch.set_num_threads(args.threads)
     start = time.perf_counter()
-    try:
+    with _threads(args.threads):
         result = capacity(
             models,
             memory_budget=args.memory,
@@ -193,8 +204,6 @@ def run_capacity(args: argparse.Namespace) -> int:
             schedules=args.schedules,
             checkpoints=args.checkpoints,
         )
-    finally:
-        torch.set_num_threads(threads)
     print(f"gpipe plan --capacity: searched {len(result.rows)} layouts in "
           f"{time.perf_counter() - start:.1f} s")  # fmt: skip
     print(result.table(top=args.top))
@@ -216,10 +225,8 @@ def run(args: argparse.Namespace) -> int:
     if args.measure_link:
         link = Link.measure()
     params = sum(p.numel() for p in model.parameters())
-    threads = torch.get_num_threads()
-    torch.set_num_threads(args.threads)
     start = time.perf_counter()
-    try:
+    with _threads(args.threads):
         result = plan(
             model,
             x,
@@ -238,8 +245,6 @@ def run(args: argparse.Namespace) -> int:
             link=link,
             overhead=args.overhead,
         )
-    finally:
-        torch.set_num_threads(threads)
     print(
         f"gpipe plan: {what} ({len(model)} layers, {params:,} parameters); profiled on "
         f"{args.device}, {args.threads} thread(s), {len(result.profiles)} micro-batch sizes "

@@ -343,11 +343,11 @@ class Trainer:
         folder = ckpt.staging_folder(root, step)
         info = None
         pp_rank = self.mesh.pp_rank
-        # Whole tensors on every replica (sharded replicas gather their shards, together).
-        state = self.pipe.full_state_dict()
-        optimizer = self.optimizer and full_value(
-            ckpt.optimizer_state_by_name(self.optimizer, self.names)
-        )
+        if self.replica == 0 or c.shard:  # sharded replicas gather their shards, together
+            state = self.pipe.full_state_dict()
+            optimizer = self.optimizer and full_value(
+                ckpt.optimizer_state_by_name(self.optimizer, self.names)
+            )
         if self.replica == 0:  # replicas hold equal weights: one writer per stage
             stages = [s.index for s in self.pipe.stages]
             shard = {"model": state, "optimizer": optimizer, "stages": stages,
