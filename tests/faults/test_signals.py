@@ -60,8 +60,13 @@ def test_a_stopped_or_killed_launcher_leaves_no_process(tmp_path, sent, code):
         [sys.executable, str(script)], env=env, stdout=subprocess.PIPE, text=True
     )
     try:
-        for _ in range(2):  # both ranks started
-            assert "working" in launcher.stdout.readline()
+        # Both ranks started. Their prints can interleave on the shared pipe (text and
+        # newline are separate writes), so count the words, not the lines.
+        seen = ""
+        while seen.count("working") < 2:
+            line = launcher.stdout.readline()
+            assert line, f"the launcher ended before both ranks started: {seen!r}"
+            seen += line
         ranks = [p for p in children(launcher.pid) if "spawn_main" in _cmdline(p)]
         assert len(ranks) == 2
         launcher.send_signal(sent)
