@@ -5,8 +5,11 @@ pipeline process gets), every configuration is simulated with those costs, and t
 fit the budget are ranked by predicted throughput::
 
     gpipe plan --model gpt --layers 8 --vocab 8192 --batch 32 --devices 2 --memory 2GiB
-    gpipe plan --model resnet --blocks 2 --channels 32 --devices 2 --measure-link --verify 3
+    gpipe plan --model resnet --blocks 2 --channels 32 --devices 2 --calibrate --verify 3
 
+``--calibrate`` first measures what a profile cannot see, in ``--devices`` local processes
+(``gpipe.planner.Machine``): the compute slowdown when K processes share the cores, the
+link between two processes, and the runtime's time per action and per step.
 ``--verify N`` then trains the top N for a few steps on K local processes and prints the
 measured throughput next to the prediction. From Python, ``gpipe.plan(model, sample, ...)``
 takes any ``nn.Sequential``.
@@ -162,7 +165,13 @@ def configure(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--layer-memory", type=parse_bytes, default=0.0, help="per layer held beyond the model"
     )
-    g.add_argument("--calibrate", action="store_true", help="measure both memories first")
+    g.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="measure this machine first: with --capacity the memory a process needs, "
+        "otherwise the time per action and per step, the link and the compute slowdown "
+        "of K processes at once",
+    )
 
 
 def family(args: argparse.Namespace):
@@ -222,7 +231,7 @@ def run(args: argparse.Namespace) -> int:
 
     model, x, y, loss_fn, what = build(args)
     link = Link(latency=args.latency, bandwidth=args.bandwidth)
-    if args.measure_link:
+    if args.measure_link and not args.calibrate:
         link = Link.measure()
     params = sum(p.numel() for p in model.parameters())
     start = time.perf_counter()
@@ -242,8 +251,8 @@ def run(args: argparse.Namespace) -> int:
             checkpoints=args.checkpoints,
             virtual_stages=args.virtual,
             memory=MemoryModel(optimizer_state=args.optimizer_state),
-            link=link,
-            overhead=args.overhead,
+            calibrate=args.calibrate,
+            **({} if args.calibrate else {"link": link, "overhead": args.overhead}),
         )
     print(
         f"gpipe plan: {what} ({len(model)} layers, {params:,} parameters); profiled on "

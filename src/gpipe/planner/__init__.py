@@ -42,8 +42,9 @@ process's peak; ``gpipe.planner.measured``).
 ``gpipe.plan`` before the redesign).
 """
 
+from gpipe.planner.machine import Link, Machine
 from gpipe.planner.measured import CapacityCheck, Measured, calibrate, verify_capacity
-from gpipe.planner.results import Candidate, Link, Plan, Verified
+from gpipe.planner.results import Candidate, Plan, Verified
 from gpipe.planner.search import plan, plan_from_profiles, verify
 from gpipe.planning.capacity import Capacity, Family, Fit, Layout, capacity
 
@@ -55,6 +56,7 @@ __all__ = [
     "Fit",
     "Layout",
     "Link",
+    "Machine",
     "Measured",
     "Plan",
     "Verified",

@@ -1,5 +1,5 @@
 """What the planner returns: candidate configurations with their predicted cost, the ranked
-plan with its tables, measured verifications, and the link model that prices transfers."""
+plan with its tables, and measured verifications."""
 
 from __future__ import annotations
 
@@ -7,50 +7,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpipe._utils import MiB
-from gpipe.parallel import mesh
-from gpipe.parallel.launch import launch
+from gpipe.planner.machine import Machine
 from gpipe.planning.memory_model import StageMemory
 from gpipe.planning.profile import Profile
 
-__all__ = ["Candidate", "Link", "Plan", "Verified"]
-
-
-@dataclass(frozen=True)
-class Link:
-    """Time to hand a boundary tensor to the next device: ``latency + bytes / bandwidth``.
-
-    The defaults suit processes on one machine over gloo; for NVLink use e.g.
-    ``Link(latency=10e-6, bandwidth=100e9)``.
-    """
-
-    latency: float = 100e-6  # seconds per message
-    bandwidth: float = 2e9  # bytes per second
-
-    def __post_init__(self) -> None:
-        if not self.latency >= 0 or not self.bandwidth > 0:
-            raise ValueError(
-                f"Link needs latency >= 0 and bandwidth > 0, got {self.latency!r}, "
-                f"{self.bandwidth!r}"
-            )
-
-    def time(self, nbytes: float) -> float:
-        return self.latency + nbytes / self.bandwidth
-
-    @classmethod
-    def measure(
-        cls, *, nbytes: int = 4 << 20, rounds: int = 20, backend: str | None = None
-    ) -> Link:
-        """Ping-pong between two new local processes (``gpipe.launch``): the latency of a
-        tiny message, and the bandwidth of an ``nbytes`` one — on this machine, as loaded
-        as it is now."""
-        sizes = (64, int(nbytes))
-        times = launch(mesh.ping_pong, 2, args=(sizes, rounds), backend=backend)[0]
-        latency = times[sizes[0]]
-        bandwidth = (sizes[1] - sizes[0]) / max(times[sizes[1]] - latency, 1e-9)
-        return cls(latency=latency, bandwidth=bandwidth)
-
-    def __str__(self) -> str:
-        return f"{self.latency * 1e6:.0f} us + bytes / {self.bandwidth / 1e9:.2f} GB/s"
+__all__ = ["Candidate", "Plan", "Verified"]
 
 
 @dataclass(frozen=True)
@@ -105,6 +66,7 @@ class Verified:
     throughput: float  # samples per second, measured
     activation_bytes: tuple[int, ...]  # peak stored activations per device, measured
     steps: int
+    step_times: tuple[float, ...] = ()  # every timed step, seconds, in the order run
 
     @property
     def ratio(self) -> float:
@@ -141,8 +103,7 @@ class Plan:
     memory_budget: float | None
     profiles: dict[int, Profile] = field(repr=False, default_factory=dict)  # by M
     verified: list[Verified] = field(default_factory=list)
-    link: Link = field(default_factory=lambda: Link())
-    overhead: float = 0.0
+    machine: Machine = field(default_factory=Machine)
 
     @property
     def best(self) -> Candidate:
@@ -161,7 +122,7 @@ class Plan:
             f"batch {self.batch_size}, up to {self.devices} devices, {budget}; "
             f"{len(self.candidates)} of {len(self.candidates) + len(self.rejected)} "
             "candidates fit",
-            f"predicted with transfers of {self.link}, {self.overhead * 1e6:.0f} us per action",
+            f"predicted with {self.machine}",
             "",
             f"{'#':>3} {'K':>2} {'v':>2} {'M':>3} {'schedule':<17}{'checkpoint':<12}"
             f"{'balance':<20}{'samples/s':>10} {'step ms':>9} {'bubble':>7}  peak MiB per device",

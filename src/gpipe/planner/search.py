@@ -13,12 +13,13 @@ import torch
 from torch import nn
 
 from gpipe import microbatch
-from gpipe._utils import MiB, tensors_of
+from gpipe._utils import MiB
 from gpipe.engine.memory import measure_activations
 from gpipe.parallel import mesh
 from gpipe.parallel.launch import launch
 from gpipe.pipe import Pipe
-from gpipe.planner.results import Candidate, Link, Plan, Verified
+from gpipe.planner.machine import Link, Machine, output_square
+from gpipe.planner.results import Candidate, Plan, Verified
 from gpipe.planning.balance import BudgetError, balance_profile
 from gpipe.planning.costs import stage_costs
 from gpipe.planning.memory_model import (
@@ -32,11 +33,10 @@ from gpipe.remat import REMAT_MODES
 from gpipe.schedule import ALL_SCHEDULES, Schedule, build_schedule, default_virtual_stages
 from gpipe.schedule.simulate import Costs, simulate
 
-__all__ = ["DEFAULT_OVERHEAD", "plan", "plan_from_profiles", "verify"]
+__all__ = ["plan", "plan_from_profiles", "verify"]
 
 # Every named schedule but "zb-auto", which is built for given costs (pass one to a Pipe).
 SEARCHED = tuple(name for name in ALL_SCHEDULES if name != "zb-auto")
-DEFAULT_OVERHEAD = 100e-6  # seconds of runtime bookkeeping per action, measured on a CPU
 ProfileSource = Profile | Mapping[int, Profile] | Callable[[int], Profile]
 
 
@@ -77,16 +77,19 @@ def plan_from_profiles(
     checkpoints: Iterable[str] | None = None,
     virtual_stages: Iterable[int] = (1, 2),
     memory: MemoryModel | None = None,
+    machine: Machine | None = None,
     link: Link | None = None,
-    overhead: float = DEFAULT_OVERHEAD,
+    overhead: float | None = None,
 ) -> Plan:
     """Rank every candidate configuration from known per-layer costs (no model is run).
 
     ``profiles`` gives the profile of one micro-batch for each M: a mapping M -> Profile,
     a function of M, or one Profile scaled linearly to ``ceil(batch_size / M)`` samples.
-    ``overhead`` (seconds) is added to every action: gpipe's runtime costs about 0.1 ms
-    per action on a CPU (``DEFAULT_OVERHEAD``); ``link`` prices the hand-overs between
-    devices (:meth:`Link.measure` measures this machine's).
+    ``machine`` holds what the profile does not: the runtime's time per action and per
+    step, the hand-overs' price, and the compute slowdown with K processes at once
+    (:meth:`Machine.measure` measures them; by default 0.1 ms per action, gloo-like
+    transfers, no slowdown). ``link`` or ``overhead`` (seconds per action) replace the
+    machine's own.
     The other arguments restrict the search; the defaults try K = 1..devices, M = powers
     of two up to min(batch_size, 32), every schedule but ``"zb-auto"`` (``SEARCHED``; v = 2
     for interleaved 1F1B and the V schedules) and every checkpoint mode. K = 1 is tried
@@ -99,11 +102,11 @@ def plan_from_profiles(
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
     if memory_budget is not None and not memory_budget > 0:
         raise ValueError(f"memory_budget must be a positive number of bytes, got {memory_budget!r}")
-    if not isinstance(overhead, int | float) or overhead < 0:
+    if overhead is not None and (not isinstance(overhead, int | float) or overhead < 0):
         raise ValueError(f"overhead must be a non-negative number of seconds, got {overhead!r}")
     profile_of = _profile_source(profiles, batch_size)
     memory = memory or MemoryModel()
-    link = link or Link()
+    machine = (machine or Machine()).with_overrides(link=link, action=overhead)
     chunk_list = sorted(set(chunks)) if chunks is not None else _default_chunks(batch_size)
     too_many = [m for m in chunk_list if not 1 <= m <= batch_size]
     if too_many:
@@ -127,8 +130,7 @@ def plan_from_profiles(
         "batch_size": batch_size,
         "budget": memory_budget,
         "memory": memory,
-        "link": link,
-        "overhead": overhead,
+        "machine": machine,
     }
     for m in chunk_list:
         prof = profiles_used[m] = profile_of(m)
@@ -146,8 +148,7 @@ def plan_from_profiles(
         devices,
         memory_budget,
         profiles_used,
-        link=link,
-        overhead=float(overhead),
+        machine=machine,
     )
 
 
@@ -185,8 +186,7 @@ def _evaluate(
     batch_size: int,
     budget: float | None,
     memory: MemoryModel,
-    link: Link,
-    overhead: float,
+    machine: Machine,
 ) -> Candidate:
     schedule = build_schedule(name, num_ranks=k, num_microbatches=m, virtual_stages=v)
     num_stages = k * v
@@ -217,7 +217,7 @@ def _evaluate(
             fits=False,
             reason=f"no cut fits: {max(error.missing) / MiB:.1f} MiB missing on a stage",
         )
-    costs, transfer = _stage_costs(prof, part.balance, schedule, mode, link, overhead)
+    costs, transfer = _stage_costs(prof, part.balance, schedule, mode, machine)
     result = simulate(schedule, costs, transfer=transfer)
     stage_mem = stage_memory(
         prof,
@@ -234,7 +234,7 @@ def _evaluate(
     if not fits:
         worst = max(range(k), key=per_device.__getitem__)
         reason = f"device {worst} needs {per_device[worst] / MiB:.1f} MiB"
-    step = result.makespan
+    step = result.makespan + machine.step
     return Candidate(
         **base,
         balance=tuple(part.balance),
@@ -253,18 +253,24 @@ def _stage_costs(
     balance: Sequence[int],
     schedule: Schedule,
     checkpoint: str,
-    link: Link,
-    overhead: float,
+    machine: Machine,
 ) -> tuple[Costs, float]:
-    """Per-stage costs of one micro-batch (``gpipe.planning.costs``), and the transfer
-    time between devices: the largest hand-over between two ranks."""
-    costs = stage_costs(prof, balance, schedule, checkpoint, overhead=overhead)
+    """Per-stage costs of one micro-batch (``gpipe.planning.costs``) as the machine runs
+    them, and the transfer time between devices: the largest hand-over between two ranks."""
+    costs = stage_costs(
+        prof,
+        balance,
+        schedule,
+        checkpoint,
+        overhead=machine.action,
+        slowdown=machine.slowdown_at(schedule.num_ranks, schedule.num_microbatches),
+    )
     boundary, start = 0.0, 0
     for s, size in enumerate(balance[:-1]):
         start += size
         if schedule.stage_to_rank[s] != schedule.stage_to_rank[s + 1]:
             boundary = max(boundary, prof.layers[start - 1].output_bytes)
-    transfer = link.time(boundary) if schedule.num_ranks > 1 else 0.0
+    transfer = machine.link.time(boundary) if schedule.num_ranks > 1 else 0.0
     return costs, transfer
 
 
@@ -284,6 +290,7 @@ def plan(
     warmup: int = 2,
     verify: int = 0,
     verify_steps: int = 10,
+    calibrate: bool = False,
     **search: Any,
 ) -> Plan:
     """Profile ``model`` and rank configurations for ``devices`` devices (see module doc).
@@ -294,8 +301,12 @@ def plan(
     ``device`` once per micro-batch count M, on the first micro-batch of
     ``sample`` split M ways. ``search`` takes the keyword arguments of
     :func:`plan_from_profiles` (``stages``, ``chunks``, ``schedules``, ``checkpoints``,
-    ``virtual_stages``, ``memory``, ``link``, ``overhead``). ``verify=N`` runs the top N
-    for ``verify_steps`` steps each (:func:`verify`).
+    ``virtual_stages``, ``memory``, ``machine``, ``link``, ``overhead``). ``verify=N``
+    runs the top N for ``verify_steps`` steps each (:func:`verify`).
+
+    ``calibrate=True`` first measures the machine (:meth:`Machine.measure`, in
+    ``devices`` local processes) against the profile of each micro-batch count searched,
+    and predicts with it; ``model`` and ``loss_fn`` must then be picklable.
     """
     batch_size = microbatch.batch_size(sample, name="sample")
     cache: dict[int, Profile] = {}
@@ -309,6 +320,18 @@ def plan(
             )
         return cache[m]
 
+    if calibrate:
+        if search.get("machine") is not None:
+            raise ValueError("give a measured machine or calibrate=True, not both")
+        chunks = sorted(set(search.get("chunks") or _default_chunks(batch_size)))
+        search["machine"] = Machine.measure(
+            model,
+            sample,
+            {m: profile_of(m) for m in chunks},
+            devices=devices,
+            target=target,
+            loss_fn=loss_fn,
+        )
     result = plan_from_profiles(
         profile_of, batch_size=batch_size, devices=devices, memory_budget=memory_budget, **search
     )
@@ -317,12 +340,6 @@ def plan(
             result, model, sample, target, loss_fn, top=verify, steps=verify_steps
         )
     return result
-
-
-def _output_square(output: Any, target: Any) -> torch.Tensor:
-    """A stand-in loss when none is given: mean square of the output's float tensors."""
-    del target
-    return sum(t.float().pow(2).mean() for t in tensors_of(output) if t.is_floating_point())  # type: ignore[return-value]
 
 
 def verify(
@@ -335,38 +352,47 @@ def verify(
     top: int = 3,
     steps: int = 10,
     warmup: int = 3,
+    rounds: int = 2,
     timeout: float = 300.0,
 ) -> list[Verified]:
     """Run the top ``top`` candidates of ``result``: K local processes, one thread each.
 
     ``model`` (or a function building it) and ``loss_fn`` must be picklable: they are sent
-    to the processes. Each process trains ``warmup`` + ``steps`` steps on ``sample``; the
-    median step time of rank 0 gives the measured throughput (every rank ends a step
-    together). One more step is run under ``gpipe.measure_activations``.
+    to the processes. The candidates take turns for ``rounds`` rounds (so that a slow
+    spell of a shared machine does not fall on one of them); in each, every process
+    trains ``warmup`` + ``steps`` steps on ``sample``. The median step time of rank 0 over
+    all rounds gives the measured throughput (every rank ends a step together). One
+    more step is run under ``gpipe.measure_activations``.
     """
     if target is None or loss_fn is None:
-        loss_fn = _output_square
+        loss_fn = output_square
         target = torch.zeros(microbatch.batch_size(sample, name="sample"))
+    if not isinstance(rounds, int) or rounds < 1:
+        raise ValueError(f"rounds must be a positive int, got {rounds!r}")
+    chosen = result.candidates[:top]
+    times: list[list[float]] = [[] for _ in chosen]
+    activations: list[tuple[int, ...]] = [() for _ in chosen]
+    for _ in range(rounds):
+        for n, candidate in enumerate(chosen):
+            outcome = launch(
+                _measure_rank,
+                candidate.stages,
+                args=(model, sample, target, loss_fn, candidate.pipe_kwargs(), steps, warmup),
+                timeout=timeout,
+            )
+            times[n] += outcome[0]["times"]
+            activations[n] = tuple(r["activations"] for r in outcome)
     verified = []
-    for candidate in result.candidates[:top]:
-        outcome = launch(
-            _measure_rank,
-            candidate.stages,
-            args=(model, sample, target, loss_fn, candidate.pipe_kwargs(), steps, warmup),
-            timeout=timeout,
-        )
-        times = outcome[0]["times"]
-        step = statistics.median(times)
-        activations = [0] * candidate.stages
-        for rank, r in enumerate(outcome):
-            activations[rank] = r["activations"]
+    for candidate, measured, held in zip(chosen, times, activations, strict=True):
+        step = statistics.median(measured)
         verified.append(
             Verified(
                 candidate,
                 step_time=step,
                 throughput=result.batch_size / step,
-                activation_bytes=tuple(activations),
-                steps=steps,
+                activation_bytes=held,
+                steps=len(measured),
+                step_times=tuple(measured),
             )
         )
     return verified

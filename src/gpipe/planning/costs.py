@@ -12,7 +12,9 @@ Per micro-batch, for the layers of each stage:
 The first stage computes no input gradient: under a split backward its B is only the
 recomputation and its W the whole backward (``gpipe.engine.split_backward``). The loss is
 in the last stage's costs when the profile was taken with one (``profile(..., target=,
-loss_fn=)``). ``overhead`` (seconds) is added to every action: the runtime's bookkeeping.
+loss_fn=)``). The profiled times are multiplied by ``slowdown`` (how much slower the
+target runs them, e.g. with several processes sharing its cores) and ``overhead``
+(seconds) is added to every action: the runtime's bookkeeping.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ def stage_costs(
     checkpoint: str,
     *,
     overhead: float = 0.0,
+    slowdown: float = 1.0,
 ) -> Costs:
     """F, B and W of one micro-batch on each stage of ``balance`` under ``schedule``."""
     again = recompute_fraction(checkpoint, schedule.num_microbatches)
@@ -48,14 +51,15 @@ def stage_costs(
         layers = prof.layers[start : start + size]
         start += size
         f = sum(lay.forward for lay in layers)
-        forward.append(f + overhead)
+        whole = sum(lay.backward for lay in layers)
         if not split:
-            backward.append(sum(lay.backward for lay in layers) + f * again + overhead)
-            weight.append(0.0)
+            b, w = whole + f * again, 0.0
         elif s == 0:  # no input gradient: B only recomputes, W is the whole backward
-            backward.append(f * again + overhead)
-            weight.append(sum(lay.backward for lay in layers) + overhead)
+            b, w = f * again, whole
         else:
-            backward.append(sum(lay.backward_input for lay in layers) + f * again + overhead)
-            weight.append(sum(lay.backward_weight for lay in layers) + overhead)
+            b = sum(lay.backward_input for lay in layers) + f * again
+            w = sum(lay.backward_weight for lay in layers)
+        forward.append(f * slowdown + overhead)
+        backward.append(b * slowdown + overhead)
+        weight.append(w * slowdown + overhead if split else 0.0)
     return Costs(forward=forward, backward=backward, weight=weight)

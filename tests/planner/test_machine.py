@@ -1,0 +1,102 @@
+"""What the planner measures of the machine (``gpipe.planner.Machine``) and how a plan
+uses it: the per-action and per-step fit, the slowdown, and a real measurement."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from gpipe.__main__ import main
+from gpipe.planner import Link, Machine, plan_from_profiles
+from gpipe.planner.machine import _TINY_CHUNKS, _solve_runtime
+from gpipe.planning.profile import Profile, profile
+from gpipe.schedule import build_schedule
+from gpipe.schedule.simulate import Costs, simulate
+
+FREE_LINK = Link(latency=0.0, bandwidth=1e30)
+
+
+@pytest.mark.parametrize("devices", [1, 2, 4])
+def test_the_runtime_fit_recovers_known_times(devices):
+    action, step, latency = 3e-4, 2e-3, 1e-4
+    times = {}
+    for chunks in _TINY_CHUNKS:
+        schedule = build_schedule("1f1b", num_ranks=devices, num_microbatches=chunks)
+        costs = Costs(forward=action, backward=action, weight=0.0)
+        transfer = latency if devices > 1 else 0.0
+        times[chunks] = simulate(schedule, costs, transfer=transfer).makespan + step
+    fitted_action, fitted_step = _solve_runtime(times, devices, latency)
+    assert fitted_action == pytest.approx(action, rel=1e-6)
+    assert fitted_step == pytest.approx(step, rel=1e-6)
+
+
+def test_slowdown_is_looked_up_at_the_nearest_measured_micro_batch_count():
+    machine = Machine(slowdown={(2, 4): 1.5, (2, 16): 2.0, (1, 4): 0.9})
+    assert machine.slowdown_at(2, 4) == 1.5
+    assert machine.slowdown_at(2, 32) == 2.0
+    assert machine.slowdown_at(2, 8) == 1.5  # as near to 4 as to 16: the smaller
+    assert machine.slowdown_at(1, 64) == 0.9
+    assert machine.slowdown_at(3, 4) == 1.0  # nothing measured with 3 processes
+    with pytest.raises(ValueError, match="positive"):
+        Machine(slowdown={(2, 4): 0.0})
+    with pytest.raises(ValueError, match="action >= 0"):
+        Machine(action=-1.0)
+
+
+def test_a_plan_predicts_with_the_machine():
+    prof = Profile.from_costs([1e-3] * 4, param_bytes=1 << 20, activation_bytes=1 << 20,
+                              saved_bytes=1 << 20, batch_size=8)  # fmt: skip
+    machine = Machine(link=FREE_LINK, action=1e-4, step=5e-3, slowdown={(2, 4): 1.5})
+    result = plan_from_profiles(prof, batch_size=8, devices=2, stages=[2], chunks=[4],
+                                schedules=["1f1b"], checkpoints=["never"], virtual_stages=[1],
+                                machine=machine)  # fmt: skip
+    (only,) = result.candidates
+    assert only.balance == (2, 2)
+    # 2 of 8 samples a micro-batch: forward 0.25 ms and backward 0.5 ms a layer, two layers
+    # a stage, times 1.5; plus the runtime's 0.1 ms per action, and 5 ms per step
+    costs = Costs(forward=0.5e-3 * 1.5 + 1e-4, backward=1e-3 * 1.5 + 1e-4, weight=0.0)
+    schedule = build_schedule("1f1b", num_ranks=2, num_microbatches=4)
+    assert only.step_time == pytest.approx(simulate(schedule, costs).makespan + 5e-3)
+    assert str(machine) in result.table()
+    # link and overhead given beside a machine replace its own
+    other = plan_from_profiles(prof, batch_size=8, devices=2, stages=[2], chunks=[4],
+                               schedules=["1f1b"], checkpoints=["never"], virtual_stages=[1],
+                               machine=machine, overhead=0.0)  # fmt: skip
+    assert other.machine.action == 0.0 and other.machine.step == 5e-3
+    assert other.candidates[0].step_time < only.step_time
+
+
+@pytest.mark.timeout(240)
+def test_measuring_the_machine_runs_the_model_in_processes():
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Sequential(nn.Linear(32, 32), nn.ReLU()) for _ in range(4)))
+    x, y = torch.randn(16, 32), torch.randn(16, 32)
+    profiles = {
+        m: profile(model, x[: 16 // m], target=y[: 16 // m], loss_fn=F.mse_loss, repeats=2,
+                   warmup=1)
+        for m in (2, 4)
+    }  # fmt: skip
+    machine = Machine.measure(model, x, profiles, devices=2, target=y, loss_fn=F.mse_loss,
+                              rounds=2)  # fmt: skip
+    assert machine.measured and "measured" in str(machine)
+    assert set(machine.slowdown) == {(1, 2), (1, 4), (2, 2), (2, 4)}
+    for factor in machine.slowdown.values():  # a generous bound: a loaded machine is slow
+        assert 0.01 < factor < 100 and math.isfinite(factor)
+    assert machine.link.latency > 0 and machine.link.bandwidth > 0
+    assert machine.action >= 0 and machine.step >= 0
+    with pytest.raises(ValueError, match="at least one"):
+        Machine.measure(model, x, {}, devices=2)
+
+
+@pytest.mark.timeout(240)
+def test_cli_calibrates_before_it_ranks(capsys):
+    code = main(["plan", "--model", "gpt", "--layers", "1", "--d-model", "16", "--heads", "2",
+                 "--seq", "8", "--vocab", "64", "--batch", "4", "--devices", "2", "--chunks",
+                 "2", "--repeats", "1", "--warmup", "0", "--top", "2", "--calibrate"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "compute slowdown K=1 M=2" in out and "K=2 M=2" in out and "(measured)" in out
