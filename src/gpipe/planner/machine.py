@@ -48,8 +48,9 @@ from gpipe.parallel import mesh
 from gpipe.parallel.launch import launch
 from gpipe.pipe import Pipe
 from gpipe.planning.balance import balance_profile
+from gpipe.planning.costs import stage_costs
 from gpipe.planning.profile import Profile
-from gpipe.schedule import build_schedule
+from gpipe.schedule import Schedule, build_schedule
 from gpipe.schedule.simulate import Costs, simulate
 
 __all__ = ["DEFAULT_OVERHEAD", "Link", "Machine"]
@@ -114,6 +115,7 @@ class Machine:
     action: float = DEFAULT_OVERHEAD  # seconds per action
     step: float = 0.0  # seconds per step outside the actions
     slowdown: Mapping[tuple[int, int], float] = field(default_factory=dict)  # by (K, M)
+    waiting: Mapping[tuple[int, int], float] = field(default_factory=dict)  # by (K, M)
     measured: bool = False
 
     def __post_init__(self) -> None:
@@ -122,19 +124,46 @@ class Machine:
                 f"Machine needs action >= 0 and step >= 0 seconds, got {self.action!r}, "
                 f"{self.step!r}"
             )
-        bad = {k: s for k, s in self.slowdown.items() if not s > 0}
-        if bad:
-            raise ValueError(f"slowdown factors must be positive, got {bad}")
+        for name in ("slowdown", "waiting"):
+            bad = {k: s for k, s in getattr(self, name).items() if not s > 0}
+            if bad:
+                raise ValueError(f"{name} factors must be positive, got {bad}")
 
     def slowdown_at(self, processes: int, chunks: int) -> float:
         """The compute slowdown with ``processes`` at once and ``chunks`` micro-batches:
         as measured, else at the nearest micro-batch count measured for as many
         processes, else 1.0."""
-        measured = {m: s for (k, m), s in self.slowdown.items() if k == processes}
-        if not measured:
-            return 1.0
-        nearest = min(measured, key=lambda m: (abs(math.log(m / chunks)), m))
-        return float(measured[nearest])
+        return _nearest(self.slowdown, processes, chunks)
+
+    def waiting_at(self, processes: int, chunks: int) -> float:
+        """The factor on a simulated makespan for the time ranks lose waiting on each
+        other (looked up as :meth:`slowdown_at`)."""
+        return _nearest(self.waiting, processes, chunks)
+
+    def stage_costs(
+        self, prof: Profile, balance: Sequence[int], schedule: Schedule, checkpoint: str
+    ) -> tuple[Costs, float]:
+        """Per-stage costs of one micro-batch as this machine runs them
+        (``gpipe.planning.costs``), and the time of the largest hand-over between ranks."""
+        costs = stage_costs(
+            prof,
+            balance,
+            schedule,
+            checkpoint,
+            overhead=self.action,
+            slowdown=self.slowdown_at(schedule.num_ranks, schedule.num_microbatches),
+        )
+        boundary, start = 0.0, 0
+        for s, size in enumerate(balance[:-1]):
+            start += size
+            if schedule.stage_to_rank[s] != schedule.stage_to_rank[s + 1]:
+                boundary = max(boundary, prof.layers[start - 1].output_bytes)
+        transfer = self.link.time(boundary) if schedule.num_ranks > 1 else 0.0
+        return costs, transfer
+
+    def step_time(self, makespan: float, processes: int, chunks: int) -> float:
+        """A step's predicted seconds from its simulated makespan."""
+        return makespan * self.waiting_at(processes, chunks) + self.step
 
     def with_overrides(self, *, link: Link | None, action: float | None) -> Machine:
         """This machine with a given link or per-action time instead of its own."""
@@ -146,11 +175,14 @@ class Machine:
         return replace(self, **changes) if changes else self
 
     def __str__(self) -> str:
-        slow = ", ".join(f"K={k} M={m}: x{s:.2f}" for (k, m), s in sorted(self.slowdown.items()))
+        def table(factors: Mapping[tuple[int, int], float]) -> str:
+            return ", ".join(f"K={k} M={m}: x{f:.2f}" for (k, m), f in sorted(factors.items()))
+
         return (
             f"transfers of {self.link}, {self.action * 1e6:.0f} us per action, "
             f"{self.step * 1e3:.1f} ms per step"
-            + (f", compute slowdown {slow}" if slow else "")
+            + (f", compute slowdown {table(self.slowdown)}" if self.slowdown else "")
+            + (f", waiting {table(self.waiting)}" if self.waiting else "")
             + (" (measured)" if self.measured else "")
         )
 
@@ -209,7 +241,15 @@ class Machine:
                 compute = max(busy - 2 * m * k * inside, busy / 2)
                 profiled = m * sum(lay.forward + lay.backward for lay in profiles[m].layers)
                 slowdown[k, m] = compute / profiled
-        return cls(link=link, action=action, step=step, slowdown=slowdown, measured=True)
+        machine = cls(link=link, action=action, step=step, slowdown=slowdown, measured=True)
+        waiting = {}
+        for k in stages:
+            for m in counts:
+                schedule = build_schedule("1f1b", num_ranks=k, num_microbatches=m)
+                costs, transfer = machine.stage_costs(profiles[m], cuts[k], schedule, "never")
+                makespan = simulate(schedule, costs, transfer=transfer).makespan
+                waiting[k, m] = max(results[0]["steps"][k, m] - step, 1e-9) / makespan
+        return replace(machine, waiting=waiting)
 
 
 def _measure_rank(
@@ -224,13 +264,14 @@ def _measure_rank(
 ) -> dict[str, Any]:
     torch.set_num_threads(1)
     devices = dist.get_world_size()
-    out: dict[str, Any] = {"busy": {}}
+    out: dict[str, Any] = {"busy": {}, "steps": {}}
     for k, cut in cuts.items():  # every rank creates every group, in the same order
         group = dist.new_group(list(range(k)))
         for m in counts:
             if rank < k:
-                out["busy"][k, m] = _busy(model, group, cut, m, sample, target, loss_fn,
-                                          rounds)  # fmt: skip
+                out["busy"][k, m], out["steps"][k, m] = _busy(
+                    model, group, cut, m, sample, target, loss_fn, rounds
+                )
             dist.barrier()
 
     if devices > 1:
@@ -241,18 +282,29 @@ def _measure_rank(
     return out
 
 
-def _busy(model, group, cut, chunks, sample, target, loss_fn, rounds) -> float:
+def _busy(model, group, cut, chunks, sample, target, loss_fn, rounds) -> tuple[float, float]:
     """Median seconds this rank spends in its actions (from their inputs' arrival to
-    their outputs' send) in a 1F1B step of the model cut by ``cut`` over ``group``."""
+    their outputs' send) in a 1F1B step of the model cut by ``cut`` over ``group``, and
+    the median seconds of the step."""
     torch.manual_seed(0)
     pipe = Pipe(copy.deepcopy(model), group=group, balance=list(cut), chunks=chunks,
                 schedule="1f1b", checkpoint="never")  # fmt: skip
-    busy = []
+    busy, steps = [], []
     for step in range(1 + rounds):
+        start = time.perf_counter()
         pipe.step(sample, target, loss_fn, seed=step, trace=True)
+        steps.append(time.perf_counter() - start)
         busy.append(sum(a.end - a.start for a in pipe.last_trace))
         pipe.zero_grad(set_to_none=True)  # as an optimizer does: the next step allocates
-    return statistics.median(busy[1:])
+    return statistics.median(busy[1:]), statistics.median(steps[1:])
+
+
+def _nearest(factors: Mapping[tuple[int, int], float], processes: int, chunks: int) -> float:
+    measured = {m: f for (k, m), f in factors.items() if k == processes}
+    if not measured:
+        return 1.0
+    nearest = min(measured, key=lambda m: (abs(math.log(m / chunks)), m))
+    return float(measured[nearest])
 
 
 def output_square(output: Any, target: Any) -> torch.Tensor:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -21,7 +21,6 @@ from gpipe.pipe import Pipe
 from gpipe.planner.machine import Link, Machine, output_square
 from gpipe.planner.results import Candidate, Plan, Verified
 from gpipe.planning.balance import BudgetError, balance_profile
-from gpipe.planning.costs import stage_costs
 from gpipe.planning.memory_model import (
     MemoryModel,
     held_in,
@@ -30,8 +29,8 @@ from gpipe.planning.memory_model import (
 )
 from gpipe.planning.profile import Profile, profile
 from gpipe.remat import REMAT_MODES
-from gpipe.schedule import ALL_SCHEDULES, Schedule, build_schedule, default_virtual_stages
-from gpipe.schedule.simulate import Costs, simulate
+from gpipe.schedule import ALL_SCHEDULES, build_schedule, default_virtual_stages
+from gpipe.schedule.simulate import simulate
 
 __all__ = ["plan", "plan_from_profiles", "verify"]
 
@@ -217,7 +216,7 @@ def _evaluate(
             fits=False,
             reason=f"no cut fits: {max(error.missing) / MiB:.1f} MiB missing on a stage",
         )
-    costs, transfer = _stage_costs(prof, part.balance, schedule, mode, machine)
+    costs, transfer = machine.stage_costs(prof, part.balance, schedule, mode)
     result = simulate(schedule, costs, transfer=transfer)
     stage_mem = stage_memory(
         prof,
@@ -234,7 +233,7 @@ def _evaluate(
     if not fits:
         worst = max(range(k), key=per_device.__getitem__)
         reason = f"device {worst} needs {per_device[worst] / MiB:.1f} MiB"
-    step = result.makespan + machine.step
+    step = machine.step_time(result.makespan, k, m)
     return Candidate(
         **base,
         balance=tuple(part.balance),
@@ -246,32 +245,6 @@ def _evaluate(
         fits=fits,
         reason=reason,
     )
-
-
-def _stage_costs(
-    prof: Profile,
-    balance: Sequence[int],
-    schedule: Schedule,
-    checkpoint: str,
-    machine: Machine,
-) -> tuple[Costs, float]:
-    """Per-stage costs of one micro-batch (``gpipe.planning.costs``) as the machine runs
-    them, and the transfer time between devices: the largest hand-over between two ranks."""
-    costs = stage_costs(
-        prof,
-        balance,
-        schedule,
-        checkpoint,
-        overhead=machine.action,
-        slowdown=machine.slowdown_at(schedule.num_ranks, schedule.num_microbatches),
-    )
-    boundary, start = 0.0, 0
-    for s, size in enumerate(balance[:-1]):
-        start += size
-        if schedule.stage_to_rank[s] != schedule.stage_to_rank[s + 1]:
-            boundary = max(boundary, prof.layers[start - 1].output_bytes)
-    transfer = machine.link.time(boundary) if schedule.num_ranks > 1 else 0.0
-    return costs, transfer
 
 
 # -- measuring -------------------------------------------------------------------------------
