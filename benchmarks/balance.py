@@ -1,16 +1,15 @@
-"""Balance quality and planner accuracy, measured.
+"""Balance quality, measured.
 
     python benchmarks/balance.py [--out docs/balance.md] [--quick]
 
-1. For a GPT with a heavy head and embedding (a large vocabulary) and for a ResNet-style
-   CNN whose layers cost very different amounts, cut K = 2 and 4 ways by three methods — uniform
-   (equal layer counts), parameter count (``gpipe.balance_by_size`` without a sample,
-   DeepSpeed's ``"parameters"``) and time (``gpipe.balance_by_time``) — then train a few
-   steps of each pipeline in one process and report the *measured* max/mean stage time
-   (each stage's busy time per step, from ``pipe.step(..., trace=True)``).
-2. ``gpipe.planner`` for each model on 2 devices (transfers priced by ``Link.measure``): the
-   top 3 configurations on 2 processes, predicted against measured throughput
-   (``verify``).
+For a GPT with a heavy head and embedding (a large vocabulary) and for a ResNet-style
+CNN whose layers cost very different amounts, cut K = 2 and 4 ways by three methods — uniform
+(equal layer counts), parameter count (``gpipe.balance_by_size`` without a sample,
+DeepSpeed's ``"parameters"``) and time (``gpipe.balance_by_time``) — then train a few
+steps of each pipeline in one process and report the *measured* max/mean stage time
+(each stage's busy time per step, from ``pipe.step(..., trace=True)``).
+
+(The planner's predicted throughput against measured: ``benchmarks/planner_accuracy.py``.)
 
 Everything runs on one CPU thread per process (stages in one process run one after the
 other, so their times do not disturb each other).
@@ -19,10 +18,8 @@ other, so their times do not disturb each other).
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -32,7 +29,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 import gpipe
 from gpipe.models import GPTConfig, gpt, lm_loss, resnet
-from gpipe.planner import Link
 from reference import even_balance
 
 STAGES, CHUNKS, CHECKPOINT = (2, 4), 4, "except_last"
@@ -132,36 +128,6 @@ def _bounds(balance):
         start += size
 
 
-def plan_rows(case, quick: bool, link) -> tuple[list[str], str]:
-    name, _, model, x, y, loss_fn = case
-    start = time.perf_counter()
-    result = gpipe.plan(
-        model,
-        x,
-        devices=2,
-        stages=[2],
-        target=y,
-        loss_fn=loss_fn,
-        chunks=[1, 2, 4, 8],
-        repeats=3 if quick else 5,
-        link=link,
-        verify=3,
-        verify_steps=3 if quick else 8,
-    )
-    seconds = time.perf_counter() - start
-    print(result.table(top=5), flush=True)
-    rows = []
-    for n, v in enumerate(result.verified, 1):
-        c = v.candidate
-        rows.append(
-            f"| {name} | {n} | {c.label()} | {list(c.balance)} | {c.throughput:.1f} | "
-            f"{v.throughput:.1f} | {v.ratio:.2f} | "
-            + " / ".join(f"{m / 2**20:.0f}" for m in c.memory)
-            + f" | {v.activations()} |"
-        )
-    return rows, f"{name}: {len(result.candidates)} candidates ranked in {seconds:.0f} s"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None, help="write the markdown here")
@@ -193,29 +159,6 @@ def main() -> None:
     for name, table in profiles:
         lines += [f"{name}:", "", "```", table, "```", ""]
 
-    link = Link.measure()
-    load = os.getloadavg()[0]
-    lines += [
-        "",
-        "## Planner: predicted vs measured throughput, top 3 on 2 processes",
-        "",
-        "`gpipe.plan(model, x, devices=2, stages=[2], chunks=[1, 2, 4, 8], link=Link.measure(), "
-        "verify=3)`: each configuration trained on 2 local processes (gloo, one thread each); "
-        "measured = batch / median step time. Samples/s. Transfers priced from the ping-pong "
-        f"measured just before: {link}; the runtime's cost per action: 100 us. This machine: "
-        f"{os.cpu_count()} cores shared with other jobs (load average {load:.1f} when the "
-        "planner started), so two busy processes do not each get a core of their own.",
-        "",
-        "| model | # | configuration | balance | predicted | measured | measured/predicted "
-        "| predicted peak MiB per device | activations MiB per device, measured/predicted |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    notes = []
-    for case in cases:
-        rows, note = plan_rows(case, args.quick, link)
-        lines += rows
-        notes.append(note)
-    lines += ["", "; ".join(notes) + "."]
     table = "\n".join(lines)
     print(table)
     if args.out:

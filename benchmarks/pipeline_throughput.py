@@ -26,6 +26,9 @@ ideal, 1 - bubble of ``gpipe.schedule.simulate`` with equal F, B, W costs (M/(M+
 1f1b), and the same simulation with the per-stage costs measured in a traced gpipe step
 of that configuration (stage imbalance and real B/W ratios).
 
+``--ranks 4 --chunks 4 8 16`` runs the same rows with K=4 processes (8 stages for the
+interleaved and V schedules), into a section of its own: on a 2-core machine four
+processes share two cores, so it measures how each library schedules, not a speed-up.
 ``--quick`` runs a tiny model for a few steps (well under a minute) to check that it works.
 """
 

@@ -29,6 +29,19 @@ def world() -> Any:
     return dist.group.WORLD
 
 
+def world_size() -> int:
+    return dist.get_world_size()
+
+
+def first_ranks(count: int) -> Any:
+    """The group of ranks 0..count-1; every rank of the job must call this, in one order."""
+    return dist.new_group(list(range(count)))
+
+
+def barrier() -> None:
+    dist.barrier()
+
+
 def ensure_world(backend: str = "gloo", timeout: float | None = None) -> int:
     """Join the job's process group (from torchrun's environment) unless joined; this rank.
     ``timeout`` (seconds) bounds its collectives (torch's default: 30 minutes)."""

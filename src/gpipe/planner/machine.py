@@ -39,7 +39,6 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from gpipe import microbatch
@@ -263,21 +262,21 @@ def _measure_rank(
     rounds: int,
 ) -> dict[str, Any]:
     torch.set_num_threads(1)
-    devices = dist.get_world_size()
+    devices = mesh.world_size()
     out: dict[str, Any] = {"busy": {}, "steps": {}}
     for k, cut in cuts.items():  # every rank creates every group, in the same order
-        group = dist.new_group(list(range(k)))
+        group = mesh.first_ranks(k)
         for m in counts:
             if rank < k:
                 out["busy"][k, m], out["steps"][k, m] = _busy(
                     model, group, cut, m, sample, target, loss_fn, rounds
                 )
-            dist.barrier()
+            mesh.barrier()
 
     if devices > 1:
         pairs = rank < 2  # rank 0 and rank 1 measure the link
         out["ping_pong"] = mesh.ping_pong(rank, Link.PING_PONG_SIZES, 20) if pairs else {}
-        dist.barrier()
+        mesh.barrier()
     out["tiny"], out["tiny_inside"] = _tiny_pipeline(devices, rounds)
     return out
 
