@@ -624,7 +624,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.out is None:
         return
     if args.img is None:
-        args.img = args.out.parent / "img" / "benchmark-throughput.png"
+        suffix = "" if setup.ranks == 2 else f"-k{setup.ranks}"
+        args.img = args.out.parent / "img" / f"benchmark-throughput{suffix}.png"
     args.img.parent.mkdir(parents=True, exist_ok=True)
     plot(results, args.img)
     cfg = setup.config
@@ -650,6 +651,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         if k == 2
         else f" at K={k} processes on {os.cpu_count()} cores (scheduling, not speed-up)"
     )
+    sharing = (
+        ""
+        if k <= (os.cpu_count() or 1)
+        else f" With {k} processes on {os.cpu_count()} cores the one-process reference also "
+        f"runs {k} at once, so efficiency compares schedules under the same sharing, not "
+        "with a device per stage."
+    )
     section = f"""## {title}
 
 Regenerate: `{command} --out docs/benchmarks.md` ({minutes:.0f} minutes; with `--quick`, a \
@@ -660,10 +668,10 @@ vocabulary {cfg.vocab_size}, float32, mini-batch {setup.batch} sequences; K={k} 
 thread, gloo; `checkpoint="never"` unless stated; balance {balance(cfg.n_layers + 2, k)} \
 (interleaved and V: {balance(cfg.n_layers + 2, 2 * k)} over {2 * k} stages); {code}. \
 Machine: {machine()}. \
-**Measured on a shared 2-core machine**, one process per core (1-minute load average \
-{load}), so absolute numbers move from run to run. Each row alternates, in the same two \
-processes, rounds of one gpipe step, one peer step and one one-process step ({setup.steps} \
-rounds, after {setup.warmup} warm-up steps of each library); samples/s are medians, and \
+**Measured on a shared {os.cpu_count()}-core machine**, {k} processes (1-minute load \
+average {load}), so absolute numbers move from run to run.{sharing} Each row alternates, \
+in the same {k} processes, rounds of one gpipe step, one peer step and one one-process step \
+({setup.steps} rounds, after {setup.warmup} warm-up steps of each library); samples/s are medians, and \
 efficiency and gpipe / peer are ratios of those medians. **paired gpipe / peer** is the median \
 over rounds of each round's peer step time / gpipe step time: the two steps of a round ran \
 back to back, so their ratio is not moved by the machine getting slower or faster between \
