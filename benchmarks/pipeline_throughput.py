@@ -671,8 +671,9 @@ Machine: {machine()}. \
 **Measured on a shared {os.cpu_count()}-core machine**, {k} processes (1-minute load \
 average {load}), so absolute numbers move from run to run.{sharing} Each row alternates, \
 in the same {k} processes, rounds of one gpipe step, one peer step and one one-process step \
-({setup.steps} rounds, after {setup.warmup} warm-up steps of each library); samples/s are medians, and \
-efficiency and gpipe / peer are ratios of those medians. **paired gpipe / peer** is the median \
+({setup.steps} rounds, after {setup.warmup} warm-up steps of each library); samples/s are \
+medians, and efficiency and gpipe / peer are ratios of those medians. **paired gpipe / peer** \
+is the median \
 over rounds of each round's peer step time / gpipe step time: the two steps of a round ran \
 back to back, so their ratio is not moved by the machine getting slower or faster between \
 rounds; **rounds gpipe faster** counts the rounds in which gpipe's step was the shorter. \
