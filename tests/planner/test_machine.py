@@ -3,6 +3,7 @@ uses it: the per-action and per-step fit, the slowdown, and a real measurement."
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -100,3 +101,73 @@ def test_cli_calibrates_before_it_ranks(capsys):
     out = capsys.readouterr().out
     assert code == 0
     assert "compute slowdown K=1 M=2" in out and "K=2 M=2" in out and "(measured)" in out
+
+
+def uneven_profile() -> Profile:
+    """Eight layers of uneven cost: the last stages cost most."""
+    return Profile.from_costs([0.5e-3, 0.5e-3, 1e-3, 1e-3, 1e-3, 2e-3, 2e-3, 3e-3],
+                              param_bytes=1 << 20, activation_bytes=1 << 20,
+                              saved_bytes=1 << 20, batch_size=8)  # fmt: skip
+
+
+def test_zb_auto_is_built_from_the_best_candidates_costs_and_runs():
+    # hand-overs as slow as an action: where the hand-made orders wait, zb-auto does not
+    machine = Machine(link=Link(latency=1e-3, bandwidth=1e9), action=1e-4)
+    result = plan_from_profiles(uneven_profile(), batch_size=8, devices=4, stages=[4],
+                                chunks=[4, 8], checkpoints=["never"], machine=machine)  # fmt: skip
+    autos = [c for c in result.candidates if c.schedule == "zb-auto"]
+    # the best (K, M, checkpoint) candidates' configurations, one stage a rank and V-placed
+    assert {c.virtual_stages for c in autos} == {1, 2}
+    assert result.candidates[0].schedule == "zb-auto"
+    for c in autos:
+        schedule = c.pipe_kwargs()["schedule"]
+        assert schedule.num_ranks == 4 and schedule.num_microbatches == c.chunks
+        # its predicted step is the simulation of the schedule it carries, with its costs
+        costs, transfer = machine.stage_costs(uneven_profile().scaled(1 / c.chunks),
+                                              c.balance, schedule, "never")  # fmt: skip
+        makespan = simulate(schedule, costs, transfer=transfer).makespan
+        assert c.step_time == pytest.approx(machine.step_time(makespan, 4, c.chunks))
+        # kept only where faster than every hand-made schedule of its layout
+        same = [o for o in result.candidates if o.schedule != "zb-auto" and
+                (o.virtual_stages, o.chunks) == (c.virtual_stages, c.chunks)]  # fmt: skip
+        assert all(c.throughput > o.throughput for o in same)
+    # named, it is tried for every configuration; refine=0 leaves it out
+    named = plan_from_profiles(uneven_profile(), batch_size=8, devices=2, stages=[2],
+                               chunks=[4], checkpoints=["never"], schedules=["zb-auto"],
+                               machine=machine)  # fmt: skip
+    assert {c.schedule for c in named.candidates} == {"zb-auto"}
+    plain = plan_from_profiles(uneven_profile(), batch_size=8, devices=2, stages=[2],
+                               chunks=[4], checkpoints=["never"], machine=machine,
+                               refine=0)  # fmt: skip
+    assert "zb-auto" not in {c.schedule for c in plain.candidates}
+
+
+@pytest.mark.timeout(180)
+def test_a_zb_auto_candidate_verifies_and_trains_the_unsplit_models_gradients():
+    from gpipe.planner import verify
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(4)))
+    x, y = torch.randn(8, 16), torch.randn(8, 16)
+    prof = {m: profile(model, x[: 8 // m], target=y[: 8 // m], loss_fn=F.mse_loss, repeats=1,
+                       warmup=0) for m in (4,)}  # fmt: skip
+    result = plan_from_profiles(prof, batch_size=8, devices=2, stages=[2], chunks=[4],
+                                checkpoints=["never"], schedules=["zb-auto"],
+                                virtual_stages=[1])  # fmt: skip
+    (candidate,) = result.candidates
+    (checked,) = verify(result, model, x, y, F.mse_loss, top=1, steps=1, warmup=0, rounds=1)
+    assert checked.step_time > 0
+    # the schedule it carries gives the un-split model's gradients (one process, 2 devices)
+    import gpipe
+
+    reference = [p.grad for p in _grads(model, x, y)]
+    pipe = gpipe.Pipe(copy.deepcopy(model), devices=["cpu", "cpu"], **candidate.pipe_kwargs())
+    pipe.step(x, y, F.mse_loss)
+    for got, want in zip((p.grad for p in pipe.parameters()), reference, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def _grads(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> list[nn.Parameter]:
+    copied = copy.deepcopy(model)
+    F.mse_loss(copied(x), y).backward()
+    return list(copied.parameters())

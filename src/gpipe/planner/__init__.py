@@ -16,9 +16,11 @@ and for every candidate configuration
    activations the simulated schedule holds; see ``gpipe.balance``).
 
 Candidates that fit the budget are ranked by predicted throughput; ties (equal to nine
-significant digits) go to fewer stages, then fewer micro-batches, then the schedule's name,
-the checkpoint mode and fewer virtual stages. :func:`verify` runs the top ones for real, one
-process per device (``gpipe.launch``), and puts measured next to predicted::
+significant digits) go to fewer stages, then fewer micro-batches, then a hand-made schedule
+before ``zb-auto``, then the schedule's name, the checkpoint mode and fewer virtual stages.
+``zb-auto`` is built for each candidate's own costs (see :func:`plan_from_profiles`).
+:func:`verify` runs the top ones for real, one process per device (``gpipe.launch``), and
+puts measured next to predicted::
 
     result = gpipe.plan(model, x, devices=4, memory_budget=8 * 2**30, target=y,
                         loss_fn=F.cross_entropy, verify=3)

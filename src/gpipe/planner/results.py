@@ -10,6 +10,7 @@ from gpipe._utils import MiB
 from gpipe.planner.machine import Machine
 from gpipe.planning.memory_model import StageMemory
 from gpipe.planning.profile import Profile
+from gpipe.schedule import Schedule
 
 __all__ = ["Candidate", "Plan", "Verified"]
 
@@ -31,13 +32,18 @@ class Candidate:
     stage_memory: tuple[StageMemory, ...] = field(repr=False, default=())
     fits: bool = True
     reason: str = ""  # why it does not fit
+    built: Schedule | None = field(default=None, repr=False, compare=False)  # zb-auto's own
+
+    def __post_init__(self) -> None:
+        if self.schedule == "zb-auto" and self.fits and self.built is None:
+            raise ValueError("a zb-auto candidate carries the schedule built for its costs")
 
     def pipe_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``gpipe.Pipe`` (add ``devices`` or ``group``)."""
         return {
             "balance": list(self.balance),
             "chunks": self.chunks,
-            "schedule": self.schedule,
+            "schedule": self.built if self.built is not None else self.schedule,
             "checkpoint": self.checkpoint,
             "virtual_stages": self.virtual_stages,
         }
@@ -47,6 +53,7 @@ class Candidate:
             -float(f"{self.throughput:.9g}"),
             self.stages,
             self.chunks,
+            self.schedule == "zb-auto",  # on a tie, the hand-made schedule first
             self.schedule,
             self.checkpoint,
             self.virtual_stages,

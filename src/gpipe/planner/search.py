@@ -29,13 +29,16 @@ from gpipe.planning.memory_model import (
 )
 from gpipe.planning.profile import Profile, profile
 from gpipe.remat import REMAT_MODES
-from gpipe.schedule import ALL_SCHEDULES, build_schedule, default_virtual_stages
+from gpipe.schedule import ALL_SCHEDULES, build_schedule, default_virtual_stages, zb_auto
 from gpipe.schedule.simulate import simulate
 
 __all__ = ["plan", "plan_from_profiles", "verify"]
 
-# Every named schedule but "zb-auto", which is built for given costs (pass one to a Pipe).
+# Every named schedule but "zb-auto", which is built for each candidate's own costs: by
+# default only for the (K, M, checkpoint) of the best few (``refine``), or everywhere when
+# named in ``schedules``.
 SEARCHED = tuple(name for name in ALL_SCHEDULES if name != "zb-auto")
+AUTO = "zb-auto"
 ProfileSource = Profile | Mapping[int, Profile] | Callable[[int], Profile]
 
 
@@ -79,6 +82,7 @@ def plan_from_profiles(
     machine: Machine | None = None,
     link: Link | None = None,
     overhead: float | None = None,
+    refine: int = 3,
 ) -> Plan:
     """Rank every candidate configuration from known per-layer costs (no model is run).
 
@@ -89,6 +93,12 @@ def plan_from_profiles(
     (:meth:`Machine.measure` measures them; by default 0.1 ms per action, gloo-like
     transfers, no slowdown). ``link`` or ``overhead`` (seconds per action) replace the
     machine's own.
+    ``zb-auto`` schedules (``gpipe.schedule.zb_auto``) are built from a candidate's own
+    per-stage costs and hand-over time, as the machine runs them, under 1F1B's memory (K
+    micro-batches a rank), on one stage a rank and on ZB-V's V placement: for the (K, M,
+    checkpoint) of the ``refine`` best candidates (K > 1) when ``schedules`` is not given,
+    kept where faster than every named schedule of the same layout; or for every
+    configuration when ``schedules`` names ``"zb-auto"``.
     The other arguments restrict the search; the defaults try K = 1..devices, M = powers
     of two up to min(batch_size, 32), every schedule but ``"zb-auto"`` (``SEARCHED``; v = 2
     for interleaved 1F1B and the V schedules) and every checkpoint mode. K = 1 is tried
@@ -111,12 +121,12 @@ def plan_from_profiles(
     if too_many:
         raise ValueError(f"chunks {too_many} are not in 1..batch_size ({batch_size})")
     schedule_list = sorted(set(schedules)) if schedules is not None else sorted(SEARCHED)
-    unknown = [s for s in schedule_list if s not in SEARCHED]
+    unknown = [s for s in schedule_list if s not in ALL_SCHEDULES]
     modes = list(checkpoints) if checkpoints is not None else list(REMAT_MODES)
     unknown += [c for c in modes if c not in REMAT_MODES]
     if unknown:
         raise ValueError(
-            f"unknown schedule or checkpoint {unknown}; schedules: {', '.join(SEARCHED)}; "
+            f"unknown schedule or checkpoint {unknown}; schedules: {', '.join(ALL_SCHEDULES)}; "
             f"checkpoints: {', '.join(REMAT_MODES)}"
         )
     stage_list = sorted(set(stages)) if stages is not None else list(range(1, devices + 1))
@@ -139,6 +149,24 @@ def plan_from_profiles(
             candidate = _evaluate(prof, k, v, m, name, mode, **settings)
             (fitting if candidate.fits else rejected).append(candidate)
     fitting.sort(key=Candidate.rank_key)
+    if schedules is None and refine > 0:
+        chosen: list[tuple[int, int, str]] = []
+        for c in fitting:
+            if c.stages > 1 and (c.stages, c.chunks, c.checkpoint) not in chosen:
+                chosen.append((c.stages, c.chunks, c.checkpoint))
+        fastest = {(c.stages, c.virtual_stages, c.chunks, c.checkpoint): c.throughput
+                   for c in reversed(fitting)}  # fmt: skip
+        for k, m, mode in chosen[:refine]:
+            prof = profiles_used[m]
+            for v in sorted(set(virtual_stages) & {1, 2}):
+                if k * v <= len(prof.layers):
+                    candidate = _evaluate(prof, k, v, m, AUTO, mode, **settings)
+                    # it joins the ranking where it beats every hand-made order of its layout
+                    if candidate.fits and candidate.throughput > fastest.get(
+                        (k, v, m, mode), 0.0
+                    ) * (1 + 1e-9):
+                        fitting.append(candidate)
+        fitting.sort(key=Candidate.rank_key)
     rejected.sort(key=lambda c: (max(c.memory) if c.memory else math.inf, c.rank_key()))
     return Plan(
         fitting,
@@ -160,6 +188,8 @@ def _configurations(layers, m, stage_list, virtual_list, schedule_list, modes):
             for name in schedule_list:
                 if k == 1:  # one stage: every schedule is the same
                     applies = name == "gpipe" and v == 1
+                elif name == AUTO:
+                    applies = v in (1, 2)
                 elif name == "interleaved-1f1b":
                     applies = v > 1 and m % k == 0
                 elif default_virtual_stages(name) == 2:  # the V schedules: two stages a rank
@@ -187,7 +217,10 @@ def _evaluate(
     memory: MemoryModel,
     machine: Machine,
 ) -> Candidate:
-    schedule = build_schedule(name, num_ranks=k, num_microbatches=m, virtual_stages=v)
+    # zb-auto is cut as the hand-made zero-bubble schedule of its placement, then built for
+    # that cut's costs
+    like = ("zb-h1" if v == 1 else "zb-v") if name == AUTO else name
+    schedule = build_schedule(like, num_ranks=k, num_microbatches=m, virtual_stages=v)
     num_stages = k * v
     base = {"stages": k, "virtual_stages": v, "chunks": m, "schedule": name, "checkpoint": mode}
     try:
@@ -217,6 +250,8 @@ def _evaluate(
             reason=f"no cut fits: {max(error.missing) / MiB:.1f} MiB missing on a stage",
         )
     costs, transfer = machine.stage_costs(prof, part.balance, schedule, mode)
+    if name == AUTO:
+        schedule = zb_auto(k, m, costs=costs, transfer=transfer, virtual_stages=v)
     result = simulate(schedule, costs, transfer=transfer)
     stage_mem = stage_memory(
         prof,
@@ -244,6 +279,7 @@ def _evaluate(
         stage_memory=tuple(stage_mem),
         fits=fits,
         reason=reason,
+        built=schedule if name == AUTO else None,
     )
 
 
