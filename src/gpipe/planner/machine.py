@@ -220,8 +220,7 @@ class Machine:
             ).balance
             for k in stages
         }
-        if target is None or loss_fn is None:
-            loss_fn, target = output_square, torch.zeros(microbatch.batch_size(sample))
+        target, loss_fn = loss_or_stand_in(sample, target, loss_fn)
         results = launch(
             _measure_rank,
             devices,
@@ -306,10 +305,17 @@ def _nearest(factors: Mapping[tuple[int, int], float], processes: int, chunks: i
     return float(measured[nearest])
 
 
-def output_square(output: Any, target: Any) -> torch.Tensor:
+def _output_square(output: Any, target: Any) -> torch.Tensor:
     """A stand-in loss when none is given: mean square of the output's float tensors."""
     del target
     return sum(t.float().pow(2).mean() for t in tensors_of(output) if t.is_floating_point())  # type: ignore[return-value]
+
+
+def loss_or_stand_in(sample: Any, target: Any, loss_fn: Callable | None) -> tuple[Any, Callable]:
+    """(target, loss_fn) as given, or the mean square of the output against nothing."""
+    if target is None or loss_fn is None:
+        return torch.zeros(microbatch.batch_size(sample, name="sample")), _output_square
+    return target, loss_fn
 
 
 def _tiny_model(devices: int) -> nn.Sequential:

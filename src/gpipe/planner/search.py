@@ -18,7 +18,7 @@ from gpipe.engine.memory import measure_activations
 from gpipe.parallel import mesh
 from gpipe.parallel.launch import launch
 from gpipe.pipe import Pipe
-from gpipe.planner.machine import Link, Machine, output_square
+from gpipe.planner.machine import Link, Machine, loss_or_stand_in
 from gpipe.planner.results import Candidate, Plan, Verified
 from gpipe.planning.balance import BudgetError, balance_profile
 from gpipe.planning.memory_model import (
@@ -116,7 +116,7 @@ def plan_from_profiles(
     profile_of = _profile_source(profiles, batch_size)
     memory = memory or MemoryModel()
     machine = (machine or Machine()).with_overrides(link=link, action=overhead)
-    chunk_list = sorted(set(chunks)) if chunks is not None else _default_chunks(batch_size)
+    chunk_list = _chunk_list(chunks, batch_size)
     too_many = [m for m in chunk_list if not 1 <= m <= batch_size]
     if too_many:
         raise ValueError(f"chunks {too_many} are not in 1..batch_size ({batch_size})")
@@ -150,22 +150,7 @@ def plan_from_profiles(
             (fitting if candidate.fits else rejected).append(candidate)
     fitting.sort(key=Candidate.rank_key)
     if schedules is None and refine > 0:
-        chosen: list[tuple[int, int, str]] = []
-        for c in fitting:
-            if c.stages > 1 and (c.stages, c.chunks, c.checkpoint) not in chosen:
-                chosen.append((c.stages, c.chunks, c.checkpoint))
-        fastest = {(c.stages, c.virtual_stages, c.chunks, c.checkpoint): c.throughput
-                   for c in reversed(fitting)}  # fmt: skip
-        for k, m, mode in chosen[:refine]:
-            prof = profiles_used[m]
-            for v in sorted(set(virtual_stages) & {1, 2}):
-                if k * v <= len(prof.layers):
-                    candidate = _evaluate(prof, k, v, m, AUTO, mode, **settings)
-                    # it joins the ranking where it beats every hand-made order of its layout
-                    if candidate.fits and candidate.throughput > fastest.get(
-                        (k, v, m, mode), 0.0
-                    ) * (1 + 1e-9):
-                        fitting.append(candidate)
+        fitting += _zb_auto_for_the_best(fitting, profiles_used, virtual_stages, refine, settings)
         fitting.sort(key=Candidate.rank_key)
     rejected.sort(key=lambda c: (max(c.memory) if c.memory else math.inf, c.rank_key()))
     return Plan(
@@ -177,6 +162,34 @@ def plan_from_profiles(
         profiles_used,
         machine=machine,
     )
+
+
+def _chunk_list(chunks: Iterable[int] | None, batch_size: int) -> list[int]:
+    return sorted(set(chunks)) if chunks is not None else _default_chunks(batch_size)
+
+
+def _zb_auto_for_the_best(ranked, profiles, virtual_stages, refine, settings) -> list[Candidate]:
+    """zb-auto built for the (K, M, checkpoint) of the ``refine`` best of ``ranked`` (K > 1),
+    where it beats every named schedule of its layout."""
+    chosen: list[tuple[int, int, str]] = []
+    for c in ranked:
+        if c.stages > 1 and (c.stages, c.chunks, c.checkpoint) not in chosen:
+            chosen.append((c.stages, c.chunks, c.checkpoint))
+    fastest: dict[tuple[int, int, int, str], float] = {}
+    for c in ranked:
+        key = (c.stages, c.virtual_stages, c.chunks, c.checkpoint)
+        fastest[key] = max(fastest.get(key, 0.0), c.throughput)
+    found = []
+    for k, m, mode in chosen[:refine]:
+        for v in sorted(set(virtual_stages) & {1, 2}):
+            if k * v > len(profiles[m].layers):
+                continue
+            candidate = _evaluate(profiles[m], k, v, m, AUTO, mode, **settings)
+            if candidate.fits and candidate.throughput > fastest.get((k, v, m, mode), 0.0) * (
+                1 + 1e-9
+            ):
+                found.append(candidate)
+    return found
 
 
 def _configurations(layers, m, stage_list, virtual_list, schedule_list, modes):
@@ -332,11 +345,10 @@ def plan(
     if calibrate:
         if search.get("machine") is not None:
             raise ValueError("give a measured machine or calibrate=True, not both")
-        chunks = sorted(set(search.get("chunks") or _default_chunks(batch_size)))
         search["machine"] = Machine.measure(
             model,
             sample,
-            {m: profile_of(m) for m in chunks},
+            {m: profile_of(m) for m in _chunk_list(search.get("chunks"), batch_size)},
             devices=devices,
             target=target,
             loss_fn=loss_fn,
@@ -373,9 +385,7 @@ def verify(
     all rounds gives the measured throughput (every rank ends a step together). One
     more step is run under ``gpipe.measure_activations``.
     """
-    if target is None or loss_fn is None:
-        loss_fn = output_square
-        target = torch.zeros(microbatch.batch_size(sample, name="sample"))
+    target, loss_fn = loss_or_stand_in(sample, target, loss_fn)
     if not isinstance(rounds, int) or rounds < 1:
         raise ValueError(f"rounds must be a positive int, got {rounds!r}")
     chosen = result.candidates[:top]
