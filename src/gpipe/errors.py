@@ -8,7 +8,17 @@ refused because its loss or a gradient is not finite.
 
 from __future__ import annotations
 
-__all__ = ["NonFiniteError", "PartitionError", "PipelineError"]
+__all__ = ["COMMUNICATION_FAILURES", "NonFiniteError", "PartitionError", "PipelineError"]
+
+# The words gloo and torch.distributed use when a collective or a message waited past its
+# timeout or its peer went away (e.g. gloo: "Application timeout caused pair closure").
+COMMUNICATION_FAILURES = (
+    "Timed out",
+    "timed out",
+    "Connection closed",
+    "Connection reset",
+    "pair closure",
+)
 
 
 class PartitionError(ValueError):

@@ -132,3 +132,6 @@ def test_a_failed_run_reports_the_rank_that_caused_it():
     }
     assert root_cause(failures) == 1
     assert root_cause({3: "killed by signal 9", 2: "exited with code 1 without a result"}) == 2
+    # gloo's words for a wait that ran out while its peer was stuck: a consequence too
+    assert root_cause({0: "RuntimeError: Application timeout caused pair closure",
+                       3: "KeyError: 'boom'"}) == 3  # fmt: skip

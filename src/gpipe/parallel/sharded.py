@@ -39,7 +39,7 @@ import torch.distributed as dist
 from torch import nn
 
 from gpipe.engine.stage import Stage
-from gpipe.errors import PipelineError
+from gpipe.errors import COMMUNICATION_FAILURES, PipelineError
 from gpipe.parallel.collectives import Collectives
 
 __all__ = [
@@ -53,8 +53,7 @@ __all__ = [
 
 SHARD_MODES = ("params",)
 # How gloo and NCCL say that a peer did not come (timeout) or left (closed connection).
-_COMMUNICATION_FAILURES = ("Timed out", "timed out", "Connection closed", "Connection reset",
-                           "NCCL")  # fmt: skip
+_COMMUNICATION_FAILURES = (*COMMUNICATION_FAILURES, "NCCL")
 
 
 def full_value(value: Any) -> Any:

@@ -10,6 +10,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from gpipe.errors import COMMUNICATION_FAILURES
 from gpipe.parallel.launch import LaunchError, launch
 from gpipe.parallel.mesh import ensure_world, leave_world, world_collectives
 from gpipe.train.config import ConfigError, TrainConfig
@@ -107,15 +108,7 @@ def run_under_torchrun(config: TrainConfig) -> dict[str, Any] | None:
 
 
 # How a rank fails when another one failed first: not the cause worth reporting.
-_SECONDARY = (
-    "PipelineError",
-    "Connection closed",
-    "Connection reset",
-    "timed out",
-    "Timed out",
-    "killed by signal",
-    "without a result",
-)
+_SECONDARY = ("PipelineError", *COMMUNICATION_FAILURES, "killed by signal", "without a result")
 
 
 def root_cause(failures: dict[int, str]) -> int:
