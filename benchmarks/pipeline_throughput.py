@@ -48,6 +48,7 @@ import torch
 from torch import nn
 
 import gpipe
+from gpipe.allocator import POLICIES
 from gpipe.models import GPTConfig, gpt, lm_loss
 from gpipe.parallel.launch import launch
 from gpipe.schedule import Schedule, build_schedule
@@ -108,6 +109,7 @@ class Setup:
     steps: int  # timed steps of each library per case, alternating
     only: tuple[str, ...] = ()  # "schedule:M" labels to run (all when empty)
     ranks: int = 2  # K: processes
+    allocator: str = "default"  # gpipe.cpu_allocator policy of every process
 
     def cases(self) -> list[Case]:
         every = self._every()
@@ -229,6 +231,7 @@ def _relative_error(ours: Sequence[nn.Parameter], theirs: Sequence[nn.Parameter]
 
 def _worker(rank: int, setup: Setup) -> list[Measured]:
     torch.set_num_threads(1)
+    gpipe.cpu_allocator(setup.allocator)  # both libraries run in these processes
     cfg = setup.config
     generator = torch.Generator().manual_seed(0)
     shape = (setup.batch, cfg.context)
@@ -590,6 +593,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         "not speed-up, and --out writes it into a section of its own)",
     )
     parser.add_argument("--chunks", type=int, nargs="+", help="micro-batch counts M to run")
+    parser.add_argument(
+        "--cpu-allocator",
+        choices=POLICIES,
+        default="default",
+        help="gpipe.cpu_allocator policy of every process (both libraries run in them)",
+    )
     args = parser.parse_args(argv)
     setup = QUICK if args.quick else FULL
     if args.cases:
@@ -599,7 +608,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             parser.error("--out writes the full table: run without --cases")
     if args.ranks not in (2, 4):
         parser.error(f"--ranks must be 2 or 4 (8 blocks split evenly), got {args.ranks}")
-    setup = replace(setup, ranks=args.ranks)
+    setup = replace(setup, ranks=args.ranks, allocator=args.cpu_allocator)
     if args.chunks:
         setup = replace(setup, chunks=tuple(sorted(set(args.chunks))))
     if args.rounds is not None:
@@ -638,8 +647,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     command = "python benchmarks/pipeline_throughput.py" + (" --quick" if args.quick else "")
     if setup.ranks != 2:
         command += f" --ranks {setup.ranks} --chunks {' '.join(map(str, setup.chunks))}"
+    elif args.chunks:
+        command += f" --chunks {' '.join(map(str, setup.chunks))}"
     if args.rounds is not None:
         command += f" --rounds {args.rounds}"
+    if setup.allocator != "default":
+        command += f" --cpu-allocator {setup.allocator}"
     compared = [r for r in results if r.peer]
     worst_loss = max((r.loss_error for r in compared), default=float("nan"))
     worst_grad = max((r.grad_error for r in compared), default=float("nan"))
@@ -658,6 +671,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         f"runs {k} at once, so efficiency compares schedules under the same sharing, not "
         "with a device per stage."
     )
+    allocator = (
+        "glibc's default allocator"
+        if setup.allocator == "default"
+        else f'`gpipe.cpu_allocator("{setup.allocator}")` in every process'
+    )
     section = f"""## {title}
 
 Regenerate: `{command} --out docs/benchmarks.md` ({minutes:.0f} minutes; with `--quick`, a \
@@ -665,7 +683,8 @@ tiny model and few steps, it checks in under a minute that everything runs).
 
 GPT {cfg.n_layers} blocks, d_model {cfg.d_model}, {cfg.n_heads} heads, sequence {cfg.context}, \
 vocabulary {cfg.vocab_size}, float32, mini-batch {setup.batch} sequences; K={k} processes × 1 \
-thread, gloo; `checkpoint="never"` unless stated; balance {balance(cfg.n_layers + 2, k)} \
+thread, gloo; {allocator}; `checkpoint="never"` unless stated; \
+balance {balance(cfg.n_layers + 2, k)} \
 (interleaved and V: {balance(cfg.n_layers + 2, 2 * k)} over {2 * k} stages); {code}. \
 Machine: {machine()}. \
 **Measured on a shared {os.cpu_count()}-core machine**, {k} processes (1-minute load \

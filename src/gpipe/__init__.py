@@ -9,6 +9,7 @@ same gradients as the un-split model::
     optimizer.step(); optimizer.zero_grad()
 """
 
+from gpipe.allocator import cpu_allocator
 from gpipe.engine.batchnorm import DeferredBatchNorm
 from gpipe.engine.memory import measure_activations
 from gpipe.engine.skip import pop, skippable, stash
@@ -29,6 +30,7 @@ __all__ = [
     "PipelineError",
     "balance_by_size",
     "balance_by_time",
+    "cpu_allocator",
     "is_recomputing",
     "launch",
     "measure_activations",

@@ -106,6 +106,8 @@ class Pipe(ModelNames, nn.Module):
             ``None`` (default) by backend — ahead on gloo, in NCCL's global order on NCCL;
             ``False`` runs NCCL's order on gloo (to test it on the CPU).
         sample: a micro-batch of inputs, for ``balance="auto"``.
+        sample_loss: ``(target, loss_fn)`` for that micro-batch: ``balance="auto"`` then
+            times the loss with the last layer, since the last stage runs it too.
         tied: groups of whole-model parameter names that are one tensor used by several
             stages, e.g. ``[("0.token.weight", "9.out.weight")]``: each stage keeps a copy,
             their gradients are summed once per step, and the copies stay equal.
@@ -139,6 +141,7 @@ class Pipe(ModelNames, nn.Module):
         init_seed: int = 0,
         timeout: float = 60.0,
         sample: Any = None,
+        sample_loss: tuple[Any, Callable] | None = None,
         tied: Sequence[Sequence[str]] = (),
         receive_ahead: bool | None = None,
     ) -> None:
@@ -173,6 +176,7 @@ class Pipe(ModelNames, nn.Module):
                 checkpoint=checkpoint,
                 schedule=schedule,
                 virtual_stages=virtual_stages,
+                sample_loss=sample_loss,
             )
         balance = list(balance)
         if not isinstance(virtual_stages, int) or virtual_stages < 1:

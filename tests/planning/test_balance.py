@@ -290,3 +290,22 @@ def test_balance_by_step_never_lengthens_the_simulated_step(schedule):
         shorter += step(by_step) < step(by_time) * (1 - 1e-6)
     if schedule == "zb-v":  # two stages per rank: the slowest stage misjudges the step
         assert shorter >= 3, shorter
+
+
+def test_pipe_auto_balance_times_the_loss_the_last_stage_adds():
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(128, 128) for _ in range(8)))
+    x, y = torch.randn(64, 128), torch.randn(64, 128)
+    mixer = torch.randn(128, 128) / 128**0.5
+
+    def costly_loss(out, target):  # about twelve layers' worth of forward and backward
+        for _ in range(12):
+            out = torch.tanh(out @ mixer)
+        return F.mse_loss(out, target)
+
+    options = dict(balance="auto", sample=x, devices=["cpu"] * 2, chunks=2)
+    without = gpipe.Pipe(twin(model), **options).balance
+    with_loss = gpipe.Pipe(twin(model), sample_loss=(y, costly_loss), **options).balance
+    assert without[-1] >= 3 and with_loss[-1] <= 2, (without, with_loss)
+    with pytest.raises(PartitionError, match=r"sample_loss must be a pair \(target, loss_fn\)"):
+        gpipe.Pipe(twin(model), sample_loss=y, **options)

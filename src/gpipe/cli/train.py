@@ -32,6 +32,7 @@ import argparse
 import os
 import sys
 
+from gpipe.allocator import POLICIES
 from gpipe.checkpoint import CheckpointError
 from gpipe.checkpoint_integrity import choose
 from gpipe.remat import REMAT_MODES
@@ -107,6 +108,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--progress", choices=["auto", "bar", "lines"], help="default: auto")
     g.add_argument("--log-every", type=int, help="steps between progress lines (10)")
     g.add_argument("--threads", type=int, help="torch threads per process (cores/processes)")
+    g.add_argument(
+        "--cpu-allocator", choices=POLICIES,
+        help="freed CPU tensors: 'cache' keeps them for reuse (faster, notably for zero-bubble "
+        "schedules), 'return' gives them back (memory-bound runs); see gpipe.cpu_allocator",
+    )  # fmt: skip
     g.add_argument("--timeout", type=float, help="seconds a rank waits for another (120)")
     del add
 

@@ -45,6 +45,7 @@ from typing import Any
 import torch
 
 from gpipe._utils import MiB
+from gpipe.allocator import RETURN_MMAP_THRESHOLD
 from gpipe.parallel import mesh
 from gpipe.parallel.launch import launch
 from gpipe.pipe import Pipe
@@ -60,7 +61,7 @@ from gpipe.planning.capacity import (
 __all__ = ["CapacityCheck", "Measured", "calibrate", "measure_fit", "verify_capacity"]
 
 SHARDING = "shard" in inspect.signature(Pipe).parameters  # Pipe(shard="params") has landed
-MMAP_THRESHOLD = 64 * 1024  # bytes; see the module docstring
+MMAP_THRESHOLD = RETURN_MMAP_THRESHOLD  # bytes; see the module docstring
 
 
 @contextlib.contextmanager

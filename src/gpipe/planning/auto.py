@@ -22,6 +22,7 @@ def auto_balance(
     sample: Any,
     devices: Sequence[DeviceLike] | None,
     decide: Callable[[Callable[[], T]], T],
+    sample_loss: tuple[Any, Callable] | None = None,
     **plan: Any,
 ) -> list[int]:
     """Cuts that minimise the slowest stage, measured on ``sample`` on the first device.
@@ -29,7 +30,8 @@ def auto_balance(
     ``decide`` runs the profiling where the Pipe's group says (``gpipe.parallel.group``:
     with many processes, rank 0 profiles and every rank takes its answer, since timings
     differ from process to process and all must cut alike). ``plan`` holds the Pipe's
-    ``chunks``, ``checkpoint``, ``schedule`` and ``virtual_stages``.
+    ``chunks``, ``checkpoint``, ``schedule`` and ``virtual_stages``; ``sample_loss`` is
+    ``(target, loss_fn)``, timed with the last layer.
     """
     if balance != "auto":
         raise PartitionError(f"balance must be a list of ints or 'auto', got {balance!r}")
@@ -43,5 +45,25 @@ def auto_balance(
         raise PartitionError(
             "balance='auto' needs to know the number of stages: pass devices=[...], one per stage"
         )
+    target = loss_fn = None
+    if sample_loss is not None:
+        if not (
+            isinstance(sample_loss, tuple) and len(sample_loss) == 2 and callable(sample_loss[1])
+        ):
+            raise PartitionError(
+                f"sample_loss must be a pair (target, loss_fn) with a callable loss_fn, got "
+                f"{type(sample_loss).__name__}: e.g. sample_loss=(y[:8], F.cross_entropy)"
+            )
+        target, loss_fn = sample_loss
     stages = len(devices) * plan["virtual_stages"]
-    return decide(lambda: balance_by_time(module, sample, stages=stages, device=devices[0], **plan))
+    return decide(
+        lambda: balance_by_time(
+            module,
+            sample,
+            stages=stages,
+            device=devices[0],
+            target=target,
+            loss_fn=loss_fn,
+            **plan,
+        )
+    )

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from gpipe import checkpoint as ckpt
+from gpipe.allocator import POLICIES
 from gpipe.schedule import ScheduleError, build_schedule, default_virtual_stages
 from gpipe.train.tasks import TASKS, Task
 
@@ -59,6 +60,7 @@ class TrainConfig:
     log_every: int = 10
     progress: str = "auto"  # "bar" (rich), "lines", "auto": bar on a terminal
     threads: int = 0  # torch threads per process (0: cores / processes)
+    cpu_allocator: str = "default"  # gpipe.cpu_allocator: "default", "cache", "return"
     timeout: float = 120.0  # seconds a rank waits for another
     resume: str | None = None  # checkpoint folder
     model_args: dict[str, Any] = field(default_factory=dict)
@@ -161,6 +163,8 @@ def _problems(c: TrainConfig, start: int, world_size: int | None, *, fresh: bool
     ):
         if getattr(c, name) < 0:
             problems.append(f"--{name.replace('_', '-')} must be >= 0, got {getattr(c, name)}")
+    if c.cpu_allocator not in POLICIES:
+        problems.append(f"--cpu-allocator {c.cpu_allocator!r}: choose one of {', '.join(POLICIES)}")
     if c.lr <= 0 or c.grad_clip < 0 or c.weight_decay < 0 or c.temperature <= 0:
         problems.append("--lr and --temperature must be > 0, --grad-clip and --weight-decay >= 0")
     if c.eval_batches < 1 or c.log_every < 1 or not 0 < c.timeout < 1e9:

@@ -27,6 +27,7 @@ from torch.nn import functional as F
 from gpipe import checkpoint as ckpt
 from gpipe import timeline
 from gpipe._utils import local_value
+from gpipe.allocator import cpu_allocator
 from gpipe.data import EpochSampler, hash_seed
 from gpipe.engine.memory import measure_activations
 from gpipe.errors import NonFiniteError
@@ -51,6 +52,7 @@ class Trainer:
         self.rank, self.out, self.task = rank, Path(config.out), config.task
         threads = c.threads or max(1, len(os.sched_getaffinity(0)) // c.world_size)
         torch.set_num_threads(threads)
+        cpu_allocator(c.cpu_allocator)
         self.mesh = Mesh.build(c.stages, c.replicas, timeout=c.timeout)
         self.replica = rank // c.stages
         self.spec = model_spec(c)

@@ -1,0 +1,73 @@
+"""How the process's C allocator treats the memory of freed CPU tensors (glibc only).
+
+PyTorch's CPU tensors come from ``malloc``. glibc gives a large block its own fresh mapping
+(above an mmap threshold that grows with use) and hands memory at the top of its heap back
+to the system; either way the next tensor of that size page-faults on freshly zeroed pages.
+GPUs do not pay this: PyTorch's caching allocator keeps freed blocks. Two policies:
+
+* ``"cache"``: blocks up to 32 MiB (glibc's largest threshold) come from the heap, and the
+  heap is never trimmed. Freed tensors are reused while still in the cache, as the CUDA
+  allocator does. Resident memory stays at its high-water mark. A split backward (B now,
+  W later) gains the most: it holds more at once, so with glibc's default its W keeps
+  landing on fresh pages (``benchmarks/split_backward.py``).
+* ``"return"``: every block over 64 KiB is its own mapping, given back when freed, so the
+  process's peak follows the bytes actually live. This is for memory-bound runs (what
+  ``gpipe.planner.capacity`` measures with); it is slower.
+
+The setting holds for the calling process from now on; call it in each rank (``gpipe train
+--cpu-allocator``). With jemalloc or tcmalloc preloaded it changes nothing that matters.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+from functools import cache
+
+__all__ = ["POLICIES", "RETURN_MMAP_THRESHOLD", "cpu_allocator"]
+
+POLICIES = ("default", "cache", "return")
+
+# mallopt's parameters (malloc.h).
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+_LARGEST_MMAP_THRESHOLD = 32 * 2**20  # glibc refuses more on 64-bit
+_NEVER_TRIM = 2**31 - 1
+RETURN_MMAP_THRESHOLD = 64 * 2**10  # also what gpipe.planner.capacity measures with
+
+
+@cache
+def _glibc() -> ctypes.CDLL | None:
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name or "libc.so.6")
+        libc.gnu_get_libc_version  # noqa: B018 -- only glibc has it
+        libc.mallopt  # noqa: B018
+    except (OSError, AttributeError):
+        return None
+    return libc
+
+
+def cpu_allocator(policy: str) -> None:
+    """Set this process's allocator policy: ``"cache"``, ``"return"`` or ``"default"``.
+
+    ``"default"`` leaves glibc as it is (it cannot be restored once changed in a process).
+    """
+    if policy not in POLICIES:
+        raise ValueError(f"cpu_allocator: unknown policy {policy!r}; choose one of {POLICIES}")
+    if policy == "default":
+        return
+    libc = _glibc()
+    if libc is None:
+        raise RuntimeError(
+            f"cpu_allocator({policy!r}) needs glibc's mallopt, which this platform lacks; "
+            "leave the policy at 'default', or preload jemalloc or tcmalloc (LD_PRELOAD)"
+        )
+    if policy == "cache":
+        settings = ((_M_MMAP_THRESHOLD, _LARGEST_MMAP_THRESHOLD), (_M_TRIM_THRESHOLD, _NEVER_TRIM))
+    else:
+        settings = ((_M_MMAP_THRESHOLD, RETURN_MMAP_THRESHOLD),)
+    for parameter, value in settings:
+        if libc.mallopt(parameter, value) != 1:
+            raise RuntimeError(
+                f"cpu_allocator({policy!r}): glibc refused mallopt({parameter}, {value})"
+            )
