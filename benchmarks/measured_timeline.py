@@ -3,8 +3,10 @@
     python benchmarks/measured_timeline.py [--quick] [--out docs/benchmarks.md]
 
 Two processes (one thread each) train the GPT of ``benchmarks/pipeline_throughput.py``
-with M=8 micro-batches under the schedules gpipe, 1f1b and zb-h1. Each rank records its
-actions (``Pipe.step(..., trace=True)``); the parent gathers both ranks' traces, derives
+with M=8 micro-batches under the schedules gpipe, 1f1b, zb-h1, zb-v and zb-auto (built on
+the V placement from the F, B, W and transfer costs measured in the median traced zb-v
+step, ``gpipe.schedule.zb_auto``; both ranks build it from both ranks' traces). Each rank
+records its actions (``Pipe.step(..., trace=True)``); the parent gathers both ranks' traces, derives
 the median cost of F, B and W per stage, simulates the same schedule with those costs
 (``gpipe.schedule.simulate``) and draws simulated above measured into
 ``docs/img/measured-vs-simulated-<schedule>.png``. It prints the predicted and measured
@@ -30,13 +32,15 @@ import torch
 
 import gpipe
 from gpipe import timeline
+from gpipe.allocator import POLICIES
 from gpipe.models import GPTConfig, gpt, lm_loss
 from gpipe.parallel.launch import launch
-from gpipe.schedule import Action, Kind, Schedule, TimedAction, build_schedule
+from gpipe.schedule import Action, Kind, Schedule, TimedAction, build_schedule, zb_auto
 from gpipe.schedule.simulate import Costs, SimulationResult, simulate
 
 ROOT = Path(__file__).resolve().parents[1]
-SCHEDULES = ("gpipe", "1f1b", "zb-h1")
+SCHEDULES = ("gpipe", "1f1b", "zb-h1", "zb-v", "zb-auto")
+V_SCHEDULES = ("zb-v", "zb-auto")  # two stages per rank, in a V
 SECTION = "measured-timeline"
 
 # -- traces, costs and bubbles -------------------------------------------------------------
@@ -136,6 +140,7 @@ class Setup:
     chunks: int
     warmup: int
     steps: int  # traced steps; the one with the median makespan is drawn
+    allocator: str = "default"  # gpipe.cpu_allocator policy of both processes
 
 
 FULL = Setup(
@@ -165,10 +170,26 @@ def balance(num_layers: int, num_stages: int) -> list[int]:
     return cut
 
 
+def _median_step(steps: Sequence[Sequence[TimedAction]]) -> list[TimedAction]:
+    """Of several steps (each both ranks' events), the one with the median makespan."""
+    ordered = sorted(steps, key=lambda events: bubble(events, 2)[0])
+    return list(ordered[len(ordered) // 2])
+
+
+def _zb_auto_from(steps: Sequence[Sequence[TimedAction]], chunks: int) -> Schedule:
+    """zb-auto on the V, for the per-stage costs and transfer of a measured zb-v step."""
+    events = _median_step(steps)
+    v_shape = build_schedule("zb-v", num_ranks=2, num_microbatches=chunks, virtual_stages=2)
+    costs = measured_costs(v_shape, events, scale=1e3)
+    transfer = transfer_latency(events, v_shape) * 1e3
+    return zb_auto(2, chunks, costs=costs, transfer=transfer, virtual_stages=2)
+
+
 def _traced(rank: int, setup: Setup) -> list[dict]:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    gpipe.cpu_allocator(setup.allocator)
     generator = torch.Generator().manual_seed(0)
     shape = (setup.batch, setup.config.context)
     x = torch.randint(0, setup.config.vocab_size, shape, generator=generator)
@@ -177,12 +198,20 @@ def _traced(rank: int, setup: Setup) -> list[dict]:
     for name in SCHEDULES:
         torch.manual_seed(0)
         model = gpt(setup.config)
+        v = 2 if name in V_SCHEDULES else 1
+        schedule: str | Schedule = name
+        if name == "zb-auto":
+            mine = [r["trace"] for r in results if r["schedule"] == "zb-v"]
+            both: list = [None, None]
+            dist.all_gather_object(both, mine)
+            schedule = _zb_auto_from([a + b for a, b in zip(*both, strict=True)], setup.chunks)
         pipe = gpipe.Pipe(
             model,
-            balance=balance(len(model), 2),
+            balance=balance(len(model), 2 * v),
             chunks=setup.chunks,
             checkpoint="never",
-            schedule=name,
+            schedule=schedule,
+            virtual_stages=v,
             group=dist.group.WORLD,
         )
         for step in range(setup.warmup + setup.steps):
@@ -190,20 +219,24 @@ def _traced(rank: int, setup: Setup) -> list[dict]:
             dist.barrier()
             pipe.step(x, y, lm_loss, trace=step >= setup.warmup)
             if step >= setup.warmup:
-                results.append({"schedule": name, "trace": pipe.last_trace})
+                results.append({"schedule": name, "trace": pipe.last_trace, "built": schedule})
     return results
 
 
 def timelines(setup: Setup) -> list[Timeline]:
     """Run the traced steps in 2 launched processes and simulate each schedule."""
-    per_rank = launch(_traced, 2, args=(setup,), timeout=300)
+    per_rank = launch(_traced, 2, args=(setup,), timeout=600)
     out = []
     for name in SCHEDULES:
-        steps = [[r["trace"] for r in ranks if r["schedule"] == name] for ranks in per_rank]
-        both = [[e for rank in steps for e in rank[i]] for i in range(setup.steps)]
-        both.sort(key=lambda events: bubble(events, 2)[0])
-        events = both[len(both) // 2]  # the step with the median makespan
-        schedule = build_schedule(name, num_ranks=2, num_microbatches=setup.chunks)
+        kept = [[r for r in ranks if r["schedule"] == name] for ranks in per_rank]
+        steps = [kept[0][i]["trace"] + kept[1][i]["trace"] for i in range(setup.steps)]
+        events = _median_step(steps)
+        schedule = kept[0][0]["built"]
+        if isinstance(schedule, str):
+            v = 2 if name in V_SCHEDULES else 1
+            schedule = build_schedule(
+                name, num_ranks=2, num_microbatches=setup.chunks, virtual_stages=v
+            )
         transfer = transfer_latency(events, schedule)
         simulated = simulate(
             schedule, measured_costs(schedule, events, scale=1e3), transfer=transfer * 1e3
@@ -276,8 +309,14 @@ def main(argv: Sequence[str] | None = None) -> None:
         default=None,
         help="folder for the pictures (default with --out: img/ next to it; else none)",
     )
+    parser.add_argument(
+        "--cpu-allocator",
+        choices=POLICIES,
+        default="default",
+        help="gpipe.cpu_allocator policy of both processes",
+    )
     args = parser.parse_args(argv)
-    setup = QUICK if args.quick else FULL
+    setup = replace(QUICK if args.quick else FULL, allocator=args.cpu_allocator)
     if args.img is None and args.out is not None:
         args.img = args.out.parent / "img"
     if args.img is not None:
@@ -320,6 +359,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         return
     cfg = setup.config
     command = "python benchmarks/measured_timeline.py" + (" --quick" if args.quick else "")
+    if setup.allocator != "default":
+        command += f" --cpu-allocator {setup.allocator}"
+    allocator = (
+        "glibc's default allocator"
+        if setup.allocator == "default"
+        else f'`gpipe.cpu_allocator("{setup.allocator}")`'
+    )
     pictures = "\n\n".join(
         f"![{p.stem}]({p.resolve().relative_to(args.out.resolve().parent).as_posix()})"
         if p.resolve().is_relative_to(args.out.resolve().parent)
@@ -331,8 +377,9 @@ def main(argv: Sequence[str] | None = None) -> None:
 Regenerate: `{command} --out docs/benchmarks.md`
 
 GPT {cfg.n_layers} blocks, d_model {cfg.d_model}, sequence {cfg.context}, batch {setup.batch}, \
-M={setup.chunks}, K=2 processes × 1 thread, `checkpoint="never"`, balance \
-{balance(cfg.n_layers + 2, 2)}; {code}. Machine: {machine()}; measured on a shared 2-core machine \
+M={setup.chunks}, K=2 processes × 1 thread, {allocator}, `checkpoint="never"`, balance \
+{balance(cfg.n_layers + 2, 2)} (zb-v and zb-auto: {balance(cfg.n_layers + 2, 4)} over 4 stages in \
+a V); {code}. Machine: {machine()}; measured on a shared 2-core machine \
 (1-minute load average {load}), so timings vary from run to run.
 
 Each schedule ran {setup.warmup} warm-up steps and {setup.steps} traced steps \
@@ -342,7 +389,10 @@ inputs had arrived, so white space is waiting. The simulation (`gpipe.simulate`)
 same schedule with that step's median F, B and W per stage and the median transfer (a \
 producer's end to its consumer's start, where the consumer was waiting): it is what the \
 schedule allows for the measured compute, and the gap to the measured makespan is what the \
-runtime loses on top (jitter, slower first actions, per-action overhead).
+runtime loses on top (jitter, slower first actions, per-action overhead). zb-auto is \
+built in the run itself, from the zb-v step with the median makespan: its measured \
+per-stage F, B and W and transfer (`gpipe.schedule.zb_auto(2, M, costs=..., transfer=..., \
+virtual_stages=2)`, memory limit K as 1F1B).
 
 {table}
 

@@ -145,7 +145,7 @@ def test_kinds_and_virtual_stages_have_distinct_colours(mpl):
     assert all(len(c) == 1 for c in colour.values())  # one colour per (kind, virtual stage)
     assert len({c.pop() for c in colour.values()}) == 4  # F, B x 2 virtual stages
     labels = [t.get_text() for t in ax.get_legend().get_texts()]
-    assert labels[0] == "F forward, virtual stage 0" and len(labels) == 4
+    assert labels == ["F forward", "B backward", "lighter: virtual stage 1"], labels
 
     split = timeline.draw(simulated("zb-h1"))
     faces = {

@@ -395,19 +395,17 @@ def _ink(face: str, colors) -> str:
 def _legend(ax, events: Sequence[TimedAction], virtual: int, colors, patches) -> None:
     kinds = [k for k in Kind if any(e.action.kind is k for e in events)]
     split = Kind.WEIGHT in kinds  # then B computes only the input gradient
-    # Up to two virtual stages get an entry each; more would crowd the title's line, so
-    # one entry then stands for the lighter shades of every kind.
-    each = virtual if virtual <= 2 else 1
+    # One entry per kind, and one for the lighter shades of later virtual stages: an entry
+    # per (kind, virtual stage) overflows the title's line.
     handles = []
     for kind in kinds:
         name = "input grad" if kind is Kind.BACKWARD and split else _NAMES[kind]
-        for chunk in range(each):
-            label = f"{kind} {name}" + (f", virtual stage {chunk}" if virtual > 1 else "")
-            face = _shade(kind, chunk, virtual, colors)
-            handles.append(patches.Patch(facecolor=face, edgecolor="none", label=label))
-    if each < virtual:
+        face = _shade(kind, 0, virtual, colors)
+        handles.append(patches.Patch(facecolor=face, edgecolor="none", label=f"{kind} {name}"))
+    if virtual > 1:
         face = _shade(kinds[0], virtual - 1, virtual, colors)
-        label = f"lighter: virtual stages 1-{virtual - 1}"
+        later = "1" if virtual == 2 else f"1-{virtual - 1}"
+        label = f"lighter: virtual stage{'s' if virtual > 2 else ''} {later}"
         handles.append(patches.Patch(facecolor=face, edgecolor="none", label=label))
     ax.legend(
         handles=handles,
