@@ -50,5 +50,5 @@ def test_cache_keeps_freed_tensors_and_return_gives_them_back():
 
 
 def test_an_unknown_policy_is_a_clear_error():
-    with pytest.raises(ValueError, match="unknown policy 'fast'.*'cache'"):
+    with pytest.raises(ValueError, match=r"unknown policy 'fast'.*'cache'"):
         cpu_allocator("fast")
