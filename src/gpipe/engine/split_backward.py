@@ -78,30 +78,48 @@ def backward_input(
     if not wanted or not roots:
         return [None] * len(inputs), WeightWork([], list(roots), list(grads), full=True)
 
-    children: dict[Node, list[Node]] = {}
+    # One walk down from the roots: every node's parents, and the leaves' accumulators
+    # (found here rather than through a view of each tensor: it runs once per B).
     parents: dict[Node, list[Node]] = {}
+    accumulators: dict[int, Node] = {}
     stack = [_node(r) for r in roots]
-    root_nodes = set(stack)
+    visited = set(stack)
     while stack:
         node = stack.pop()
-        if node in children:
+        below = node.next_functions
+        if not below:
+            variable = getattr(node, "variable", None)  # an AccumulateGrad's leaf
+            if variable is not None:
+                accumulators[id(variable)] = node
             continue
-        children[node] = [child for child, _ in node.next_functions if child is not None]
-        for child in children[node]:
+        for child, _ in below:
+            if child is None:
+                continue
             parents.setdefault(child, []).append(node)
-            stack.append(child)
+            if child not in visited:
+                visited.add(child)
+                stack.append(child)
 
-    # Nodes B executes: those from which an input's accumulator can be reached.
-    input_nodes = {_node(t) for t in wanted}
-    on_input_path: dict[Node, bool] = {}
-    for start in root_nodes:
-        _mark_reaching(start, children, input_nodes, on_input_path)
+    def node_of(tensor: torch.Tensor) -> Node | None:
+        if tensor.grad_fn is not None:
+            return tensor.grad_fn
+        return accumulators.get(id(tensor))  # None: the graph does not use this leaf
+
+    # Nodes B executes: those from which an input's accumulator can be reached, i.e.
+    # the inputs' ancestors.
+    on_input_path: set[Node] = set()
+    frontier = [n for n in map(node_of, wanted) if n is not None]
+    while frontier:
+        node = frontier.pop()
+        if node not in on_input_path:
+            on_input_path.add(node)
+            frontier.extend(parents.get(node, ()))
 
     # Climb from each parameter towards the roots; stop at the first input-path nodes.
     groups: dict[Node, _Group] = {}
     unreached = []
     for param in params:
-        accumulator = _node(param)
+        accumulator = node_of(param)
         if accumulator not in parents:
             continue  # not used by this micro-batch's graph
         found, seen, frontier = set(), {accumulator}, [accumulator]
@@ -111,7 +129,7 @@ def backward_input(
                 if parent in seen:
                     continue
                 seen.add(parent)
-                if on_input_path.get(parent, False):
+                if parent in on_input_path:
                     found.add(parent)
                 else:
                     frontier.append(parent)
@@ -156,21 +174,6 @@ def backward_input(
         work.groups.append(_Group(unreached, []))
         work.roots, work.root_grads = list(roots), list(grads)
     return grad_inputs, work
-
-
-def _mark_reaching(start: Node, children, targets: set[Node], memo: dict[Node, bool]) -> bool:
-    # Iterative post-order DFS: deep graphs would overflow Python's recursion limit.
-    stack = [(start, False)]
-    while stack:
-        node, expanded = stack.pop()
-        if node in memo:
-            continue
-        if expanded:
-            memo[node] = node in targets or any(memo.get(c, False) for c in children[node])
-            continue
-        stack.append((node, True))
-        stack.extend((c, False) for c in children[node] if c not in memo)
-    return memo[start]
 
 
 def _merge(shared: list[_Group], param: torch.Tensor, found: set[Node]) -> _Group:
