@@ -38,6 +38,7 @@ import argparse
 import contextlib
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -275,15 +276,23 @@ def measure(case: Case, setup: Setup) -> dict:
             torch.randn(shape, generator=torch.Generator().manual_seed(1)) / shape.numel() ** 0.5
         )
     times: dict[str, list[Timed]] = {name: [] for name in methods}
+    kernel: dict[str, list[tuple[float, int]]] = {name: [] for name in methods}
     grads: dict[str, list[torch.Tensor]] = {}
     names = list(methods)
     for round_ in range(setup.warmup + setup.rounds):
         for name in names if round_ % 2 else names[::-1]:
             case.stage.zero_grad(set_to_none=True)
+            before = resource.getrusage(resource.RUSAGE_SELF)
             roots, grad_outputs, inp = _forward(case, gradient)
             timed = methods[name](roots, grad_outputs, inp, params)
+            after = resource.getrusage(resource.RUSAGE_SELF)
             if round_ >= setup.warmup:
                 times[name].append(timed)
+                # The system's share of the round (forward included: memory given back
+                # after one W is faulted in again by the next forward) and its page faults.
+                kernel[name].append(
+                    ((after.ru_stime - before.ru_stime) * 1e3, after.ru_minflt - before.ru_minflt)
+                )
             if name not in grads and timed[0] == timed[0]:  # not NaN: it ran
                 grads[name] = [p.grad.clone() for p in params]
     analysis = statistics.median(_analysis_seconds(case, params, gradient) for _ in range(5))
@@ -299,6 +308,7 @@ def measure(case: Case, setup: Setup) -> dict:
         "case": case.name,
         "microbatch": case.microbatch,
         "times": times,
+        "kernel": kernel,
         "error": error,
         "analysis": analysis,
     }
@@ -321,6 +331,13 @@ def _ratio_interval(row: dict, method: str, base: str = "full") -> str:
     return f"{statistics.median(ratios):.3f} ({q[0]:.2f}–{q[2]:.2f})"
 
 
+def _kernel(row: dict, method: str = "gpipe") -> str:
+    rounds = row["kernel"][method]
+    system = statistics.median(ms for ms, _ in rounds)
+    faults = statistics.median(count for _, count in rounds)
+    return f"{system:.1f} ({faults:.0f})"
+
+
 def table(runs: dict[str, list[dict]]) -> str:
     header = [
         "stage",
@@ -333,6 +350,7 @@ def table(runs: dict[str, list[dict]]) -> str:
         "tax peer, default",
         "tax gpipe, `cache` allocator",
         "tax peer, `cache`",
+        "gpipe split round: system ms (page faults), default → `cache`",
         "max grad error vs full",
     ]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -360,6 +378,7 @@ def table(runs: dict[str, list[dict]]) -> str:
             _ratio_interval(plain, "peer") if has_peer else "n/a",
             _ratio_interval(cached, "gpipe"),
             _ratio_interval(cached, "peer") if has_peer else "n/a",
+            f"{_kernel(plain)} → {_kernel(cached)}",
             ", ".join(f"{k} {v:.0e}" for k, v in errors.items()),
         ]
         lines.append("| " + " | ".join(cells) + " |")
@@ -426,9 +445,10 @@ methods ran in {setup.rounds} rounds in alternating order after {setup.warmup} w
 rounds, first in a process with glibc's default allocator, then in one with \
 `gpipe.cpu_allocator("cache")`. Times are medians over rounds under the default allocator; \
 **tax** = (B + W) / full backward, the median of each round's own ratio with its \
-25th–75th percentiles. *B's graph analysis* is the part of B spent in Python finding where \
-W must start (`backward_input` stopped at its autograd call). {code}. Machine: {machine()}; \
-1-minute load average {load}.
+25th–75th percentiles. The system column is the kernel's share of a round (forward and \
+split backward; `getrusage`) and its page faults, medians over rounds. *B's graph \
+analysis* is the part of B spent in Python finding where W must start (`backward_input` \
+stopped at its autograd call). {code}. Machine: {machine()}; 1-minute load average {load}.
 
 {text}
 """,
