@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from gpipe.allocator import POLICIES, cpu_allocator, environment
 from gpipe.cli.plan import build, configure
 from gpipe.planner import Machine, plan, plan_from_profiles, verify
 
@@ -86,14 +87,27 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help="write the results into this markdown file")
     parser.add_argument("--runs", type=int, default=2, help="independent runs per model")
     parser.add_argument("--quick", action="store_true", help="1 run, 2 rounds of 4 steps")
+    parser.add_argument(
+        "--cpu-allocator",
+        choices=POLICIES,
+        default="default",
+        help="gpipe.cpu_allocator policy of this process and of every process it starts",
+    )
     args = parser.parse_args()
+    cpu_allocator(args.cpu_allocator)
+    os.environ.update(environment(args.cpu_allocator))  # the profiling and verifying ranks
     runs, steps, rounds = (1, 4, 2) if args.quick else (args.runs, 8, 3)
     load = os.getloadavg()[0]
     lines = [
         "## Predicted against measured throughput, top 3 on 2 processes",
         "",
-        f"Samples/s. {os.cpu_count()} cores, load average {load:.1f} at the start. "
-        "*before*: the planner's defaults (0.1 ms per action, no slowdown, a nominal link); "
+        f"Samples/s. {os.cpu_count()} cores, load average {load:.1f} at the start; "
+        + (
+            "glibc's default allocator. "
+            if args.cpu_allocator == "default"
+            else f'`gpipe.cpu_allocator("{args.cpu_allocator}")` in every process. '
+        )
+        + "*before*: the planner's defaults (0.1 ms per action, no slowdown, a nominal link); "
         "*after*: calibrated on this machine just before (`calibrate=True`). Measured: "
         f"{rounds} rounds of {steps} timed steps per candidate, taking turns; median with "
         "its 95 % bootstrap interval.",
@@ -112,11 +126,14 @@ def main() -> None:
     lines += ["", *[f"* {note}" for note in notes]]
     table = "\n".join(lines)
     print(table)
+    command = COMMAND + (
+        f" --cpu-allocator {args.cpu_allocator}" if args.cpu_allocator != "default" else ""
+    )
     if args.out:
         text = args.out.read_text() if args.out.exists() else ""
         head = text.split(MARKER)[0] if MARKER in text else text
         args.out.write_text(
-            head.rstrip() + f"\n\n{MARKER}\n\nRegenerate: `{COMMAND}`\n\n" + table + "\n"
+            head.rstrip() + f"\n\n{MARKER}\n\nRegenerate: `{command}`\n\n" + table + "\n"
         )
 
 

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
 
 import pytest
 
-from gpipe.allocator import _glibc, cpu_allocator
+from gpipe.allocator import _glibc, cpu_allocator, environment
 
 needs_glibc = pytest.mark.skipif(_glibc() is None, reason="mallopt is glibc's")
 
@@ -32,9 +33,13 @@ _PROGRAM = textwrap.dedent(
 )
 
 
-def _resident_after_free(policy: str) -> tuple[float, float]:
+def _resident_after_free(policy: str, env: dict[str, str] | None = None) -> tuple[float, float]:
     out = subprocess.run(
-        [sys.executable, "-c", _PROGRAM, policy], capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", _PROGRAM, policy],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=None if env is None else {**os.environ, **env},
     )
     assert out.returncode == 0, out.stderr
     filled, kept = map(float, out.stdout.split())
@@ -49,6 +54,17 @@ def test_cache_keeps_freed_tensors_and_return_gives_them_back():
     assert filled > 200 and kept < 32  # each tensor's mapping went back when freed
 
 
+@needs_glibc
+def test_the_environment_gives_a_starting_process_the_same_policy():
+    filled, kept = _resident_after_free("default", environment("cache"))
+    assert filled > 200 and kept > 200
+    filled, kept = _resident_after_free("default", environment("return"))
+    assert filled > 200 and kept < 32
+    assert environment("default") == {}
+
+
 def test_an_unknown_policy_is_a_clear_error():
     with pytest.raises(ValueError, match=r"unknown policy 'fast'.*'cache'"):
         cpu_allocator("fast")
+    with pytest.raises(ValueError, match=r"unknown policy 'fast'"):
+        environment("fast")

@@ -24,7 +24,7 @@ import ctypes
 import ctypes.util
 from functools import cache
 
-__all__ = ["POLICIES", "RETURN_MMAP_THRESHOLD", "cpu_allocator"]
+__all__ = ["POLICIES", "RETURN_MMAP_THRESHOLD", "cpu_allocator", "environment"]
 
 POLICIES = ("default", "cache", "return")
 
@@ -62,12 +62,28 @@ def cpu_allocator(policy: str) -> None:
             f"cpu_allocator({policy!r}) needs glibc's mallopt, which this platform lacks; "
             "leave the policy at 'default', or preload jemalloc or tcmalloc (LD_PRELOAD)"
         )
-    if policy == "cache":
-        settings = ((_M_MMAP_THRESHOLD, _LARGEST_MMAP_THRESHOLD), (_M_TRIM_THRESHOLD, _NEVER_TRIM))
-    else:
-        settings = ((_M_MMAP_THRESHOLD, RETURN_MMAP_THRESHOLD),)
-    for parameter, value in settings:
+    for parameter, value in _settings(policy):
         if libc.mallopt(parameter, value) != 1:
             raise RuntimeError(
                 f"cpu_allocator({policy!r}): glibc refused mallopt({parameter}, {value})"
             )
+
+
+def environment(policy: str) -> dict[str, str]:
+    """The same policy for processes about to start: glibc reads these variables at start
+    (e.g. the ranks a launcher spawns: ``os.environ.update(environment("cache"))``)."""
+    if policy not in POLICIES:
+        raise ValueError(f"environment: unknown policy {policy!r}; choose one of {POLICIES}")
+    names = {
+        _M_MMAP_THRESHOLD: "MALLOC_MMAP_THRESHOLD_",
+        _M_TRIM_THRESHOLD: "MALLOC_TRIM_THRESHOLD_",
+    }
+    return {names[parameter]: str(value) for parameter, value in _settings(policy)}
+
+
+def _settings(policy: str) -> tuple[tuple[int, int], ...]:
+    if policy == "cache":
+        return (_M_MMAP_THRESHOLD, _LARGEST_MMAP_THRESHOLD), (_M_TRIM_THRESHOLD, _NEVER_TRIM)
+    if policy == "return":
+        return ((_M_MMAP_THRESHOLD, RETURN_MMAP_THRESHOLD),)
+    return ()
