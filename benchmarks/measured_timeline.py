@@ -266,6 +266,28 @@ def write_section(path: Path, name: str, text: str) -> None:
     path.write_text(new)
 
 
+def add_allocator_option(parser: argparse.ArgumentParser, processes: str) -> None:
+    """``--cpu-allocator``: the ``gpipe.cpu_allocator`` policy of ``processes``."""
+    parser.add_argument(
+        "--cpu-allocator",
+        choices=POLICIES,
+        default="default",
+        help=f"gpipe.cpu_allocator policy of {processes}",
+    )
+
+
+def allocator_flag(policy: str) -> str:
+    """The option that regenerates a run under ``policy`` (nothing for the default)."""
+    return "" if policy == "default" else f" --cpu-allocator {policy}"
+
+
+def allocator_words(policy: str, where: str = "") -> str:
+    """How a doc names the allocator a run used."""
+    if policy == "default":
+        return "glibc's default allocator"
+    return f'`gpipe.cpu_allocator("{policy}")`{where}'
+
+
 def machine() -> str:
     import platform
 
@@ -309,12 +331,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         default=None,
         help="folder for the pictures (default with --out: img/ next to it; else none)",
     )
-    parser.add_argument(
-        "--cpu-allocator",
-        choices=POLICIES,
-        default="default",
-        help="gpipe.cpu_allocator policy of both processes",
-    )
+    add_allocator_option(parser, "both processes")
     args = parser.parse_args(argv)
     setup = replace(QUICK if args.quick else FULL, allocator=args.cpu_allocator)
     if args.img is None and args.out is not None:
@@ -359,13 +376,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         return
     cfg = setup.config
     command = "python benchmarks/measured_timeline.py" + (" --quick" if args.quick else "")
-    if setup.allocator != "default":
-        command += f" --cpu-allocator {setup.allocator}"
-    allocator = (
-        "glibc's default allocator"
-        if setup.allocator == "default"
-        else f'`gpipe.cpu_allocator("{setup.allocator}")`'
-    )
+    command += allocator_flag(setup.allocator)
+    allocator = allocator_words(setup.allocator)
     pictures = "\n\n".join(
         f"![{p.stem}]({p.resolve().relative_to(args.out.resolve().parent).as_posix()})"
         if p.resolve().is_relative_to(args.out.resolve().parent)

@@ -48,7 +48,6 @@ import torch
 from torch import nn
 
 import gpipe
-from gpipe.allocator import POLICIES
 from gpipe.models import GPTConfig, gpt, lm_loss
 from gpipe.parallel.launch import launch
 from gpipe.schedule import Schedule, build_schedule
@@ -56,6 +55,9 @@ from gpipe.schedule.simulate import simulate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from measured_timeline import (  # a sibling script
+    add_allocator_option,
+    allocator_flag,
+    allocator_words,
     balance,
     machine,
     measured_costs,
@@ -593,12 +595,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "not speed-up, and --out writes it into a section of its own)",
     )
     parser.add_argument("--chunks", type=int, nargs="+", help="micro-batch counts M to run")
-    parser.add_argument(
-        "--cpu-allocator",
-        choices=POLICIES,
-        default="default",
-        help="gpipe.cpu_allocator policy of every process (both libraries run in them)",
-    )
+    add_allocator_option(parser, "every process (both libraries run in them)")
     args = parser.parse_args(argv)
     setup = QUICK if args.quick else FULL
     if args.cases:
@@ -651,8 +648,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         command += f" --chunks {' '.join(map(str, setup.chunks))}"
     if args.rounds is not None:
         command += f" --rounds {args.rounds}"
-    if setup.allocator != "default":
-        command += f" --cpu-allocator {setup.allocator}"
+    command += allocator_flag(setup.allocator)
     compared = [r for r in results if r.peer]
     worst_loss = max((r.loss_error for r in compared), default=float("nan"))
     worst_grad = max((r.grad_error for r in compared), default=float("nan"))
@@ -671,11 +667,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         f"runs {k} at once, so efficiency compares schedules under the same sharing, not "
         "with a device per stage."
     )
-    allocator = (
-        "glibc's default allocator"
-        if setup.allocator == "default"
-        else f'`gpipe.cpu_allocator("{setup.allocator}")` in every process'
-    )
+    allocator = allocator_words(setup.allocator, " in every process")
     section = f"""## {title}
 
 Regenerate: `{command} --out docs/benchmarks.md` ({minutes:.0f} minutes; with `--quick`, a \

@@ -29,9 +29,12 @@ from pathlib import Path
 
 import torch
 
-from gpipe.allocator import POLICIES, cpu_allocator, environment
+from gpipe.allocator import cpu_allocator, started_with
 from gpipe.cli.plan import build, configure
 from gpipe.planner import Machine, plan, plan_from_profiles, verify
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from measured_timeline import add_allocator_option, allocator_flag, allocator_words  # a sibling
 
 MARKER = "<!-- benchmark results -->"
 COMMAND = "python benchmarks/planner_accuracy.py --out docs/planner.md"
@@ -87,27 +90,23 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help="write the results into this markdown file")
     parser.add_argument("--runs", type=int, default=2, help="independent runs per model")
     parser.add_argument("--quick", action="store_true", help="1 run, 2 rounds of 4 steps")
-    parser.add_argument(
-        "--cpu-allocator",
-        choices=POLICIES,
-        default="default",
-        help="gpipe.cpu_allocator policy of this process and of every process it starts",
-    )
+    add_allocator_option(parser, "this process and of every process it starts")
     args = parser.parse_args()
     cpu_allocator(args.cpu_allocator)
-    os.environ.update(environment(args.cpu_allocator))  # the profiling and verifying ranks
+    with started_with(args.cpu_allocator):  # the profiling and verifying ranks
+        report(args)
+
+
+def report(args: argparse.Namespace) -> None:
     runs, steps, rounds = (1, 4, 2) if args.quick else (args.runs, 8, 3)
     load = os.getloadavg()[0]
     lines = [
         "## Predicted against measured throughput, top 3 on 2 processes",
         "",
         f"Samples/s. {os.cpu_count()} cores, load average {load:.1f} at the start; "
-        + (
-            "glibc's default allocator. "
-            if args.cpu_allocator == "default"
-            else f'`gpipe.cpu_allocator("{args.cpu_allocator}")` in every process. '
-        )
-        + "*before*: the planner's defaults (0.1 ms per action, no slowdown, a nominal link); "
+        + allocator_words(args.cpu_allocator, " in every process")
+        + ". "
+        "*before*: the planner's defaults (0.1 ms per action, no slowdown, a nominal link); "
         "*after*: calibrated on this machine just before (`calibrate=True`). Measured: "
         f"{rounds} rounds of {steps} timed steps per candidate, taking turns; median with "
         "its 95 % bootstrap interval.",
@@ -126,9 +125,7 @@ def main() -> None:
     lines += ["", *[f"* {note}" for note in notes]]
     table = "\n".join(lines)
     print(table)
-    command = COMMAND + (
-        f" --cpu-allocator {args.cpu_allocator}" if args.cpu_allocator != "default" else ""
-    )
+    command = COMMAND + allocator_flag(args.cpu_allocator)
     if args.out:
         text = args.out.read_text() if args.out.exists() else ""
         head = text.split(MARKER)[0] if MARKER in text else text

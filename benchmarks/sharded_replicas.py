@@ -36,6 +36,7 @@ from torch import nn
 
 import gpipe
 from gpipe._utils import local_value
+from gpipe.allocator import started_with
 from gpipe.materialize import build_full
 from gpipe.models import GPTConfig, gpt, lm_loss
 from gpipe.parallel.launch import launch
@@ -171,25 +172,14 @@ def _memory_worker(rank: int, shard: str | None) -> dict[str, float]:
 
 
 # glibc keeps freed blocks below its (growing) mmap threshold in the heap, so a process's
-# resident memory stays at its high-water mark; with the threshold fixed at 64 KiB every
-# large tensor is mapped and unmapped on its own, and peak RSS follows the live bytes.
-MMAP_SMALL = {"MALLOC_MMAP_THRESHOLD_": "65536"}
-
-
+# resident memory stays at its high-water mark; under cpu_allocator("return") every large
+# tensor is mapped and unmapped on its own, and peak RSS follows the live bytes.
 def memory() -> dict[str, list[dict[str, float]]]:
     out = {}
-    for allocator, env in (("default", {}), ("mmap", MMAP_SMALL)):
-        saved = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)  # read by glibc when each spawned process starts
-        try:
+    for allocator, policy in (("default", "default"), ("mmap", "return")):
+        with started_with(policy):  # read by glibc when each spawned process starts
             for label, shard in (("plain", None), ("sharded", "params")):
                 out[f"{label}, {allocator}"] = launch(_memory_worker, 4, args=(shard,), timeout=600)
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
     return out
 
 

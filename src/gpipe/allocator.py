@@ -20,11 +20,14 @@ The setting holds for the calling process from now on; call it in each rank (``g
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
+import os
+from collections.abc import Iterator
 from functools import cache
 
-__all__ = ["POLICIES", "RETURN_MMAP_THRESHOLD", "cpu_allocator", "environment"]
+__all__ = ["POLICIES", "cpu_allocator", "environment", "started_with"]
 
 POLICIES = ("default", "cache", "return")
 
@@ -32,7 +35,7 @@ POLICIES = ("default", "cache", "return")
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 _LARGEST_MMAP_THRESHOLD = 32 * 2**20  # glibc refuses more on 64-bit
 _NEVER_TRIM = 2**31 - 1
-RETURN_MMAP_THRESHOLD = 64 * 2**10  # also what gpipe.planner.capacity measures with
+_RETURN_MMAP_THRESHOLD = 64 * 2**10
 
 
 @cache
@@ -52,9 +55,8 @@ def cpu_allocator(policy: str) -> None:
 
     ``"default"`` leaves glibc as it is (it cannot be restored once changed in a process).
     """
-    if policy not in POLICIES:
-        raise ValueError(f"cpu_allocator: unknown policy {policy!r}; choose one of {POLICIES}")
-    if policy == "default":
+    settings = _settings(policy, "cpu_allocator")
+    if not settings:
         return
     libc = _glibc()
     if libc is None:
@@ -62,7 +64,7 @@ def cpu_allocator(policy: str) -> None:
             f"cpu_allocator({policy!r}) needs glibc's mallopt, which this platform lacks; "
             "leave the policy at 'default', or preload jemalloc or tcmalloc (LD_PRELOAD)"
         )
-    for parameter, value in _settings(policy):
+    for parameter, value in settings:
         if libc.mallopt(parameter, value) != 1:
             raise RuntimeError(
                 f"cpu_allocator({policy!r}): glibc refused mallopt({parameter}, {value})"
@@ -70,20 +72,37 @@ def cpu_allocator(policy: str) -> None:
 
 
 def environment(policy: str) -> dict[str, str]:
-    """The same policy for processes about to start: glibc reads these variables at start
-    (e.g. the ranks a launcher spawns: ``os.environ.update(environment("cache"))``)."""
-    if policy not in POLICIES:
-        raise ValueError(f"environment: unknown policy {policy!r}; choose one of {POLICIES}")
+    """The same policy for processes about to start: glibc reads these variables at start."""
     names = {
         _M_MMAP_THRESHOLD: "MALLOC_MMAP_THRESHOLD_",
         _M_TRIM_THRESHOLD: "MALLOC_TRIM_THRESHOLD_",
     }
-    return {names[parameter]: str(value) for parameter, value in _settings(policy)}
+    return {names[parameter]: str(value) for parameter, value in _settings(policy, "environment")}
 
 
-def _settings(policy: str) -> tuple[tuple[int, int], ...]:
+@contextlib.contextmanager
+def started_with(policy: str) -> Iterator[None]:
+    """Processes started inside the block (e.g. by ``gpipe.launch``) run with ``policy``;
+    this process's environment is restored after."""
+    variables = environment(policy)
+    saved = {name: os.environ.get(name) for name in variables}
+    os.environ.update(variables)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def _settings(policy: str, caller: str) -> tuple[tuple[int, int], ...]:
+    """mallopt's (parameter, value) pairs for ``policy``; none for ``"default"``."""
+    if policy not in POLICIES:
+        raise ValueError(f"{caller}: unknown policy {policy!r}; choose one of {POLICIES}")
     if policy == "cache":
         return (_M_MMAP_THRESHOLD, _LARGEST_MMAP_THRESHOLD), (_M_TRIM_THRESHOLD, _NEVER_TRIM)
     if policy == "return":
-        return ((_M_MMAP_THRESHOLD, RETURN_MMAP_THRESHOLD),)
+        return ((_M_MMAP_THRESHOLD, _RETURN_MMAP_THRESHOLD),)
     return ()

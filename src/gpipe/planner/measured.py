@@ -19,7 +19,8 @@ autograd engine, the communication buffers. :func:`calibrate` measures it as the
 of a one-stage run of the family's smallest member minus that member's predicted memory;
 pass it to ``capacity(overhead=...)``.
 
-The measured processes run with glibc's ``MALLOC_MMAP_THRESHOLD_`` fixed at 64 KiB: by
+The measured processes run with ``gpipe.cpu_allocator("return")`` (glibc's
+``MALLOC_MMAP_THRESHOLD_`` fixed at 64 KiB): by
 default the threshold grows with the largest block freed, after which large tensors are
 carved from the heap and their memory stays resident when freed, so the peak RSS would
 follow the allocator's history (measured: 30-70 MiB of scatter between runs) rather than
@@ -38,14 +39,13 @@ import gc
 import inspect
 import os
 import resource
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from gpipe._utils import MiB
-from gpipe.allocator import RETURN_MMAP_THRESHOLD
+from gpipe.allocator import started_with
 from gpipe.parallel import mesh
 from gpipe.parallel.launch import launch
 from gpipe.pipe import Pipe
@@ -61,22 +61,6 @@ from gpipe.planning.capacity import (
 __all__ = ["CapacityCheck", "Measured", "calibrate", "measure_fit", "verify_capacity"]
 
 SHARDING = "shard" in inspect.signature(Pipe).parameters  # Pipe(shard="params") has landed
-MMAP_THRESHOLD = RETURN_MMAP_THRESHOLD  # bytes; see the module docstring
-
-
-@contextlib.contextmanager
-def _fixed_mmap_threshold() -> Iterator[None]:
-    """Launched processes inherit the environment: glibc reads this when they start."""
-    name = "MALLOC_MMAP_THRESHOLD_"
-    previous = os.environ.get(name)
-    os.environ[name] = str(MMAP_THRESHOLD)
-    try:
-        yield
-    finally:
-        if previous is None:
-            del os.environ[name]
-        else:
-            os.environ[name] = previous
 
 
 @dataclass(frozen=True)
@@ -232,7 +216,7 @@ def measure_fit(
         return Measured(fit, (), steps, note="sharding is not in Pipe yet: predicted only")
     state = optimizer_state_of(optimizer)
     args = (family, fit.depth, layout, fit.balance, state, steps, timeout)
-    with _fixed_mmap_threshold():
+    with started_with("return"):  # read by glibc when each launched process starts
         measured = launch(_train_rank, layout.processes, args=args, timeout=timeout)
     return Measured(fit, tuple(measured), steps)
 
