@@ -280,7 +280,7 @@ def _matrix_worker(rank: int, stages: int) -> dict[tuple, dict[str, torch.Tensor
     remat; returns this rank's gradients under the model's names."""
     import torch.distributed as dist
 
-    from gpipe.partition import even_balance
+    from gpipe.layout import even_balance
 
     torch.set_num_threads(1)
     grads = {}

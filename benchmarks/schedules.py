@@ -16,7 +16,7 @@ import math
 import time
 from pathlib import Path
 
-from gpipe.schedule import ScheduleError, build_schedule, default_virtual_stages
+from gpipe.schedule import SCHEDULES, ScheduleError, build_schedule
 from gpipe.schedule.simulate import Costs, simulate
 
 K, V = 4, 2
@@ -89,9 +89,9 @@ def every_schedule() -> list[str]:
         "| schedule | K | M | bubble, equal costs | bubble, split costs | peak held per rank |",
         "|---|---|---|---|---|---|",
     ]
-    rows = [(name, default_virtual_stages(name)) for name in ALL] + [("zb-auto", 2)]
+    rows = [(name, SCHEDULES[name].default_virtual_stages) for name in ALL] + [("zb-auto", 2)]
     for name, v in rows:
-        label = name if v == default_virtual_stages(name) else f"{name}, v = {v} (a V)"
+        label = name if v == SCHEDULES[name].default_virtual_stages else f"{name}, v = {v} (a V)"
         for k in (2, 4):
             for m in (4, 8, 16):
                 cells = []

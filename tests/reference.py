@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from gpipe import rng
-from gpipe.partition import even_balance  # noqa: F401 - re-exported for the tests
+from gpipe.layout import even_balance  # noqa: F401 - re-exported for the tests
 
 
 def reference_step(

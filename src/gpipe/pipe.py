@@ -10,14 +10,13 @@ a pipeline spread over processes and machines; what differs between the two is
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import torch
 from torch import nn
 
-from gpipe import microbatch, remat
+from gpipe import assembly, microbatch, remat
 from gpipe._utils import (
     DeviceLike,
     add_earlier_gradients,
@@ -30,32 +29,18 @@ from gpipe._utils import (
     to_device,
 )
 from gpipe.engine import batchnorm
-from gpipe.engine.batchnorm import DeferredBatchNorm
-from gpipe.engine.runtime import Runtime, StepInputs, StepResult
-from gpipe.engine.skip import SkipLayout
-from gpipe.engine.stage import LossSpec, Stage, check_batch, loss_specs
+from gpipe.engine.runtime import StepInputs, StepResult
+from gpipe.engine.stage import LossSpec, check_batch, loss_specs
 from gpipe.errors import PartitionError, PipelineError
-from gpipe.frontend import CapturedModel, ModelNames, capture, materialize, on_meta, origin_of
-from gpipe.materialize import build
-from gpipe.parallel.data_parallel import GradientReducer
+from gpipe.frontend import CapturedModel, ModelNames, capture, origin_of
+from gpipe.layout import Layout
 from gpipe.parallel.group import pipeline_group
-from gpipe.parallel.sharded import (
-    SHARD_MODES,
-    ShardedStages,
-    full_value,
-    shard_like,
-    sharing_problems,
-)
-from gpipe.parallel.tied import TiedParameters
-from gpipe.partition import check_not_shared, configuration_problems, cut, fingerprint
-from gpipe.planning.auto import auto_balance
-from gpipe.schedule import Schedule, TimedAction, build_schedule, default_virtual_stages
-from gpipe.schedule.routes import Routes
+from gpipe.parallel.sharded import full_value, shard_like
+from gpipe.schedule import Schedule, TimedAction
 
 __all__ = ["Pipe"]
 
 Reduction = Literal["mean", "sum"]
-ModelOrFactory = nn.Sequential | Callable[[], nn.Sequential]
 _FIXED = "a Pipe cannot be moved with {}: each stage lives on its own device; build the Pipe \
 with devices=[{}] instead"
 
@@ -80,7 +65,7 @@ class Pipe(ModelNames, nn.Module):
         checkpoint: re-materialization: ``"always"``, ``"except_last"`` (every
             micro-batch but the last, whose backward follows its forward at once) or
             ``"never"``.
-        schedule: a name from ``gpipe.schedule.ALL_SCHEDULES`` (``"gpipe"``, ``"1f1b"``,
+        schedule: a name from ``gpipe.schedule.SCHEDULES`` (``"gpipe"``, ``"1f1b"``,
             ``"interleaved-1f1b"``, ``"zb-h1"``, ``"zb-v"``, ``"dualpipe-v"``, ``"zb-auto"``)
             or a ``Schedule`` of your own for these stages and M micro-batches (e.g.
             ``gpipe.schedule.auto.zb_auto`` built for measured costs).
@@ -126,7 +111,7 @@ class Pipe(ModelNames, nn.Module):
 
     def __init__(
         self,
-        module: ModelOrFactory,
+        module: assembly.ModelOrFactory,
         *,
         balance: Sequence[int] | Literal["auto"],
         devices: Sequence[DeviceLike] | None = None,
@@ -152,156 +137,30 @@ class Pipe(ModelNames, nn.Module):
         self._captured = isinstance(module, CapturedModel)
         self._ranks = pipeline_group(group, timeout=self.timeout, receive_ahead=receive_ahead)
         self.rank = self._ranks.rank
-        if shard is not None and shard not in SHARD_MODES:
-            raise ValueError(f"shard must be None or one of {SHARD_MODES}, got {shard!r}")
-        if shard is not None and data_parallel_group is None:
-            raise ValueError(
-                f"shard={shard!r} shards over the replicas: pass data_parallel_group= (and "
-                "group=), e.g. from gpipe.parallel.mesh.Mesh.build(stages, replicas, ...)"
-            )
-        if virtual_stages is None:
-            virtual_stages = (
-                schedule.num_stages // schedule.num_ranks
-                if isinstance(schedule, Schedule)
-                else default_virtual_stages(schedule)
-            )
-        if isinstance(balance, str):
-            balance = auto_balance(
-                module,
-                balance,
-                sample,
-                self._ranks.default_devices(0) if devices is None and group else devices,
-                self._ranks.decide,
-                chunks=chunks,
-                checkpoint=checkpoint,
-                schedule=schedule,
-                virtual_stages=virtual_stages,
-                sample_loss=sample_loss,
-            )
-        balance = list(balance)
-        if not isinstance(virtual_stages, int) or virtual_stages < 1:
-            raise PartitionError(
-                f"virtual_stages must be a positive int (stages per device), got {virtual_stages!r}"
-            )
-        if devices is None:
-            devices = self._ranks.default_devices(max(1, len(balance) // virtual_stages))
-        devices = list(devices)
-        factory = None if isinstance(module, nn.Module) else module
-        if factory is not None and not callable(factory):
-            raise TypeError(
-                f"module must be an nn.Sequential or a function that builds one, got "
-                f"{type(module).__name__}"
-            )
-        # A factory is first built on meta (no memory) to check the configuration.
-        shape_model = build(factory, seed=init_seed, layers=[]) if factory else module
-        problems = configuration_problems(
-            shape_model, balance, devices, virtual_stages, chunks, checkpoint, schedule
-        )
-        problems += self._ranks.device_problems(devices)
-        if shard is not None and not problems:
-            problems += sharing_problems(cut(shape_model, balance))
-        if problems:
-            raise PartitionError("invalid Pipe configuration:\n" + "\n".join(problems))
-
-        self.balance = balance
-        self.devices = [torch.device(d) for d in devices]
-        self.chunks = chunks
-        if chunks == 1 and len(self.devices) > 1:
-            k = len(self.devices)
-            warnings.warn(
-                f"Pipe(chunks=1) on {k} devices: one micro-batch, so the stages run one after "
-                f"another, never at once; pass chunks >= {k} (e.g. {4 * k}) to pipeline",
-                stacklevel=2,
-            )
-        self.checkpoint = checkpoint
-        self.virtual_stages = virtual_stages
-        self.schedule = self._build_schedule(schedule)
-        self._ranks.check_same(
-            fingerprint(
-                shape_model, balance=balance, chunks=chunks, checkpoint=checkpoint,
-                schedule=self.schedule.actions, tied=tied, init_seed=init_seed,
-                deferred_batch_norm=deferred_batch_norm,
-            )
+        config = assembly.configure(
+            module, self._ranks, balance=balance, devices=devices, chunks=chunks,
+            checkpoint=checkpoint, schedule=schedule, virtual_stages=virtual_stages,
+            data_parallel_group=data_parallel_group, shard=shard, init_seed=init_seed,
+            sample=sample, sample_loss=sample_loss,
+            settings={"tied": tied, "deferred_batch_norm": deferred_batch_norm},
         )  # fmt: skip
-        stage_devices = [self.devices[rank] for rank in self.schedule.stage_to_rank]
-        local = self._ranks.local_stages(self.schedule)
-        starts = [sum(balance[:s]) for s in range(self.num_stages)]
-        local_layers = [i for s in local for i in range(starts[s], starts[s] + balance[s])]
-        if factory is not None:
-            # Built on the CPU, as ``factory()`` would be, then moved: the same weights as
-            # Pipe(factory()) on any devices (generators of other device types differ).
-            module = build(factory, seed=init_seed, layers=local_layers, tied=bool(tied))
-        elif self._captured and on_meta(module):
-            materialize(module, local_layers, module.origin)
-        stage_layers = cut(module, balance)
-        check_not_shared(stage_layers, {name for group in tied for name in group})
-
-        # Skip connections: declared by the layers, read from the whole (maybe meta) model.
-        layout = SkipLayout.of([layer for layers in stage_layers for _, layer in layers])
-        stage_of_layer = [s for s, size in enumerate(balance) for _ in range(size)]
-        skips = (
-            {s: layout.stage_view(stage_of_layer, s) for s in range(self.num_stages)}
-            if layout
-            else {}
-        )
-        routes = Routes(self.num_stages, skips)
-
-        self.stages: list[Stage] = []
-        for index in local:
-            placed = []
-            for name, layer in stage_layers[index]:
-                if deferred_batch_norm:
-                    layer = DeferredBatchNorm.convert(layer)
-                layer = layer.to(stage_devices[index])
-                self.add_module(name, layer)
-                placed.append(layer)
-            last = index == self.num_stages - 1
-            device = stage_devices[index]
-            self.stages.append(
-                Stage(
-                    index,
-                    placed,
-                    first_layer=starts[index],
-                    device=device,
-                    is_last=last,
-                    skips=skips.get(index),
-                )
-            )
-
-        self._tied = None
-        if tied:
-            self._tied = TiedParameters(
-                module,
-                tied,
-                stage_of_layer={
-                    name: s for s, layers in enumerate(stage_layers) for name, _ in layers
-                },
-                local_stages=set(local),
-                devices=stage_devices,
-            )
-
-        self._transport = self._ranks.connect(self.schedule, stage_devices, routes)
-        self._sharded: ShardedStages | None = None
-        self._reducer: GradientReducer | ShardedStages | None = None
-        if shard is not None:
-            self._reducer = self._sharded = ShardedStages(
-                self.stages, data_parallel_group, timeout=self.timeout
-            )
-            if self._tied is not None:
-                self._tied.rebind()
-        elif data_parallel_group is not None:
-            self._reducer = GradientReducer(self.stages, data_parallel_group, timeout=self.timeout)
-        self._runtime = Runtime(
-            self.schedule,
-            {stage.index: stage for stage in self.stages},
-            self._transport,
-            routes=routes,
-            before_final_backward=self._reducer.arm if self._reducer else None,
-            after_backward=self._reducer.stage_done if self._reducer else None,
-        )
+        self.layout: Layout = config.layout
+        self.balance, self.devices, self.schedule = config.balance, config.devices, config.schedule
+        placed = assembly.place(
+            config, self._ranks, deferred_batch_norm=deferred_batch_norm,
+            tied_names={name for names in tied for name in names}, init_seed=init_seed,
+        )  # fmt: skip
+        for name, layer in placed.layers:
+            self.add_module(name, layer)
+        self.stages = placed.stages
+        self._tied = assembly.tie(config, placed, tied)
+        wiring = assembly.wire(
+            config, placed, self._ranks, self._tied,
+            data_parallel_group=data_parallel_group, timeout=self.timeout,
+        )  # fmt: skip
+        self._transport, self._runtime = wiring.transport, wiring.runtime
+        self._reducer, self._sharded = wiring.reducer, wiring.sharded
         self.last_trace: list[TimedAction] = []
-        if self._tied is not None:
-            self._ranks.tie(self._tied)
 
     @classmethod
     def from_model(
@@ -350,27 +209,21 @@ class Pipe(ModelNames, nn.Module):
         captured.origin = origin
         return cls(captured, tied=[*captured.tied, *tied], init_seed=init_seed, **options)
 
-    def _build_schedule(self, schedule: str | Schedule) -> Schedule:
-        if isinstance(schedule, str):
-            schedule = build_schedule(
-                schedule,
-                num_ranks=len(self.devices),
-                num_microbatches=self.chunks,
-                virtual_stages=self.virtual_stages,
-            )
-        shape = (schedule.num_stages, schedule.num_ranks, schedule.num_microbatches)
-        if shape != (self.num_stages, len(self.devices), self.chunks):
-            raise ValueError(
-                f"schedule {schedule.name!r} is for {schedule.num_stages} stages on "
-                f"{schedule.num_ranks} ranks and {schedule.num_microbatches} micro-batches, "
-                f"but this Pipe has {self.num_stages} stages on {len(self.devices)} devices "
-                f"and chunks={self.chunks}"
-            )
-        return schedule.validate()
-
     @property
     def num_stages(self) -> int:
         return len(self.balance)
+
+    @property
+    def chunks(self) -> int:
+        return self.layout.chunks
+
+    @property
+    def checkpoint(self) -> str:
+        return self.layout.checkpoint
+
+    @property
+    def virtual_stages(self) -> int:
+        return self.layout.virtual_stages
 
     def _holds(self, stage: int) -> bool:
         return any(s.index == stage for s in self.stages)
@@ -480,14 +333,7 @@ class Pipe(ModelNames, nn.Module):
             if self._tied is not None and losses is not None:
                 self._tied.sync_gradients(self._ranks.exchange)
         except BaseException as error:
-            # Nothing of this step survives; one process is ready for the next step.
-            self._transport.clear()
-            for stage in self.stages:
-                stage.clear()
-            batchnorm.reset_all(self)
-            if self._reducer is not None:
-                self._reducer.reset()
-            restore_gradients(self.parameters(), earlier)
+            self._abandon_step(earlier)
             explained = self._sharded.explain(error) if self._sharded is not None else error
             self._ranks.fail(explained, self.stages)
             if explained is not error:
@@ -503,12 +349,23 @@ class Pipe(ModelNames, nn.Module):
                 trouble = self._sharded.nonfinite_anywhere(trouble, doing="ending a step")
             result.loss = self._ranks.agree(local_loss, trouble)
         except BaseException:  # refused here or elsewhere: this step counts nowhere
-            restore_gradients(self.parameters(), earlier)
-            batchnorm.reset_all(self)
+            self._abandon_step(earlier)
             raise
         batchnorm.commit_all(self)
         self.last_trace = result.trace
         return result
+
+    def _abandon_step(self, earlier: dict) -> None:
+        """Nothing of a failed or refused step survives: messages, stored micro-batches,
+        running statistics and gradient reductions are dropped, the gradients of earlier
+        steps restored; one process is ready for the next step."""
+        self._transport.clear()
+        for stage in self.stages:
+            stage.clear()
+        batchnorm.reset_all(self)
+        if self._reducer is not None:
+            self._reducer.reset()
+        restore_gradients(self.parameters(), earlier)
 
     # -- gradients ------------------------------------------------------------------------
 

@@ -24,14 +24,14 @@ def test_a_timeout_must_be_a_finite_number_of_seconds(timeout):
     ("argv", "message"),
     [
         (["--size", "tiny", "--stages", "5"], "--stages 5 needs at least 5 layers"),
-        (["--chunks", "0"], "--chunks must be >= 1, got 0"),
+        (["--chunks", "0"], "--chunks must be a positive int (micro-batches), got 0"),
         (["--batch", "6", "--replicas", "4"], "--batch 6 must be divisible by --replicas 4"),
         (["--batch", "4", "--chunks", "8"], "at least --chunks 8 samples"),
         (["--schedule", "interleaved-1f1b", "--chunks", "3"], "--schedule interleaved-1f1b"),
         (["--balance", "3,x"], "--balance must be comma-separated ints"),
         (
             ["--size", "tiny", "--balance", "1,1"],
-            "must have 2 entries (one per stage) summing to 4",
+            "--balance 1,1 sums to 2 layers, but the model has 4; e.g. --balance 2,2",
         ),
         (["--resume", "/nonexistent/run"], "--resume /nonexistent/run: /nonexistent/run does not"),
         (["--model", "resnet", "--seq", "8"], "--seq applies to --model gpt only"),
@@ -62,7 +62,7 @@ def test_bad_input_is_a_clear_error(argv, message, capsys, tmp_path):
 def test_problems_are_reported_together(capsys):
     assert main(["train", "--size", "tiny", "--stages", "9", "--chunks", "0", "--steps", "0"]) == 2
     err = capsys.readouterr().err
-    assert "--chunks must be >= 1" in err and "--steps must be >= 1" in err
+    assert "--chunks must be a positive int" in err and "--steps must be >= 1" in err
 
 
 def test_unknown_schedule_and_model_are_rejected_by_the_parser(capsys):

@@ -24,8 +24,8 @@ from captured_models import (
     worst_error,
 )
 from gpipe.frontend import CapturedModel, CaptureError, capture, split_points
+from gpipe.layout import even_balance
 from gpipe.parallel.launch import launch
-from gpipe.partition import even_balance
 from reference import running_stats_of_unsplit_batch
 
 SCHEDULES = ["gpipe", "1f1b", "zb-h1", "interleaved-1f1b"]

@@ -13,7 +13,7 @@ from torch import nn
 import gpipe
 from captured_models import BUILDERS, CASES, reference_gradients, transformers, worst_error
 from gpipe.errors import PartitionError
-from gpipe.frontend import capture, materialize, origin_of
+from gpipe.frontend import capture, materialize_units, origin_of
 
 pytestmark = pytest.mark.skipif(transformers is None, reason="needs gpipe[hf] (transformers)")
 
@@ -109,7 +109,7 @@ def test_a_rank_reads_only_its_own_tensors(tmp_path, monkeypatch):
             return self.inner.keys()
 
     monkeypatch.setattr(safetensors, "safe_open", Recording)
-    materialize(units, [2, 3], origin)  # the blocks model.layers.1 and .2
+    materialize_units(units, [2, 3], origin)  # the blocks model.layers.1 and .2
     assert read and all(n.startswith(("model.layers.1.", "model.layers.2.")) for n in read)
     assert any(t.is_meta for t in units[0].parameters())
     assert not any(t.is_meta for u in units[2:4] for t in u.parameters())

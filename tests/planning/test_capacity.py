@@ -11,15 +11,16 @@ import torch
 from gpipe._utils import MiB
 from gpipe.planner import calibrate, capacity, verify_capacity
 from gpipe.planner.measured import measure_fit
+from gpipe.layout import Layout
 from gpipe.planning.capacity import (
     Calibration,
-    Layout,
     NothingFits,
     _FamilyCosts,
     _LayoutCosts,
+    capacity_layouts,
+    cheaper_first,
     fit_of,
     gpt_family,
-    layouts,
     resnet_family,
 )
 from gpipe.planning.memory_model import Held, MemoryModel, StageMemoryTable
@@ -53,7 +54,7 @@ def test_search_matches_brute_force_over_depths_and_layouts():
     costs = _FamilyCosts(family)
     budget = 0.6 * MiB
     result = capacity(family, memory_budget=budget, processes=3, chunks=[1, 2], max_depth=14)
-    assert len(result.rows) == len(layouts(family, 3, chunks=[1, 2]))
+    assert len(result.rows) == len(capacity_layouts(family, 3, chunks=[1, 2]))
     best_params = 0
     for row in result.rows:
         at = _LayoutCosts(costs, row.layout, 2.0)
@@ -70,7 +71,7 @@ def test_search_matches_brute_force_over_depths_and_layouts():
             assert sum(row.balance) == largest + 2
     assert result.best.parameters == best_params
     # ranked: most parameters first, a tie to the cheaper layout
-    keys = [(-r.parameters, r.layout.rank_key()) for r in result.rows if r.fits]
+    keys = [(-r.parameters, cheaper_first(r.layout)) for r in result.rows if r.fits]
     assert keys == sorted(keys)
     assert "parameters" in result.table() and result.best.layout.label() in result.table()
 
@@ -186,17 +187,18 @@ def test_verify_measures_the_found_model_and_the_next_size_up(calibration):
 
 
 def test_layout_labels_and_options():
-    assert Layout(2, 2, True, 8, "1f1b", "always").label() == "K=2 R=2 sharded M=8 1f1b always"
+    layout = Layout(stages=2, replicas=2, shard=True, chunks=8, schedule="1f1b", checkpoint="always")
+    assert layout.label() == "K=2 R=2 sharded M=8 1f1b always"
     with pytest.raises(ValueError, match="unknown optimizer"):
         capacity(tiny_gpt(), memory_budget=MiB, processes=1, optimizer="lion")
     with pytest.raises(ValueError, match="interleaved"):
-        layouts(tiny_gpt(), 2, schedules=["interleaved-1f1b"])
+        capacity_layouts(tiny_gpt(), 2, schedules=["interleaved-1f1b"])
 
 
 @pytest.mark.timeout(120)
 def test_sharded_replicas_are_measured(calibration):
     family = tiny_gpt(batch=8)
-    layout = Layout(1, 2, True, chunks=2, checkpoint="always")
+    layout = Layout(stages=1, replicas=2, shard=True, chunks=2, checkpoint="always")
     fit = fit_of(family, layout, 2, budget=calibration.process + 4 * MiB, overhead=calibration)
     assert fit.fits and fit.terms()["gathered"] > 0
     measured = measure_fit(family, fit)

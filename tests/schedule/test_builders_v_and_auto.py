@@ -7,13 +7,11 @@ import pytest
 
 import gpipe.schedule.auto
 from gpipe.schedule import (
-    ALL_SCHEDULES,
     SCHEDULES,
     Kind,
     Schedule,
     ScheduleError,
     build_schedule,
-    default_virtual_stages,
     dualpipe_v,
     v_stage_to_rank,
     zb_auto,
@@ -106,13 +104,12 @@ def test_v_schedules_bubble_and_memory(k, m):
 
 
 def test_by_name_and_default_virtual_stages():
-    assert set(ALL_SCHEDULES) == set(SCHEDULES) | {"zb-v", "dualpipe-v", "zb-auto"}
-    assert [default_virtual_stages(n) for n in ("1f1b", "zb-v", "dualpipe-v", "zb-auto")] == [
-        1,
-        2,
-        2,
-        1,
-    ]
+    assert set(SCHEDULES) == {
+        "gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v", "dualpipe-v", "zb-auto"
+    }  # fmt: skip
+    defaults = [SCHEDULES[n].default_virtual_stages for n in ("1f1b", "zb-v", "dualpipe-v")]
+    assert defaults == [1, 2, 2] and SCHEDULES["zb-auto"].default_virtual_stages == 1
+    assert SCHEDULES["interleaved-1f1b"].default_virtual_stages == 2
     assert build_schedule("zb-v", num_ranks=3, num_microbatches=6) == zb_v(3, 6)
     assert build_schedule("dualpipe-v", num_ranks=2, num_microbatches=4, virtual_stages=2) == (
         dualpipe_v(2, 4)
@@ -121,9 +118,9 @@ def test_by_name_and_default_virtual_stages():
 
 
 def test_errors_name_the_value_and_the_remedy():
-    with pytest.raises(ScheduleError, match=r"2 stages per rank.*virtual_stages=2.*6 for 3 ranks"):
+    with pytest.raises(ScheduleError, match=r"virtual_stages=1: it places 2 stages per rank in"):
         build_schedule("zb-v", num_ranks=3, num_microbatches=6, virtual_stages=1)
-    with pytest.raises(ScheduleError, match=r"num_microbatches=5 .* 6 stages.*chunks >= 6.*zb-v"):
+    with pytest.raises(ScheduleError, match=r"5 micro-batches .* 6 stages.*>= 6 micro.*zb-v"):
         dualpipe_v(3, 5)
     with pytest.raises(ScheduleError, match=r"takes no options, got costs.*'zb-auto'"):
         build_schedule("zb-h1", num_ranks=2, num_microbatches=4, costs=Costs())
@@ -175,7 +172,7 @@ def test_zb_auto_on_a_v(k):
     # with fewer micro-batches than ZB-V's warm-up is sized for, the search does better
     assert simulate(zb_auto(4, 3, virtual_stages=2, costs=HALF), HALF).makespan == 11.5
     assert simulate(zb_v(4, 3), HALF).makespan == 13.0
-    with pytest.raises(ScheduleError, match=r"virtual_stages must be 1 .* or 2 .* got 3"):
+    with pytest.raises(ScheduleError, match=r"virtual_stages=3: it places 1 stage .* or 2 .*not 3"):
         build_schedule("zb-auto", num_ranks=2, num_microbatches=4, virtual_stages=3)
 
 

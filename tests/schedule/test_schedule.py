@@ -6,7 +6,6 @@ import pytest
 import gpipe.schedule
 from gpipe.schedule import (
     RECV_AHEAD,
-    SCHEDULES,
     Action,
     Kind,
     Schedule,
@@ -158,8 +157,7 @@ def test_stages_of_rank():
 
 
 def test_build_schedule_by_name():
-    assert set(SCHEDULES) == {"gpipe", "1f1b", "interleaved-1f1b", "zb-h1"}
-    for name in SCHEDULES:
+    for name in ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1"):
         schedule = build_schedule(name, num_ranks=2, num_microbatches=4)
         assert schedule.name == name
     assert build_schedule("1f1b", num_ranks=3, num_microbatches=5) == one_f_one_b(3, 5)
@@ -171,12 +169,12 @@ def test_unknown_schedule_lists_known_names():
 
 
 def test_virtual_stages_need_interleaved():
-    with pytest.raises(ScheduleError, match=r"virtual_stages=2.*interleaved-1f1b"):
+    with pytest.raises(ScheduleError, match=r"virtual_stages=2: .*one stage per rank.*interleaved"):
         build_schedule("1f1b", num_ranks=2, num_microbatches=4, virtual_stages=2)
 
 
 def test_interleaved_needs_microbatches_multiple_of_ranks():
-    with pytest.raises(ScheduleError, match=r"num_microbatches=6 .* num_ranks=4.*use 4 or 8"):
+    with pytest.raises(ScheduleError, match=r"6 micro-batches .* its 4 ranks.*use 4 or 8"):
         interleaved_1f1b(4, 6, 2)
     with pytest.raises(ScheduleError, match="use 4"):
         interleaved_1f1b(4, 3, 2)

@@ -20,8 +20,8 @@ __all__ = ["configure", "run"]
 
 def demo(args: argparse.Namespace) -> None:
     from gpipe.data import stdlib_bytes
+    from gpipe.layout import even_balance
     from gpipe.models import GPTConfig, gpt, lm_loss
-    from gpipe.partition import even_balance
     from gpipe.pipe import Pipe
 
     torch.manual_seed(args.seed)

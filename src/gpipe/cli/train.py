@@ -36,7 +36,7 @@ from gpipe.allocator import POLICIES
 from gpipe.checkpoint import CheckpointError
 from gpipe.checkpoint_integrity import choose
 from gpipe.remat import REMAT_MODES
-from gpipe.schedule import ALL_SCHEDULES
+from gpipe.schedule import SCHEDULES
 from gpipe.train import TASKS, ConfigError, TrainingError, resolve, run_under_torchrun
 from gpipe.train import run as run_job
 from gpipe.train.config import SIZES
@@ -56,7 +56,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("pipeline")
     g.add_argument("-K", "--stages", type=int, help="pipeline stages (processes; default 2)")
     g.add_argument("-M", "--chunks", type=int, help="micro-batches per mini-batch (default 4)")
-    g.add_argument("--schedule", choices=list(ALL_SCHEDULES), help="default: gpipe")
+    g.add_argument("--schedule", choices=list(SCHEDULES), help="default: gpipe")
     g.add_argument(
         "--virtual-stages", type=int,
         help="stages per process (interleaved-1f1b, zb-v, dualpipe-v: 2)",

@@ -22,8 +22,7 @@ import torch
 
 from gpipe._utils import synchronize
 from gpipe.engine.stage import LossSpec, Stage
-from gpipe.schedule.builders import Schedule
-from gpipe.schedule.ir import Action, Kind, TimedAction
+from gpipe.schedule.ir import Action, Kind, Schedule, TimedAction
 from gpipe.schedule.routes import Message, Routes
 
 __all__ = ["Runtime", "StepInputs", "StepResult", "Transport"]

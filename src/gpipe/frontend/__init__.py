@@ -9,7 +9,7 @@ from gpipe.frontend.capture import capture, split_points
 from gpipe.frontend.cut import CaptureError
 from gpipe.frontend.names import ModelNames
 from gpipe.frontend.units import CapturedModel, Unit
-from gpipe.frontend.weights import Origin, materialize, on_meta, origin_of
+from gpipe.frontend.weights import Origin, materialize_units, on_meta, origin_of
 
 __all__ = [
     "CaptureError",
@@ -18,7 +18,7 @@ __all__ = [
     "Origin",
     "Unit",
     "capture",
-    "materialize",
+    "materialize_units",
     "on_meta",
     "origin_of",
     "split_points",

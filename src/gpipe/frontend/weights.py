@@ -2,7 +2,7 @@
 
 A model given on ``meta`` (``with torch.device("meta"): AutoModelForCausalLM.from_config(cfg)``)
 or as a function that builds it is captured without real memory; ``Pipe`` then calls
-:func:`materialize` for the units this process holds. Values come, in order of preference:
+:func:`materialize_units` for the units this process holds. Values come, in order of preference:
 
 1. from ``weights``, a checkpoint directory (``save_pretrained``: ``model.safetensors``, or
    shards listed by ``model.safetensors.index.json``) or one ``.safetensors`` file: each rank
@@ -32,7 +32,7 @@ from torch import nn
 from gpipe.materialize import record_factory, replay_layers
 from gpipe.materialize.record import Recording
 
-__all__ = ["Origin", "materialize", "on_meta", "origin_of"]
+__all__ = ["Origin", "materialize_units", "on_meta", "origin_of"]
 
 
 @dataclass
@@ -90,7 +90,7 @@ def on_meta(units: nn.Module) -> bool:
     return any(t.is_meta for t in (*units.parameters(), *units.buffers()))
 
 
-def materialize(units: nn.Sequential, layers: list[int], origin: Origin | None) -> None:
+def materialize_units(units: nn.Sequential, layers: list[int], origin: Origin | None) -> None:
     """Give the meta tensors of ``units[i]`` for ``i`` in ``layers`` their values, in place."""
     if origin is None:
         missing = _meta_names(units, layers)

@@ -32,7 +32,7 @@ from gpipe.engine.stage import Stage
 from gpipe.errors import NonFiniteError, PartitionError, PipelineError
 from gpipe.parallel.collectives import Collectives
 from gpipe.parallel.tied import TiedParameters
-from gpipe.schedule.builders import Schedule
+from gpipe.schedule.ir import Schedule
 from gpipe.schedule.routes import Routes
 from gpipe.transport.distributed import DistributedTransport
 from gpipe.transport.local import LocalTransport
@@ -164,7 +164,7 @@ class MultiProcess:
         if len(devices) == self.num_ranks:
             return []
         return [
-            f"- devices has {len(devices)} entries but the process group has "
+            f"devices has {len(devices)} entries but the process group has "
             f"{self.num_ranks} ranks; give one device per rank"
         ]
 

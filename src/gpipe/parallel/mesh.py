@@ -21,7 +21,15 @@ import torch.distributed as dist
 
 from gpipe.parallel.collectives import Collectives
 
-__all__ = ["Mesh", "ensure_world", "leave_world", "ping_pong", "world", "world_collectives"]
+__all__ = [
+    "Mesh",
+    "ensure_world",
+    "group_size",
+    "leave_world",
+    "ping_pong",
+    "world",
+    "world_collectives",
+]
 
 
 def world() -> Any:
@@ -31,6 +39,11 @@ def world() -> Any:
 
 def world_size() -> int:
     return dist.get_world_size()
+
+
+def group_size(group: Any) -> int:
+    """Processes in ``group``; ``None`` (no group) is one."""
+    return 1 if group is None else dist.get_world_size(group)
 
 
 def first_ranks(count: int) -> Any:

@@ -44,11 +44,12 @@ process's peak; ``gpipe.planner.measured``).
 ``gpipe.plan`` before the redesign).
 """
 
+from gpipe.layout import Layout
 from gpipe.planner.machine import Link, Machine
 from gpipe.planner.measured import CapacityCheck, Measured, calibrate, verify_capacity
 from gpipe.planner.results import Candidate, Plan, Verified
 from gpipe.planner.search import plan, plan_from_profiles, verify
-from gpipe.planning.capacity import Capacity, Family, Fit, Layout, capacity
+from gpipe.planning.capacity import Capacity, Family, Fit, capacity
 
 __all__ = [
     "Capacity",

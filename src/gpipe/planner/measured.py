@@ -46,17 +46,11 @@ import torch
 
 from gpipe._utils import MiB
 from gpipe.allocator import started_with
+from gpipe.layout import Layout
 from gpipe.parallel import mesh
 from gpipe.parallel.launch import launch
 from gpipe.pipe import Pipe
-from gpipe.planning.capacity import (
-    Calibration,
-    Family,
-    Fit,
-    Layout,
-    fit_of,
-    optimizer_state_of,
-)
+from gpipe.planning.capacity import Calibration, Family, Fit, fit_of, optimizer_state_of
 
 __all__ = ["CapacityCheck", "Measured", "calibrate", "measure_fit", "verify_capacity"]
 
@@ -274,10 +268,10 @@ def calibrate(
             depth += 1
         return depth
 
-    one = Layout(1, chunks=batch, checkpoint="always")
+    one = Layout(stages=1, chunks=batch, checkpoint="always")
     runs = [(one, first_depth(1)), (one, first_depth(layers))]
     if processes > 1:
-        pipeline = Layout(processes, chunks=batch, checkpoint="always")
+        pipeline = Layout(stages=processes, chunks=batch, checkpoint="always")
         runs += [(pipeline, first_depth(processes)), (pipeline, first_depth(layers))]
     stages = []  # per run: (model layers, [(excess, stage layers) per stage])
     for layout, depth in runs:

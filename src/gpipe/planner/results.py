@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpipe._utils import MiB
+from gpipe.layout import Layout
 from gpipe.planner.machine import Machine
 from gpipe.planning.memory_model import StageMemory
 from gpipe.planning.profile import Profile
@@ -17,13 +18,9 @@ __all__ = ["Candidate", "Plan", "Verified"]
 
 @dataclass(frozen=True)
 class Candidate:
-    """One configuration with its predicted cost."""
+    """One configuration (a layout and its cut) with its predicted cost."""
 
-    stages: int  # K: devices (processes) used
-    virtual_stages: int  # v: stages per device (interleaved 1F1B)
-    chunks: int  # M: micro-batches per mini-batch
-    schedule: str
-    checkpoint: str
+    layout: Layout  # K, v, M, schedule (by name), checkpoint
     balance: tuple[int, ...]  # layers per stage (K·v entries)
     step_time: float  # predicted seconds per mini-batch
     throughput: float  # predicted samples per second
@@ -37,6 +34,13 @@ class Candidate:
     def __post_init__(self) -> None:
         if self.schedule == "zb-auto" and self.fits and self.built is None:
             raise ValueError("a zb-auto candidate carries the schedule built for its costs")
+
+    # The layout's settings, read as the candidate's.
+    stages = property(lambda self: self.layout.stages)
+    virtual_stages = property(lambda self: self.layout.virtual_stages)
+    chunks = property(lambda self: self.layout.chunks)
+    schedule = property(lambda self: self.layout.schedule_name)
+    checkpoint = property(lambda self: self.layout.checkpoint)
 
     def pipe_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``gpipe.Pipe`` (add ``devices`` or ``group``)."""
@@ -60,8 +64,7 @@ class Candidate:
         )
 
     def label(self) -> str:
-        v = f" v={self.virtual_stages}" if self.virtual_stages > 1 else ""
-        return f"K={self.stages}{v} M={self.chunks} {self.schedule} {self.checkpoint}"
+        return self.layout.label()
 
 
 @dataclass(frozen=True)

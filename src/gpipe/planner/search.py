@@ -7,6 +7,7 @@ import math
 import statistics
 import time
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -15,6 +16,7 @@ from torch import nn
 from gpipe import microbatch
 from gpipe._utils import MiB
 from gpipe.engine.memory import measure_activations
+from gpipe.layout import Layout, layouts
 from gpipe.parallel import mesh
 from gpipe.parallel.launch import launch
 from gpipe.pipe import Pipe
@@ -29,15 +31,15 @@ from gpipe.planning.memory_model import (
 )
 from gpipe.planning.profile import Profile, profile
 from gpipe.remat import REMAT_MODES
-from gpipe.schedule import ALL_SCHEDULES, build_schedule, default_virtual_stages, zb_auto
+from gpipe.schedule import SCHEDULES, zb_auto
 from gpipe.schedule.simulate import simulate
 
 __all__ = ["plan", "plan_from_profiles", "verify"]
 
-# Every named schedule but "zb-auto", which is built for each candidate's own costs: by
-# default only for the (K, M, checkpoint) of the best few (``refine``), or everywhere when
-# named in ``schedules``.
-SEARCHED = tuple(name for name in ALL_SCHEDULES if name != "zb-auto")
+# Every named schedule but those built for measured costs ("zb-auto"), which are built for
+# each candidate's own costs: by default only for the (K, M, checkpoint) of the best few
+# (``refine``), or everywhere when named in ``schedules``.
+SEARCHED = tuple(name for name, spec in SCHEDULES.items() if not spec.takes_costs)
 AUTO = "zb-auto"
 ProfileSource = Profile | Mapping[int, Profile] | Callable[[int], Profile]
 
@@ -121,12 +123,12 @@ def plan_from_profiles(
     if too_many:
         raise ValueError(f"chunks {too_many} are not in 1..batch_size ({batch_size})")
     schedule_list = sorted(set(schedules)) if schedules is not None else sorted(SEARCHED)
-    unknown = [s for s in schedule_list if s not in ALL_SCHEDULES]
+    unknown = [s for s in schedule_list if s not in SCHEDULES]
     modes = list(checkpoints) if checkpoints is not None else list(REMAT_MODES)
     unknown += [c for c in modes if c not in REMAT_MODES]
     if unknown:
         raise ValueError(
-            f"unknown schedule or checkpoint {unknown}; schedules: {', '.join(ALL_SCHEDULES)}; "
+            f"unknown schedule or checkpoint {unknown}; schedules: {', '.join(SCHEDULES)}; "
             f"checkpoints: {', '.join(REMAT_MODES)}"
         )
     stage_list = sorted(set(stages)) if stages is not None else list(range(1, devices + 1))
@@ -143,10 +145,15 @@ def plan_from_profiles(
     }
     for m in chunk_list:
         prof = profiles_used[m] = profile_of(m)
-        for k, v, name, mode in _configurations(
-            len(prof.layers), m, stage_list, sorted(set(virtual_stages)), schedule_list, modes
+        for layout in layouts(
+            stages=stage_list,
+            chunks=[m],
+            schedules=schedule_list,
+            checkpoints=modes,
+            virtual_stages=sorted(set(virtual_stages)),
+            layers=len(prof.layers),
         ):
-            candidate = _evaluate(prof, k, v, m, name, mode, **settings)
+            candidate = _evaluate(prof, layout, **settings)
             (fitting if candidate.fits else rejected).append(candidate)
     fitting.sort(key=Candidate.rank_key)
     if schedules is None and refine > 0:
@@ -181,61 +188,38 @@ def _zb_auto_for_the_best(ranked, profiles, virtual_stages, refine, settings) ->
         fastest[key] = max(fastest.get(key, 0.0), c.throughput)
     found = []
     for k, m, mode in chosen[:refine]:
-        for v in sorted(set(virtual_stages) & {1, 2}):
-            if k * v > len(profiles[m].layers):
-                continue
-            candidate = _evaluate(profiles[m], k, v, m, AUTO, mode, **settings)
-            if candidate.fits and candidate.throughput > fastest.get((k, v, m, mode), 0.0) * (
-                1 + 1e-9
-            ):
+        for layout in layouts(
+            stages=[k],
+            chunks=[m],
+            schedules=[AUTO],
+            checkpoints=[mode],
+            virtual_stages=sorted(set(virtual_stages)),
+            layers=len(profiles[m].layers),
+        ):
+            candidate = _evaluate(profiles[m], layout, **settings)
+            best = fastest.get((k, layout.virtual_stages, m, mode), 0.0)
+            if candidate.fits and candidate.throughput > best * (1 + 1e-9):
                 found.append(candidate)
     return found
 
 
-def _configurations(layers, m, stage_list, virtual_list, schedule_list, modes):
-    """(K, v, schedule, checkpoint) worth simulating for M = m micro-batches."""
-    for k in stage_list:
-        for v in virtual_list:
-            if k * v > layers:
-                continue
-            for name in schedule_list:
-                if k == 1:  # one stage: every schedule is the same
-                    applies = name == "gpipe" and v == 1
-                elif name == AUTO:
-                    applies = v in (1, 2)
-                elif name == "interleaved-1f1b":
-                    applies = v > 1 and m % k == 0
-                elif default_virtual_stages(name) == 2:  # the V schedules: two stages a rank
-                    applies = v == 2 and (name != "dualpipe-v" or m >= 2 * k)
-                else:
-                    applies = v == 1
-                if not applies:
-                    continue
-                for mode in modes:
-                    if mode == "except_last" and m == 1:  # the same as "never"
-                        continue
-                    yield k, v, name, mode
-
-
 def _evaluate(
     prof: Profile,
-    k: int,
-    v: int,
-    m: int,
-    name: str,
-    mode: str,
+    layout: Layout,
     *,
     batch_size: int,
     budget: float | None,
     memory: MemoryModel,
     machine: Machine,
 ) -> Candidate:
+    k, v, m, mode = layout.stages, layout.virtual_stages, layout.chunks, layout.checkpoint
     # zb-auto is cut as the hand-made zero-bubble schedule of its placement, then built for
     # that cut's costs
-    like = ("zb-h1" if v == 1 else "zb-v") if name == AUTO else name
-    schedule = build_schedule(like, num_ranks=k, num_microbatches=m, virtual_stages=v)
-    num_stages = k * v
-    base = {"stages": k, "virtual_stages": v, "chunks": m, "schedule": name, "checkpoint": mode}
+    auto = layout.schedule == AUTO
+    like = replace(layout, schedule="zb-h1" if v == 1 else "zb-v") if auto else layout
+    schedule = like.build_schedule()
+    num_stages = layout.num_stages
+    base = {"layout": layout}
     try:
         part = balance_profile(
             prof,
@@ -263,7 +247,7 @@ def _evaluate(
             reason=f"no cut fits: {max(error.missing) / MiB:.1f} MiB missing on a stage",
         )
     costs, transfer = machine.stage_costs(prof, part.balance, schedule, mode)
-    if name == AUTO:
+    if auto:
         schedule = zb_auto(k, m, costs=costs, transfer=transfer, virtual_stages=v)
     result = simulate(schedule, costs, transfer=transfer)
     stage_mem = stage_memory(
@@ -292,7 +276,7 @@ def _evaluate(
         stage_memory=tuple(stage_mem),
         fits=fits,
         reason=reason,
-        built=schedule if name == AUTO else None,
+        built=schedule if auto else None,
     )
 
 

@@ -51,7 +51,7 @@ from gpipe.planning.memory_model import (
     prefix_sums,
 )
 from gpipe.planning.profile import LayerProfile, Profile, profile
-from gpipe.schedule.builders import Schedule, build_schedule
+from gpipe.schedule import Schedule, build_schedule
 from gpipe.schedule.simulate import per_stage, simulate
 
 __all__ = [

@@ -43,6 +43,7 @@ from torch import nn
 
 from gpipe import remat
 from gpipe._utils import MiB
+from gpipe.layout import Layout, layouts
 from gpipe.planning.memory_model import (
     MemoryModel,
     StageMemory,
@@ -50,7 +51,7 @@ from gpipe.planning.memory_model import (
     held_microbatches,
 )
 from gpipe.planning.profile import Profile, profile
-from gpipe.schedule import SCHEDULES, build_schedule
+from gpipe.schedule import SCHEDULES
 
 __all__ = [
     "OPTIMIZER_STATE",
@@ -58,14 +59,14 @@ __all__ = [
     "Capacity",
     "Family",
     "Fit",
-    "Layout",
     "NothingFits",
     "capacity",
+    "capacity_layouts",
+    "cheaper_first",
     "cut_within",
     "extrapolate",
     "fit_of",
     "gpt_family",
-    "layouts",
     "lightest_cut",
     "optimizer_state_of",
     "resnet_family",
@@ -253,37 +254,17 @@ class _FamilyCosts:
 # -- layouts and their rows -------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Layout:
-    """How the processes train one model: K stages × R replicas, M micro-batches."""
-
-    stages: int
-    replicas: int = 1
-    shard: bool = False
-    chunks: int = 1
-    schedule: str = "gpipe"
-    checkpoint: str = "never"
-
-    @property
-    def processes(self) -> int:
-        return self.stages * self.replicas
-
-    def label(self) -> str:
-        replicas = (
-            f" R={self.replicas}{' sharded' if self.shard else ''}" if self.replicas > 1 else ""
-        )
-        return f"K={self.stages}{replicas} M={self.chunks} {self.schedule} {self.checkpoint}"
-
-    def rank_key(self) -> tuple:
-        """Ties of capacity go to the cheaper layout."""
-        return (
-            self.processes,
-            self.shard,
-            RECOMPUTATION[self.checkpoint],
-            self.chunks,
-            self.schedule,
-            self.replicas,
-        )
+def cheaper_first(layout: Layout) -> tuple:
+    """Ties of capacity go to the cheaper layout: fewer processes, no sharding, less
+    recomputation, fewer micro-batches."""
+    return (
+        layout.processes,
+        layout.shard,
+        RECOMPUTATION[layout.checkpoint],
+        layout.chunks,
+        layout.schedule_name,
+        layout.replicas,
+    )
 
 
 @dataclass(frozen=True)
@@ -384,7 +365,7 @@ class Capacity:
             return f"the largest fit is {_row(self.rows[0]).strip()}"
         if not self.rows:
             return "no layout was searched: widen stages, replicas, chunks or schedules"
-        closest = min(self.rows, key=lambda r: (max(r.missing), r.layout.rank_key()))
+        closest = min(self.rows, key=lambda r: (max(r.missing), cheaper_first(r.layout)))
         stage = max(range(len(closest.missing)), key=closest.missing.__getitem__)
         terms = closest.terms(stage)
         # the process's own overhead is fixed: name the largest term the layout can change
@@ -508,7 +489,7 @@ def optimizer_state_of(optimizer: str | float) -> float:
     return float(optimizer)
 
 
-def layouts(
+def capacity_layouts(
     family: Family,
     processes: int,
     *,
@@ -519,44 +500,33 @@ def layouts(
     schedules: Iterable[str] | None = None,
     checkpoints: Iterable[str] | None = None,
 ) -> list[Layout]:
-    """Every layout to search (defaults: K·R ≤ processes, R dividing the batch, sharded
-    and not, M = powers of two dividing the replica's batch, every non-interleaved
-    schedule, every re-materialization mode)."""
+    """Every layout to search (``gpipe.layout.layouts``; defaults: K·R ≤ processes, sharded
+    and not, M = powers of two up to 32 that split each replica's batch evenly, as the memory
+    model assumes, every schedule of one stage per rank, every re-materialization mode)."""
     if not isinstance(processes, int) or processes < 1:
         raise ValueError(f"processes must be a positive int, got {processes!r}")
-    batch = family.batch_size
-    stage_list = _choices(stages, list(range(1, processes + 1)), "stages")
-    replica_list = _choices(replicas, list(range(1, processes + 1)), "replicas")
-    schedule_list = _choices(
-        schedules, [s for s in SCHEDULES if s != "interleaved-1f1b"], "schedules", SCHEDULES
+    one_per_rank = [n for n, spec in SCHEDULES.items() if 1 in spec.virtual_stages]
+    searched = [n for n in one_per_rank if not SCHEDULES[n].takes_costs]
+    schedule_list = _choices(schedules, searched, "schedules", SCHEDULES)
+    several = [s for s in schedule_list if s not in one_per_rank]
+    if several:
+        raise ValueError(
+            f"the capacity search places one stage per rank: drop {', '.join(several)}"
+        )
+    found = layouts(
+        stages=_choices(stages, list(range(1, processes + 1)), "stages"),
+        replicas=_choices(replicas, list(range(1, processes + 1)), "replicas"),
+        shard=_choices(shard, [False, True], "shard", (False, True)),
+        chunks=_choices(chunks, [1, 2, 4, 8, 16, 32], "chunks"),
+        schedules=schedule_list,
+        checkpoints=_choices(
+            checkpoints, list(remat.REMAT_MODES), "checkpoints", remat.REMAT_MODES
+        ),
+        virtual_stages=[1],
+        processes=processes,
+        batch=family.batch_size,
     )
-    if "interleaved-1f1b" in schedule_list:
-        raise ValueError("the capacity search does not place virtual stages: drop interleaved-1f1b")
-    mode_list = _choices(checkpoints, list(remat.REMAT_MODES), "checkpoints", remat.REMAT_MODES)
-    shard_list = _choices(shard, [False, True], "shard", (False, True))
-    out = []
-    for k in stage_list:
-        for r in replica_list:
-            if k * r > processes or batch % r:
-                continue
-            per_replica = batch // r
-            m_list = _choices(
-                chunks, [m for m in (1, 2, 4, 8, 16, 32) if per_replica % m == 0], "chunks"
-            )
-            for sharded in shard_list:
-                if sharded and r == 1:
-                    continue
-                for m in m_list:
-                    if per_replica % m:
-                        continue
-                    for name in schedule_list:
-                        if k == 1 and name != "gpipe":  # one stage: every schedule is one
-                            continue
-                        for mode in mode_list:
-                            if mode == "except_last" and m == 1:  # the same as "never"
-                                continue
-                            out.append(Layout(k, r, sharded, m, name, mode))
-    return out
+    return [x for x in found if (family.batch_size // x.replicas) % x.chunks == 0]
 
 
 def capacity(
@@ -589,7 +559,7 @@ def capacity(
     calibration = _calibration(overhead)
     state = optimizer_state_of(optimizer)
     costs = _FamilyCosts(family)
-    candidates = layouts(
+    candidates = capacity_layouts(
         family,
         processes,
         stages=stages,
@@ -604,7 +574,7 @@ def capacity(
         for layout in candidates
     ]
     rows.sort(key=lambda r: (not r.fits, -r.parameters if r.fits else max(r.missing),
-                             r.layout.rank_key()))  # fmt: skip
+                             cheaper_first(r.layout)))  # fmt: skip
     result = Capacity(family, float(memory_budget), processes, state, calibration, rows)
     if rows and not rows[0].fits:
         result.advice = _advice(costs, rows, memory_budget, calibration, state, max_depth)
@@ -628,9 +598,7 @@ class _LayoutCosts:
         self, costs: _FamilyCosts, layout: Layout, state: float, per_stage_layer: float = 0.0
     ) -> None:
         self.costs, self.layout = costs, layout
-        schedule = build_schedule(
-            layout.schedule, num_ranks=layout.stages, num_microbatches=layout.chunks
-        )
+        schedule = layout.build_schedule()
         self.held = held_microbatches(schedule, layout.checkpoint)
         self.split = schedule.splits_backward(0, 0)
         self.model = _memory_model(layout, state, per_stage_layer)

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 from gpipe.planning.profile import Profile
 from gpipe.remat import recompute_fraction
-from gpipe.schedule.builders import Schedule
+from gpipe.schedule.ir import Schedule
 from gpipe.schedule.simulate import Costs
 
 __all__ = ["stage_costs"]

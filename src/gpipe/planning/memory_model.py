@@ -57,8 +57,7 @@ from dataclasses import dataclass
 from gpipe import remat
 from gpipe._utils import MiB
 from gpipe.planning.profile import LayerProfile, Profile
-from gpipe.schedule.builders import Schedule
-from gpipe.schedule.ir import Kind
+from gpipe.schedule.ir import Kind, Schedule
 from gpipe.schedule.simulate import Costs, SimulationResult, simulate
 
 __all__ = [

@@ -33,19 +33,14 @@ from __future__ import annotations
 
 from collections import deque
 
-from gpipe.schedule.builders import (
-    ALL_SCHEDULES,
-    Schedule,
-    _build,
-    _check_sizes,
-    v_stage_to_rank,
-    zb_h1,
-    zb_v,
-)
-from gpipe.schedule.ir import Action, Kind, ScheduleError
+from gpipe.schedule.builders import _build, _check_sizes, v_stage_to_rank, zb_h1, zb_v
+from gpipe.schedule.ir import Action, Kind, Schedule, ScheduleError
 from gpipe.schedule.simulate import Costs, simulate
 
-__all__ = ["zb_auto"]
+__all__ = ["PLACEMENTS", "zb_auto"]
+
+# Stages per rank zb-auto can place: 1 (stage r on rank r), or 2 in ZB-V's V.
+PLACEMENTS = (1, 2)
 
 
 def zb_auto(
@@ -68,7 +63,7 @@ def zb_auto(
     """
     _check_sizes("zb-auto", num_ranks=num_ranks, num_microbatches=num_microbatches)
     K, M, v = num_ranks, num_microbatches, virtual_stages
-    if v not in (1, 2):
+    if v not in PLACEMENTS:
         raise ScheduleError(
             f"zb-auto: virtual_stages must be 1 (a stage per rank) or 2 (ZB-V's placement), "
             f"got {virtual_stages!r}"
@@ -223,6 +218,3 @@ def _greedy(
         remaining -= 1
         blocked = [False] * K
     return rows
-
-
-ALL_SCHEDULES["zb-auto"] = zb_auto

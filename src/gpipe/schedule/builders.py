@@ -1,15 +1,6 @@
-"""Schedules as pure data: the :class:`Schedule`, and the built-in ways to build one.
-
-A :class:`Schedule` holds one tuple of actions (``gpipe.schedule.ir``) per rank and which
-rank holds each stage; it knows nothing about tensors, so the same object is executed by
-the runtime, checked by :meth:`Schedule.validate` (``gpipe.schedule.check``), timed by
-``gpipe.simulate`` and drawn by ``gpipe.timeline``::
-
-    >>> s = build_schedule("1f1b", num_ranks=2, num_microbatches=3)
-    >>> print(s)
-    1f1b (2 stages, 3 micro-batches, 2 ranks)
-    rank 0: F0@0 F1@0 B0@0 F2@0 B1@0 B2@0
-    rank 1: F0@1 B0@1 F1@1 B1@1 F2@1 B2@1
+"""The built-in schedules: one function per schedule, from (ranks, micro-batches) to a
+validated :class:`~gpipe.schedule.ir.Schedule`. Which of them a name stands for, and where
+each applies, is the table in :mod:`gpipe.schedule.registry`.
 
 Splitting B from W is decided per (stage, micro-batch), though the built-in schedules split
 all or nothing.
@@ -18,166 +9,21 @@ all or nothing.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Sequence
 
-from gpipe.schedule.check import RECV_AHEAD, check
-from gpipe.schedule.ir import Action, Kind, ScheduleError
+from gpipe.schedule.ir import Action, Kind, Schedule, ScheduleError
 
 __all__ = [
-    "ALL_SCHEDULES",
-    "SCHEDULES",
-    "Schedule",
-    "build_schedule",
-    "default_virtual_stages",
     "dualpipe_v",
+    "dualpipe_v_problem",
     "fill_drain",
     "interleaved_1f1b",
+    "interleaved_problem",
     "one_f_one_b",
     "v_stage_to_rank",
     "zb_h1",
     "zb_v",
 ]
-
-
-@dataclass(frozen=True)
-class Schedule:
-    """Per-rank action lists of a pipeline of ``num_stages`` stages and ``num_microbatches``.
-
-    Build one with :func:`build_schedule`, a builder such as :func:`one_f_one_b`, or
-    :meth:`from_actions` for a hand-made order; check a hand-made one with :meth:`validate`.
-    """
-
-    name: str
-    num_stages: int  # pipeline stages S (= ranks * virtual stages)
-    num_microbatches: int  # M
-    stage_to_rank: tuple[int, ...]  # the rank (device) holding each stage
-    actions: tuple[tuple[Action, ...], ...]  # per rank, in execution order
-    # Checked with sends that never block (gpipe's transports'), not rendezvous: see check.py.
-    buffered_sends: bool = False
-    _split: frozenset[tuple[int, int]] | None = field(
-        default=None, init=False, repr=False, compare=False
-    )
-    _valid: bool = field(default=False, init=False, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        # Accept lists from hand-written code; stored as tuples so the schedule is hashable data.
-        object.__setattr__(self, "stage_to_rank", tuple(self.stage_to_rank))
-        object.__setattr__(self, "actions", tuple(tuple(acts) for acts in self.actions))
-
-    @property
-    def num_ranks(self) -> int:
-        return len(self.actions)
-
-    def stages_of(self, rank: int) -> tuple[int, ...]:
-        """The stages ``rank`` holds, in increasing order."""
-        return tuple(s for s, r in enumerate(self.stage_to_rank) if r == rank)
-
-    def splits_backward(self, stage: int, microbatch: int) -> bool:
-        """True iff ``W(stage, microbatch)`` exists, so that ``B`` computes only input grads."""
-        if self._split is None:
-            split = frozenset(
-                (a.stage, a.microbatch)
-                for acts in self.actions
-                for a in acts
-                if getattr(a, "kind", None) == Kind.WEIGHT
-            )
-            object.__setattr__(self, "_split", split)
-        return (stage, microbatch) in self._split
-
-    def __str__(self) -> str:
-        head = (
-            f"{self.name} ({self.num_stages} stages, {self.num_microbatches} micro-batches, "
-            f"{self.num_ranks} ranks)"
-        )
-        rows = [f"rank {r}: " + " ".join(map(str, acts)) for r, acts in enumerate(self.actions)]
-        return "\n".join([head, *rows])
-
-    def validate(self, *, recv_ahead: int = RECV_AHEAD) -> Schedule:
-        """Check that the schedule can run; return it, or raise :class:`ScheduleError`.
-
-        What is checked, and the communication model with ``recv_ahead`` receives posted
-        per rank, is told in ``gpipe.schedule.check``.
-        """
-        if recv_ahead != RECV_AHEAD:
-            check(self, recv_ahead=recv_ahead)  # a what-if: not remembered
-        elif not self._valid:
-            check(self)
-            object.__setattr__(self, "_valid", True)
-        return self
-
-    @classmethod
-    def from_actions(
-        cls,
-        actions: Sequence[Sequence[Action | str]],
-        *,
-        stage_to_rank: Sequence[int] | None = None,
-        num_microbatches: int | None = None,
-        name: str = "custom",
-        buffered_sends: bool = False,
-    ) -> Schedule:
-        """Build and validate a schedule from per-rank lists of actions or strings.
-
-        ``stage_to_rank`` defaults to the rank each stage's actions appear on, and
-        ``num_microbatches`` to one more than the largest micro-batch index.
-        ``buffered_sends`` checks it under sends that never block, as gpipe's transports'
-        (``gpipe.schedule.check``), for orders whose sends run far ahead of their receives::
-
-            Schedule.from_actions([["F0@0", "F1@0", "B1@0", "B0@0"],
-                                   ["F0@1", "B0@1", "F1@1", "B1@1"]])
-        """
-        if isinstance(actions, str) or not all(
-            isinstance(acts, Sequence) and not isinstance(acts, str) for acts in actions
-        ):
-            raise ScheduleError(
-                "actions must be one list per rank, e.g. [['F0@0', 'B0@0'], ['F0@1', 'B0@1']]"
-            )
-        parsed: list[tuple[Action, ...]] = []
-        for acts in actions:
-            row = []
-            for a in acts:
-                if isinstance(a, str):
-                    a = Action.parse(a)
-                elif not isinstance(a, Action):
-                    raise ScheduleError(f"expected an Action or a string like 'F0@1', got {a!r}")
-                row.append(a)
-            parsed.append(tuple(row))
-        everything = [a for row in parsed for a in row]
-        if not everything:
-            raise ScheduleError("the schedule has no actions; give at least one rank's list")
-        if stage_to_rank is None:
-            owner: dict[int, int] = {}
-            for rank, row in enumerate(parsed):
-                for a in row:
-                    if owner.setdefault(a.stage, rank) != rank:
-                        raise ScheduleError(
-                            f"stage {a.stage} has actions on rank {owner[a.stage]} and rank "
-                            f"{rank} (e.g. {a}); a stage lives on one rank: move them or pass "
-                            "stage_to_rank",
-                            action=a,
-                        )
-            num_stages = max(owner) + 1
-            unowned = [s for s in range(num_stages) if s not in owner]
-            if unowned:
-                raise ScheduleError(
-                    f"stage {unowned[0]} has no actions, so its rank is unknown; add its "
-                    "actions or pass stage_to_rank"
-                )
-            stage_to_rank = [owner[s] for s in range(num_stages)]
-        if num_microbatches is None:
-            num_microbatches = max(a.microbatch for a in everything) + 1
-        return cls(
-            name=name,
-            num_stages=len(stage_to_rank),
-            num_microbatches=num_microbatches,
-            stage_to_rank=tuple(stage_to_rank),
-            actions=tuple(parsed),
-            buffered_sends=buffered_sends,
-        ).validate()
-
-
-# Integer codes index flat per-kind arrays in the checker (faster than hashing actions).
 
 
 # -- built-in schedules ----------------------------------------------------------------------
@@ -251,6 +97,20 @@ def one_f_one_b(num_stages: int, num_microbatches: int) -> Schedule:
     return _build("1f1b", M, range(K), rows)
 
 
+def interleaved_problem(num_ranks: int, num_microbatches: int, virtual_stages: int) -> str:
+    """Why interleaved 1F1B cannot take these sizes ("" when it can): it takes micro-batches
+    round the virtual stages in groups of K."""
+    K, M = num_ranks, num_microbatches
+    if virtual_stages == 1 or M % K == 0:
+        return ""
+    lower, upper = M // K * K, (M // K + 1) * K
+    hint = f"{lower} or {upper}" if lower else str(upper)
+    return (
+        f"{M} micro-batches are not a multiple of its {K} ranks; it takes micro-batches round "
+        f"the virtual stages in groups of {K}: use {hint} micro-batches"
+    )
+
+
 def interleaved_1f1b(num_ranks: int, num_microbatches: int, virtual_stages: int) -> Schedule:
     """Interleaved 1F1B (Megatron-LM): rank r holds stages ``r, r+K, ..., r+(v-1)K``.
 
@@ -270,13 +130,9 @@ def interleaved_1f1b(num_ranks: int, num_microbatches: int, virtual_stages: int)
         virtual_stages=virtual_stages,
     )
     K, M, v = num_ranks, num_microbatches, virtual_stages
-    if v > 1 and M % K:
-        lower, upper = M // K * K, (M // K + 1) * K
-        hint = f"{lower} or {upper}" if lower else str(upper)
-        raise ScheduleError(
-            f"interleaved-1f1b: num_microbatches={M} is not a multiple of num_ranks={K}; "
-            f"it takes micro-batches round the virtual stages in groups of {K}: use {hint}"
-        )
+    problem = interleaved_problem(K, M, v)
+    if problem:
+        raise ScheduleError(f"interleaved-1f1b: {problem}")
     total = v * M
 
     def unit(r: int, k: int, forward: bool) -> Action:
@@ -414,6 +270,18 @@ def zb_v(num_ranks: int, num_microbatches: int) -> Schedule:
     return _build("zb-v", M, v_stage_to_rank(K), rows, buffered_sends=True)
 
 
+def dualpipe_v_problem(num_ranks: int, num_microbatches: int) -> str:
+    """Why DualPipe-V cannot take these sizes ("" when it can): its steady state pairs
+    micro-batches across the V, so it needs at least as many as its 2K stages."""
+    K, M = num_ranks, num_microbatches
+    if M >= 2 * K:
+        return ""
+    return (
+        f"{M} micro-batches are fewer than its {2 * K} stages (2 per rank on {K} ranks); its "
+        f"steady state pairs micro-batches across the V: use >= {2 * K} micro-batches, or 'zb-v'"
+    )
+
+
 def dualpipe_v(num_ranks: int, num_microbatches: int) -> Schedule:
     """DualPipe-V (DeepSeek-V3's DualPipe folded into a V): forward and backward in pairs.
 
@@ -429,12 +297,9 @@ def dualpipe_v(num_ranks: int, num_microbatches: int) -> Schedule:
     """
     _check_sizes("dualpipe-v", num_ranks=num_ranks, num_microbatches=num_microbatches)
     K, M = num_ranks, num_microbatches
-    if M < 2 * K:
-        raise ScheduleError(
-            f"dualpipe-v: num_microbatches={M} is fewer than its {2 * K} stages (2 per rank "
-            f"on {K} ranks); its steady state pairs micro-batches across the V: use chunks >= "
-            f"{2 * K}, or 'zb-v'"
-        )
+    problem = dualpipe_v_problem(K, M)
+    if problem:
+        raise ScheduleError(f"dualpipe-v: {problem}")
     rows = []
     for r in range(K):
         rank = _VRank(r, K, M)
@@ -453,77 +318,3 @@ def dualpipe_v(num_ranks: int, num_microbatches: int) -> Schedule:
         rank.add("W", r + 1)
         rows.append(rank.actions)
     return _build("dualpipe-v", M, v_stage_to_rank(K), rows, buffered_sends=True)
-
-
-# The schedules of one stage per rank, or interleaved: those gpipe.planner searches (its
-# memory model and balance know these placements) and the CLI offers.
-SCHEDULES: dict[str, Callable[..., Schedule]] = {
-    "gpipe": fill_drain,
-    "1f1b": one_f_one_b,
-    "interleaved-1f1b": interleaved_1f1b,
-    "zb-h1": zb_h1,
-}
-# Every schedule a Pipe can be given by name: also the V-shaped ones, and "zb-auto", which
-# gpipe.schedule.auto adds (it times candidates with gpipe.schedule.simulate, which imports
-# this module; the package imports it, so it is registered before any lookup).
-ALL_SCHEDULES: dict[str, Callable[..., Schedule]] = {
-    **SCHEDULES,
-    "zb-v": zb_v,
-    "dualpipe-v": dualpipe_v,
-}
-_V_SHAPED = frozenset({"zb-v", "dualpipe-v"})  # two stages per rank, placed in a V
-_TAKES_COSTS = frozenset({"zb-auto"})  # built for given costs and a memory limit
-
-
-def default_virtual_stages(name: str) -> int:
-    """Stages per rank of schedule ``name`` when none is given: 2 for interleaved and V."""
-    return 2 if isinstance(name, str) and (name == "interleaved-1f1b" or name in _V_SHAPED) else 1
-
-
-def build_schedule(
-    name: str,
-    *,
-    num_ranks: int,
-    num_microbatches: int,
-    virtual_stages: int | None = None,
-    **options: Any,
-) -> Schedule:
-    """The built-in schedule ``name`` (a key of :data:`ALL_SCHEDULES`) for ``num_ranks`` ranks.
-
-    ``virtual_stages`` (stages per rank, default :func:`default_virtual_stages`) may be
-    chosen for ``"interleaved-1f1b"`` and ``"zb-auto"`` (1, or 2 placed in a V);
-    ``"zb-v"`` and ``"dualpipe-v"`` hold two.
-    ``options`` go to ``"zb-auto"`` (``costs``, ``transfer``, ``memory_limit``, see
-    ``gpipe.schedule.auto.zb_auto``)::
-
-        build_schedule("interleaved-1f1b", num_ranks=4, num_microbatches=8, virtual_stages=2)
-        build_schedule("zb-auto", num_ranks=4, num_microbatches=8,
-                       costs=Costs(forward=1.0, backward=1.2, weight=0.8), memory_limit=4)
-    """
-    if name not in ALL_SCHEDULES:
-        raise ScheduleError(f"unknown schedule {name!r}; known: {', '.join(ALL_SCHEDULES)}")
-    if options and name not in _TAKES_COSTS:
-        raise ScheduleError(
-            f"schedule {name!r} takes no options, got {', '.join(sorted(options))}; costs and "
-            "a memory limit are for 'zb-auto'"
-        )
-    default = default_virtual_stages(name)
-    if virtual_stages is None:
-        virtual_stages = default
-    if name == "interleaved-1f1b":
-        return interleaved_1f1b(num_ranks, num_microbatches, virtual_stages)
-    if name in _TAKES_COSTS:  # it checks virtual_stages itself
-        builder = ALL_SCHEDULES[name]
-        return builder(num_ranks, num_microbatches, virtual_stages=virtual_stages, **options)
-    if virtual_stages != default:
-        if name in _V_SHAPED:
-            raise ScheduleError(
-                f"schedule {name!r} places 2 stages per rank in a V (rank r holds stages r and "
-                f"2K-1-r), got virtual_stages={virtual_stages!r}: pass virtual_stages=2 and a "
-                f"balance of 2K entries ({2 * num_ranks} for {num_ranks} ranks)"
-            )
-        raise ScheduleError(
-            f"schedule {name!r} holds one stage per rank, got virtual_stages={virtual_stages!r}; "
-            "use 'interleaved-1f1b', 'zb-v', 'dualpipe-v' or 'zb-auto' for several stages per rank"
-        )
-    return ALL_SCHEDULES[name](num_ranks, num_microbatches, **options)

@@ -26,8 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from gpipe.schedule.builders import Schedule
-from gpipe.schedule.ir import Kind, TimedAction
+from gpipe.schedule.ir import Kind, Schedule, TimedAction
 
 __all__ = ["Costs", "SimulationResult", "per_stage", "simulate"]
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from gpipe import checkpoint as ckpt
 from gpipe.allocator import POLICIES
-from gpipe.schedule import ScheduleError, build_schedule, default_virtual_stages
+from gpipe.layout import FLAGS, Layout
 from gpipe.train.tasks import TASKS, Task
 
 __all__ = ["SIZES", "ConfigError", "TrainConfig", "model_spec", "num_layers", "resolve"]
@@ -68,6 +68,18 @@ class TrainConfig:
     @property
     def world_size(self) -> int:
         return self.stages * self.replicas
+
+    @property
+    def layout(self) -> Layout:
+        return Layout(
+            stages=self.stages,
+            chunks=self.chunks,
+            schedule=self.schedule,
+            virtual_stages=self.virtual_stages,
+            checkpoint=self.checkpoint,
+            replicas=self.replicas,
+            shard=self.shard,
+        )
 
     @property
     def task(self) -> Task:
@@ -131,7 +143,8 @@ def resolve(options: dict[str, Any], *, world_size: int | None = None) -> TrainC
         model_args = {k: preset.pop(k) for k in task.model_keys}
         values = {**preset, **given, "model": task.name, "model_args": model_args}
     problems += TASKS[values["model"]].problems(given)
-    values.setdefault("virtual_stages", default_virtual_stages(values.get("schedule", "gpipe")))
+    default_layout = Layout(schedule=values.get("schedule", "gpipe"))
+    values.setdefault("virtual_stages", default_layout.virtual_stages)
     if world_size is not None and "stages" not in given:
         values["stages"] = max(1, world_size // values.get("replicas", 1))
     config = TrainConfig(**{k: v for k, v in values.items() if k in names})
@@ -147,11 +160,9 @@ def resolve(options: dict[str, Any], *, world_size: int | None = None) -> TrainC
 
 def _problems(c: TrainConfig, start: int, world_size: int | None, *, fresh: bool) -> list[str]:
     problems = []
-    for name in ("stages", "replicas", "chunks", "batch", "steps", "seq", "virtual_stages"):
-        value = getattr(c, name)
-        if value < 1:
-            flag = name.replace("_", "-")
-            problems.append(f"--{flag} must be >= 1, got {value}")
+    for name in ("batch", "steps", "seq"):
+        if getattr(c, name) < 1:
+            problems.append(f"--{name} must be >= 1, got {getattr(c, name)}")
     for name in (
         "warmup",
         "save_every",
@@ -176,53 +187,12 @@ def _problems(c: TrainConfig, start: int, world_size: int | None, *, fresh: bool
         existing = next(p for p in (out, *out.parents) if p.exists())
         if not _writable(existing):
             problems.append(f"--out {c.out}: {existing} is not writable; choose another --out")
+    layers = num_layers(model_spec(c)) if not problems else None
+    batch = c.batch if c.batch >= 1 else None
+    problems += c.layout.problems(layers=layers, balance=c.balance, batch=batch, spelling=FLAGS)
     if problems:
         return problems  # the checks below assume sane numbers
 
-    layers = num_layers(model_spec(c))
-    ranks = c.stages * c.virtual_stages
-    if ranks > layers:
-        what = f"--stages {c.stages}" + (
-            f" x --virtual-stages {c.virtual_stages}" if c.virtual_stages > 1 else ""
-        )
-        problems.append(
-            f"{what} needs at least {ranks} layers, but {c.model} {c.size} has {layers}: use "
-            f"--stages <= {layers // c.virtual_stages} or a larger --size"
-        )
-    if c.balance is not None and (len(c.balance) != ranks or sum(c.balance) != layers):
-        problems.append(
-            f"--balance {','.join(map(str, c.balance))} must have {ranks} entries (one per "
-            f"stage) summing to {layers} (the layers of {c.model} {c.size})"
-        )
-    elif c.balance is not None and min(c.balance) < 1:
-        problems.append("--balance entries must be >= 1")
-    if c.batch % c.replicas:
-        problems.append(f"--batch {c.batch} must be divisible by --replicas {c.replicas}")
-    elif c.batch // c.replicas < c.chunks:
-        problems.append(
-            f"each replica's batch ({c.batch // c.replicas}) must have at least --chunks "
-            f"{c.chunks} samples: one per micro-batch; raise --batch or lower --chunks"
-        )
-    if c.shard and c.replicas < 2:
-        problems.append(
-            f"--shard splits each stage over its replicas: it needs --replicas >= 2, got "
-            f"{c.replicas} (or --no-shard)"
-        )
-    if c.virtual_stages > 1 and default_virtual_stages(c.schedule) == 1:
-        problems.append(
-            f"--virtual-stages {c.virtual_stages} needs a schedule with several stages per "
-            "process: interleaved-1f1b, zb-v or dualpipe-v"
-        )
-    else:
-        try:
-            build_schedule(
-                c.schedule,
-                num_ranks=c.stages,
-                num_microbatches=c.chunks,
-                virtual_stages=c.virtual_stages,
-            )
-        except (ScheduleError, ValueError) as error:
-            problems.append(f"--schedule {c.schedule}: {error}")
     if start >= c.steps:
         problems.append(
             f"the checkpoint is at step {start} and --steps is {c.steps}: nothing to train; "

@@ -31,9 +31,9 @@ from gpipe.allocator import cpu_allocator
 from gpipe.data import EpochSampler, hash_seed
 from gpipe.engine.memory import measure_activations
 from gpipe.errors import NonFiniteError
+from gpipe.layout import even_balance
 from gpipe.parallel.mesh import Mesh
 from gpipe.parallel.sharded import full_value, sharded_optimizer_state
-from gpipe.partition import even_balance
 from gpipe.train.config import TrainConfig, model_spec, num_layers
 from gpipe.train.report import Metrics, Reporter, plot_losses, write_json
 

@@ -1,0 +1,280 @@
+"""How a ``Pipe`` is put together, in named steps: configure, place, tie, wire.
+
+* :func:`configure` checks every argument against the model (which is only recorded on
+  ``meta`` when it is a function) and reports every problem in one error; it settles the
+  :class:`~gpipe.layout.Layout`, the balance (profiled with ``balance="auto"``), the devices
+  and the schedule, and makes every rank agree on them;
+* :func:`place` builds this process's layers (only those, for a function or a model on
+  ``meta``), moves them to their stage's device and makes the stages;
+* :func:`tie` keeps the copies of tied weights that live on several stages as one tensor;
+* :func:`wire` connects the stages: transport, gradient reduction over replicas (plain or
+  sharded), and the runtime that walks the schedule.
+
+Each step is a function of what the previous ones returned, so each can be read (and
+tested) alone; ``gpipe.pipe.Pipe.__init__`` calls them in order.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from torch import nn
+
+from gpipe.engine.batchnorm import DeferredBatchNorm
+from gpipe.engine.runtime import Runtime
+from gpipe.engine.skip import SkipLayout
+from gpipe.engine.stage import Stage
+from gpipe.errors import PartitionError
+from gpipe.frontend import CapturedModel, materialize_units, on_meta
+from gpipe.layout import Layout
+from gpipe.materialize import build
+from gpipe.parallel.data_parallel import GradientReducer
+from gpipe.parallel.group import MultiProcess, SingleProcess
+from gpipe.parallel.mesh import group_size
+from gpipe.parallel.sharded import SHARD_MODES, ShardedStages, sharing_problems
+from gpipe.parallel.tied import TiedParameters
+from gpipe.partition import check_not_shared, cut, device_problems, fingerprint
+from gpipe.planning.auto import auto_balance
+from gpipe.schedule import Schedule
+from gpipe.schedule.routes import Routes
+
+__all__ = ["Configuration", "Placed", "Wiring", "configure", "place", "tie", "wire"]
+
+ModelOrFactory = nn.Sequential | Callable[[], nn.Sequential]
+PipelineRanks = SingleProcess | MultiProcess
+
+
+@dataclass
+class Configuration:
+    """What :func:`configure` settled: valid, and the same on every rank."""
+
+    layout: Layout
+    balance: list[int]
+    devices: list[torch.device]  # one per rank
+    schedule: Schedule
+    model: nn.Sequential  # the whole model; a function's is recorded on meta
+    factory: Callable[[], nn.Sequential] | None  # the function, when the model was given so
+
+    @property
+    def stage_devices(self) -> list[torch.device]:
+        return [self.devices[rank] for rank in self.schedule.stage_to_rank]
+
+    @property
+    def first_layers(self) -> list[int]:
+        """Whole-model index of each stage's first layer."""
+        return [sum(self.balance[:s]) for s in range(len(self.balance))]
+
+
+def configure(
+    module: ModelOrFactory,
+    ranks: PipelineRanks,
+    *,
+    balance: Sequence[int] | str,
+    devices: Sequence[Any] | None,
+    chunks: int,
+    checkpoint: str,
+    schedule: str | Schedule,
+    virtual_stages: int | None,
+    data_parallel_group: Any,
+    shard: str | None,
+    init_seed: int,
+    sample: Any,
+    sample_loss: Any,
+    settings: dict[str, Any],
+) -> Configuration:
+    """Every argument checked (one :class:`PartitionError` listing every problem), the
+    balance chosen when ``"auto"``, and the ranks' agreement that they were built alike
+    (``settings``: what else must agree, e.g. ``tied``)."""
+    if shard is not None and shard not in SHARD_MODES:
+        raise ValueError(f"shard must be None or one of {SHARD_MODES}, got {shard!r}")
+    factory = None if isinstance(module, nn.Module) else module
+    if factory is not None and not callable(factory):
+        raise TypeError(
+            f"module must be an nn.Sequential or a function that builds one, got "
+            f"{type(module).__name__}"
+        )
+    wanted = Layout(
+        chunks=chunks,
+        schedule=schedule,
+        virtual_stages=virtual_stages,
+        checkpoint=checkpoint,
+        replicas=group_size(data_parallel_group),
+        shard=shard is not None,
+    )
+    v = wanted.virtual_stages if isinstance(wanted.virtual_stages, int) else 1
+    if isinstance(balance, str):
+        balance = auto_balance(
+            module,
+            balance,
+            sample,
+            ranks.default_devices(0) if devices is None and ranks.rank is not None else devices,
+            ranks.decide,
+            chunks=chunks,
+            checkpoint=checkpoint,
+            schedule=schedule,
+            virtual_stages=v,
+            sample_loss=sample_loss,
+        )
+    balance = list(balance)
+    if devices is None:
+        devices = ranks.default_devices(max(1, len(balance) // max(1, v)))
+    devices = list(devices)
+    layout = replace(wanted, stages=len(devices))
+    # A function is recorded on meta (no memory) to check the configuration against.
+    model = build(factory, seed=init_seed, layers=[]) if factory is not None else module
+    if not isinstance(model, nn.Sequential):
+        raise TypeError(
+            f"gpipe cuts an nn.Sequential into stages, got {type(model).__name__}; wrap the "
+            "model's layers in order: nn.Sequential(embedding, *blocks, head), or capture any "
+            "model with Pipe.from_model"
+        )
+    problems = layout.problems(layers=len(model), balance=balance)
+    problems += device_problems(devices) + ranks.device_problems(devices)
+    if layout.shard and not problems:
+        problems += sharing_problems(cut(model, balance))
+    if problems:
+        raise PartitionError(
+            "invalid Pipe configuration:\n" + "\n".join(f"- {p}" for p in problems)
+        )
+    if layout.chunks == 1 and layout.stages > 1:
+        k = layout.stages
+        warnings.warn(
+            f"Pipe(chunks=1) on {k} devices: one micro-batch, so the stages run one after "
+            f"another, never at once; pass chunks >= {k} (e.g. {4 * k}) to pipeline",
+            stacklevel=3,
+        )
+    built = layout.build_schedule()
+    ranks.check_same(
+        fingerprint(
+            model, balance=balance, chunks=chunks, checkpoint=checkpoint,
+            schedule=built.actions, init_seed=init_seed, **settings,
+        )
+    )  # fmt: skip
+    return Configuration(layout, balance, [torch.device(d) for d in devices], built, model, factory)
+
+
+@dataclass
+class Placed:
+    """This process's part of the model: its stages, their layers by whole-model name."""
+
+    model: nn.Sequential  # the whole model: local layers built and placed, the rest on meta
+    layers: list[tuple[str, nn.Module]]  # the local layers, as placed
+    stages: list[Stage]  # the local stages, in increasing order
+    stage_of_name: dict[str, int]  # every layer's stage
+    routes: Routes
+
+
+def place(
+    config: Configuration,
+    ranks: PipelineRanks,
+    *,
+    deferred_batch_norm: bool,
+    tied_names: set[str],
+    init_seed: int,
+) -> Placed:
+    """Build this process's layers (a function's, or a captured model's on meta: only
+    these) and make its stages, each on its device."""
+    local = ranks.local_stages(config.schedule)
+    starts, balance = config.first_layers, config.balance
+    local_layers = [i for s in local for i in range(starts[s], starts[s] + balance[s])]
+    model = config.model
+    if config.factory is not None:
+        # Built on the CPU, as ``factory()`` would be, then moved: the same weights as
+        # Pipe(factory()) on any devices (generators of other device types differ).
+        model = build(config.factory, seed=init_seed, layers=local_layers, tied=bool(tied_names))
+    elif isinstance(model, CapturedModel) and on_meta(model):
+        materialize_units(model, local_layers, model.origin)
+    stage_layers = cut(model, balance)
+    check_not_shared(stage_layers, tied_names)
+
+    # Skip connections: declared by the layers, read from the whole (maybe meta) model.
+    skip_layout = SkipLayout.of([layer for layers in stage_layers for _, layer in layers])
+    stage_of_layer = [s for s, size in enumerate(balance) for _ in range(size)]
+    skips = (
+        {s: skip_layout.stage_view(stage_of_layer, s) for s in range(len(balance))}
+        if skip_layout
+        else {}
+    )
+    devices = config.stage_devices
+    placed_layers, stages = [], []
+    for index in local:
+        layers = []
+        for name, layer in stage_layers[index]:
+            if deferred_batch_norm:
+                layer = DeferredBatchNorm.convert(layer)
+            layer = layer.to(devices[index])
+            placed_layers.append((name, layer))
+            layers.append(layer)
+        stages.append(
+            Stage(
+                index,
+                layers,
+                first_layer=starts[index],
+                device=devices[index],
+                is_last=index == len(balance) - 1,
+                skips=skips.get(index),
+            )
+        )
+    stage_of_name = {name: s for s, layers in enumerate(stage_layers) for name, _ in layers}
+    return Placed(model, placed_layers, stages, stage_of_name, Routes(len(balance), skips))
+
+
+def tie(
+    config: Configuration, placed: Placed, tied: Sequence[Sequence[str]]
+) -> TiedParameters | None:
+    """The tied weights' copies, one per holding stage (None when nothing is tied)."""
+    if not tied:
+        return None
+    return TiedParameters(
+        placed.model,
+        tied,
+        stage_of_layer=placed.stage_of_name,
+        local_stages={stage.index for stage in placed.stages},
+        devices=config.stage_devices,
+    )
+
+
+@dataclass
+class Wiring:
+    """How the stages talk: to other ranks, to their replicas, and the runtime over them."""
+
+    transport: Any
+    reducer: GradientReducer | ShardedStages | None  # over the replicas, once per step
+    sharded: ShardedStages | None
+    runtime: Runtime
+
+
+def wire(
+    config: Configuration,
+    placed: Placed,
+    ranks: PipelineRanks,
+    tied: TiedParameters | None,
+    *,
+    data_parallel_group: Any,
+    timeout: float,
+) -> Wiring:
+    """The transport between ranks, the reduction over replicas (plain or sharded), the
+    runtime; then the tied copies made equal."""
+    transport = ranks.connect(config.schedule, config.stage_devices, placed.routes)
+    sharded = reducer = None
+    if config.layout.shard:
+        reducer = sharded = ShardedStages(placed.stages, data_parallel_group, timeout=timeout)
+        if tied is not None:
+            tied.rebind()  # the copies are DTensor shards now
+    elif data_parallel_group is not None:
+        reducer = GradientReducer(placed.stages, data_parallel_group, timeout=timeout)
+    runtime = Runtime(
+        config.schedule,
+        {stage.index: stage for stage in placed.stages},
+        transport,
+        routes=placed.routes,
+        before_final_backward=reducer.arm if reducer else None,
+        after_backward=reducer.stage_done if reducer else None,
+    )
+    if tied is not None:
+        ranks.tie(tied)
+    return Wiring(transport, reducer, sharded, runtime)

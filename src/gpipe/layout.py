@@ -1,0 +1,314 @@
+"""One configuration value, :class:`Layout`: how a pipeline is laid out, and whether it runs.
+
+A layout is K pipeline ranks (``stages``: devices, or processes of one replica), each holding
+``virtual_stages`` stages, M micro-batches per mini-batch (``chunks``), a schedule, a
+re-materialization mode (``checkpoint``) and R replicas of the pipeline (``replicas``),
+sharded or not (``shard``). Which combinations are valid is decided here and nowhere else:
+:meth:`Layout.problems` lists every problem at once, each with its values and a remedy, and
+:func:`layouts` enumerates the valid ones. ``Pipe``, ``gpipe train``'s configuration, the
+planner and the capacity search all ask this module; what a named schedule allows comes
+from its entry in ``gpipe.schedule.SCHEDULES``::
+
+    >>> Layout(stages=2, chunks=6, schedule="interleaved-1f1b").problems()
+    ["'interleaved-1f1b': 6 micro-batches ... use 6 or 8 micro-batches"]   # (abridged)
+    >>> Layout(stages=4, chunks=8, schedule="zb-v").num_stages
+    8
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from gpipe import remat
+from gpipe.errors import PartitionError
+from gpipe.microbatch import chunk_sizes
+from gpipe.schedule import SCHEDULES, Schedule, build_schedule
+
+__all__ = ["FLAGS", "KEYWORDS", "Layout", "Spelling", "even_balance", "layouts"]
+
+
+@dataclass(frozen=True)
+class Spelling:
+    """How a problem names a setting: as the keyword a Python caller passed
+    (``chunks=0``; ``Pipe`` counts ranks by its ``devices``) or as ``gpipe``'s flags
+    (``--chunks 0``)."""
+
+    flags: bool = False
+
+    def name(self, field: str) -> str:
+        if self.flags:
+            return "--" + field.replace("_", "-")
+        return "the number of devices" if field == "stages" else field
+
+    def __call__(self, field: str, value: Any) -> str:
+        """The setting ``field = value`` as the caller wrote it."""
+        if self.flags:
+            if isinstance(value, list | tuple):
+                value = ",".join(map(str, value))
+            return f"{self.name(field)} {value}"
+        if field == "stages":
+            return f"{value} devices"
+        return f"{field}={value!r}"
+
+
+KEYWORDS, FLAGS = Spelling(flags=False), Spelling(flags=True)
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def even_balance(layers: int, stages: int) -> list[int]:
+    """Layers per stage, as even as possible (earlier stages take the remainder)."""
+    return chunk_sizes(layers, max(1, min(stages, layers)))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Layout:
+    """K ranks × v stages each, M micro-batches, a schedule, remat, R replicas (sharded?).
+
+    ``schedule`` is a name from ``gpipe.schedule.SCHEDULES`` or a built ``Schedule``;
+    ``virtual_stages`` defaults to the schedule's (2 for interleaved and the V schedules).
+    """
+
+    stages: int = 1  # K: pipeline ranks
+    chunks: int = 1  # M: micro-batches per mini-batch
+    schedule: str | Schedule = "gpipe"
+    virtual_stages: int | None = None  # stages per rank; None: the schedule's default
+    checkpoint: str = "except_last"
+    replicas: int = 1  # R: data-parallel replicas of the pipeline
+    shard: bool = False  # each stage's parameters sharded over the replicas
+
+    def __post_init__(self) -> None:
+        if self.virtual_stages is None:
+            object.__setattr__(self, "virtual_stages", self._default_virtual_stages())
+
+    def _default_virtual_stages(self) -> int:
+        if isinstance(self.schedule, Schedule):
+            return max(1, self.schedule.num_stages // max(1, self.schedule.num_ranks))
+        spec = SCHEDULES.get(self.schedule) if isinstance(self.schedule, str) else None
+        return spec.default_virtual_stages if spec is not None else 1
+
+    @property
+    def num_stages(self) -> int:
+        """Pipeline stages S = K × v: the entries of a balance."""
+        return self.stages * self.virtual_stages
+
+    @property
+    def processes(self) -> int:
+        return self.stages * self.replicas
+
+    @property
+    def schedule_name(self) -> str:
+        return self.schedule.name if isinstance(self.schedule, Schedule) else str(self.schedule)
+
+    def label(self) -> str:
+        """One line: ``K=2 v=2 R=2 sharded M=8 interleaved-1f1b except_last``."""
+        virtual = f" v={self.virtual_stages}" if self.virtual_stages != 1 else ""
+        replicas = (
+            f" R={self.replicas}{' sharded' if self.shard else ''}" if self.replicas > 1 else ""
+        )
+        return (
+            f"K={self.stages}{virtual}{replicas} M={self.chunks} {self.schedule_name} "
+            f"{self.checkpoint}"
+        )
+
+    # -- validity ----------------------------------------------------------------------------
+
+    def problems(
+        self,
+        *,
+        layers: int | None = None,
+        balance: Sequence[int] | None = None,
+        batch: int | None = None,
+        spelling: Spelling = KEYWORDS,
+    ) -> list[str]:
+        """Every problem of this layout, one line each with its values and a remedy; none:
+        it runs. ``layers``: the model's layers (units), to cut into ``num_stages`` stages;
+        ``balance``: the cut, layers per stage; ``batch``: the global mini-batch."""
+        say = spelling
+        problems = []
+        for field, what in (
+            ("stages", "pipeline ranks"),
+            ("chunks", "micro-batches"),
+            ("virtual_stages", "stages per rank"),
+            ("replicas", "replicas of the pipeline"),
+        ):
+            value = getattr(self, field)
+            if not _positive_int(value):
+                problems.append(f"{say.name(field)} must be a positive int ({what}), got {value!r}")
+        if self.checkpoint not in remat.REMAT_MODES:
+            problems.append(
+                f"{say.name('checkpoint')} must be one of {', '.join(remat.REMAT_MODES)}, got "
+                f"{self.checkpoint!r}"
+            )
+        sizes_ok = not problems
+        if self.shard and _positive_int(self.replicas) and self.replicas < 2:
+            problems.append(
+                "--shard splits each stage over its replicas: it needs --replicas >= 2, got "
+                f"{self.replicas} (or --no-shard)"
+                if say.flags
+                else "shard='params' shards each stage over its replicas: pass a "
+                "data_parallel_group of 2 or more processes (and group=), e.g. from "
+                "gpipe.parallel.mesh.Mesh.build(stages, replicas, ...)"
+            )
+        # The cut needs only the number of stages.
+        shape_ok = _positive_int(self.stages) and _positive_int(self.virtual_stages)
+        problems += self._schedule_problems(say, check_sizes=sizes_ok)
+        if balance is not None:
+            problems += self._balance_problems(balance, layers, say, shape_ok)
+        elif layers is not None and shape_ok and self.num_stages > layers:
+            most = max(1, layers // self.virtual_stages)
+            problems.append(
+                f"{self._stage_count(say)} needs at least {self.num_stages} layers (one per "
+                f"stage), but the model has {layers}: use "
+                + (f"{say.name('stages')} <= {most}" if say.flags else f"at most {most} ranks")
+            )
+        if batch is not None and sizes_ok:
+            problems += self._batch_problems(batch, say)
+        return problems
+
+    def _schedule_problems(self, say: Spelling, *, check_sizes: bool) -> list[str]:
+        if isinstance(self.schedule, Schedule):
+            s = self.schedule
+            if check_sizes and (s.num_stages, s.num_ranks, s.num_microbatches) != (
+                self.num_stages,
+                self.stages,
+                self.chunks,
+            ):
+                return [
+                    f"schedule {s.name!r} is for {s.num_stages} stages on {s.num_ranks} ranks and "
+                    f"{s.num_microbatches} micro-batches, but this layout has {self.num_stages} "
+                    f"stages on {self.stages} ranks and {say('chunks', self.chunks)}"
+                ]
+            return []
+        spec = SCHEDULES.get(self.schedule) if isinstance(self.schedule, str) else None
+        if spec is None:
+            return [f"unknown schedule {self.schedule!r}; known: {', '.join(SCHEDULES)}"]
+        if not check_sizes:
+            return []
+        settings = ", ".join(
+            say(field, getattr(self, field)) for field in ("schedule", "virtual_stages", "chunks")
+        )
+        return [
+            f"{settings} on {self.stages} ranks: {problem}"
+            for problem in spec.problems(self.stages, self.chunks, self.virtual_stages)
+        ]
+
+    def _stage_count(self, say: Spelling) -> str:
+        """How the caller set the number of stages: ``2 devices × virtual_stages=2``."""
+        if self.virtual_stages == 1:
+            return say("stages", self.stages)
+        return f"{say('stages', self.stages)} × {say('virtual_stages', self.virtual_stages)}"
+
+    def _balance_problems(
+        self, balance: Sequence[int], layers: int | None, say: Spelling, shape_ok: bool
+    ) -> list[str]:
+        entries = list(balance)
+        if not entries:
+            return ["balance is empty: give the number of layers of each stage, e.g. [2, 2]"]
+        if not all(_positive_int(b) for b in entries):
+            return [
+                f"every balance entry must be a positive int (layers in that stage), got "
+                f"{say('balance', entries)}"
+            ]
+        problems = []
+        if shape_ok and len(entries) != self.num_stages:
+            problems.append(
+                f"{say('balance', entries)} has {len(entries)} entries, but "
+                f"{self._stage_count(say)} make {self.num_stages} stages: give one entry per "
+                "stage"
+            )
+        if layers is not None and sum(entries) != layers:
+            problems.append(
+                f"{say('balance', entries)} sums to {sum(entries)} layers, but the model has "
+                f"{layers}; e.g. {say('balance', even_balance(layers, len(entries)))} covers "
+                "them all"
+            )
+        return problems
+
+    def _batch_problems(self, batch: int, say: Spelling) -> list[str]:
+        if batch % self.replicas:
+            return [f"{say('batch', batch)} must be divisible by {say('replicas', self.replicas)}"]
+        if batch // self.replicas < self.chunks:
+            return [
+                f"each replica's batch ({batch // self.replicas}) must have at least "
+                f"{say('chunks', self.chunks)} samples: one per micro-batch; raise "
+                f"{say.name('batch')} or lower {say.name('chunks')}"
+            ]
+        return []
+
+    def check(self, **context: Any) -> Layout:
+        """This layout, or :class:`PartitionError` listing every problem (``context``: the
+        keyword arguments of :meth:`problems`)."""
+        problems = self.problems(**context)
+        if problems:
+            raise PartitionError(
+                "invalid pipeline configuration:\n" + "\n".join(f"- {p}" for p in problems)
+            )
+        return self
+
+    # -- what it implies ---------------------------------------------------------------------
+
+    def build_schedule(self, **options: Any) -> Schedule:
+        """The schedule this layout runs, validated (``options``: zb-auto's costs and limit)."""
+        if isinstance(self.schedule, Schedule):
+            return self.check().schedule.validate()  # type: ignore[union-attr]
+        self.check()
+        return build_schedule(
+            self.schedule,
+            num_ranks=self.stages,
+            num_microbatches=self.chunks,
+            virtual_stages=self.virtual_stages,
+            **options,
+        )
+
+    def canonical(self) -> Layout:
+        """The simplest layout that trains exactly as this one: one rank runs every
+        schedule alike (as ``gpipe``), and with one micro-batch ``except_last`` is ``never``."""
+        simpler = self
+        if self.stages == 1 and (self.schedule != "gpipe" or self.virtual_stages != 1):
+            simpler = replace(simpler, schedule="gpipe", virtual_stages=1)
+        if self.chunks == 1 and self.checkpoint == "except_last":
+            simpler = replace(simpler, checkpoint="never")
+        return simpler
+
+
+def layouts(
+    *,
+    stages: Iterable[int],
+    chunks: Iterable[int],
+    schedules: Iterable[str],
+    checkpoints: Iterable[str] = remat.REMAT_MODES,
+    virtual_stages: Iterable[int] | None = None,
+    replicas: Iterable[int] = (1,),
+    shard: Iterable[bool] = (False,),
+    processes: int | None = None,
+    layers: int | None = None,
+    batch: int | None = None,
+) -> list[Layout]:
+    """Every valid layout of these choices, once: combinations with a problem
+    (:meth:`Layout.problems` with ``layers`` and ``batch``), with more than ``processes``
+    processes, or that train as a simpler one does (:meth:`Layout.canonical`) are left out.
+    ``virtual_stages`` None: each schedule's default only."""
+    v_choices = None if virtual_stages is None else list(virtual_stages)
+    found = []
+    for k, r, sharded, m, name, mode in itertools.product(
+        stages, replicas, shard, chunks, schedules, checkpoints
+    ):
+        spec = SCHEDULES.get(name)
+        v_list = v_choices or [spec.default_virtual_stages if spec else 1]
+        for v in v_list:
+            layout = Layout(
+                stages=k, chunks=m, schedule=name, virtual_stages=v, checkpoint=mode,
+                replicas=r, shard=sharded,
+            )  # fmt: skip
+            if processes is not None and layout.processes > processes:
+                continue
+            if layout.problems(layers=layers, batch=batch) or layout.canonical() != layout:
+                continue
+            found.append(layout)
+    return found

@@ -1,0 +1,136 @@
+"""The one configuration value: every rule of which layouts run, stated once and asked by
+Pipe, ``gpipe train``, the planner and the capacity search."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from gpipe.errors import PartitionError
+from gpipe.layout import FLAGS, Layout, even_balance, layouts
+from gpipe.remat import REMAT_MODES
+from gpipe.schedule import SCHEDULES, ScheduleError, build_schedule, fill_drain
+
+
+def test_defaults_come_from_the_schedule_table():
+    assert Layout(schedule="interleaved-1f1b").virtual_stages == 2
+    assert Layout(schedule="zb-v").virtual_stages == 2
+    assert Layout(schedule="zb-auto").virtual_stages == 1
+    assert Layout(schedule="1f1b").virtual_stages == 1
+    built = build_schedule("dualpipe-v", num_ranks=2, num_microbatches=4)
+    assert Layout(stages=2, chunks=4, schedule=built).virtual_stages == 2
+    layout = Layout(stages=3, chunks=6, schedule="zb-v", replicas=2)
+    assert (layout.num_stages, layout.processes) == (6, 6)
+
+
+def test_a_layout_runs_exactly_when_its_schedule_builds():
+    """The table's rules and the builders agree: every (schedule, K, M, v) that problems()
+    accepts builds, and every one it refuses does not."""
+    for name, k, m, v in itertools.product(SCHEDULES, (1, 2, 3, 4), (1, 2, 3, 4, 6, 8), (1, 2, 3)):
+        layout = Layout(stages=k, chunks=m, schedule=name, virtual_stages=v)
+        problems = layout.problems()
+        try:
+            schedule = build_schedule(name, num_ranks=k, num_microbatches=m, virtual_stages=v)
+        except ScheduleError:
+            assert problems, (name, k, m, v)
+        else:
+            if name == "interleaved-1f1b" and v == 1:  # builds (as 1F1B) but is refused
+                assert problems and "plain '1f1b'" in problems[0]
+                continue
+            assert not problems, (name, k, m, v, problems)
+            assert layout.build_schedule() == schedule
+            assert schedule.num_stages == layout.num_stages
+
+
+def test_every_problem_is_listed_with_its_values_and_a_remedy():
+    problems = Layout(stages=0, chunks=0, checkpoint="sometimes", schedule="zigzag").problems(
+        balance=[1, 1], layers=3
+    )
+    text = "\n".join(problems)
+    assert "the number of devices must be a positive int (pipeline ranks), got 0" in text
+    assert "chunks must be a positive int (micro-batches), got 0" in text
+    assert "checkpoint must be one of always, except_last, never, got 'sometimes'" in text
+    assert "unknown schedule 'zigzag'; known: gpipe, 1f1b" in text
+    assert "balance=[1, 1] sums to 2 layers, but the model has 3; e.g. balance=[2, 1]" in text
+
+
+@pytest.mark.parametrize(
+    ("layout", "context", "expected"),
+    [
+        (Layout(stages=4, chunks=6, schedule="interleaved-1f1b"), {},
+         "6 micro-batches are not a multiple of its 4 ranks"),
+        (Layout(stages=2, chunks=3, schedule="dualpipe-v"), {},
+         "3 micro-batches are fewer than its 4 stages"),
+        (Layout(stages=2, chunks=4, schedule="1f1b", virtual_stages=2), {},
+         "it places one stage per rank, not 2; for several per rank use 'interleaved-1f1b'"),
+        (Layout(stages=2, chunks=4, schedule="interleaved-1f1b", virtual_stages=1), {},
+         "with 1 it is plain '1f1b'"),
+        (Layout(stages=2, chunks=4, schedule="zb-v", virtual_stages=1), {},
+         "it places 2 stages per rank in a V"),
+        (Layout(stages=2, chunks=4, shard=True), {}, "pass a data_parallel_group of 2 or more"),
+        (Layout(stages=2, chunks=4), {"balance": [1, 1, 1]},
+         "balance=[1, 1, 1] has 3 entries, but 2 devices make 2 stages"),
+        (Layout(stages=2, chunks=4), {"balance": [2, 0]}, "must be a positive int"),
+        (Layout(stages=2, chunks=4), {"balance": []}, "balance is empty"),
+        (Layout(stages=5, chunks=4), {"layers": 4}, "needs at least 5 layers"),
+        (Layout(stages=2, chunks=4, replicas=4), {"batch": 6},
+         "batch=6 must be divisible by replicas=4"),
+        (Layout(stages=2, chunks=8), {"batch": 4}, "must have at least chunks=8 samples"),
+        (Layout(stages=2, chunks=4, schedule=fill_drain(3, 2)), {},
+         "schedule 'gpipe' is for 3 stages on 3 ranks and 2 micro-batches"),
+    ],
+)  # fmt: skip
+def test_each_rule(layout, context, expected):
+    problems = layout.problems(**context)
+    assert len(problems) == 1 and expected in problems[0], problems
+    with pytest.raises(PartitionError, match="invalid pipeline configuration"):
+        layout.check(**context)
+
+
+def test_the_command_line_spells_settings_as_flags():
+    problems = Layout(stages=2, chunks=4, schedule="zb-v", virtual_stages=1, replicas=1,
+                      shard=True).problems(balance=[1, 1, 1], spelling=FLAGS)  # fmt: skip
+    text = "\n".join(problems)
+    assert "--shard splits each stage over its replicas: it needs --replicas >= 2, got 1" in text
+    assert "--schedule zb-v, --virtual-stages 1, --chunks 4 on 2 ranks: it places 2" in text
+    assert "--balance 1,1,1 has 3 entries, but --stages 2 make 2 stages" in text
+    assert Layout(stages=5).problems(layers=4, spelling=FLAGS)[0].endswith("use --stages <= 4")
+
+
+def test_canonical_layouts_train_alike():
+    assert Layout(stages=1, chunks=4, schedule="zb-h1").canonical() == Layout(stages=1, chunks=4)
+    assert Layout(stages=1, schedule="interleaved-1f1b").canonical().virtual_stages == 1
+    assert Layout(stages=2, chunks=1).canonical().checkpoint == "never"
+    layout = Layout(stages=2, chunks=4, schedule="1f1b", checkpoint="always")
+    assert layout.canonical() is layout
+
+
+def test_layouts_enumerates_the_valid_canonical_ones_once():
+    found = layouts(
+        stages=[1, 2, 3], chunks=[1, 2, 3, 4], schedules=list(SCHEDULES),
+        virtual_stages=[1, 2], replicas=[1, 2], shard=[False, True], processes=4, layers=6,
+        batch=8,
+    )  # fmt: skip
+    assert len(found) == len(set(found))
+    for layout in found:
+        assert not layout.problems(layers=6, batch=8) and layout.canonical() == layout
+        assert layout.processes <= 4
+    brute = {
+        Layout(stages=k, chunks=m, schedule=s, virtual_stages=v, checkpoint=c, replicas=r, shard=sh)
+        for k, m, s, v, c, r, sh in itertools.product(
+            [1, 2, 3], [1, 2, 3, 4], SCHEDULES, [1, 2], REMAT_MODES, [1, 2], [False, True]
+        )
+    }
+    valid = {
+        x for x in brute
+        if not x.problems(layers=6, batch=8) and x.canonical() == x and x.processes <= 4
+    }  # fmt: skip
+    assert set(found) == valid
+    assert Layout(stages=2, chunks=4, schedule="zb-v") in found
+    assert not any(x.stages == 1 and x.schedule != "gpipe" for x in found)
+
+
+def test_even_balance():
+    assert even_balance(10, 4) == [3, 3, 2, 2]
+    assert even_balance(2, 3) == [1, 1]
