@@ -26,7 +26,7 @@ import torch
 
 from gpipe._utils import MiB
 from gpipe.planner import Fit, Measured, calibrate, capacity, verify_capacity
-from gpipe.planning.capacity import Family, gpt_family, resnet_family
+from gpipe.planner.families import Family, gpt_family, resnet_family
 
 STAGES = (1, 2, 4, 8)
 SHARDED_STAGES = (1, 2, 4)  # K·R ≤ 8

@@ -17,13 +17,14 @@ ROOT = Path(gpipe.__file__).parent
 LAYERS = [
     ["_utils", "allocator", "errors", "remat", "rng", "microbatch"],
     ["schedule"],
+    ["layout"],
     ["engine"],
     ["transport"],
     ["parallel"],
     [
         "partition",
         "materialize",
-        "planning",
+        "estimate",
         "models",
         "data",
         "checkpoint",
@@ -31,6 +32,7 @@ LAYERS = [
         "timeline",
     ],
     ["frontend"],
+    ["assembly"],
     ["pipe"],
     ["planner"],
     ["train"],

@@ -12,9 +12,9 @@ from torch.nn import functional as F
 import gpipe
 from gpipe.__main__ import main
 from gpipe.cli.plan import parse_bytes
+from gpipe.estimate.memory_model import MemoryModel
+from gpipe.estimate.profile import Profile
 from gpipe.planner import Link, plan_from_profiles
-from gpipe.planning.memory_model import MemoryModel
-from gpipe.planning.profile import Profile
 from gpipe.schedule import build_schedule
 from gpipe.schedule.simulate import Costs, simulate
 

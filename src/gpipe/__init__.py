@@ -14,11 +14,11 @@ from gpipe.engine.batchnorm import DeferredBatchNorm
 from gpipe.engine.memory import measure_activations
 from gpipe.engine.skip import pop, skippable, stash
 from gpipe.errors import NonFiniteError, PartitionError, PipelineError
+from gpipe.estimate.balance import balance_by_size, balance_by_time
+from gpipe.estimate.profile import profile
 from gpipe.parallel.launch import launch
 from gpipe.pipe import Pipe
 from gpipe.planner import plan
-from gpipe.planning.balance import balance_by_size, balance_by_time
-from gpipe.planning.profile import profile
 from gpipe.remat import is_recomputing
 from gpipe.schedule.simulate import simulate
 

@@ -29,6 +29,7 @@ from gpipe.engine.runtime import Runtime
 from gpipe.engine.skip import SkipLayout
 from gpipe.engine.stage import Stage
 from gpipe.errors import PartitionError
+from gpipe.estimate.auto import auto_balance
 from gpipe.frontend import CapturedModel, materialize_units, on_meta
 from gpipe.layout import Layout
 from gpipe.materialize import build
@@ -38,7 +39,6 @@ from gpipe.parallel.mesh import group_size
 from gpipe.parallel.sharded import SHARD_MODES, ShardedStages, sharing_problems
 from gpipe.parallel.tied import TiedParameters
 from gpipe.partition import check_not_shared, cut, device_problems, fingerprint
-from gpipe.planning.auto import auto_balance
 from gpipe.schedule import Schedule
 from gpipe.schedule.routes import Routes
 

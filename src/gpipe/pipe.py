@@ -56,7 +56,7 @@ class Pipe(ModelNames, nn.Module):
             weights.
         balance: layers per stage; ``len(balance)`` is the number of stages. ``"auto"``:
             profile the model on ``sample`` (one micro-batch of inputs) and choose the cuts
-            that minimise the slowest stage (``gpipe.planning.balance.balance_by_time``).
+            that minimise the slowest stage (``gpipe.estimate.balance.balance_by_time``).
         devices: one device per rank (default: all ``"cpu"``; with ``group``, this
             process's ``cuda:LOCAL_RANK`` under NCCL). A rank holds one stage, or
             ``virtual_stages`` stages with ``"interleaved-1f1b"``, two with ``"zb-v"`` and

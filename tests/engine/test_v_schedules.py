@@ -65,7 +65,7 @@ def test_one_process_equals_unsplit_model(schedule, ranks, virtual, chunks, chec
 def test_zb_auto_for_measured_costs_is_passed_as_a_schedule():
     model, x, y = gpt_case()
     reference = twin(model)
-    # e.g. costs measured by gpipe.planning.profile: the middle stage is slow
+    # e.g. costs measured by gpipe.estimate.profile: the middle stage is slow
     schedule = zb_auto(3, 6, costs=Costs([1.0, 2.0, 1.0], 1.2, 0.8), memory_limit=2)
     pipe = gpipe.Pipe(model, balance=[2, 2, 2], chunks=6, schedule=schedule)
     pipe.step(x, y, lm_loss, seed=5)

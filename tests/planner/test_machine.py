@@ -12,9 +12,9 @@ from torch import nn
 from torch.nn import functional as F
 
 from gpipe.__main__ import main
+from gpipe.estimate.profile import Profile, profile
 from gpipe.planner import Link, Machine, plan_from_profiles
 from gpipe.planner.machine import _TINY_CHUNKS, _solve_runtime
-from gpipe.planning.profile import Profile, profile
 from gpipe.schedule import build_schedule
 from gpipe.schedule.simulate import Costs, simulate
 

@@ -176,7 +176,7 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 def family(args: argparse.Namespace):
     """The preset's family (by depth) for ``--capacity``."""
-    from gpipe.planning.capacity import gpt_family, resnet_family
+    from gpipe.planner.families import gpt_family, resnet_family
 
     if args.model == "gpt":
         return gpt_family(
@@ -186,8 +186,8 @@ def family(args: argparse.Namespace):
 
 
 def run_capacity(args: argparse.Namespace) -> int:
+    from gpipe.estimate.memory_model import Calibration
     from gpipe.planner import calibrate, capacity, verify_capacity
-    from gpipe.planning.capacity import Calibration
 
     if args.memory is None:
         raise SystemExit("gpipe plan --capacity needs --memory (bytes per process, e.g. 2GiB)")
@@ -226,8 +226,8 @@ def run_capacity(args: argparse.Namespace) -> int:
 def run(args: argparse.Namespace) -> int:
     if args.capacity:
         return run_capacity(args)
+    from gpipe.estimate.memory_model import MemoryModel
     from gpipe.planner import Link, plan, verify
-    from gpipe.planning.memory_model import MemoryModel
 
     model, x, y, loss_fn, what = build(args)
     link = Link(latency=args.latency, bandwidth=args.bandwidth)

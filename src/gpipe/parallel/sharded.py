@@ -17,7 +17,7 @@ no public entry point.
 
 Memory per process for a stage of P parameter bytes (AdamW): P/R parameters + P
 unsharded gradient during the step + 2P/R optimizer state, instead of 4P; the planner's
-memory model (``gpipe.planning.memory_model``) counts the same terms. A split backward
+memory model (``gpipe.estimate.memory_model``) counts the same terms. A split backward
 (zero-bubble schedules) gathers the whole stage for its weight-gradient action W, whose
 autograd call FSDP's hooks do not see.
 

@@ -35,7 +35,7 @@ Times measured in one process are used for every stage's process: profile with t
 count each process will have (the CLI uses one thread, as :func:`verify` runs).
 
 Capacity — the largest model of a family that trains within a budget per process, and the
-layout that achieves it — is :func:`capacity` (``gpipe.planning.capacity``, no model run
+layout that achieves it — is :func:`capacity` (``gpipe.planner.capacity``, no model run
 beyond one small profile) and :func:`verify_capacity` (trains it for real and measures each
 process's peak; ``gpipe.planner.measured``).
 
@@ -45,11 +45,12 @@ process's peak; ``gpipe.planner.measured``).
 """
 
 from gpipe.layout import Layout
+from gpipe.planner.capacity import capacity
+from gpipe.planner.families import Family
 from gpipe.planner.machine import Link, Machine
 from gpipe.planner.measured import CapacityCheck, Measured, calibrate, verify_capacity
-from gpipe.planner.results import Candidate, Plan, Verified
+from gpipe.planner.results import Candidate, Capacity, Fit, Plan, Verified
 from gpipe.planner.search import plan, plan_from_profiles, verify
-from gpipe.planning.capacity import Capacity, Family, Fit, capacity
 
 __all__ = [
     "Capacity",

@@ -43,12 +43,12 @@ from torch import nn
 
 from gpipe import microbatch
 from gpipe._utils import tensors_of
+from gpipe.estimate.balance import balance_profile
+from gpipe.estimate.costs import stage_costs
+from gpipe.estimate.profile import Profile
 from gpipe.parallel import mesh
 from gpipe.parallel.launch import launch
 from gpipe.pipe import Pipe
-from gpipe.planning.balance import balance_profile
-from gpipe.planning.costs import stage_costs
-from gpipe.planning.profile import Profile
 from gpipe.schedule import Schedule, build_schedule
 from gpipe.schedule.simulate import Costs, simulate
 
@@ -143,7 +143,7 @@ class Machine:
         self, prof: Profile, balance: Sequence[int], schedule: Schedule, checkpoint: str
     ) -> tuple[Costs, float]:
         """Per-stage costs of one micro-batch as this machine runs them
-        (``gpipe.planning.costs``), and the time of the largest hand-over between ranks."""
+        (``gpipe.estimate.costs``), and the time of the largest hand-over between ranks."""
         costs = stage_costs(
             prof,
             balance,

@@ -1,6 +1,6 @@
 """Capacity, measured: train the largest model found (and the next size up) for real.
 
-:func:`gpipe.planning.capacity.capacity` predicts, from a profile and the memory model, the
+:func:`gpipe.planner.capacity.capacity` predicts, from a profile and the memory model, the
 largest member of a family each layout trains within a budget per process.
 :func:`verify_capacity` builds that member for real, one process per stage and replica
 (``gpipe.launch``; each process builds only its own layers: the Pipe gets a function that
@@ -46,11 +46,14 @@ import torch
 
 from gpipe._utils import MiB
 from gpipe.allocator import started_with
+from gpipe.estimate.memory_model import Calibration
 from gpipe.layout import Layout
 from gpipe.parallel import mesh
 from gpipe.parallel.launch import launch
 from gpipe.pipe import Pipe
-from gpipe.planning.capacity import Calibration, Family, Fit, fit_of, optimizer_state_of
+from gpipe.planner.capacity import fit_of, optimizer_state_of
+from gpipe.planner.families import Family
+from gpipe.planner.results import Fit
 
 __all__ = ["CapacityCheck", "Measured", "calibrate", "measure_fit", "verify_capacity"]
 

@@ -1,5 +1,5 @@
 """What the planner returns: candidate configurations with their predicted cost, the ranked
-plan with its tables, and measured verifications."""
+plan with its tables, and measured verifications; the capacity search's rows and answer."""
 
 from __future__ import annotations
 
@@ -7,13 +7,27 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpipe._utils import MiB
+from gpipe.estimate.memory_model import Calibration, StageMemory
+from gpipe.estimate.profile import Profile
 from gpipe.layout import Layout
+from gpipe.planner.families import Family
 from gpipe.planner.machine import Machine
-from gpipe.planning.memory_model import StageMemory
-from gpipe.planning.profile import Profile
 from gpipe.schedule import Schedule
 
-__all__ = ["Candidate", "Plan", "Verified"]
+__all__ = [
+    "TERMS",
+    "Candidate",
+    "Capacity",
+    "Fit",
+    "NothingFits",
+    "Plan",
+    "Verified",
+    "cheaper_first",
+]
+
+# A process's predicted peak by term: the memory model's, and the process's own overhead.
+TERMS = ("parameters", "gradients", "optimizer", "buffers", "inputs", "activations",
+         "workspace", "gathered", "reduction", "layers", "model layers", "process")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -139,13 +153,13 @@ class Plan:
         ]
         shown = self.candidates[:top] if top is not None else self.candidates
         for n, c in enumerate(shown, 1):
-            lines.append(_row(n, c))
+            lines.append(_candidate_row(n, c))
         if len(self.candidates) > len(shown):
             lines.append(f"    ... {len(self.candidates) - len(shown)} more")
         if not self.candidates and self.rejected:
             lines.append("none fits; closest:")
             for c in self.rejected[: top or 5]:
-                lines.append(_row(None, c) + f"  ({c.reason})")
+                lines.append(_candidate_row(None, c) + f"  ({c.reason})")
         if self.verified:
             lines += ["", self.verify_table()]
         return "\n".join(lines)
@@ -167,7 +181,7 @@ class Plan:
         return "\n".join(lines)
 
 
-def _row(n: int | None, c: Candidate) -> str:
+def _candidate_row(n: int | None, c: Candidate) -> str:
     balance = str(list(c.balance))
     if len(balance) > 19:
         balance = balance[:16] + "..."
@@ -177,4 +191,153 @@ def _row(n: int | None, c: Candidate) -> str:
         f"{mark} {c.stages:>2} {c.virtual_stages:>2} {c.chunks:>3} {c.schedule:<17}"
         f"{c.checkpoint:<12}{balance:<20}{c.throughput:>10.1f} {c.step_time * 1e3:>9.2f} "
         f"{c.bubble:>7.1%}  {memory}"
+    )
+
+
+# -- capacity ---------------------------------------------------------------------------------
+
+RECOMPUTATION = {"never": 0, "except_last": 1, "always": 2}  # ranks ties: less is better
+
+
+def cheaper_first(layout: Layout) -> tuple:
+    """Ties of capacity go to the cheaper layout: fewer processes, no sharding, less
+    recomputation, fewer micro-batches."""
+    return (
+        layout.processes,
+        layout.shard,
+        RECOMPUTATION[layout.checkpoint],
+        layout.chunks,
+        layout.schedule_name,
+        layout.replicas,
+    )
+
+
+@dataclass(frozen=True)
+class Fit:
+    """A member of the family in a layout: the largest that fits, in a capacity row.
+
+    ``memory`` is the predicted peak of each stage's processes without ``overhead`` (what
+    a training process needs beyond the model's terms: ``calibration.at(layers)``);
+    ``peak`` adds it. When it does not fit (``fits``
+    false; in a capacity row: not even the smallest member), ``balance`` and ``memory``
+    are those of the partition that misses the budget by the least, ``missing`` what each
+    of its stages lacks.
+    """
+
+    layout: Layout
+    depth: int
+    parameters: int
+    balance: tuple[int, ...]
+    memory: tuple[StageMemory, ...] = field(repr=False)
+    overhead: float
+    budget: float
+    fits: bool = True
+    missing: tuple[float, ...] = ()
+    calibration: Calibration = field(default_factory=Calibration)
+
+    @property
+    def peaks(self) -> tuple[float, ...]:
+        return tuple(m.total + self.overhead for m in self.memory)
+
+    @property
+    def peak(self) -> float:
+        return max(self.peaks)
+
+    @property
+    def fullest(self) -> int:
+        """The stage whose processes need the most."""
+        return max(range(len(self.memory)), key=lambda s: self.memory[s].total)
+
+    def terms(self, stage: int | None = None) -> dict[str, float]:
+        """The predicted peak of a stage's process by term (default: the fullest stage)."""
+        memory = self.memory[self.fullest if stage is None else stage]
+        layers = self.overhead - self.calibration.process
+        return {**memory.terms(), "model layers": layers, "process": self.calibration.process}
+
+
+class NothingFits(ValueError):
+    """No layout trains even the smallest member; the message says why and what would."""
+
+
+@dataclass
+class Capacity:
+    """The capacity search's answer: one :class:`Fit` per layout, the largest first."""
+
+    family: Family
+    budget: float  # bytes per process
+    processes: int
+    optimizer_state: float
+    calibration: Calibration  # what a process needs beyond the memory model's terms
+    rows: list[Fit]
+    advice: str = ""  # what would fit, when nothing does
+
+    @property
+    def best(self) -> Fit:
+        if not self.rows or not self.rows[0].fits:
+            raise NothingFits(self.explain())
+        return self.rows[0]
+
+    def best_of(self, **layout: Any) -> Fit:
+        """The largest row whose layout has the given fields, e.g. ``best_of(stages=4)``."""
+        for row in self.rows:
+            if all(getattr(row.layout, k) == v for k, v in layout.items()):
+                return row
+        raise KeyError(f"no row with {layout}")
+
+    def table(self, top: int | None = 12) -> str:
+        """Rows as text: layout, depth, parameters, balance and the fullest process's terms."""
+        lines = [
+            f"capacity of {self.family.describe()}: budget {self.budget / MiB:,.1f} MiB per "
+            f"process, {self.processes} processes, optimizer state {self.optimizer_state:g}x "
+            f"parameters; beyond the model {self.calibration}",
+            "",
+            f"{'layout':<36}{'depth':>6} {'parameters':>12} {'peak MiB':>9}  {'balance':<22}"
+            "fullest process (MiB): " + " + ".join(TERMS),
+        ]
+        shown = self.rows if top is None else self.rows[:top]
+        for row in shown:
+            lines.append(_fit_row(row))
+        if len(self.rows) > len(shown):
+            lines.append(f"... {len(self.rows) - len(shown)} more layouts")
+        if not self.rows or not self.rows[0].fits:
+            lines += ["", self.explain()]
+        return "\n".join(lines)
+
+    def explain(self) -> str:
+        """Why nothing fits: the closest layout's stage, its largest term, the shortfall,
+        and what would fit."""
+        if self.rows and self.rows[0].fits:
+            return f"the largest fit is {_fit_row(self.rows[0]).strip()}"
+        if not self.rows:
+            return "no layout was searched: widen stages, replicas, chunks or schedules"
+        closest = min(self.rows, key=lambda r: (max(r.missing), cheaper_first(r.layout)))
+        stage = max(range(len(closest.missing)), key=closest.missing.__getitem__)
+        terms = closest.terms(stage)
+        # the process's own overhead is fixed: name the largest term the layout can change
+        fixed = ("process", "model layers")
+        term = max((k for k in terms if k not in fixed), key=terms.__getitem__)
+        over = closest.missing[stage]
+        return (
+            f"nothing fits {self.budget / MiB:.1f} MiB per process: even depth {closest.depth} of "
+            f"{self.family.name} does not. Closest: {closest.layout.label()}, balance "
+            f"{list(closest.balance)}; stage {stage} needs "
+            f"{(closest.memory[stage].total + closest.overhead) / MiB:.1f} MiB, "
+            f"{over / MiB:.1f} MiB over, its largest term {term} "
+            f"({terms[term] / MiB:.1f} MiB; "
+            + ", ".join(f"{k} {v / MiB:.1f}" for k, v in terms.items() if v)
+            + f").\nTo fit: a budget of {(self.budget + over) / MiB:.1f} MiB"
+            + (f"; {self.advice}" if self.advice else "")
+        )
+
+
+def _fit_row(row: Fit) -> str:
+    balance = str(list(row.balance))
+    if len(balance) > 21:
+        balance = balance[:18] + "..."
+    terms = " + ".join(f"{v / MiB:.1f}" for v in row.terms().values())
+    depth = str(row.depth) if row.fits else "-"
+    params = f"{row.parameters:,}" if row.fits else "-"
+    return (
+        f"{row.layout.label():<36}{depth:>6} {params:>12} {row.peak / MiB:>9.1f}  "
+        f"{balance:<22}{terms}"
     )

@@ -16,20 +16,20 @@ from torch import nn
 from gpipe import microbatch
 from gpipe._utils import MiB
 from gpipe.engine.memory import measure_activations
+from gpipe.estimate.balance import BudgetError, balance_profile
+from gpipe.estimate.memory_model import (
+    MemoryModel,
+    held_in,
+    held_microbatches,
+    stage_memory,
+)
+from gpipe.estimate.profile import Profile, profile
 from gpipe.layout import Layout, layouts
 from gpipe.parallel import mesh
 from gpipe.parallel.launch import launch
 from gpipe.pipe import Pipe
 from gpipe.planner.machine import Link, Machine, loss_or_stand_in
 from gpipe.planner.results import Candidate, Plan, Verified
-from gpipe.planning.balance import BudgetError, balance_profile
-from gpipe.planning.memory_model import (
-    MemoryModel,
-    held_in,
-    held_microbatches,
-    stage_memory,
-)
-from gpipe.planning.profile import Profile, profile
 from gpipe.remat import REMAT_MODES
 from gpipe.schedule import SCHEDULES, zb_auto
 from gpipe.schedule.simulate import simulate

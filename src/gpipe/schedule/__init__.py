@@ -1,7 +1,8 @@
 """Schedules as pure data (no tensors, no processes).
 
-* ``ir``: the vocabulary — :class:`Action` (``F3@1``), :class:`Kind`, :class:`Schedule`
-  (per-rank action lists), :class:`TimedAction`;
+* ``actions``: the vocabulary — :class:`Action` (``F3@1``), :class:`Kind`,
+  :class:`TimedAction`, :class:`ScheduleError`;
+* ``ir``: :class:`Schedule`, per-rank action lists (it re-exports the vocabulary);
 * ``builders``: the hand-written schedules (GPipe, 1F1B, interleaved, ZB-H1, ZB-V, DualPipe-V);
 * ``auto``: ``zb-auto``, a zero-bubble schedule searched for given costs and memory;
 * ``registry``: the one table of named schedules (:data:`SCHEDULES`), :func:`build_schedule`;

@@ -56,7 +56,7 @@ def zb_auto(
 
     ``virtual_stages``: 1 (stage r on rank r) or 2 (the V placement of ZB-V, rank r
     holding stages r and 2K-1-r). ``costs``: per-stage F, B (input gradient) and W
-    durations, e.g. measured by ``gpipe.planning.profile`` (default: all equal).
+    durations, e.g. measured by ``gpipe.estimate.profile`` (default: all equal).
     ``transfer``: latency of a hand-off between ranks, in the same unit. ``memory_limit``:
     micro-batches of activations a rank may hold at once, from a forward's start to its
     ``W``'s end, a stage's counting 1/v (default K, what 1F1B holds on its first rank).

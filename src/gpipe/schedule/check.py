@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from typing import Any, NoReturn
 
-from gpipe.schedule.ir import Action, Kind, ScheduleError
+from gpipe.schedule.actions import Action, Kind, ScheduleError
 
 __all__ = ["RECV_AHEAD", "check"]
 
@@ -263,6 +263,6 @@ def check(schedule: Any, *, recv_ahead: int = RECV_AHEAD) -> None:
     """Raise :class:`ScheduleError`, naming the first offending action, if ``schedule``
     cannot run with ``recv_ahead`` receives posted per rank (see the module docstring).
 
-    ``schedule`` is a :class:`gpipe.schedule.Schedule` (which imports this module).
+    ``schedule`` is a :class:`gpipe.schedule.ir.Schedule` (which imports this module).
     """
     _Checker(schedule, recv_ahead).run()

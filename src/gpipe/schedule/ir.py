@@ -1,92 +1,23 @@
-"""The vocabulary of schedules: actions, their kinds, the :class:`Schedule` (per-rank action
-lists), timed actions and the schedule error.
+"""The intermediate representation of a pipeline step: a :class:`Schedule`, per-rank lists of
+actions (``gpipe.schedule.actions``: ``F``, ``B``, ``W`` of a micro-batch on a stage), and
+which rank holds each stage.
 
-An action is ``F`` (forward), ``B`` (backward) or ``W`` (weight gradient) of one micro-batch
-on one stage, written ``F3@1`` (forward of micro-batch 3 on stage 1).
-
-* ``F(s, m)`` needs the output of ``F(s-1, m)``; the last stage's ``F`` also computes the loss.
-* ``B(s, m)`` needs ``F(s, m)`` and the input gradient from ``B(s+1, m)``; the last stage's
-  ``B`` starts from the loss.
-* ``B(s, m)`` is the **whole** backward of that micro-batch on that stage unless the schedule
-  also holds ``W(s, m)``: then ``B`` computes only the input gradient (what the previous
-  stage waits for) and ``W``, after it, the weight gradients (zero-bubble schedules). This
-  is the one meaning of B everywhere in gpipe; :meth:`Schedule.splits_backward` tells which.
+A schedule knows nothing about tensors, so the same object is executed by the runtime,
+checked by :meth:`Schedule.validate` (``gpipe.schedule.check``), timed by
+``gpipe.simulate`` and drawn by ``gpipe.timeline``. Build one by name
+(``gpipe.schedule.build_schedule``), with a builder (``gpipe.schedule.builders``), or from a
+hand-made order (:meth:`Schedule.from_actions`).
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from enum import StrEnum
+
+from gpipe.schedule.actions import Action, Kind, ScheduleError, TimedAction
+from gpipe.schedule.check import RECV_AHEAD, check
 
 __all__ = ["Action", "Kind", "Schedule", "ScheduleError", "TimedAction"]
-
-
-class Kind(StrEnum):
-    """What an action computes."""
-
-    FORWARD = "F"
-    BACKWARD = "B"  # input gradient only when a W exists for the same (stage, micro-batch)
-    WEIGHT = "W"
-
-
-_KINDS = frozenset(k.value for k in Kind)
-
-_ACTION_RE = re.compile(r"\s*([FBW])\s*(\d+)\s*@\s*(\d+)\s*", re.IGNORECASE)
-
-
-@dataclass(frozen=True, slots=True, order=True)
-class Action:
-    """One unit of work: ``kind`` of ``microbatch`` on ``stage``; ``str`` gives ``"F3@1"``."""
-
-    kind: Kind
-    stage: int
-    microbatch: int
-
-    def __post_init__(self) -> None:
-        # Accept "F" for Kind.FORWARD: the runtime compares kinds by identity.
-        if type(self.kind) is not Kind:
-            if not (isinstance(self.kind, str) and self.kind in _KINDS):
-                raise ScheduleError(f"action kind must be one of F, B, W, got {self.kind!r}")
-            object.__setattr__(self, "kind", Kind(self.kind))
-
-    def __str__(self) -> str:
-        return f"{self.kind}{self.microbatch}@{self.stage}"
-
-    @classmethod
-    def parse(cls, text: str) -> Action:
-        """Inverse of ``str``: ``Action.parse("B3@1") == Action(Kind.BACKWARD, 1, 3)``."""
-        match = _ACTION_RE.fullmatch(text) if isinstance(text, str) else None
-        if match is None:
-            raise ScheduleError(
-                f"cannot parse action {text!r}: expected KIND MICROBATCH@STAGE with KIND one "
-                "of F, B, W, e.g. 'F3@1' for the forward of micro-batch 3 on stage 1"
-            )
-        kind, microbatch, stage = match.groups()
-        return cls(Kind(kind.upper()), int(stage), int(microbatch))
-
-
-class ScheduleError(ValueError):
-    """A schedule that cannot run; ``action`` is the first offending action, if any."""
-
-    def __init__(self, message: str, *, action: Action | None = None) -> None:
-        super().__init__(message)
-        self.action = action
-
-
-@dataclass(frozen=True, slots=True)
-class TimedAction:
-    """An action with its start and end time (seconds, or cost units when simulated)."""
-
-    rank: int
-    action: Action
-    start: float
-    end: float
-
-    @property
-    def duration(self) -> float:
-        return self.end - self.start
 
 
 @dataclass(frozen=True)
@@ -142,17 +73,13 @@ class Schedule:
         rows = [f"rank {r}: " + " ".join(map(str, acts)) for r, acts in enumerate(self.actions)]
         return "\n".join([head, *rows])
 
-    def validate(self, *, recv_ahead: int | None = None) -> Schedule:
+    def validate(self, *, recv_ahead: int = RECV_AHEAD) -> Schedule:
         """Check that the schedule can run; return it, or raise :class:`ScheduleError`.
 
         What is checked, and the communication model with ``recv_ahead`` receives posted
-        per rank (default ``gpipe.schedule.check.RECV_AHEAD``), is told in
-        ``gpipe.schedule.check``.
+        per rank, is told in ``gpipe.schedule.check``.
         """
-        # Imported here: the checker imports this module's vocabulary.
-        from gpipe.schedule.check import RECV_AHEAD, check
-
-        if recv_ahead is not None and recv_ahead != RECV_AHEAD:
+        if recv_ahead != RECV_AHEAD:
             check(self, recv_ahead=recv_ahead)  # a what-if: not remembered
         elif not self._valid:
             check(self)

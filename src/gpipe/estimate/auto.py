@@ -9,7 +9,7 @@ from torch import nn
 
 from gpipe._utils import DeviceLike
 from gpipe.errors import PartitionError
-from gpipe.planning.balance import balance_by_time
+from gpipe.estimate.balance import balance_by_time
 
 __all__ = ["auto_balance"]
 

@@ -8,9 +8,9 @@ from torch import nn
 from torch.nn import functional as F
 
 import gpipe
+from gpipe.estimate.memory_model import held_microbatches, stage_memory
+from gpipe.estimate.profile import Profile
 from gpipe.models import GPTConfig, convnet, gpt, lm_loss
-from gpipe.planning.memory_model import held_microbatches, stage_memory
-from gpipe.planning.profile import Profile
 from gpipe.schedule import build_schedule
 
 

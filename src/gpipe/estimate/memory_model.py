@@ -56,11 +56,12 @@ from dataclasses import dataclass
 
 from gpipe import remat
 from gpipe._utils import MiB
-from gpipe.planning.profile import LayerProfile, Profile
+from gpipe.estimate.profile import LayerProfile, Profile
 from gpipe.schedule.ir import Kind, Schedule
 from gpipe.schedule.simulate import Costs, SimulationResult, simulate
 
 __all__ = [
+    "Calibration",
     "Held",
     "MemoryModel",
     "StageMemory",
@@ -390,3 +391,30 @@ def layer_times(
         + (lay.backward_input + lay.backward_weight if split else lay.backward)
         for lay in prof.layers
     ]
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """What a training process needs beyond the memory model's terms, measured
+    (``gpipe.planner.calibrate``): a constant per process, bytes per layer of the *whole*
+    model (every process records the whole model on ``meta`` to build its own layers, and
+    what that leaves in Python's allocator stays resident), and bytes per layer of its
+    own stage (``MemoryModel(layer_overhead=...)``)."""
+
+    process: float = 0.0
+    per_layer: float = 0.0  # per layer of the whole model
+    per_stage_layer: float = 0.0  # per layer of the process's stage
+
+    def at(self, layers: int) -> float:
+        """Bytes per process for a model of ``layers`` layers."""
+        return self.process + self.per_layer * layers
+
+    def __post_init__(self) -> None:
+        if not (self.process >= 0 and self.per_layer >= 0 and self.per_stage_layer >= 0):
+            raise ValueError(f"calibration must be non-negative bytes, got {self}")
+
+    def __str__(self) -> str:
+        return (
+            f"{self.process / MiB:.1f} MiB per process + {self.per_layer / MiB:.2f} MiB per "
+            f"layer of the model + {self.per_stage_layer / MiB:.2f} MiB per layer of its stage"
+        )

@@ -17,19 +17,20 @@ schedule's simulated step (``_by_makespan``): a stage's actions are not one numb
 backward's B and W, the first stage's empty B, the loss on the last), and the schedule, not
 the slowest stage alone, sets the step. Entry points:
 
-* :func:`balance_by_time` — profile the model (``gpipe.planning.profile``) and balance forward +
+* :func:`balance_by_time` — profile the model (``gpipe.estimate.profile``) and balance forward +
   backward (+ recomputation) time: what ``Pipe(balance="auto", sample=...)`` uses;
 * :func:`balance_by_size` — balance memory: parameter bytes alone (DeepSpeed's
   ``"parameters"`` method) or, given a sample, the whole memory model below;
-* :func:`balance_profile` — either objective on a :class:`~gpipe.planning.profile.Profile` you
+* :func:`balance_profile` — either objective on a :class:`~gpipe.estimate.profile.Profile` you
   have (measured once, or synthetic), returning the stage times and memory too;
 * :func:`balance_costs` — the bare algorithm on a list of numbers.
 
-The memory of a stage is :mod:`gpipe.planning.memory_model`'s.
+The memory of a stage is :mod:`gpipe.estimate.memory_model`'s.
 """
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -40,8 +41,8 @@ from torch import nn
 from gpipe import remat
 from gpipe._utils import MiB
 from gpipe.errors import PartitionError
-from gpipe.planning.costs import stage_costs
-from gpipe.planning.memory_model import (
+from gpipe.estimate.costs import stage_costs
+from gpipe.estimate.memory_model import (
     Held,
     MemoryModel,
     StageMemory,
@@ -50,7 +51,7 @@ from gpipe.planning.memory_model import (
     layer_times,
     prefix_sums,
 )
-from gpipe.planning.profile import LayerProfile, Profile, profile
+from gpipe.estimate.profile import LayerProfile, Profile, profile
 from gpipe.schedule import Schedule, build_schedule
 from gpipe.schedule.simulate import per_stage, simulate
 
@@ -61,6 +62,8 @@ __all__ = [
     "balance_by_time",
     "balance_costs",
     "balance_profile",
+    "cut_within",
+    "lightest_cut",
 ]
 
 
@@ -287,7 +290,7 @@ def _by_makespan(prof: Profile, balance: list[int], schedule: Schedule, checkpoi
     The slowest stage is not the whole story: under a schedule the stages' actions differ
     (a split backward, the first stage's empty B and whole W, the loss on the last stage,
     the warm-up each rank waits through), and the step is the schedule's makespan with
-    those costs (``gpipe.planning.costs``). Starting from the best cut by the slowest
+    those costs (``gpipe.estimate.costs``). Starting from the best cut by the slowest
     stage, a hill climb on the makespan keeps every stage within its budget.
     """
 
@@ -464,3 +467,63 @@ def _parameters_only(model: nn.Sequential) -> Profile:
             )
         )
     return Profile(tuple(layers), None, "none")
+
+
+# -- cuts within a memory bound (the capacity search's) ------------------------------------
+
+
+def cut_within(table: StageMemoryTable, n: int, stages: int, bound: float) -> list[int] | None:
+    """A cut of ``n`` layers into ``stages`` stages whose every stage needs at most ``bound``
+    bytes (``table.total``), or None if there is none. Exact, in about O(stages · n):
+
+    stage s may end at layer j if it can start at a layer i where stage s - 1 ended with
+    ``table.weights(i, j) <= bound`` — the weights never shrink as a stage grows, so the
+    smallest such i only moves right as j does — and ``table.total(s, i, j) <= bound``,
+    tried from the latest such end down.
+    """
+    ends = [0]  # where the stages so far can end, ascending
+    came_from: list[dict[int, int]] = []  # per stage: end -> start
+    for s in range(stages):
+        last = s == stages - 1
+        reach, starts, lo = [], {}, 0
+        for j in [n] if last else range(s + 1, n - (stages - s - 1) + 1):
+            while lo < j and table.weights(lo, j) > bound:
+                lo += 1
+            if lo > ends[-1]:  # too heavy to start after any end: so is every later j
+                break
+            k = bisect.bisect_right(ends, j - 1) - 1
+            while k >= 0 and ends[k] >= lo:
+                if table.total(s, ends[k], j) <= bound:
+                    reach.append(j)
+                    starts[j] = ends[k]
+                    break
+                k -= 1
+        if not reach:
+            return None
+        ends = reach
+        came_from.append(starts)
+    balance, j = [], n
+    for s in range(stages - 1, -1, -1):
+        i = came_from[s][j]
+        balance.append(j - i)
+        j = i
+    return balance[::-1]
+
+
+def lightest_cut(table: StageMemoryTable, n: int, stages: int) -> list[int]:
+    """The cut whose fullest stage needs the least (to a relative 1e-6), by bisection on
+    :func:`cut_within`'s bound."""
+    even = [n // stages + (s < n % stages) for s in range(stages)]
+    high, start = 0.0, 0
+    for s, size in enumerate(even):
+        high = max(high, table.total(s, start, start + size))
+        start += size
+    best, low = even, 0.0
+    while high - low > 1e-6 * high:
+        middle = (low + high) / 2
+        balance = cut_within(table, n, stages, middle)
+        if balance is None:
+            low = middle
+        else:
+            best, high = balance, middle
+    return best

@@ -1,5 +1,5 @@
 """What each action of a schedule costs, per stage, from a profile: the one rule the
-balancer (``gpipe.planning.balance``) and the planner (``gpipe.planner``) simulate with.
+balancer (``gpipe.estimate.balance``) and the planner (``gpipe.planner``) simulate with.
 
 Per micro-batch, for the layers of each stage:
 
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from gpipe.planning.profile import Profile
+from gpipe.estimate.profile import Profile
 from gpipe.remat import recompute_fraction
 from gpipe.schedule.ir import Schedule
 from gpipe.schedule.simulate import Costs

@@ -12,9 +12,9 @@ from torch.nn import functional as F
 
 import gpipe
 from gpipe.errors import PartitionError
-from gpipe.planning.balance import BudgetError, balance_costs, balance_profile
-from gpipe.planning.memory_model import Held, MemoryModel, held_microbatches
-from gpipe.planning.profile import Profile
+from gpipe.estimate.balance import BudgetError, balance_costs, balance_profile
+from gpipe.estimate.memory_model import Held, MemoryModel, held_microbatches
+from gpipe.estimate.profile import Profile
 from gpipe.schedule import build_schedule
 from reference import even_balance, reference_step, relative_error, twin, worst_gradient_error
 
@@ -249,7 +249,7 @@ def test_pipe_auto_balance_trains_like_the_unsplit_model():
 
 
 def test_stage_costs_give_the_first_stage_an_empty_b_and_the_whole_backward_as_w():
-    from gpipe.planning.costs import stage_costs
+    from gpipe.estimate.costs import stage_costs
     from gpipe.schedule import build_schedule
 
     prof = Profile.from_costs([1.0, 2.0, 3.0, 4.0], [2.0, 4.0, 6.0, 8.0], weight_fraction=0.25)
@@ -265,7 +265,7 @@ def test_stage_costs_give_the_first_stage_an_empty_b_and_the_whole_backward_as_w
 
 @pytest.mark.parametrize("schedule", ["1f1b", "zb-h1", "zb-v"])
 def test_balance_by_step_never_lengthens_the_simulated_step(schedule):
-    from gpipe.planning.costs import stage_costs
+    from gpipe.estimate.costs import stage_costs
     from gpipe.schedule import build_schedule
     from gpipe.schedule.simulate import simulate
 

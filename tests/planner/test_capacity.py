@@ -9,22 +9,14 @@ import pytest
 import torch
 
 from gpipe._utils import MiB
-from gpipe.planner import calibrate, capacity, verify_capacity
-from gpipe.planner.measured import measure_fit
+from gpipe.estimate.memory_model import Calibration, Held, MemoryModel, StageMemoryTable
+from gpipe.estimate.profile import Profile, profile
 from gpipe.layout import Layout
-from gpipe.planning.capacity import (
-    Calibration,
-    NothingFits,
-    _FamilyCosts,
-    _LayoutCosts,
-    capacity_layouts,
-    cheaper_first,
-    fit_of,
-    gpt_family,
-    resnet_family,
-)
-from gpipe.planning.memory_model import Held, MemoryModel, StageMemoryTable
-from gpipe.planning.profile import Profile, profile
+from gpipe.planner import calibrate, capacity, verify_capacity
+from gpipe.planner.capacity import _LayoutCosts, capacity_layouts, fit_of
+from gpipe.planner.families import FamilyCosts, gpt_family, resnet_family
+from gpipe.planner.measured import measure_fit
+from gpipe.planner.results import NothingFits, cheaper_first
 
 
 def tiny_gpt(batch: int = 4):
@@ -51,7 +43,7 @@ def fits_by_brute_force(table: StageMemoryTable, n: int, k: int, room: float) ->
 
 def test_search_matches_brute_force_over_depths_and_layouts():
     family = tiny_gpt()
-    costs = _FamilyCosts(family)
+    costs = FamilyCosts(family)
     budget = 0.6 * MiB
     result = capacity(family, memory_budget=budget, processes=3, chunks=[1, 2], max_depth=14)
     assert len(result.rows) == len(capacity_layouts(family, 3, chunks=[1, 2]))
@@ -82,7 +74,7 @@ def test_search_matches_brute_force_over_depths_and_layouts():
     ids=["gpt", "resnet"],
 )
 def test_extrapolated_profile_matches_a_measured_deeper_one(family, depth):
-    costs = _FamilyCosts(family)
+    costs = FamilyCosts(family)
     predicted = costs.at(depth, 2)
     torch.manual_seed(0)
     model = family.build(depth)
@@ -187,7 +179,9 @@ def test_verify_measures_the_found_model_and_the_next_size_up(calibration):
 
 
 def test_layout_labels_and_options():
-    layout = Layout(stages=2, replicas=2, shard=True, chunks=8, schedule="1f1b", checkpoint="always")
+    layout = Layout(
+        stages=2, replicas=2, shard=True, chunks=8, schedule="1f1b", checkpoint="always"
+    )
     assert layout.label() == "K=2 R=2 sharded M=8 1f1b always"
     with pytest.raises(ValueError, match="unknown optimizer"):
         capacity(tiny_gpt(), memory_budget=MiB, processes=1, optimizer="lion")

@@ -1,0 +1,308 @@
+"""Capacity: the largest model of a family that trains within a memory budget per process.
+
+GPipe's Table 1 asks how large a model K devices can train: with re-materialization the
+answer grows about linearly with K. :func:`capacity` answers it for a *family* of models
+that differ only in depth (``gpipe.planner.families``), a budget of bytes per process, a
+number of processes and an optimizer:
+
+1. profile one small member of the family once per micro-batch size, and extrapolate it
+   to any depth (``gpipe.planner.families.extrapolate``);
+2. for every layout (``gpipe.layout``: K stages, R replicas with K·R ≤ processes, sharded
+   or not, M micro-batches, schedule, re-materialization) find the largest depth whose
+   every stage fits the budget under the memory model (``gpipe.estimate.memory_model``)
+   plus what a process needs beyond it (``Calibration``), by bisection (a deeper member
+   never needs less memory);
+3. cut the largest fitting depth with the memory balance
+   (``gpipe.estimate.balance.lightest_cut``: the partition with the most room in its
+   fullest stage).
+
+Layouts are ranked by parameters, then by fewer processes, no sharding, less
+recomputation, fewer micro-batches. The mini-batch is global: each of R replicas trains on
+``batch / R`` samples, in M micro-batches. Interleaved stages (v > 1) are not searched.
+The answer is a :class:`~gpipe.planner.results.Capacity` (rows of
+:class:`~gpipe.planner.results.Fit`).
+
+Example::
+
+    family = gpt_family(d_model=256, heads=4, seq=128, vocab=8192, batch=16)
+    result = capacity(family, memory_budget=2 * 2**30, processes=8)
+    print(result.table())
+    result.best.layout, result.best.depth, result.best.parameters
+
+:func:`gpipe.planner.verify_capacity` verifies a row by training it for real.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import replace
+from typing import Any
+
+from gpipe import remat
+from gpipe.estimate.balance import cut_within, lightest_cut
+from gpipe.estimate.memory_model import (
+    Calibration,
+    MemoryModel,
+    StageMemoryTable,
+    held_microbatches,
+)
+from gpipe.layout import Layout, layouts
+from gpipe.planner.families import Family, FamilyCosts, smallest_depth
+from gpipe.planner.results import Capacity, Fit, cheaper_first
+from gpipe.schedule import SCHEDULES
+
+__all__ = [
+    "OPTIMIZER_STATE",
+    "capacity",
+    "capacity_layouts",
+    "fit_of",
+    "optimizer_state_of",
+]
+
+# Optimizer state per parameter, in multiples of its bytes.
+OPTIMIZER_STATE = {"adamw": 2.0, "adam": 2.0, "sgd": 0.0, "sgd-momentum": 1.0}
+
+
+def _choices(values: Iterable[Any] | None, default: list[Any], label: str, allowed=None) -> list:
+    chosen = list(dict.fromkeys(values)) if values is not None else default
+    if allowed is not None:
+        bad = [v for v in chosen if v not in allowed]
+        if bad:
+            raise ValueError(f"unknown {label} {bad}; choose from {', '.join(map(str, allowed))}")
+    return chosen
+
+
+def optimizer_state_of(optimizer: str | float) -> float:
+    """Optimizer state per parameter in multiples of its bytes, from a name or a number."""
+    if isinstance(optimizer, str):
+        if optimizer.lower() not in OPTIMIZER_STATE:
+            raise ValueError(
+                f"unknown optimizer {optimizer!r}; use one of {', '.join(OPTIMIZER_STATE)} "
+                "or a number (state bytes per parameter byte)"
+            )
+        return OPTIMIZER_STATE[optimizer.lower()]
+    if not (isinstance(optimizer, int | float) and optimizer >= 0):
+        raise ValueError(f"optimizer state must be a non-negative number, got {optimizer!r}")
+    return float(optimizer)
+
+
+def capacity_layouts(
+    family: Family,
+    processes: int,
+    *,
+    stages: Iterable[int] | None = None,
+    replicas: Iterable[int] | None = None,
+    shard: Iterable[bool] | None = None,
+    chunks: Iterable[int] | None = None,
+    schedules: Iterable[str] | None = None,
+    checkpoints: Iterable[str] | None = None,
+) -> list[Layout]:
+    """Every layout to search (``gpipe.layout.layouts``; defaults: K·R ≤ processes, sharded
+    and not, M = powers of two up to 32 that split each replica's batch evenly, as the memory
+    model assumes, every schedule of one stage per rank, every re-materialization mode)."""
+    if not isinstance(processes, int) or processes < 1:
+        raise ValueError(f"processes must be a positive int, got {processes!r}")
+    one_per_rank = [n for n, spec in SCHEDULES.items() if 1 in spec.virtual_stages]
+    searched = [n for n in one_per_rank if not SCHEDULES[n].takes_costs]
+    schedule_list = _choices(schedules, searched, "schedules", SCHEDULES)
+    several = [s for s in schedule_list if s not in one_per_rank]
+    if several:
+        raise ValueError(
+            f"the capacity search places one stage per rank: drop {', '.join(several)}"
+        )
+    found = layouts(
+        stages=_choices(stages, list(range(1, processes + 1)), "stages"),
+        replicas=_choices(replicas, list(range(1, processes + 1)), "replicas"),
+        shard=_choices(shard, [False, True], "shard", (False, True)),
+        chunks=_choices(chunks, [1, 2, 4, 8, 16, 32], "chunks"),
+        schedules=schedule_list,
+        checkpoints=_choices(
+            checkpoints, list(remat.REMAT_MODES), "checkpoints", remat.REMAT_MODES
+        ),
+        virtual_stages=[1],
+        processes=processes,
+        batch=family.batch_size,
+    )
+    return [x for x in found if (family.batch_size // x.replicas) % x.chunks == 0]
+
+
+def capacity(
+    family: Family,
+    *,
+    memory_budget: float,
+    processes: int,
+    optimizer: str | float = "adamw",
+    overhead: float | Calibration = 0.0,
+    stages: Iterable[int] | None = None,
+    replicas: Iterable[int] | None = None,
+    shard: Iterable[bool] | None = None,
+    chunks: Iterable[int] | None = None,
+    schedules: Iterable[str] | None = None,
+    checkpoints: Iterable[str] | None = None,
+    max_depth: int = 10_000,
+) -> Capacity:
+    """The largest member of ``family`` each layout trains in ``memory_budget`` bytes per
+    process (see the module docstring); rows sorted largest first.
+
+    ``optimizer``: ``"adamw"`` (2 states per parameter), ``"sgd"`` (0), ``"sgd-momentum"``
+    (1), or the number. ``overhead``: bytes a training process needs beyond the memory
+    model, or the :class:`Calibration` that ``gpipe.planner.calibrate`` measures (a
+    constant per process and bytes per layer held). The other arguments restrict the
+    layouts (:func:`layouts`). When nothing fits, ``result.best`` raises
+    :class:`NothingFits` with the closest layout's shortfall and what would fit.
+    """
+    if not memory_budget > 0:
+        raise ValueError(f"memory_budget must be a positive number of bytes, got {memory_budget!r}")
+    calibration = _calibration(overhead)
+    state = optimizer_state_of(optimizer)
+    costs = FamilyCosts(family)
+    candidates = capacity_layouts(
+        family,
+        processes,
+        stages=stages,
+        replicas=replicas,
+        shard=shard,
+        chunks=chunks,
+        schedules=schedules,
+        checkpoints=checkpoints,
+    )
+    rows = [
+        _largest(costs, layout, memory_budget, calibration, state, max_depth)
+        for layout in candidates
+    ]
+    rows.sort(key=lambda r: (not r.fits, -r.parameters if r.fits else max(r.missing),
+                             cheaper_first(r.layout)))  # fmt: skip
+    result = Capacity(family, float(memory_budget), processes, state, calibration, rows)
+    if rows and not rows[0].fits:
+        result.advice = _advice(costs, rows, memory_budget, calibration, state, max_depth)
+    return result
+
+
+def _memory_model(layout: Layout, state: float, per_stage_layer: float) -> MemoryModel:
+    return MemoryModel(
+        optimizer_state=state,
+        replicas=layout.replicas,
+        shard=layout.shard,
+        workspace=True,
+        layer_overhead=per_stage_layer,
+    )
+
+
+class _LayoutCosts:
+    """The memory table of a layout at any depth."""
+
+    def __init__(
+        self, costs: FamilyCosts, layout: Layout, state: float, per_stage_layer: float = 0.0
+    ) -> None:
+        self.costs, self.layout = costs, layout
+        schedule = layout.build_schedule()
+        self.held = held_microbatches(schedule, layout.checkpoint)
+        self.split = schedule.splits_backward(0, 0)
+        self.model = _memory_model(layout, state, per_stage_layer)
+        self.samples = costs.family.batch_size // layout.replicas // layout.chunks
+
+    def table(self, depth: int) -> StageMemoryTable:
+        prof = self.costs.at(depth, self.samples)
+        return StageMemoryTable(prof.layers, self.held, self.model, splits_backward=self.split)
+
+
+def _largest(
+    costs: FamilyCosts,
+    layout: Layout,
+    budget: float,
+    calibration: Calibration,
+    state: float,
+    cap: int,
+) -> Fit:
+    """The largest depth of ``layout`` that fits: grow by doubling steps, then bisect."""
+    at = _LayoutCosts(costs, layout, state, calibration.per_stage_layer)
+
+    def fits(depth: int) -> bool:
+        table = at.table(depth)
+        n = len(table.layers)
+        room = budget - calibration.at(n)
+        return room > 0 and cut_within(table, n, layout.stages, room) is not None
+
+    low = smallest_depth(costs.family, layout.stages)
+    if not fits(low):
+        return _fit(at, low, budget, calibration)
+    high = low  # the largest depth known to fit
+    step = 1
+    while True:
+        probe = min(high + step, cap)
+        if probe == high or not fits(probe):
+            break
+        high, step = probe, step * 2
+    top = min(high + step, cap + 1)  # the smallest depth known not to fit (or past the cap)
+    while top - high > 1:
+        middle = (high + top) // 2
+        if fits(middle):
+            high = middle
+        else:
+            top = middle
+    return _fit(at, high, budget, calibration)
+
+
+def fit_of(
+    family: Family,
+    layout: Layout,
+    depth: int,
+    *,
+    optimizer: str | float = "adamw",
+    budget: float,
+    overhead: float | Calibration = 0.0,
+) -> Fit:
+    """``layout`` at ``depth``: its memory balance and predicted memory, whether it fits or
+    not (then ``missing`` says by how much each stage does not)."""
+    calibration = _calibration(overhead)
+    at = _LayoutCosts(FamilyCosts(family), layout, optimizer_state_of(optimizer),
+                      calibration.per_stage_layer)  # fmt: skip
+    return _fit(at, depth, budget, calibration)
+
+
+def _calibration(overhead: float | Calibration) -> Calibration:
+    if isinstance(overhead, Calibration):
+        return overhead
+    if not (isinstance(overhead, int | float) and overhead >= 0):
+        raise ValueError(f"overhead must be a non-negative number of bytes, got {overhead!r}")
+    return Calibration(float(overhead))
+
+
+def _fit(at: _LayoutCosts, depth: int, budget: float, calibration: Calibration) -> Fit:
+    """The lightest cut of ``depth``: the most room in its fullest stage, or, when it does
+    not fit, the least missing there."""
+    table = at.table(depth)
+    overhead = calibration.at(len(table.layers))
+    balance = lightest_cut(table, len(table.layers), at.layout.stages)
+    memory, start = [], 0
+    for s, size in enumerate(balance):
+        memory.append(table(s, start, start + size))
+        start += size
+    missing = tuple(max(0.0, m.total + overhead - budget) for m in memory)
+    return Fit(
+        at.layout,
+        depth,
+        at.costs.parameters(depth),
+        tuple(balance),
+        tuple(memory),
+        overhead,
+        budget,
+        fits=not any(missing),
+        missing=missing,
+        calibration=calibration,
+    )
+
+
+def _advice(costs, rows, budget, calibration, state, cap) -> str:
+    """What would fit when nothing does: more stages (up to 8× the most searched)."""
+    searched = max(r.layout.stages for r in rows)
+    closest = min(rows, key=lambda r: max(r.missing)).layout
+    for k in range(searched + 1, 8 * searched + 1):
+        layout = replace(closest, stages=k, replicas=1, shard=False, checkpoint="always")
+        row = _largest(costs, layout, budget, calibration, state, cap)
+        if row.fits:
+            return (
+                f"or K >= {k} stages ({layout.label()} trains depth {row.depth}, "
+                f"{row.parameters:,} parameters)"
+            )
+    return f"no layout of up to {8 * searched} stages fits: a single layer is too large"
