@@ -113,7 +113,7 @@ def resolve(options: dict[str, Any], *, world_size: int | None = None) -> TrainC
             manifest = ckpt.read_manifest(given["resume"])
         except ckpt.CheckpointError as error:
             raise ConfigError([f"--resume {given['resume']}: {error}"]) from None
-        saved = manifest["config"]
+        saved = manifest.config
         for key in _FIXED_ON_RESUME:
             if key in given and given[key] != saved[key]:
                 problems.append(
@@ -121,10 +121,10 @@ def resolve(options: dict[str, Any], *, world_size: int | None = None) -> TrainC
                     f"resumed run keeps the model, data and seed; drop --{key}"
                 )
         if "out" not in given:
-            folder = Path(manifest["path"])
+            folder = manifest.path
             if folder.parent.name == "checkpoints":
                 given["out"] = str(folder.parent.parent)
-        values = {**saved, **given, "resume": manifest["path"]}
+        values = {**saved, **given, "resume": str(manifest.path)}
     else:
         task = TASKS[given.get("model", TrainConfig.model)]
         preset = dict(task.presets[given.get("size", TrainConfig.size)])
@@ -138,7 +138,7 @@ def resolve(options: dict[str, Any], *, world_size: int | None = None) -> TrainC
     if not config.out:
         stamp = time.strftime("%Y%m%d-%H%M%S")
         config.out = str(Path("runs") / f"{config.model}-{config.size}-{stamp}")
-    start = manifest["step"] if manifest else 0
+    start = manifest.step if manifest else 0
     problems += _problems(config, start, world_size, fresh=manifest is None)
     if problems:
         raise ConfigError(problems)
