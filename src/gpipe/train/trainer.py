@@ -28,7 +28,7 @@ from gpipe import checkpoint as ckpt
 from gpipe import timeline
 from gpipe._utils import local_value
 from gpipe.allocator import cpu_allocator
-from gpipe.data import EpochSampler, hash_seed
+from gpipe.data import EpochSampler, hash_seed, readable
 from gpipe.engine.memory import measure_activations
 from gpipe.errors import NonFiniteError
 from gpipe.parallel.mesh import Mesh
@@ -289,7 +289,7 @@ class Trainer:
                     tokens = torch.cat([tokens, chosen], dim=1)
         finally:
             self.pipe.train()
-        texts = [bytes(row.tolist()).decode("utf-8", "replace") for row in tokens]
+        texts = [readable(bytes(row.tolist())) for row in tokens]
         if self.rank == 0:
             (self.out / "sample.txt").write_text(
                 "\n\n".join(f"--- sample {i} ---\n{t}" for i, t in enumerate(texts)) + "\n"
