@@ -6,10 +6,9 @@ rank writes one *shard*: its layers' parameters and buffers under their **whole-
 same names (torch optimizers key state by position, which changes with the cut), and its
 random-number state. A ``manifest.json`` beside the shards (:class:`Manifest`) records the
 step, the run's configuration, the data position and which shard holds each name; this module
-alone writes and reads both formats. Because everything is keyed
-by name, a checkpoint saved by K stages loads into any other K (each rank reads just the shards
-holding its names), and :func:`export_state_dict` merges the shards into one plain state dict
-for the un-split model.
+alone writes and reads both formats. Because everything is keyed by name, a checkpoint saved
+by K stages loads into any other K (each rank reads just the shards holding its names), and
+:func:`export_state_dict` merges the shards into one plain state dict for the un-split model.
 
 Layout of a run's checkpoints::
 
