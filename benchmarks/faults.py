@@ -180,7 +180,7 @@ def _run_until_step(job: subprocess.Popen, step: int) -> int:
 
 def _saved_step(out: Path) -> int:
     try:
-        return ckpt.read_manifest(out)["step"]
+        return ckpt.read_manifest(out).step
     except ckpt.CheckpointError:
         return 0
 

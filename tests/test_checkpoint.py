@@ -37,9 +37,8 @@ def save(root, step: int, model: nn.Sequential, cuts: list[list[int]]):
     state = model.state_dict()
     for rank, layers in enumerate(cuts):
         names = [n for n in state if int(n.split(".")[0]) in layers]
-        ckpt.write_shard(tmp, rank, {"model": {n: state[n] for n in names}})
-        shards[ckpt.shard_file(rank)] = {"names": names}
-    return ckpt.commit(root, tmp, {"step": step, "shards": shards})
+        shards.update(ckpt.write_shard(tmp, rank, model={n: state[n] for n in names}))
+    return ckpt.commit(root, tmp, ckpt.Manifest(step=step, shards=shards))
 
 
 def test_save_find_load_and_export(tmp_path):
@@ -58,7 +57,7 @@ def test_save_find_load_and_export(tmp_path):
     assert ckpt.find(tmp_path / "run").name == "step-000007"
 
     manifest = ckpt.read_manifest(tmp_path)
-    assert manifest["index"]["2.bias"] == "shard-001.pt"
+    assert manifest.index["2.bias"] == "shard-001.pt"
     assert torch.equal(ckpt.load_tensors(manifest, ["2.bias"])["2.bias"], model[2].bias)
     exported = ckpt.export_state_dict(folder)
     assert list(exported) == list(model.state_dict())  # whole-model order
@@ -79,9 +78,8 @@ def test_keep_prunes_old_checkpoints_and_latest_follows(tmp_path):
     model = make_model()
     for step in (1, 2, 3):
         tmp = ckpt.begin(tmp_path, step)
-        ckpt.write_shard(tmp, 0, {"model": model.state_dict()})
-        shards = {ckpt.shard_file(0): {"names": list(model.state_dict())}}
-        ckpt.commit(tmp_path, tmp, {"step": step, "shards": shards}, keep=2)
+        shards = ckpt.write_shard(tmp, 0, model=model.state_dict())
+        ckpt.commit(tmp_path, tmp, ckpt.Manifest(step=step, shards=shards), keep=2)
     assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-000002", "step-000003"]
     assert (tmp_path / "latest").read_text() == "step-000003"
 
@@ -99,10 +97,10 @@ def test_crash_while_writing_a_shard_leaves_the_previous_checkpoint(tmp_path, mo
         raise OSError("No space left on device")
 
     tmp = ckpt.begin(tmp_path, 20)
-    ckpt.write_shard(tmp, 0, {"model": model.state_dict()})  # rank 0 finished its shard
+    ckpt.write_shard(tmp, 0, model=model.state_dict())  # rank 0 finished its shard
     monkeypatch.setattr(torch, "save", dies_half_way)
     with pytest.raises(OSError, match="No space"):
-        ckpt.write_shard(tmp, 1, {"model": model.state_dict()})
+        ckpt.write_shard(tmp, 1, model=model.state_dict())
     monkeypatch.setattr(torch, "save", real_save)
 
     assert not (tmp / ckpt.shard_file(1)).exists()  # no half-written file under its name
@@ -113,7 +111,7 @@ def test_crash_while_writing_a_shard_leaves_the_previous_checkpoint(tmp_path, mo
     # Committing the incomplete one is refused; the next save of that step starts afresh.
     shards = {ckpt.shard_file(r): {"names": []} for r in (0, 1)}
     with pytest.raises(ckpt.CheckpointError, match="were not written"):
-        ckpt.commit(tmp_path, tmp, {"step": 20, "shards": shards})
+        ckpt.commit(tmp_path, tmp, ckpt.Manifest(step=20, shards=shards))
     assert ckpt.begin(tmp_path, 20) == tmp and not any(tmp.iterdir())
 
 
@@ -121,11 +119,11 @@ def test_crash_before_the_rename_leaves_latest_alone(tmp_path, monkeypatch):
     model = make_model()
     save(tmp_path, 1, model, [[0, 1, 2, 3, 4]])
     tmp = ckpt.begin(tmp_path, 2)
-    ckpt.write_shard(tmp, 0, {"model": model.state_dict()})
+    ckpt.write_shard(tmp, 0, model=model.state_dict())
     monkeypatch.setattr(type(tmp), "rename", lambda self, target: (_ for _ in ()).throw(OSError))
     with pytest.raises(OSError):
-        save_manifest = {"step": 2, "shards": {"shard-000.pt": {"names": ["0.bias"]}}}
-        ckpt.commit(tmp_path, tmp, save_manifest)
+        shards = {"shard-000.pt": {"names": ["0.bias"]}}
+        ckpt.commit(tmp_path, tmp, ckpt.Manifest(step=2, shards=shards))
     assert (tmp / "manifest.json").exists()  # complete but never renamed: still ignored
     assert ckpt.find(tmp_path).name == "step-000001"
     assert (tmp_path / "latest").read_text() == "step-000001"
@@ -175,12 +173,11 @@ def test_optimizer_state_by_name_moves_between_cuts(tmp_path):
         states.append(ckpt.optimizer_state_by_name(optimizer, names_of))
     assert set(states[1]["state"]) == set(cuts[1])
 
-    tmp = ckpt.begin(tmp_path, 3)
+    tmp, shards = ckpt.begin(tmp_path, 3), {}
     for rank, (names, state) in enumerate(zip(cuts, states, strict=True)):
         model_part = {n: named[n].detach() for n in names}
-        ckpt.write_shard(tmp, rank, {"model": model_part, "optimizer": state})
-    shards = {ckpt.shard_file(r): {"names": names} for r, names in enumerate(cuts)}
-    manifest = ckpt.read_manifest(ckpt.commit(tmp_path, tmp, {"step": 3, "shards": shards}))
+        shards.update(ckpt.write_shard(tmp, rank, model=model_part, optimizer=state))
+    manifest = ckpt.read_manifest(ckpt.commit(tmp_path, tmp, ckpt.Manifest(step=3, shards=shards)))
 
     three = [["0.weight"], ["0.bias", "2.weight"], ["2.bias", "4.weight", "4.bias"]]
     for new_cut in ([cuts[0] + cuts[1]], three):

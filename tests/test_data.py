@@ -84,6 +84,13 @@ def test_hash_seed_is_stable_and_mixes():
     assert len(seeds) == 200 and all(0 <= s < 2**63 for s in seeds)
 
 
+def test_generated_bytes_read_as_text_with_escapes_where_they_are_not():
+    # what a byte-level model may write: UTF-8, a cut sequence, stray bytes, a terminal escape
+    written = "é = 1\n\tπ".encode() + b"\xe2\x28" + b"\xff\r\x1b[2J\x7f"
+    assert data.readable(written) == "é = 1\n\tπ\\xe2(\\xff\\x0d\\x1b[2J\\x7f"
+    assert "\ufffd" not in data.readable(written)
+
+
 def test_digits_are_normalized_and_split_once():
     pytest.importorskip("sklearn")
     digits = data.digits()

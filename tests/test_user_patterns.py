@@ -199,7 +199,7 @@ def test_interleaved_defaults_to_two_stages_per_device_and_refuses_one():
     model = user_scripts.mlp()
     pipe = gpipe.Pipe(model, balance=[1, 1, 1, 2], chunks=4, schedule="interleaved-1f1b")
     assert pipe.virtual_stages == 2 and len(pipe.devices) == 2
-    with pytest.raises(gpipe.PartitionError, match="virtual_stages=1.*with 1 it is plain '1f1b'"):
+    with pytest.raises(gpipe.PartitionError, match=r"virtual_stages=1.*with 1 it is plain '1f1b'"):
         gpipe.Pipe(model, balance=[2, 3], chunks=4, schedule="interleaved-1f1b", virtual_stages=1)
 
 

@@ -4,11 +4,11 @@ A pipelined model never exists in one place, so neither does its checkpoint. Eac
 rank writes one *shard*: its layers' parameters and buffers under their **whole-model names**
 (``"3.qkv.weight"``, as ``Pipe.state_dict()`` gives them), its optimizer state keyed by the
 same names (torch optimizers key state by position, which changes with the cut), and its
-random-number state. A ``manifest.json`` beside the shards records the step, the run's
-configuration, the data position and which shard holds each name. Because everything is keyed
-by name, a checkpoint saved by K stages loads into any other K (each rank reads just the shards
-holding its names), and :func:`export_state_dict` merges the shards into one plain state dict
-for the un-split model.
+random-number state. A ``manifest.json`` beside the shards (:class:`Manifest`) records the
+step, the run's configuration, the data position and which shard holds each name; this module
+alone writes and reads both formats. Because everything is keyed by name, a checkpoint saved
+by K stages loads into any other K (each rank reads just the shards holding its names), and
+:func:`export_state_dict` merges the shards into one plain state dict for the un-split model.
 
 Layout of a run's checkpoints::
 
@@ -28,10 +28,12 @@ save of that step removes); the previous checkpoint stays intact and ``latest`` 
 
 Multi-process protocol (see ``gpipe.train.trainer``)::
 
-    if rank == 0: tmp = checkpoint.begin(root, step)     # then a barrier
-    checkpoint.write_shard(tmp, pp_rank, shard)           # one writer per pipeline rank
-    # gather every shard's names to rank 0, then:
-    if rank == 0: checkpoint.commit(root, tmp, manifest)  # then a barrier
+    if rank == 0: checkpoint.begin(root, step)                # then a barrier
+    tmp = checkpoint.staging_folder(root, step)
+    entry = checkpoint.write_shard(tmp, pp_rank, model=...)  # one writer per pipeline rank
+    # gather every entry to rank 0, then:
+    if rank == 0:                                            # then a barrier
+        checkpoint.commit(root, tmp, Manifest(step=step, shards={**entry, ...}, ...))
 """
 
 from __future__ import annotations
@@ -40,7 +42,9 @@ import hashlib
 import json
 import os
 import shutil
+import time
 from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +54,7 @@ from torch import nn
 __all__ = [
     "CheckpointError",
     "MANIFEST",
+    "Manifest",
     "begin",
     "commit",
     "export_state_dict",
@@ -59,10 +64,13 @@ __all__ = [
     "optimizer_state_by_name",
     "sha256_of",
     "read_manifest",
+    "read_manifest_file",
     "load_optimizer_state_by_name",
+    "rng_state",
     "shard_file",
     "staging_folder",
     "step_folder",
+    "write_manifest",
     "write_shard",
 ]
 
@@ -75,6 +83,24 @@ _TMP = ".tmp"
 
 class CheckpointError(RuntimeError):
     """A checkpoint is missing, incomplete, unreadable or does not fit the model."""
+
+
+@dataclass
+class Manifest:
+    """A checkpoint's ``manifest.json``: written by :func:`write_manifest` (through
+    :func:`commit`), read by :func:`read_manifest`. The run's own records (``config``,
+    ``model``, ``data``, ``layout``) are kept as given."""
+
+    step: int
+    # shard file -> its entry, as :func:`write_shard` returns it (names, stages, SHA-256)
+    shards: dict[str, dict[str, Any]]
+    config: dict[str, Any] | None = None  # the run's configuration
+    model: dict[str, Any] | None = None  # what builds the model
+    data: dict[str, Any] | None = None  # the data position
+    layout: dict[str, Any] | None = None  # how the saving run was cut (stages, replicas, ...)
+    saved_at: str = ""  # stamped when written
+    index: dict[str, str] = field(default_factory=dict)  # name -> its shard file (derived)
+    path: Path | None = None  # the checkpoint's folder, once read (not saved)
 
 
 def step_folder(step: int) -> str:
@@ -102,9 +128,20 @@ def begin(root: str | Path, step: int) -> Path:
     return tmp
 
 
-def write_shard(folder: str | Path, pp_rank: int, shard: Mapping[str, Any]) -> str:
-    """Write one pipeline rank's shard (``{"model": ..., "optimizer": ..., "rng": ...}``);
-    return its SHA-256, for the manifest (``shards[file]["sha256"]``)."""
+def write_shard(
+    folder: str | Path,
+    pp_rank: int,
+    *,
+    model: Mapping[str, torch.Tensor],
+    optimizer: Mapping[str, Any] | None = None,
+    stages: list[int] | None = None,
+    rng: Mapping[str, Any] | None = None,
+) -> dict[str, dict[str, Any]]:
+    """Write one pipeline rank's shard: its ``model`` tensors by whole-model name, its
+    ``optimizer`` state by name (:func:`optimizer_state_by_name`), the ``stages`` it holds
+    and its ``rng`` state (read back by :func:`rng_state`). Returns the shard's entry for
+    :attr:`Manifest.shards`: ``{file: {names, stages, SHA-256}}``."""
+    shard = {"model": dict(model), "optimizer": optimizer, "stages": stages, "rng": rng}
     digest = hashlib.sha256()
 
     def write(f: Any) -> None:
@@ -119,7 +156,8 @@ def write_shard(folder: str | Path, pp_rank: int, shard: Mapping[str, Any]) -> s
         torch.save(dict(shard), Hashing())
 
     _atomic_write(Path(folder) / shard_file(pp_rank), write)
-    return digest.hexdigest()
+    entry = {"names": list(model), "stages": stages, "sha256": digest.hexdigest()}
+    return {shard_file(pp_rank): entry}
 
 
 def sha256_of(path: Path) -> str:
@@ -130,33 +168,14 @@ def sha256_of(path: Path) -> str:
     return digest.hexdigest()
 
 
-def commit(
-    root: str | Path, tmp: str | Path, manifest: Mapping[str, Any], *, keep: int = 0
-) -> Path:
-    """Write the manifest, give the checkpoint its final name, point ``latest`` at it.
-
-    ``manifest`` must hold ``step`` and ``shards`` (file name -> {"names": [...], ...}); the
-    name index is added here. ``keep`` > 0 deletes all but the newest ``keep`` checkpoints.
-    Returns the final folder.
+def commit(root: str | Path, tmp: str | Path, manifest: Manifest, *, keep: int = 0) -> Path:
+    """Write the manifest into ``tmp`` (:func:`write_manifest`), give the checkpoint its
+    final name, point ``latest`` at it. ``keep`` > 0 deletes all but the newest ``keep``
+    checkpoints. Returns the final folder.
     """
     root, tmp = Path(root), Path(tmp)
-    manifest = dict(manifest)
-    missing = [name for name in manifest["shards"] if not (tmp / name).is_file()]
-    if missing:
-        raise CheckpointError(f"cannot commit {tmp}: shards {missing} were not written")
-    manifest["shards"] = {
-        file: {**info, "sha256": info.get("sha256") or sha256_of(tmp / file)}
-        for file, info in manifest["shards"].items()
-    }
-    index: dict[str, str] = {}
-    for file, info in sorted(manifest["shards"].items()):
-        for name in info["names"]:
-            if name in index:
-                raise CheckpointError(f"{name!r} is in both {index[name]} and {file}")
-            index[name] = file
-    manifest.update(format=FORMAT, version=VERSION, index=index)
-    _atomic_write(tmp / MANIFEST, lambda f: f.write(json.dumps(manifest, indent=1).encode()))
-    final = root / step_folder(int(manifest["step"]))
+    write_manifest(tmp, manifest)
+    final = root / step_folder(manifest.step)
     if final.exists():  # saving a step again (a rerun into the same folder): replace it
         old = final.with_name(final.name + ".old")
         if old.exists():
@@ -172,6 +191,29 @@ def commit(
         for stale in _complete(root)[:-keep]:
             shutil.rmtree(stale, ignore_errors=True)
     return final
+
+
+def write_manifest(folder: str | Path, manifest: Manifest) -> None:
+    """Write ``manifest`` as ``folder/manifest.json``, with the index of names it derives
+    from the shards' entries (a shard without a SHA-256 is hashed here) and the time."""
+    folder = Path(folder)
+    missing = [name for name in manifest.shards if not (folder / name).is_file()]
+    if missing:
+        raise CheckpointError(f"cannot commit {folder}: shards {missing} were not written")
+    shards = {
+        file: {**info, "sha256": info.get("sha256") or sha256_of(folder / file)}
+        for file, info in manifest.shards.items()
+    }
+    index: dict[str, str] = {}
+    for file, info in sorted(shards.items()):
+        for name in info["names"]:
+            if name in index:
+                raise CheckpointError(f"{name!r} is in both {index[name]} and {file}")
+            index[name] = file
+    record = {**asdict(manifest), "shards": shards, "index": index}
+    record.update(saved_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"), format=FORMAT, version=VERSION)
+    del record["path"]
+    _atomic_write(folder / MANIFEST, lambda f: f.write(json.dumps(record, indent=1).encode()))
 
 
 def _atomic_write(path: Path, write) -> None:
@@ -244,35 +286,47 @@ def find(path: str | Path) -> Path:
     )
 
 
-def read_manifest(path: str | Path) -> dict[str, Any]:
-    """The manifest of the checkpoint ``path`` designates (see :func:`find`); adds ``path``."""
+def read_manifest(path: str | Path) -> Manifest:
+    """The manifest of the checkpoint ``path`` designates (see :func:`find`), whose shards
+    must all be readable."""
     folder = find(path)
-    try:
-        manifest = json.loads((folder / MANIFEST).read_text())
-    except (OSError, ValueError) as error:
-        raise CheckpointError(f"cannot read {folder / MANIFEST}: {error}") from error
-    if manifest.get("format") != FORMAT:
-        raise CheckpointError(f"{folder / MANIFEST} is not a gpipe checkpoint manifest")
-    if manifest.get("version", 0) > VERSION:
-        raise CheckpointError(
-            f"{folder} has checkpoint format version {manifest['version']}; this gpipe reads "
-            f"up to {VERSION}: upgrade gpipe"
-        )
-    unreadable = [file for file in manifest["shards"] if not os.access(folder / file, os.R_OK)]
+    manifest = read_manifest_file(folder)
+    unreadable = [file for file in manifest.shards if not os.access(folder / file, os.R_OK)]
     if unreadable:
         raise CheckpointError(f"{folder}: shard files missing or unreadable: {unreadable}")
-    manifest["path"] = str(folder)
     return manifest
 
 
-def _shards_for(manifest: Mapping[str, Any], names: Iterable[str]) -> dict[str, list[str]]:
+def read_manifest_file(folder: str | Path) -> Manifest:
+    """The manifest in checkpoint ``folder`` as written (its shards unchecked); raises
+    ``CheckpointError`` if it cannot be read, is not one, or is of a newer format."""
+    folder = Path(folder)
+    try:
+        record = json.loads((folder / MANIFEST).read_text())
+    except (OSError, ValueError) as error:
+        raise CheckpointError(f"cannot read {folder / MANIFEST}: {error}") from error
+    if not isinstance(record, dict) or record.get("format") != FORMAT:
+        raise CheckpointError(f"{folder / MANIFEST} is not a gpipe checkpoint manifest")
+    if record.get("version", 0) > VERSION:
+        raise CheckpointError(
+            f"{folder} has checkpoint format version {record['version']}; this gpipe reads "
+            f"up to {VERSION}: upgrade gpipe"
+        )
+    known = {f.name for f in fields(Manifest)} - {"path"}
+    try:
+        return Manifest(**{k: v for k, v in record.items() if k in known}, path=folder)
+    except TypeError as error:  # step or shards missing
+        raise CheckpointError(f"{folder / MANIFEST} is incomplete: {error}") from error
+
+
+def _shards_for(manifest: Manifest, names: Iterable[str]) -> dict[str, list[str]]:
     """{shard file: [names it provides]}; raises for names no shard holds."""
-    index, wanted = manifest["index"], list(names)
+    index, wanted = manifest.index, list(names)
     missing = [n for n in wanted if n not in index]
     if missing:
         shown = ", ".join(missing[:6]) + (", ..." if len(missing) > 6 else "")
         raise CheckpointError(
-            f"checkpoint {manifest['path']} has no {len(missing)} of the names this model "
+            f"checkpoint {manifest.path} has no {len(missing)} of the names this model "
             f"needs ({shown}): was it saved from another model or configuration?"
         )
     by_file: dict[str, list[str]] = {}
@@ -281,8 +335,8 @@ def _shards_for(manifest: Mapping[str, Any], names: Iterable[str]) -> dict[str, 
     return by_file
 
 
-def _load_shard(manifest: Mapping[str, Any], file: str) -> dict[str, Any]:
-    path = Path(manifest["path"]) / file
+def _load_shard(manifest: Manifest, file: str) -> dict[str, Any]:
+    path = Path(manifest.path) / file
     try:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as error:
@@ -291,7 +345,7 @@ def _load_shard(manifest: Mapping[str, Any], file: str) -> dict[str, Any]:
         ) from error
 
 
-def load_tensors(manifest: Mapping[str, Any], names: Iterable[str]) -> dict[str, torch.Tensor]:
+def load_tensors(manifest: Manifest, names: Iterable[str]) -> dict[str, torch.Tensor]:
     """The model tensors ``names`` (whole-model names), read from whichever shards hold them."""
     tensors: dict[str, torch.Tensor] = {}
     for file, wanted in _shards_for(manifest, names).items():
@@ -300,7 +354,7 @@ def load_tensors(manifest: Mapping[str, Any], names: Iterable[str]) -> dict[str,
     return tensors
 
 
-def load_optimizer_state(manifest: Mapping[str, Any], names: Iterable[str]) -> dict[str, Any]:
+def load_optimizer_state(manifest: Manifest, names: Iterable[str]) -> dict[str, Any]:
     """The optimizer state of parameters ``names``, keyed by name (as saved by
     :func:`optimizer_state_by_name`), merged from whichever shards hold them."""
     state: dict[str, Any] = {}
@@ -325,10 +379,16 @@ def load_optimizer_state(manifest: Mapping[str, Any], names: Iterable[str]) -> d
     return {"state": state, "param_groups": list(groups.values())}
 
 
+def rng_state(manifest: Manifest, pp_rank: int) -> dict[str, Any]:
+    """The random-number state pipeline rank ``pp_rank`` saved (empty if none)."""
+    file = shard_file(pp_rank)
+    return (_load_shard(manifest, file).get("rng") or {}) if file in manifest.shards else {}
+
+
 def export_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     """One plain state dict of the whole model (all shards merged), for the un-split model."""
     manifest = read_manifest(path)
-    tensors = load_tensors(manifest, manifest["index"])
+    tensors = load_tensors(manifest, manifest.index)
     # Layer by layer; within a layer, in the order its shard's state dict had.
     return {name: t.clone() for name, t in sorted(tensors.items(), key=lambda kv: _layer(kv[0]))}
 

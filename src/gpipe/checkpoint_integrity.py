@@ -8,10 +8,16 @@ to resume from, saying which newer ones it skipped and why.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from gpipe.checkpoint import MANIFEST, CheckpointError, find, sha256_of, step_folder
+from gpipe.checkpoint import (
+    MANIFEST,
+    CheckpointError,
+    find,
+    read_manifest_file,
+    sha256_of,
+    step_folder,
+)
 
 __all__ = ["choose", "listing", "problems"]
 
@@ -24,16 +30,17 @@ def problems(folder: str | Path) -> list[str]:
     are not those saved (SHA-256 of the manifest; checkpoints older than that are trusted)."""
     folder = Path(folder)
     try:
-        manifest = json.loads((folder / MANIFEST).read_text())
-    except (OSError, ValueError) as error:
-        return [f"cannot read its {MANIFEST} ({type(error).__name__})"]
+        manifest = read_manifest_file(folder)
+    except CheckpointError as error:
+        why = type(error.__cause__).__name__ if error.__cause__ else error
+        return [f"cannot read its {MANIFEST} ({why})"]
     found = []
-    if step_folder(int(manifest.get("step", -1))) != folder.name:
-        found.append(f"its manifest says step {manifest.get('step')}, not {folder.name}")
-    for file, info in manifest.get("shards", {}).items():
+    if step_folder(manifest.step) != folder.name:
+        found.append(f"its manifest says step {manifest.step}, not {folder.name}")
+    for file, info in manifest.shards.items():
         if not (folder / file).is_file():
             found.append(f"{file} is missing")
-        elif "sha256" in info and sha256_of(folder / file) != info["sha256"]:
+        elif info.get("sha256") and sha256_of(folder / file) != info["sha256"]:
             found.append(f"{file} is not the file saved (checksum differs)")
     return found
 

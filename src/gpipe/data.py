@@ -39,6 +39,7 @@ __all__ = [
     "TokenWindows",
     "cache_dir",
     "digits",
+    "readable",
     "stdlib_bytes",
     "stdlib_corpus",
     "stdlib_files",
@@ -144,6 +145,16 @@ def stdlib_corpus(*, root: Path | None = None, cache: Path | None = None) -> Cor
 def _bytes_tensor(texts: list[bytes]) -> torch.Tensor:
     joined = b"\n".join(texts)  # files are separated by a blank line
     return torch.frombuffer(bytearray(joined), dtype=torch.uint8).clone()
+
+
+# Control characters but newline and tab would garble a terminal: shown as escapes too.
+_CONTROLS = {c: f"\\x{c:02x}" for c in [*range(32), 127] if chr(c) not in "\n\t"}
+
+
+def readable(text: bytes) -> str:
+    """Bytes a byte-level model wrote, as text: UTF-8 where they are, and an escape such as
+    ``\\xe2`` for each byte that is not (and for control characters)."""
+    return text.decode("utf-8", "backslashreplace").translate(_CONTROLS)
 
 
 class TokenWindows:

@@ -63,6 +63,6 @@ def test_non_finite_steps_are_refused_and_the_last_checkpoint_stays_good(in_proc
     assert "step 3 (2 refused in all)" in done.stdout  # one skipped, the second stops the run
     assert "failed in rank" in done.stderr and "NonFiniteError" in done.stderr
     manifest = ckpt.read_manifest(out)
-    assert manifest["step"] == 1  # the last good step
+    assert manifest.step == 1  # the last good step
     state = ckpt.export_state_dict(out)
     assert all(torch.isfinite(t).all() for t in state.values() if t.is_floating_point())

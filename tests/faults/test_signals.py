@@ -120,8 +120,8 @@ def test_a_signal_saves_the_step_in_flight_and_leaves_no_process(cache, tmp_path
         with contextlib.suppress(ProcessLookupError):
             os.killpg(job.pid, signals.SIGKILL)
     manifest = ckpt.read_manifest(out)
-    assert manifest["step"] >= 10  # at most the step in flight was lost
-    assert len(losses(out)) == manifest["step"]
+    assert manifest.step >= 10  # at most the step in flight was lost
+    assert len(losses(out)) == manifest.step
     deadline = time.monotonic() + 10  # multiprocessing's resource tracker exits last
     while time.monotonic() < deadline:
         leftover = subprocess.run(["pgrep", "-a", "-s", str(job.pid)], capture_output=True)

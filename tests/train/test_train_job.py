@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -35,7 +34,7 @@ def test_a_tiny_run_trains_and_leaves_its_files(tiny_run):
         "step-000010",
     ]
     manifest = ckpt.read_manifest(out)
-    assert manifest["step"] == 10 and sorted(manifest["shards"]) == ["shard-000.pt", "shard-001.pt"]
+    assert manifest.step == 10 and sorted(manifest.shards) == ["shard-000.pt", "shard-001.pt"]
 
     loss = losses(out)
     assert list(loss) == list(range(1, 11))
@@ -93,14 +92,14 @@ def test_a_k2_checkpoint_loads_at_k1_and_k4_and_exports_to_the_plain_model(
 
     # Export: one plain state dict for the un-split model.
     exported = export(out, tmp_path / "model.pt")
-    plain = build_model(manifest["model"])
+    plain = build_model(manifest.model)
     plain.load_state_dict(torch.load(exported, weights_only=True), strict=True)
     plain.eval()
     with torch.no_grad():
         expected = plain(x)
 
     # K=1: one process holding every layer, loaded shard by shard by name.
-    one = gpipe.Pipe(build_model(manifest["model"]), balance=[4], chunks=4)
+    one = gpipe.Pipe(build_model(manifest.model), balance=[4], chunks=4)
     one.load_state_dict(ckpt.load_tensors(manifest, list(one.state_dict())), strict=True)
     one.eval()
     with torch.no_grad():
@@ -113,18 +112,16 @@ def test_a_k2_checkpoint_loads_at_k1_and_k4_and_exports_to_the_plain_model(
     args = parser.parse_args(["--resume", str(out), "--stages", "4", "--out", str(tmp_path)])
     args.steps = 11  # one more than the checkpoint's, so that the configuration is valid
     config = resolve(vars(args))
-    assert (config.stages, config.model_args) == (4, manifest["config"]["model_args"])
+    assert (config.stages, config.model_args) == (4, manifest.config["model_args"])
     results = gpipe.launch(_outputs_at, nprocs=4, args=(config, x), timeout=60)
     torch.testing.assert_close(results[3][0], expected, rtol=1e-6, atol=1e-6)
     assert all(r[0] is None for r in results[:3])  # outputs only on the last stage's rank
-    assert all(r[2] == manifest["data"] for r in results)  # the data position
+    assert all(r[2] == manifest.data for r in results)  # the data position
 
     # The optimizer state of every parameter, by name, is the saved one.
     saved = {}
-    for file in manifest["shards"]:
-        saved.update(
-            torch.load(Path(manifest["path"]) / file, weights_only=True)["optimizer"]["state"]
-        )
+    for file in manifest.shards:
+        saved.update(torch.load(manifest.path / file, weights_only=True)["optimizer"]["state"])
     loaded = {name: state for r in results for name, state in r[1].items()}
     assert set(loaded) == set(saved) == {n for n, _ in plain.named_parameters()}
     for name, state in saved.items():
@@ -148,7 +145,7 @@ def test_resnet_with_replicas_and_bfloat16(in_process, tmp_path):
     assert 0 <= summary["val_accuracy"] <= 1
     state = ckpt.export_state_dict(out)
     assert any("running_mean" in name for name in state)  # batch norm statistics are saved
-    plain = build_model(ckpt.read_manifest(out)["model"])
+    plain = build_model(ckpt.read_manifest(out).model)
     plain.load_state_dict(state, strict=True)
 
 
@@ -172,7 +169,7 @@ def test_sharded_replicas_train_as_plain_ones_and_their_checkpoints_load_at_othe
     for step in (4, 5, 6):
         assert abs(losses(resumed)[step] - losses(sharded)[step]) <= 1e-5 * losses(sharded)[step]
     state = ckpt.export_state_dict(sharded)
-    plain_model = build_model(ckpt.read_manifest(sharded)["model"])
+    plain_model = build_model(ckpt.read_manifest(sharded).model)
     plain_model.load_state_dict(state, strict=True)
 
 
@@ -191,7 +188,7 @@ def test_a_hugging_face_llama_trains_as_it_is_and_exports_to_the_plain_model(in_
     assert (out / "sample.txt").exists()
     state = ckpt.export_state_dict(out)
     assert "model.layers.0.self_attn.q_proj.weight" in state
-    plain = build_model(ckpt.read_manifest(out)["model"])
+    plain = build_model(ckpt.read_manifest(out).model)
     assert isinstance(plain, transformers.LlamaForCausalLM)
     plain.load_state_dict(state, strict=True)
 

@@ -42,10 +42,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def export(checkpoint: str | Path, out: str | Path | None = None, dtype: str | None = None) -> Path:
     """Write the merged state dict of ``checkpoint`` to ``out`` (and its ``.json``); return it."""
     manifest = ckpt.read_manifest(checkpoint)
-    folder = Path(manifest["path"])
+    folder = manifest.path
     if out is None:
         run_folder = folder.parent.parent if folder.parent.name == "checkpoints" else Path(".")
-        out = run_folder / f"model-{ckpt.step_folder(manifest['step'])}.pt"
+        out = run_folder / f"model-{ckpt.step_folder(manifest.step)}.pt"
     out = Path(out)
     if out.suffix == ".json":
         raise ckpt.CheckpointError(
@@ -60,7 +60,7 @@ def export(checkpoint: str | Path, out: str | Path | None = None, dtype: str | N
     tmp = out.with_name(out.name + ".tmp")
     torch.save(state, tmp)
     os.replace(tmp, out)
-    info = {"model": manifest.get("model"), "step": manifest["step"], "source": str(folder)}
+    info = {"model": manifest.model, "step": manifest.step, "source": str(folder)}
     out.with_suffix(".json").write_text(json.dumps(info, indent=1) + "\n")
     return out
 
@@ -75,10 +75,10 @@ def run(args: argparse.Namespace) -> int:
     state = torch.load(out, weights_only=True, mmap=True)
     count = sum(t.numel() for t in state.values())
     print(
-        f"gpipe export: step {manifest['step']} of {manifest['path']}: {len(state)} tensors, "
+        f"gpipe export: step {manifest.step} of {manifest.path}: {len(state)} tensors, "
         f"{count:,} numbers -> {out}"
     )
-    spec = manifest.get("model")
+    spec = manifest.model
     if spec:
         from gpipe.train import constructor
 

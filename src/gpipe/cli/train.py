@@ -31,90 +31,76 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import typing
+from dataclasses import MISSING, fields
+from typing import Any
 
-from gpipe.allocator import POLICIES
 from gpipe.checkpoint import CheckpointError
 from gpipe.checkpoint_integrity import choose
-from gpipe.remat import REMAT_MODES
-from gpipe.schedule import SCHEDULES
-from gpipe.train import TASKS, ConfigError, TrainingError, resolve, run_under_torchrun
+from gpipe.train import ConfigError, TrainConfig, TrainingError, resolve, run_under_torchrun
 from gpipe.train import run as run_job
-from gpipe.train.config import SIZES
+from gpipe.train.config import flag, option, preset_fields
 
 __all__ = ["configure", "run"]
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    add = parser.add_argument
-    # Every option defaults to None: "not given", so that presets and, on --resume, the
-    # checkpoint's configuration fill it in.
-    g = parser.add_argument_group("model and data")
-    g.add_argument("--model", choices=sorted(TASKS), help="gpt (default), resnet or hf-llama")
-    g.add_argument("--size", choices=SIZES, help="preset (default: small)")
-    g.add_argument("--seq", type=int, help="tokens per sample, gpt only (preset: 64)")
-    g = parser.add_argument_group("pipeline")
-    g.add_argument("-K", "--stages", type=int, help="pipeline stages (processes; default 2)")
-    g.add_argument("-M", "--chunks", type=int, help="micro-batches per mini-batch (default 4)")
-    g.add_argument("--schedule", choices=list(SCHEDULES), help="default: gpipe")
-    g.add_argument(
-        "--virtual-stages", type=int,
-        help="stages per process (interleaved-1f1b, zb-v, dualpipe-v: 2)",
-    )  # fmt: skip
-    g.add_argument(
-        "--checkpoint",
-        choices=REMAT_MODES,
-        help="re-materialization mode (saving: --save-every)",
-    )
-    g.add_argument("--balance", help="layers per stage, e.g. 3,3 (default: even)")
-    g.add_argument("-R", "--replicas", type=int, help="data-parallel replicas (default 1)")
-    g.add_argument(
-        "--shard", action=argparse.BooleanOptionalAction, default=None,
-        help="shard each stage's parameters, gradients and optimizer state over its replicas "
-        "(FSDP2): about 1/R of the memory for weights (default: off)",
-    )  # fmt: skip
-    g = parser.add_argument_group("optimization")
-    g.add_argument("--batch", type=int, help="global mini-batch size (preset)")
-    g.add_argument("--steps", type=int, help="optimizer steps in all (preset)")
-    g.add_argument("--lr", type=float, help="peak learning rate (preset)")
-    g.add_argument("--lr-schedule", choices=["cosine", "linear", "constant"])
-    g.add_argument("--warmup", type=int, help="linear warm-up steps (preset)")
-    g.add_argument("--weight-decay", type=float, help="AdamW weight decay (default 0.1)")
-    g.add_argument("--grad-clip", type=float, help="global gradient-norm clip, 0: off (1.0)")
-    g.add_argument(
-        "--skip-nonfinite", type=int, metavar="N",
-        help="skip up to N steps whose loss or gradients are not finite (default 0: stop)",
-    )  # fmt: skip
-    g.add_argument("--seed", type=int, help="initial weights, data order, dropout (0)")
-    g.add_argument("--dtype", choices=["float32", "bfloat16"], help="bfloat16: autocast")
-    g = parser.add_argument_group("output and checkpoints")
-    g.add_argument("-o", "--out", help="output folder (default: runs/MODEL-SIZE-TIME)")
-    g.add_argument("--resume", metavar="DIR", help="checkpoint, or run folder to continue")
-    g.add_argument(
+    groups = add_config_options(parser)
+    groups["checkpoints and resuming"].add_argument(
         "--strict-resume", action="store_true",
         help="stop if the newest checkpoint is damaged (default: resume from the newest intact)",
     )  # fmt: skip
-    g.add_argument("--save-every", type=int, help="checkpoint every N steps, 0: at the end")
-    g.add_argument("--keep", type=int, help="checkpoints to keep, 0: all (default 3)")
-    g.add_argument(
-        "--no-save-on-exit", dest="save_on_exit", action="store_const", const=False,
-        help="on Ctrl-C or SIGTERM stop without saving the last step",
-    )  # fmt: skip
-    g.add_argument("--eval-every", type=int, help="validate every N steps, 0: at the end")
-    g.add_argument("--eval-batches", type=int, help="validation batches (default 8)")
-    g.add_argument("--sample-tokens", type=int, help="bytes of text to generate, gpt (200)")
-    g.add_argument("--prompt", help="start of the generated text (default 'def ')")
-    g.add_argument("--temperature", type=float, help="sampling temperature (0.8)")
-    g.add_argument("--progress", choices=["auto", "bar", "lines"], help="default: auto")
-    g.add_argument("--log-every", type=int, help="steps between progress lines (10)")
-    g.add_argument("--threads", type=int, help="torch threads per process (cores/processes)")
-    g.add_argument(
-        "--cpu-allocator", choices=POLICIES,
-        help="freed CPU tensors: 'cache' keeps them for reuse (faster, notably for zero-bubble "
-        "schedules), 'return' gives them back (memory-bound runs); see gpipe.cpu_allocator",
-    )  # fmt: skip
-    g.add_argument("--timeout", type=float, help="seconds a rank waits for another (120)")
-    del add
+
+
+def add_config_options(parser: argparse.ArgumentParser) -> dict[str, Any]:
+    """One option per field of :class:`TrainConfig`, as its :class:`~gpipe.train.config.Option`
+    describes it, under its group's heading; returns the groups by heading.
+
+    Every option defaults to None, "not given", so that presets and, on --resume, the
+    checkpoint's configuration fill it in; --help shows the default of the field.
+    """
+    groups: dict[str, Any] = {}
+    kinds = typing.get_type_hints(TrainConfig)
+    presets = preset_fields()
+    for f in fields(TrainConfig):
+        how = option(f)
+        if how is None:
+            continue
+        group = groups.get(how.group) or groups.setdefault(
+            how.group, parser.add_argument_group(how.group)
+        )
+        default = how.default_text or ("preset" if f.name in presets else _shown(f.default))
+        details: dict[str, Any] = dict(
+            dest=f.name, help=f"{how.help} (default: {default})" if default else how.help
+        )
+        kind = _kind(kinds[f.name])
+        if kind is bool:
+            details["action"] = argparse.BooleanOptionalAction
+        else:
+            details.update(type=kind, choices=how.choices, metavar=how.metavar)
+        group.add_argument(*how.flags, flag(f.name), default=None, **details)
+    return groups
+
+
+def _kind(annotation: Any) -> type:
+    """How a flag's text is read: int, float, bool or str (``X | None`` as X; a list, like
+    --balance 3,3, as the text, which :func:`~gpipe.train.resolve` reads)."""
+    kinds = [k for k in typing.get_args(annotation) if k is not type(None)] or [annotation]
+    return kinds[0] if kinds[0] in (int, float, bool) else str
+
+
+def _shown(default: Any) -> str:
+    """A field's default as --help says it ("" for none)."""
+    if default is MISSING or default is None:
+        return ""
+    if isinstance(default, bool):
+        return "on" if default else "off"
+    if isinstance(default, float):
+        return f"{default:g}"
+    if isinstance(default, str) and default != default.strip():
+        return repr(default)
+    return str(default)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -7,62 +7,168 @@ from __future__ import annotations
 import os
 import tempfile
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import Field, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from gpipe import checkpoint as ckpt
 from gpipe.allocator import POLICIES
 from gpipe.layout import FLAGS, Layout
+from gpipe.remat import REMAT_MODES
+from gpipe.schedule import SCHEDULES
 from gpipe.train.tasks import TASKS, Task
 
-__all__ = ["SIZES", "ConfigError", "TrainConfig", "model_spec", "num_layers", "resolve"]
+__all__ = [
+    "SIZES",
+    "ConfigError",
+    "Option",
+    "TrainConfig",
+    "flag",
+    "model_spec",
+    "num_layers",
+    "option",
+    "preset_fields",
+    "resolve",
+]
 
 SIZES = ("tiny", "small", "base")
+LR_SCHEDULES = ("cosine", "linear", "constant")
+DTYPES = ("float32", "bfloat16")
+PROGRESS = ("auto", "bar", "lines")
 # What a checkpoint's weights depend on: these cannot change on resume.
 _FIXED_ON_RESUME = ("model", "size", "seq", "seed")
 
 
+@dataclass(frozen=True)
+class Option:
+    """How a field of :class:`TrainConfig` reads as an option of ``gpipe train`` (its flag
+    is ``--field-name``; the command line is generated from these, see ``gpipe.cli.train``)."""
+
+    help: str
+    group: str  # the heading it is listed under in --help
+    flags: tuple[str, ...] = ()  # short spellings beside --field-name, e.g. ("-K",)
+    choices: tuple[str, ...] | None = None
+    metavar: str | None = None
+    default_text: str | None = None  # the default in words, where its value says too little
+
+
+def _option(default: Any, help: str, group: str, **how: Any) -> Any:
+    return field(default=default, metadata={"option": Option(help, group, **how)})
+
+
+def option(f: Field) -> Option | None:
+    """The command-line option of a field of :class:`TrainConfig` (None: not an option)."""
+    return f.metadata.get("option")
+
+
+def flag(name: str) -> str:
+    """The command-line flag of field ``name``: ``--virtual-stages`` for ``virtual_stages``."""
+    return "--" + name.replace("_", "-")
+
+
+def preset_fields() -> set[str]:
+    """The fields a task's presets set: their default depends on --model and --size."""
+    return {
+        key
+        for task in TASKS.values()
+        for preset in task.presets.values()
+        for key in preset
+        if key not in task.model_keys
+    }
+
+
+_MODEL, _PIPELINE, _OPTIMIZATION = "model and data", "pipeline", "optimization"
+_CHECKPOINTS, _OUTPUT, _PROCESSES = "checkpoints and resuming", "output", "processes"
+_MULTI_STAGE = ", ".join(n for n, s in SCHEDULES.items() if s.default_virtual_stages > 1)
+
+
 @dataclass
 class TrainConfig:
-    """Everything a run depends on; stored in ``config.json`` and every checkpoint."""
+    """Everything a run depends on; stored in ``config.json`` and every checkpoint.
 
-    model: str = "gpt"  # a task of gpipe.train.tasks: "gpt" or "resnet"
-    size: str = "small"  # preset: "tiny", "small", "base"
-    stages: int = 2  # K: pipeline stages, one process each
-    replicas: int = 1  # R: data-parallel replicas of the pipeline (K x R processes)
-    shard: bool = False  # shard each stage's parameters over its replicas (Pipe's shard=)
-    chunks: int = 4  # M: micro-batches per mini-batch
-    schedule: str = "gpipe"
-    virtual_stages: int = 1  # stages per process: 2 for "interleaved-1f1b" and the V schedules
-    checkpoint: str = "except_last"  # re-materialization (Pipe's checkpoint=)
-    balance: list[int] | None = None  # layers per stage (default: as even as possible)
-    batch: int = 16  # global mini-batch (all replicas together)
-    seq: int = 64  # tokens per sample (gpt)
-    steps: int = 500
-    lr: float = 3e-3
-    lr_schedule: str = "cosine"  # "cosine" (to lr/10), "linear" (to 0), "constant"
-    warmup: int = 20
-    weight_decay: float = 0.1
-    grad_clip: float = 1.0  # 0: off
-    skip_nonfinite: int = 0  # steps with a non-finite loss or gradient to skip before stopping
-    seed: int = 0
-    dtype: str = "float32"  # or "bfloat16" (autocast)
-    out: str = ""
-    save_every: int = 100  # 0: only at the end
-    keep: int = 3  # checkpoints kept (0: all)
-    save_on_exit: bool = True  # a signal (Ctrl-C, SIGTERM) saves the step it stops after
-    eval_every: int = 50  # 0: only at the end
-    eval_batches: int = 8
-    sample_tokens: int = 200
-    prompt: str = "def "
-    temperature: float = 0.8
-    log_every: int = 10
-    progress: str = "auto"  # "bar" (rich), "lines", "auto": bar on a terminal
-    threads: int = 0  # torch threads per process (0: cores / processes)
-    cpu_allocator: str = "default"  # gpipe.cpu_allocator: "default", "cache", "return"
-    timeout: float = 120.0  # seconds a rank waits for another
-    resume: str | None = None  # checkpoint folder
+    Each field but ``model_args`` is also an option of ``gpipe train`` (:func:`option`).
+    """
+
+    model: str = _option(
+        "gpt", "the model: a task of gpipe.train.tasks", _MODEL, choices=tuple(sorted(TASKS))
+    )
+    size: str = _option("small", "the model's preset size", _MODEL, choices=SIZES)
+    seq: int = _option(64, "tokens per sample, language models only", _MODEL)
+    stages: int = _option(
+        2, "K: pipeline stages, one process each; under torchrun, WORLD_SIZE / --replicas",
+        _PIPELINE, flags=("-K",),
+    )  # fmt: skip
+    chunks: int = _option(4, "M: micro-batches per mini-batch", _PIPELINE, flags=("-M",))
+    schedule: str = _option(
+        "gpipe", "the pipeline schedule", _PIPELINE, choices=tuple(SCHEDULES)
+    )
+    virtual_stages: int = _option(
+        1, "stages per process", _PIPELINE,
+        default_text=f"2 for {_MULTI_STAGE}, else 1",
+    )  # fmt: skip
+    checkpoint: str = _option(
+        "except_last", "re-materialization, Pipe's checkpoint= (for saving see --save-every)",
+        _PIPELINE, choices=REMAT_MODES,
+    )  # fmt: skip
+    balance: list[int] | None = _option(  # noqa: RUF009 (a field(), not a shared value)
+        None, "layers per stage, e.g. 3,3", _PIPELINE, metavar="N,N,...",
+        default_text="as even as possible",
+    )  # fmt: skip
+    replicas: int = _option(
+        1,
+        "R: data-parallel replicas of the pipeline, K x R processes in all",
+        _PIPELINE,
+        flags=("-R",),
+    )
+    shard: bool = _option(
+        False, "shard each stage's parameters, gradients and optimizer state over its replicas "
+        "(FSDP2): about 1/R of the memory for weights", _PIPELINE,
+    )  # fmt: skip
+    batch: int = _option(16, "global mini-batch size, all replicas together", _OPTIMIZATION)
+    steps: int = _option(500, "optimizer steps in all", _OPTIMIZATION)
+    lr: float = _option(3e-3, "peak learning rate", _OPTIMIZATION)
+    lr_schedule: str = _option(
+        "cosine", "after warm-up: cosine (to lr/10), linear (to 0), constant", _OPTIMIZATION,
+        choices=LR_SCHEDULES,
+    )  # fmt: skip
+    warmup: int = _option(20, "linear warm-up steps", _OPTIMIZATION)
+    weight_decay: float = _option(0.1, "AdamW weight decay, of matrices", _OPTIMIZATION)
+    grad_clip: float = _option(1.0, "global gradient-norm clip, 0: off", _OPTIMIZATION)
+    skip_nonfinite: int = _option(
+        0, "skip up to N steps whose loss or gradients are not finite, 0: stop at the first",
+        _OPTIMIZATION, metavar="N",
+    )  # fmt: skip
+    seed: int = _option(0, "initial weights, data order, dropout", _OPTIMIZATION)
+    dtype: str = _option("float32", "bfloat16: autocast", _OPTIMIZATION, choices=DTYPES)
+    save_every: int = _option(100, "checkpoint every N steps, 0: at the end", _CHECKPOINTS)
+    keep: int = _option(3, "checkpoints to keep, 0: all", _CHECKPOINTS)
+    save_on_exit: bool = _option(
+        True, "on Ctrl-C or SIGTERM, save the step it stops after", _CHECKPOINTS
+    )
+    resume: str | None = _option(
+        None, "a checkpoint, or a run folder to continue (its newest intact checkpoint)",
+        _CHECKPOINTS, metavar="DIR",
+    )  # fmt: skip
+    out: str = _option(
+        "", "output folder", _OUTPUT, flags=("-o",), default_text="runs/MODEL-SIZE-TIME"
+    )
+    eval_every: int = _option(50, "validate every N steps, 0: at the end", _OUTPUT)
+    eval_batches: int = _option(8, "validation batches", _OUTPUT)
+    sample_tokens: int = _option(200, "bytes of text to generate, language models only", _OUTPUT)
+    prompt: str = _option("def ", "start of the generated text", _OUTPUT)
+    temperature: float = _option(0.8, "sampling temperature", _OUTPUT)
+    progress: str = _option(
+        "auto", "a bar (rich), lines, or auto: a bar on a terminal", _OUTPUT, choices=PROGRESS
+    )
+    log_every: int = _option(10, "steps between progress lines", _OUTPUT)
+    threads: int = _option(0, "torch threads per process, 0: cores / processes", _PROCESSES)
+    cpu_allocator: str = _option(
+        "default", "freed CPU tensors: 'default' as the C library does, 'cache' keeps them for "
+        "reuse (faster, notably for zero-bubble schedules), 'return' gives them back "
+        "(memory-bound runs); see gpipe.allocator", _PROCESSES, choices=POLICIES,
+    )  # fmt: skip
+    timeout: float = _option(120.0, "seconds a rank waits for another", _PROCESSES)
+    # The model's own arguments (width, depth): from the preset, or the checkpoint on resume.
     model_args: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -125,7 +231,7 @@ def resolve(options: dict[str, Any], *, world_size: int | None = None) -> TrainC
             manifest = ckpt.read_manifest(given["resume"])
         except ckpt.CheckpointError as error:
             raise ConfigError([f"--resume {given['resume']}: {error}"]) from None
-        saved = manifest["config"]
+        saved = manifest.config
         for key in _FIXED_ON_RESUME:
             if key in given and given[key] != saved[key]:
                 problems.append(
@@ -133,10 +239,10 @@ def resolve(options: dict[str, Any], *, world_size: int | None = None) -> TrainC
                     f"resumed run keeps the model, data and seed; drop --{key}"
                 )
         if "out" not in given:
-            folder = Path(manifest["path"])
+            folder = manifest.path
             if folder.parent.name == "checkpoints":
                 given["out"] = str(folder.parent.parent)
-        values = {**saved, **given, "resume": manifest["path"]}
+        values = {**saved, **given, "resume": str(manifest.path)}
     else:
         task = TASKS[given.get("model", TrainConfig.model)]
         preset = dict(task.presets[given.get("size", TrainConfig.size)])
@@ -151,7 +257,7 @@ def resolve(options: dict[str, Any], *, world_size: int | None = None) -> TrainC
     if not config.out:
         stamp = time.strftime("%Y%m%d-%H%M%S")
         config.out = str(Path("runs") / f"{config.model}-{config.size}-{stamp}")
-    start = manifest["step"] if manifest else 0
+    start = manifest.step if manifest else 0
     problems += _problems(config, start, world_size, fresh=manifest is None)
     if problems:
         raise ConfigError(problems)

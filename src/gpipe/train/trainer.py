@@ -28,7 +28,7 @@ from gpipe import checkpoint as ckpt
 from gpipe import timeline
 from gpipe._utils import local_value
 from gpipe.allocator import cpu_allocator
-from gpipe.data import EpochSampler, hash_seed
+from gpipe.data import EpochSampler, hash_seed, readable
 from gpipe.engine.memory import measure_activations
 from gpipe.errors import NonFiniteError
 from gpipe.layout import even_balance
@@ -289,7 +289,7 @@ class Trainer:
                     tokens = torch.cat([tokens, chosen], dim=1)
         finally:
             self.pipe.train()
-        texts = [bytes(row.tolist()).decode("utf-8", "replace") for row in tokens]
+        texts = [readable(bytes(row.tolist())) for row in tokens]
         if self.rank == 0:
             (self.out / "sample.txt").write_text(
                 "\n\n".join(f"--- sample {i} ---\n{t}" for i, t in enumerate(texts)) + "\n"
@@ -343,39 +343,26 @@ class Trainer:
             ckpt.begin(root, step)
         everyone.barrier("the checkpoint barrier before writing", doing=doing)
         folder = ckpt.staging_folder(root, step)
-        info = None
-        pp_rank = self.mesh.pp_rank
+        entry = None
         if self.replica == 0 or c.shard:  # sharded replicas gather their shards, together
             state = self.pipe.full_state_dict()
             optimizer = self.optimizer and full_value(
                 ckpt.optimizer_state_by_name(self.optimizer, self.names)
             )
         if self.replica == 0:  # replicas hold equal weights: one writer per stage
-            stages = [s.index for s in self.pipe.stages]
-            shard = {"model": state, "optimizer": optimizer, "stages": stages,
-                     "rng": {"torch": torch.get_rng_state()}}  # fmt: skip
-            sha256 = ckpt.write_shard(folder, pp_rank, shard)
-            info = (
-                ckpt.shard_file(pp_rank),
-                {"names": list(state), "stages": stages, "sha256": sha256},
-            )
-        gathered = everyone.all_gather_object(info, "the checkpoint shard gather", doing=doing)
+            entry = ckpt.write_shard(
+                folder, self.mesh.pp_rank, model=state, optimizer=optimizer,
+                stages=[s.index for s in self.pipe.stages], rng={"torch": torch.get_rng_state()},
+            )  # fmt: skip
+        gathered = everyone.all_gather_object(entry, "the checkpoint shard gather", doing=doing)
         final = root / ckpt.step_folder(step)
         if self.rank == 0:
-            manifest = {
-                "step": step,
-                "config": asdict(c),
-                "model": self.spec,
-                "data": self.sampler.state_dict(),
-                "layout": {
-                    "stages": c.stages,
-                    "replicas": c.replicas,
-                    "virtual_stages": c.virtual_stages,
-                    "balance": self.balance,
-                },
-                "shards": dict(i for i in gathered if i is not None),
-                "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            }
+            layout = {"stages": c.stages, "replicas": c.replicas,
+                      "virtual_stages": c.virtual_stages, "balance": self.balance}  # fmt: skip
+            manifest = ckpt.Manifest(
+                step=step, shards={k: v for e in gathered if e for k, v in e.items()},
+                config=asdict(c), model=self.spec, data=self.sampler.state_dict(), layout=layout,
+            )  # fmt: skip
             final = ckpt.commit(root, folder, manifest, keep=c.keep)
         everyone.barrier("the checkpoint barrier after the commit", doing=doing)
         return final
@@ -389,14 +376,12 @@ class Trainer:
             state = ckpt.load_optimizer_state(manifest, params)
             state = sharded_optimizer_state(state, {n: p for p, n in self.names.items()})
             ckpt.load_optimizer_state_by_name(self.optimizer, self.names, state)
-        self.sampler.load_state_dict(manifest["data"])
-        same_layout = manifest["layout"]["stages"] == self.config.stages
-        own = Path(manifest["path"]) / ckpt.shard_file(self.mesh.pp_rank)
-        if same_layout and own.is_file():
-            rng = torch.load(own, weights_only=True, mmap=True).get("rng") or {}
+        self.sampler.load_state_dict(manifest.data)
+        if manifest.layout["stages"] == self.config.stages:  # the same ranks' random state
+            rng = ckpt.rng_state(manifest, self.mesh.pp_rank)
             if "torch" in rng:
-                torch.set_rng_state(rng["torch"].clone())
-        self.start = int(manifest["step"])
+                torch.set_rng_state(rng["torch"].clone())  # cloned: the shard is memory-mapped
+        self.start = manifest.step
 
 
 class _Signals:

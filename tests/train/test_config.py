@@ -1,0 +1,118 @@
+"""``gpipe train``'s options are :class:`TrainConfig`'s fields: one flag per field, generated
+(``gpipe.cli.train``), whose parsed value lands in the resolved configuration."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from gpipe import checkpoint as ckpt
+from gpipe.cli import train as train_cli
+from gpipe.train import TASKS, TrainConfig, resolve
+from gpipe.train.config import flag, option
+
+# A value other than the default for every option, as typed and as it lands in the config;
+# all of them together make one valid run (base GPT: 10 layers = 3 stages x 2 virtual).
+GIVEN = {
+    "size": (["--size", "base"], "base"),
+    "seq": (["--seq", "16"], 16),
+    "stages": (["-K", "3"], 3),
+    "chunks": (["-M", "6"], 6),
+    "schedule": (["--schedule", "interleaved-1f1b"], "interleaved-1f1b"),
+    "virtual_stages": (["--virtual-stages", "2"], 2),
+    "checkpoint": (["--checkpoint", "never"], "never"),
+    "balance": (["--balance", "2,2,2,2,1,1"], [2, 2, 2, 2, 1, 1]),
+    "replicas": (["-R", "2"], 2),
+    "shard": (["--shard"], True),
+    "batch": (["--batch", "24"], 24),
+    "steps": (["--steps", "7"], 7),
+    "lr": (["--lr", "0.01"], 0.01),
+    "lr_schedule": (["--lr-schedule", "linear"], "linear"),
+    "warmup": (["--warmup", "2"], 2),
+    "weight_decay": (["--weight-decay", "0.2"], 0.2),
+    "grad_clip": (["--grad-clip", "0.5"], 0.5),
+    "skip_nonfinite": (["--skip-nonfinite", "2"], 2),
+    "seed": (["--seed", "3"], 3),
+    "dtype": (["--dtype", "bfloat16"], "bfloat16"),
+    "save_every": (["--save-every", "3"], 3),
+    "keep": (["--keep", "1"], 1),
+    "save_on_exit": (["--no-save-on-exit"], False),
+    "eval_every": (["--eval-every", "4"], 4),
+    "eval_batches": (["--eval-batches", "2"], 2),
+    "sample_tokens": (["--sample-tokens", "5"], 5),
+    "prompt": (["--prompt", "x = "], "x = "),
+    "temperature": (["--temperature", "0.5"], 0.5),
+    "progress": (["--progress", "lines"], "lines"),
+    "log_every": (["--log-every", "2"], 2),
+    "threads": (["--threads", "1"], 1),
+    "cpu_allocator": (["--cpu-allocator", "cache"], "cache"),
+    "timeout": (["--timeout", "30"], 30.0),
+}
+# Tested on their own below: --model (one run per task), --out and --resume (a checkpoint).
+APART = {"model", "out", "resume"}
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    train_cli.configure(parser)
+    return parser.parse_args(argv)
+
+
+def options() -> list[dataclasses.Field]:
+    return [f for f in dataclasses.fields(TrainConfig) if option(f) is not None]
+
+
+def test_every_field_is_an_option_but_the_model_arguments():
+    parser = argparse.ArgumentParser()
+    train_cli.configure(parser)
+    actions = {a.dest: a for a in parser._actions}
+    assert {f.name for f in dataclasses.fields(TrainConfig)} - {f.name for f in options()} == {
+        "model_args"  # from the preset, or the checkpoint on resume
+    }
+    for f in options():
+        action = actions[f.name]
+        assert flag(f.name) in action.option_strings, f.name
+        assert action.default is None, f"{f.name}: None is 'not given', for presets and resume"
+        assert "(default: " in action.help or f.name == "resume", f.name
+    assert {f.name for f in options()} == set(GIVEN) | APART  # each one tested below
+    assert parse().__dict__ == {**{f.name: None for f in options()}, "strict_resume": False}
+
+
+def test_each_option_lands_in_the_config(tmp_path):
+    argv = [word for words, _ in GIVEN.values() for word in words]
+    config = resolve(vars(parse(*argv, "-o", str(tmp_path / "run"))))
+    for name, (words, value) in GIVEN.items():
+        assert getattr(config, name) == value, words
+        assert value != getattr(TrainConfig(), name), f"{words}: the default proves nothing"
+    assert config.out == str(tmp_path / "run")
+
+
+@pytest.mark.parametrize("model", sorted(TASKS))
+def test_each_model_is_a_choice(model, tmp_path):
+    config = resolve(vars(parse("--model", model, "--size", "tiny", "--out", str(tmp_path))))
+    assert (config.model, config.size) == (model, "tiny")
+
+
+def test_resume_takes_the_checkpoints_configuration(tmp_path):
+    saved = resolve({"size": "tiny", "seq": 16, "steps": 8, "out": str(tmp_path / "run")})
+    root = Path(saved.out) / "checkpoints"
+    staging = ckpt.begin(root, 4)
+    entry = ckpt.write_shard(staging, 0, model={})
+    folder = ckpt.commit(
+        root, staging, ckpt.Manifest(step=4, shards=entry, config=dataclasses.asdict(saved))
+    )
+    config = resolve(vars(parse("--resume", str(folder), "--steps", "9")))
+    assert config.resume == str(folder) and config.out == saved.out
+    assert (config.size, config.seq, config.steps) == ("tiny", 16, 9)
+
+
+def test_help_shows_each_default_of_the_field(capsys):
+    with pytest.raises(SystemExit):
+        parse("--help")
+    text = " ".join(capsys.readouterr().out.split())  # unwrapped
+    assert "--timeout TIMEOUT seconds a rank waits for another (default: 120)" in text
+    assert "--shard, --no-shard shard each stage's" in text and "(default: off)" in text
+    assert "--steps STEPS optimizer steps in all (default: preset)" in text
