@@ -99,9 +99,7 @@ class TrainConfig:
         _PIPELINE, flags=("-K",),
     )  # fmt: skip
     chunks: int = _option(4, "M: micro-batches per mini-batch", _PIPELINE, flags=("-M",))
-    schedule: str = _option(
-        "gpipe", "the pipeline schedule", _PIPELINE, choices=tuple(SCHEDULES)
-    )
+    schedule: str = _option("gpipe", "the pipeline schedule", _PIPELINE, choices=tuple(SCHEDULES))
     virtual_stages: int = _option(
         1, "stages per process", _PIPELINE,
         default_text=f"2 for {_MULTI_STAGE}, else 1",
@@ -279,7 +277,7 @@ def _problems(c: TrainConfig, start: int, world_size: int | None, *, fresh: bool
         "skip_nonfinite",
     ):
         if getattr(c, name) < 0:
-            problems.append(f"--{name.replace('_', '-')} must be >= 0, got {getattr(c, name)}")
+            problems.append(f"{flag(name)} must be >= 0, got {getattr(c, name)}")
     if c.cpu_allocator not in POLICIES:
         problems.append(f"--cpu-allocator {c.cpu_allocator!r}: choose one of {', '.join(POLICIES)}")
     if c.lr <= 0 or c.grad_clip < 0 or c.weight_decay < 0 or c.temperature <= 0:
