@@ -8,7 +8,7 @@ import itertools
 import pytest
 
 from gpipe.errors import PartitionError
-from gpipe.layout import FLAGS, Layout, even_balance, layouts
+from gpipe.layout import FLAGS, PIPE, Layout, even_balance, layouts
 from gpipe.remat import REMAT_MODES
 from gpipe.schedule import SCHEDULES, ScheduleError, build_schedule, fill_drain
 
@@ -45,7 +45,7 @@ def test_a_layout_runs_exactly_when_its_schedule_builds():
 
 def test_every_problem_is_listed_with_its_values_and_a_remedy():
     problems = Layout(stages=0, chunks=0, checkpoint="sometimes", schedule="zigzag").problems(
-        balance=[1, 1], layers=3
+        balance=[1, 1], layers=3, spelling=PIPE
     )
     text = "\n".join(problems)
     assert "the number of devices must be a positive int (pipeline ranks), got 0" in text
@@ -68,8 +68,14 @@ def test_every_problem_is_listed_with_its_values_and_a_remedy():
          "with 1 it is plain '1f1b'"),
         (Layout(stages=2, chunks=4, schedule="zb-v", virtual_stages=1), {},
          "it places 2 stages per rank in a V"),
-        (Layout(stages=2, chunks=4, shard=True), {}, "pass a data_parallel_group of 2 or more"),
+        (Layout(stages=2, chunks=4, shard=True), {},
+         "shard=True shards each stage over its replicas: it needs replicas >= 2, got 1"),
+        (Layout(stages=2, chunks=4, shard=True), {"spelling": PIPE},
+         "shard='params' shards each stage over its replicas: it needs data_parallel_group's "
+         "size >= 2, got 1: pass data_parallel_group="),
         (Layout(stages=2, chunks=4), {"balance": [1, 1, 1]},
+         "balance=[1, 1, 1] has 3 entries, but stages=2 make 2 stages"),
+        (Layout(stages=2, chunks=4), {"balance": [1, 1, 1], "spelling": PIPE},
          "balance=[1, 1, 1] has 3 entries, but 2 devices make 2 stages"),
         (Layout(stages=2, chunks=4), {"balance": [2, 0]}, "must be a positive int"),
         (Layout(stages=2, chunks=4), {"balance": []}, "balance is empty"),
@@ -92,7 +98,7 @@ def test_the_command_line_spells_settings_as_flags():
     problems = Layout(stages=2, chunks=4, schedule="zb-v", virtual_stages=1, replicas=1,
                       shard=True).problems(balance=[1, 1, 1], spelling=FLAGS)  # fmt: skip
     text = "\n".join(problems)
-    assert "--shard splits each stage over its replicas: it needs --replicas >= 2, got 1" in text
+    assert "--shard shards each stage over its replicas: it needs --replicas >= 2, got 1" in text
     assert "--schedule zb-v, --virtual-stages 1, --chunks 4 on 2 ranks: it places 2" in text
     assert "--balance 1,1,1 has 3 entries, but --stages 2 make 2 stages" in text
     assert Layout(stages=5).problems(layers=4, spelling=FLAGS)[0].endswith("use --stages <= 4")

@@ -31,7 +31,7 @@ from gpipe.engine.stage import Stage
 from gpipe.errors import PartitionError
 from gpipe.estimate.auto import auto_balance
 from gpipe.frontend import CapturedModel, materialize_units, on_meta
-from gpipe.layout import Layout
+from gpipe.layout import PIPE, Layout
 from gpipe.materialize import build
 from gpipe.parallel.data_parallel import GradientReducer
 from gpipe.parallel.group import MultiProcess, SingleProcess
@@ -91,12 +91,7 @@ def configure(
     (``settings``: what else must agree, e.g. ``tied``)."""
     if shard is not None and shard not in SHARD_MODES:
         raise ValueError(f"shard must be None or one of {SHARD_MODES}, got {shard!r}")
-    factory = None if isinstance(module, nn.Module) else module
-    if factory is not None and not callable(factory):
-        raise TypeError(
-            f"module must be an nn.Sequential or a function that builds one, got "
-            f"{type(module).__name__}"
-        )
+    factory = _factory_of(module)
     wanted = Layout(
         chunks=chunks,
         schedule=schedule,
@@ -105,34 +100,66 @@ def configure(
         replicas=group_size(data_parallel_group),
         shard=shard is not None,
     )
-    v = wanted.virtual_stages if isinstance(wanted.virtual_stages, int) else 1
     if isinstance(balance, str):
-        balance = auto_balance(
-            module,
-            balance,
-            sample,
-            ranks.default_devices(0) if devices is None and ranks.rank is not None else devices,
-            ranks.decide,
-            chunks=chunks,
-            checkpoint=checkpoint,
-            schedule=schedule,
-            virtual_stages=v,
-            sample_loss=sample_loss,
-        )
+        balance = _auto_balance(module, balance, ranks, devices, wanted, sample, sample_loss)
     balance = list(balance)
     if devices is None:
+        v = wanted.virtual_stages if isinstance(wanted.virtual_stages, int) else 1
         devices = ranks.default_devices(max(1, len(balance) // max(1, v)))
     devices = list(devices)
     layout = replace(wanted, stages=len(devices))
     # A function is recorded on meta (no memory) to check the configuration against.
     model = build(factory, seed=init_seed, layers=[]) if factory is not None else module
+    _check(layout, model, balance, devices, ranks)
+    built = layout.build_schedule()
+    ranks.check_same(
+        fingerprint(
+            model, balance=balance, chunks=chunks, checkpoint=checkpoint,
+            schedule=built.actions, init_seed=init_seed, **settings,
+        )
+    )  # fmt: skip
+    return Configuration(layout, balance, [torch.device(d) for d in devices], built, model, factory)
+
+
+def _factory_of(module: ModelOrFactory) -> Callable[[], nn.Sequential] | None:
+    if isinstance(module, nn.Module):
+        return None
+    if not callable(module):
+        raise TypeError(
+            f"module must be an nn.Sequential or a function that builds one, got "
+            f"{type(module).__name__}"
+        )
+    return module
+
+
+def _auto_balance(module, balance, ranks, devices, layout, sample, sample_loss) -> list[int]:
+    """``balance="auto"``: profiled on ``sample``, on rank 0 when there are many."""
+    return auto_balance(
+        module,
+        balance,
+        sample,
+        ranks.default_devices(0) if devices is None and ranks.rank is not None else devices,
+        ranks.decide,
+        chunks=layout.chunks,
+        checkpoint=layout.checkpoint,
+        schedule=layout.schedule,
+        virtual_stages=layout.virtual_stages if isinstance(layout.virtual_stages, int) else 1,
+        sample_loss=sample_loss,
+    )
+
+
+def _check(
+    layout: Layout, model: nn.Module, balance: list[int], devices: list, ranks: PipelineRanks
+) -> None:
+    """Every problem of the configuration against the model, in one error; a warning for a
+    pipeline that cannot overlap its stages."""
     if not isinstance(model, nn.Sequential):
         raise TypeError(
             f"gpipe cuts an nn.Sequential into stages, got {type(model).__name__}; wrap the "
             "model's layers in order: nn.Sequential(embedding, *blocks, head), or capture any "
             "model with Pipe.from_model"
         )
-    problems = layout.problems(layers=len(model), balance=balance)
+    problems = layout.problems(layers=len(model), balance=balance, spelling=PIPE)
     problems += device_problems(devices) + ranks.device_problems(devices)
     if layout.shard and not problems:
         problems += sharing_problems(cut(model, balance))
@@ -145,16 +172,8 @@ def configure(
         warnings.warn(
             f"Pipe(chunks=1) on {k} devices: one micro-batch, so the stages run one after "
             f"another, never at once; pass chunks >= {k} (e.g. {4 * k}) to pipeline",
-            stacklevel=3,
+            stacklevel=4,
         )
-    built = layout.build_schedule()
-    ranks.check_same(
-        fingerprint(
-            model, balance=balance, chunks=chunks, checkpoint=checkpoint,
-            schedule=built.actions, init_seed=init_seed, **settings,
-        )
-    )  # fmt: skip
-    return Configuration(layout, balance, [torch.device(d) for d in devices], built, model, factory)
 
 
 @dataclass

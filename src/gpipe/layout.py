@@ -27,34 +27,47 @@ from gpipe.errors import PartitionError
 from gpipe.microbatch import chunk_sizes
 from gpipe.schedule import SCHEDULES, Schedule, build_schedule
 
-__all__ = ["FLAGS", "KEYWORDS", "Layout", "Spelling", "even_balance", "layouts"]
+__all__ = ["FLAGS", "KEYWORDS", "PIPE", "Layout", "Spelling", "even_balance", "layouts"]
 
 
 @dataclass(frozen=True)
 class Spelling:
-    """How a problem names a setting: as the keyword a Python caller passed
-    (``chunks=0``; ``Pipe`` counts ranks by its ``devices``) or as ``gpipe``'s flags
-    (``--chunks 0``)."""
+    """How a problem names a setting, as its caller wrote it: Python keywords
+    (``chunks=0``), ``gpipe``'s flags (``--chunks 0``), or ``Pipe``'s arguments, which count
+    ranks by ``devices`` and replicas by ``data_parallel_group``."""
 
-    flags: bool = False
+    style: str = "keywords"  # "keywords", "flags" or "pipe"
+
+    @property
+    def flags(self) -> bool:
+        return self.style == "flags"
 
     def name(self, field: str) -> str:
         if self.flags:
             return "--" + field.replace("_", "-")
-        return "the number of devices" if field == "stages" else field
+        if self.style == "pipe":
+            return _PIPE_NAMES.get(field, field)
+        return field
 
     def __call__(self, field: str, value: Any) -> str:
         """The setting ``field = value`` as the caller wrote it."""
         if self.flags:
+            if isinstance(value, bool):
+                return self.name(field) if value else "--no-" + field.replace("_", "-")
             if isinstance(value, list | tuple):
                 value = ",".join(map(str, value))
             return f"{self.name(field)} {value}"
-        if field == "stages":
+        if self.style == "pipe" and field == "stages":
             return f"{value} devices"
+        if self.style == "pipe" and field == "replicas":
+            return f"a data_parallel_group of {value}"
+        if self.style == "pipe" and field == "shard":
+            return f"shard={'params' if value else None!r}"
         return f"{field}={value!r}"
 
 
-KEYWORDS, FLAGS = Spelling(flags=False), Spelling(flags=True)
+_PIPE_NAMES = {"stages": "the number of devices", "replicas": "data_parallel_group's size"}
+KEYWORDS, FLAGS, PIPE = Spelling("keywords"), Spelling("flags"), Spelling("pipe")
 
 
 def _positive_int(value: Any) -> bool:
@@ -91,6 +104,19 @@ class Layout:
             return max(1, self.schedule.num_stages // max(1, self.schedule.num_ranks))
         spec = SCHEDULES.get(self.schedule) if isinstance(self.schedule, str) else None
         return spec.default_virtual_stages if spec is not None else 1
+
+    @classmethod
+    def of_stages(cls, num_stages: int, **fields: Any) -> Layout:
+        """The layout of ``num_stages`` pipeline stages (``fields``: the others but
+        ``stages``), or :class:`PartitionError` when its ranks cannot hold them alike."""
+        layout = cls(**fields)
+        v = layout.virtual_stages
+        if not (_positive_int(num_stages) and _positive_int(v) and num_stages % v == 0):
+            raise PartitionError(
+                f"{num_stages!r} stages cannot be placed {v!r} per rank (virtual_stages): "
+                f"give a multiple of {v!r}"
+            )
+        return replace(layout, stages=num_stages // v)
 
     @property
     def num_stages(self) -> int:
@@ -147,13 +173,14 @@ class Layout:
             )
         sizes_ok = not problems
         if self.shard and _positive_int(self.replicas) and self.replicas < 2:
+            remedy = {
+                "flags": " (or --no-shard)",
+                "pipe": ": pass data_parallel_group= (and group=), e.g. from "
+                "gpipe.parallel.mesh.Mesh.build(stages, replicas, ...)",
+            }.get(say.style, "")
             problems.append(
-                "--shard splits each stage over its replicas: it needs --replicas >= 2, got "
-                f"{self.replicas} (or --no-shard)"
-                if say.flags
-                else "shard='params' shards each stage over its replicas: pass a "
-                "data_parallel_group of 2 or more processes (and group=), e.g. from "
-                "gpipe.parallel.mesh.Mesh.build(stages, replicas, ...)"
+                f"{say('shard', True)} shards each stage over its replicas: it needs "
+                f"{say.name('replicas')} >= 2, got {self.replicas}{remedy}"
             )
         # The cut needs only the number of stages.
         shape_ok = _positive_int(self.stages) and _positive_int(self.virtual_stages)

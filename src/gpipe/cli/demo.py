@@ -20,7 +20,7 @@ __all__ = ["configure", "run"]
 
 def demo(args: argparse.Namespace) -> None:
     from gpipe.data import stdlib_bytes
-    from gpipe.layout import even_balance
+    from gpipe.layout import FLAGS, Layout, even_balance
     from gpipe.models import GPTConfig, gpt, lm_loss
     from gpipe.pipe import Pipe
 
@@ -29,8 +29,10 @@ def demo(args: argparse.Namespace) -> None:
     config = GPTConfig(context=args.seq, d_model=128, n_heads=4, n_layers=4, dropout=0.1)
     model = gpt(config)
     layers = len(model)
-    if not 1 <= args.stages <= layers:
-        raise SystemExit(f"gpipe demo: --stages must be in 1..{layers}, got {args.stages}")
+    layout = Layout(stages=args.stages, chunks=args.chunks, checkpoint=args.checkpoint)
+    problems = layout.problems(layers=layers, spelling=FLAGS)
+    if problems:
+        raise SystemExit("gpipe demo: " + "; ".join(problems))
     balance = even_balance(layers, args.stages)
     pipe = Pipe(model, balance=balance, chunks=args.chunks, checkpoint=args.checkpoint)
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=args.lr)

@@ -52,7 +52,8 @@ from gpipe.estimate.memory_model import (
     prefix_sums,
 )
 from gpipe.estimate.profile import LayerProfile, Profile, profile
-from gpipe.schedule import Schedule, build_schedule
+from gpipe.layout import Layout
+from gpipe.schedule import Schedule
 from gpipe.schedule.simulate import per_stage, simulate
 
 __all__ = [
@@ -203,24 +204,9 @@ def _budgets(memory_budget: float | Sequence[float] | None, stages: int) -> list
 def _schedule_of(
     schedule: str | Schedule, stages: int, chunks: int, virtual_stages: int
 ) -> Schedule:
-    if isinstance(schedule, Schedule):
-        if schedule.num_stages != stages or schedule.num_microbatches != chunks:
-            raise ValueError(
-                f"schedule {schedule.name!r} has {schedule.num_stages} stages and "
-                f"{schedule.num_microbatches} micro-batches, not {stages} and {chunks}"
-            )
-        return schedule
-    if stages % virtual_stages:
-        raise PartitionError(
-            f"stages={stages} is not a multiple of virtual_stages={virtual_stages} "
-            "(stages = devices × virtual stages)"
-        )
-    return build_schedule(
-        schedule,
-        num_ranks=stages // virtual_stages,
-        num_microbatches=chunks,
-        virtual_stages=virtual_stages,
-    )
+    given = None if isinstance(schedule, Schedule) else virtual_stages  # a Schedule's own
+    layout = Layout.of_stages(stages, chunks=chunks, schedule=schedule, virtual_stages=given)
+    return layout.build_schedule()
 
 
 def balance_profile(

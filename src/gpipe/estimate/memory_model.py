@@ -57,6 +57,7 @@ from dataclasses import dataclass
 from gpipe import remat
 from gpipe._utils import MiB
 from gpipe.estimate.profile import LayerProfile, Profile
+from gpipe.layout import Layout
 from gpipe.schedule.ir import Kind, Schedule
 from gpipe.schedule.simulate import Costs, SimulationResult, simulate
 
@@ -90,17 +91,9 @@ class MemoryModel:
             value = getattr(self, label)
             if not (isinstance(value, int | float) and value >= 0):
                 raise ValueError(f"{label} must be a non-negative number, got {value!r}")
-        if (
-            not isinstance(self.replicas, int)
-            or isinstance(self.replicas, bool)
-            or self.replicas < 1
-        ):
-            raise ValueError(f"replicas must be a positive int, got {self.replicas!r}")
-        if self.shard and self.replicas < 2:
-            raise ValueError(
-                f"shard=True shards over the replicas, but replicas={self.replicas}: "
-                "use replicas >= 2, or shard=False"
-            )
+        problems = Layout(replicas=self.replicas, shard=self.shard).problems()
+        if problems:
+            raise ValueError("; ".join(problems))
 
     @property
     def kept(self) -> float:
