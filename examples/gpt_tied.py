@@ -5,7 +5,7 @@
 
 The tied weight lives in stage 0 (embedding) and in the last stage (head). Each holds a
 copy; gpipe sums their gradients once per step, so the copies stay identical and the
-training equals that of the un-split, tied model. See gpipe.tied.
+training equals that of the un-split, tied model. See gpipe.parallel.tied.
 """
 
 from __future__ import annotations

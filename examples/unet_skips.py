@@ -4,7 +4,7 @@
     python examples/unet_skips.py --processes # four processes (gloo), same gradients
 
 The skip from layer 1 (stage 0) to layer 5 (stage 3) travels straight between those two
-stages; stages 1 and 2 never see it. See gpipe.skip and gpipe.models.unet.
+stages; stages 1 and 2 never see it. See gpipe.engine.skip and gpipe.models.unet.
 """
 
 from __future__ import annotations
