@@ -318,7 +318,10 @@ def test_tied_copies_in_two_processes_stay_identical_through_training():
     first, second = launch(train_steps, 2, args=([case],), timeout=60)
     embedding, head = GPT_TIED
     assert torch.equal(first[0]["params"][embedding], second[0]["params"][head])
-    assert first[0]["losses"][-1] < first[0]["losses"][0]
+    # Trained: the random tokens teach nothing (the loss starts at ln(vocab) already), but
+    # the optimizer moved the tied weight.
+    initial = dict(build_full(FACTORIES["gpt-tied"], seed=INIT_SEED).named_parameters())
+    assert relative_error(first[0]["params"][embedding], initial[embedding].detach()) > 1e-3
 
 
 def test_launch_shares_the_cores_unless_told(monkeypatch):
