@@ -20,11 +20,15 @@ import gpipe
 from gpipe.data import TokenWindows, stdlib_bytes
 
 # -- the user code, from model to training loop ---------------------------------------------------
+torch.set_num_threads(1)  # layers this small: more threads only wait on each other
 group = None
 if "RANK" in os.environ:  # started by torchrun
     dist.init_process_group("gloo")
     group = dist.group.WORLD
-config = GPT2Config(vocab_size=256, n_positions=64, n_embd=64, n_layer=4, n_head=4)
+config = GPT2Config(
+    vocab_size=256, n_positions=64, n_embd=64, n_layer=4, n_head=4,
+    bos_token_id=None, eos_token_id=None,  # bytes: GPT-2's special token 50256 is no byte
+)  # fmt: skip
 example = torch.zeros(2, 64, dtype=torch.long)  # only its structure and dtypes matter
 pipe = gpipe.Pipe.from_model(
     lambda: GPT2LMHeadModel(config), (example,), split="transformer.h",

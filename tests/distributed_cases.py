@@ -514,3 +514,8 @@ def sharded_reuse(rank):
     except PartitionError as caught:
         error = str(caught)
     return grads, error
+
+
+def thread_count(rank):
+    """The threads ``launch`` left this process to compute with."""
+    return torch.get_num_threads()

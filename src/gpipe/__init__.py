@@ -7,7 +7,13 @@ same gradients as the un-split model::
     pipe = gpipe.Pipe(model, balance=[3, 3], chunks=8, checkpoint="except_last")
     loss = pipe.step(x, y, torch.nn.functional.cross_entropy)
     optimizer.step(); optimizer.zero_grad()
+
+The front end is imported here; the rest of the package on first use, so that ``import
+gpipe`` stays quick: ``gpipe.train``, ``gpipe.timeline``, ``gpipe.checkpoint``,
+``gpipe.models``, ``gpipe.data``, ... are there as attributes (module ``__getattr__``).
 """
+
+from types import ModuleType as _Module
 
 from gpipe.allocator import cpu_allocator
 from gpipe.engine.batchnorm import DeferredBatchNorm
@@ -42,3 +48,21 @@ __all__ = [
     "stash",
 ]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> _Module:
+    """A module of the package that ``import gpipe`` did not load (``gpipe.train``),
+    imported now; Python then keeps it as an attribute, so this runs once per module."""
+    import importlib
+    import importlib.util
+
+    if not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    import pkgutil
+
+    modules = {m.name for m in pkgutil.iter_modules(__path__) if not m.name.startswith("_")}
+    return sorted(set(globals()) | modules)

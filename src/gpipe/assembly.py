@@ -34,7 +34,7 @@ from gpipe.frontend import CapturedModel, materialize_units, on_meta
 from gpipe.layout import PIPE, Layout
 from gpipe.materialize import build
 from gpipe.parallel.data_parallel import GradientReducer
-from gpipe.parallel.group import MultiProcess, SingleProcess
+from gpipe.parallel.group import PipelineGroup
 from gpipe.parallel.mesh import group_size
 from gpipe.parallel.sharded import SHARD_MODES, ShardedStages, sharing_problems
 from gpipe.parallel.tied import TiedParameters
@@ -45,7 +45,6 @@ from gpipe.schedule.routes import Routes
 __all__ = ["Configuration", "Placed", "Wiring", "configure", "place", "tie", "wire"]
 
 ModelOrFactory = nn.Sequential | Callable[[], nn.Sequential]
-PipelineRanks = SingleProcess | MultiProcess
 
 
 @dataclass
@@ -71,7 +70,7 @@ class Configuration:
 
 def configure(
     module: ModelOrFactory,
-    ranks: PipelineRanks,
+    ranks: PipelineGroup,
     *,
     balance: Sequence[int] | str,
     devices: Sequence[Any] | None,
@@ -149,7 +148,7 @@ def _auto_balance(module, balance, ranks, devices, layout, sample, sample_loss) 
 
 
 def _check(
-    layout: Layout, model: nn.Module, balance: list[int], devices: list, ranks: PipelineRanks
+    layout: Layout, model: nn.Module, balance: list[int], devices: list, ranks: PipelineGroup
 ) -> None:
     """Every problem of the configuration against the model, in one error; a warning for a
     pipeline that cannot overlap its stages."""
@@ -189,7 +188,7 @@ class Placed:
 
 def place(
     config: Configuration,
-    ranks: PipelineRanks,
+    ranks: PipelineGroup,
     *,
     deferred_batch_norm: bool,
     tied_names: set[str],
@@ -270,7 +269,7 @@ class Wiring:
 def wire(
     config: Configuration,
     placed: Placed,
-    ranks: PipelineRanks,
+    ranks: PipelineGroup,
     tied: TiedParameters | None,
     *,
     data_parallel_group: Any,

@@ -102,12 +102,17 @@ def gpt(config: GPTConfig = GPTConfig(), *, tie_embeddings: bool = False) -> nn.
     """A GPT-style language model: embedding, ``n_layers`` blocks, head (n_layers + 2 layers).
 
     With ``tie_embeddings`` the head's output projection is the token embedding (one
-    tensor, as in GPT-2): in a Pipe declare it with ``tied=[gpt_tied_names(config)]``.
+    tensor, initialized as in GPT-2): in a Pipe declare it with
+    ``tied=[gpt_tied_names(config)]``.
     """
     model = nn.Sequential(
         Embedding(config), *(Block(config) for _ in range(config.n_layers)), Head(config)
     )
     if tie_embeddings:
+        # The logits are then the embedding's rows against a unit-variance vector: at
+        # nn.Embedding's N(0, 1) they would be ~sqrt(d_model) large and the first loss ~35,
+        # not ln(vocab_size). GPT-2's std of 0.02 keeps them near zero.
+        nn.init.normal_(model[0].token.weight, std=0.02)
         model[-1].out.weight = model[0].token.weight
     return model
 

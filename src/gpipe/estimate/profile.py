@@ -7,11 +7,11 @@ it produced for that micro-batch):
 * ``forward``, ``backward``: median seconds of its forward (with autograd recording) and
   of its whole backward from a random output gradient, over ``repeats`` runs after
   ``warmup`` runs; ``backward_input`` and ``backward_weight``: the two halves of the
-  same backward split as zero-bubble schedules run it (``gpipe.split_backward``);
+  same backward split as zero-bubble schedules run it (``gpipe.engine.split_backward``);
 * ``param_bytes``, ``buffer_bytes``: its weights and buffers (running statistics);
 * ``input_bytes``, ``output_bytes``: the boundary values it receives and produces;
 * ``saved_bytes``: what autograd saves for its backward (saved-tensor hooks through
-  :class:`gpipe.memory.ActivationMeter`, one count per storage, parameters excluded),
+  :class:`gpipe.engine.memory.ActivationMeter`, one count per storage, parameters excluded),
   and how much of that is its input (``saved_input_bytes``) or its output
   (``saved_output_bytes``) — tensors that neighbouring layers, or the stage's kept
   input, may hold already.

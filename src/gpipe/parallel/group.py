@@ -1,8 +1,8 @@
 """Where a Pipe's ranks live: all in this process, or one per process of a group.
 
 :func:`pipeline_group` turns ``Pipe(group=...)`` into one of two objects with the same
-methods, so that the front end (``gpipe.pipe``) never asks "which one am I?" and never
-touches ``torch.distributed``:
+methods (:class:`PipelineGroup`), so that the front end (``gpipe.pipe``) never asks "which
+one am I?" and never touches ``torch.distributed``:
 
 * :class:`SingleProcess` holds every stage; its transport is device copies, and a failed
   step leaves it ready for the next one;
@@ -22,12 +22,13 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch
 
 from gpipe import rng
 from gpipe._utils import DeviceLike
+from gpipe.engine.runtime import Transport
 from gpipe.engine.stage import Stage
 from gpipe.errors import NonFiniteError, PartitionError, PipelineError
 from gpipe.parallel.collectives import Collectives
@@ -37,15 +38,63 @@ from gpipe.schedule.routes import Routes
 from gpipe.transport.distributed import DistributedTransport
 from gpipe.transport.local import LocalTransport
 
-__all__ = ["MultiProcess", "SingleProcess", "pipeline_group"]
+__all__ = ["MultiProcess", "PipelineGroup", "SingleProcess", "pipeline_group"]
 
 T = TypeVar("T")
 ByStage = dict[int, torch.Tensor]  # a tensor per stage
 
 
+class PipelineGroup(Protocol):
+    """What the front end asks of a Pipe's ranks, wherever they are."""
+
+    rank: int | None  # this process's rank in the pipeline; None: every rank is here
+    clock_origin: float | None  # where traces count from (None: each step's start)
+    broken: str | None  # why a step failed such that no further step can run
+
+    def default_devices(self, num_ranks: int) -> list[DeviceLike]:
+        """Devices when the user gave none."""
+
+    def device_problems(self, devices: list[DeviceLike]) -> list[str]:
+        """What is wrong with the user's ``devices`` here (bulleted lines)."""
+
+    def local_stages(self, schedule: Schedule) -> list[int]:
+        """The stages this process builds and runs."""
+
+    def connect(
+        self, schedule: Schedule, stage_devices: list[torch.device], routes: Routes
+    ) -> Transport:
+        """The transport of this process's stages."""
+
+    def check_same(self, configuration: dict[str, Any]) -> None:
+        """Refuse to start unless every rank was given the same configuration."""
+
+    def decide(self, choose: Callable[[], T]) -> T:
+        """``choose()``, one answer for every rank."""
+
+    def tie(self, tied: TiedParameters) -> None:
+        """Make the tied copies equal before the first step."""
+
+    def begin_step(self, seed: int | None, batch: int | None) -> tuple[int, int | None]:
+        """The step's seed, and the batch size of the first stage's inputs, on every rank."""
+
+    def exchange(
+        self, holders: list[int], mine: dict[int, torch.Tensor]
+    ) -> dict[int, torch.Tensor]:
+        """Every holder stage's tensor of a tie, from this process's (``mine``)."""
+
+    def agree(self, local_loss: torch.Tensor | None, trouble: str | None) -> torch.Tensor | None:
+        """The step's loss on every rank; a failure or non-finite value anywhere raises."""
+
+    def fail(self, error: BaseException, stages: list[Stage]) -> None:
+        """This process's step failed with ``error``: tell whoever must know."""
+
+    def norm_total(self, local: torch.Tensor, *, maximum: bool) -> torch.Tensor:
+        """A gradient norm's term summed (or maxed) over the pipeline's ranks."""
+
+
 def pipeline_group(
     group: Any, *, timeout: float, receive_ahead: bool | None = None
-) -> SingleProcess | MultiProcess:
+) -> PipelineGroup:
     """The ranks of a Pipe: ``group=None`` is one process, else a process group."""
     if group is None:
         return SingleProcess()
@@ -115,19 +164,19 @@ class SingleProcess:
 class MultiProcess:
     """The stages of one rank of a ``torch.distributed`` process group."""
 
+    rank: int | None
     clock_origin: float | None = 0.0  # perf_counter is one clock per machine: traces line up
+    broken: str | None = None  # what failed, once a step has: the ranks may disagree
 
     def __init__(self, group: Any, *, timeout: float, receive_ahead: bool | None) -> None:
         import torch.distributed as dist
 
-        self._dist = dist
         self.group = group
         self.timeout = timeout
         self.receive_ahead = receive_ahead
-        self.rank: int | None = dist.get_rank(group)
+        self.rank = dist.get_rank(group)
         self.num_ranks = dist.get_world_size(group)
         self.backend = dist.get_backend(group)
-        self.broken: str | None = None  # what failed, once a step has: the ranks may disagree
         self.steps = 0  # steps begun, for errors that say what this rank was doing
         self.transport: DistributedTransport | None = None
         self.ops = Collectives(group, timeout=timeout, device=self._own_device())
@@ -184,11 +233,8 @@ class MultiProcess:
             routes=routes,
             receive_ahead=self.receive_ahead,
         )
-        self.wire = self.ops.device = self.transport.wire_device  # collectives' tensors
+        self.ops.device = self.transport.wire_device  # where collectives take tensors
         return self.transport
-
-    def _global(self, rank: int) -> int:
-        return self._dist.get_global_rank(self.group, rank)
 
     # -- what every rank must agree on ----------------------------------------------------
 
@@ -313,30 +359,21 @@ class MultiProcess:
     def exchange(
         self, holders: list[int], mine: dict[int, torch.Tensor]
     ) -> dict[int, torch.Tensor]:
-        """Send this process's tensor to every other holder stage's rank; get all of them.
+        """Swap this process's tensor with every other holder stage's rank (the transport
+        carries them; the wait is a collective's, bounded and named).
 
         ``mine`` has one entry: a process holds one copy of a tie (checked by the caller).
         """
-        dist = self._dist
         ((stage, tensor),) = mine.items()
-        tensor = tensor.to(self.wire).contiguous()
-        received = {stage: tensor}
-        ops = []
-        for other in holders:
-            if other == stage:
-                continue
-            peer = self._global(self.schedule.stage_to_rank[other])
-            received[other] = torch.empty_like(tensor)
-            ops.append(dist.P2POp(dist.isend, tensor, peer, self.group))
-            ops.append(dist.P2POp(dist.irecv, received[other], peer, self.group))
-        if ops:
-            doing = f"step {self.steps} of this Pipe" if self.steps else "building the Pipe"
-            self._collective(
-                lambda: self.ops.wait(
-                    "the tied-weight exchange", lambda: dist.batch_isend_irecv(ops), doing=doing
-                )
-            )
-        return received
+        rank_of = self.schedule.stage_to_rank
+        doing = f"step {self.steps} of this Pipe" if self.steps else "building the Pipe"
+
+        def wait(start: Callable[[], Any]) -> None:
+            self._collective(lambda: self.ops.wait("the tied-weight exchange", start, doing=doing))
+
+        peers = [rank_of[other] for other in holders if other != stage]
+        by_rank = self.transport.swap(tensor, peers, wait=wait)
+        return {holder: by_rank[rank_of[holder]] for holder in holders}
 
     def tie(self, tied: TiedParameters) -> None:
         """Make the tied copies equal before the first step; each process may hold one."""

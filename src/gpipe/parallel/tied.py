@@ -9,8 +9,9 @@ the one shared tensor. Equal values, equal gradients and the same optimizer keep
 equal, bit for bit.
 
 The holders exchange their copies through the Pipe's group (``gpipe.parallel.group``: on
-one process, moves to the reference copy's device; across processes, point to point) and
-every holder adds them in the same (stage) order, so all copies get the same bits.
+one process, moves to the reference copy's device; across processes, point to point by the
+transport, ``DistributedTransport.swap``) and every holder adds them in the same (stage)
+order, so all copies get the same bits.
 """
 
 from __future__ import annotations

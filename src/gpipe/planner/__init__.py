@@ -6,14 +6,14 @@ and for every candidate configuration
 
     (stages K ≤ devices, virtual stages v, micro-batches M, schedule, checkpoint mode)
 
-1. cuts the model with the exact time balance (``gpipe.balance``), honouring the budget;
+1. cuts the model with the exact time balance (``gpipe.estimate.balance``), honouring the budget;
 2. simulates the schedule (``gpipe.simulate``) with the profiled per-stage costs — forward,
    backward (input and weight parts for zero-bubble schedules), one more forward per
    re-materialized micro-batch, a per-action overhead, and a transfer time for each
    hand-over between devices (``latency + bytes / bandwidth``);
 3. predicts the step time (the makespan), the throughput (samples/s), the bubble, and the
    peak memory of each device (parameters, gradients, optimizer state, and the
-   activations the simulated schedule holds; see ``gpipe.balance``).
+   activations the simulated schedule holds; see ``gpipe.estimate.memory_model``).
 
 Candidates that fit the budget are ranked by predicted throughput; ties (equal to nine
 significant digits) go to fewer stages, then fewer micro-batches, then a hand-made schedule

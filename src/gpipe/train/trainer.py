@@ -32,6 +32,7 @@ from gpipe.data import EpochSampler, hash_seed, readable
 from gpipe.engine.memory import measure_activations
 from gpipe.errors import NonFiniteError
 from gpipe.layout import even_balance
+from gpipe.parallel.launch import threads_per_process
 from gpipe.parallel.mesh import Mesh
 from gpipe.parallel.sharded import full_value, sharded_optimizer_state
 from gpipe.train.config import TrainConfig, model_spec, num_layers
@@ -50,7 +51,7 @@ class Trainer:
     def __init__(self, rank: int, config: TrainConfig, prepared: Any = None) -> None:
         c = self.config = config
         self.rank, self.out, self.task = rank, Path(config.out), config.task
-        threads = c.threads or max(1, len(os.sched_getaffinity(0)) // c.world_size)
+        threads = c.threads or threads_per_process(c.world_size)
         torch.set_num_threads(threads)
         cpu_allocator(c.cpu_allocator)
         self.mesh = Mesh.build(c.stages, c.replicas, timeout=c.timeout)

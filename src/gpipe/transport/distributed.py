@@ -10,6 +10,7 @@ import pickle
 import threading
 import weakref
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -409,6 +410,31 @@ class DistributedTransport:
                 f"of micro-batch {message.microbatch} (did that process die?): {text}",
                 rank=src,
             ) from error
+
+    # -- outside the schedule -----------------------------------------------------------------
+
+    def swap(
+        self, tensor: torch.Tensor, peers: list[int], *, wait: Callable[[Callable[[], Any]], Any]
+    ) -> dict[int, torch.Tensor]:
+        """Send ``tensor`` to each rank of ``peers`` and receive from each one of the same
+        shape and dtype (tied copies: ``gpipe.parallel.tied``); all of them by rank, this
+        rank's own included, on :attr:`wire_device`.
+
+        Between steps, not part of the schedule's wire order: the caller decides what to
+        swap and waits, with ``wait(start)``: ``start()`` posts the transfers and returns
+        their works (the caller bounds the wait, ``gpipe.parallel.collectives``).
+        """
+        dist = self._dist
+        wire = tensor.to(self.wire_device).contiguous()
+        received = {self.rank: wire}
+        ops = []
+        for peer in peers:
+            received[peer] = torch.empty_like(wire)
+            ops.append(dist.P2POp(dist.isend, wire, self._global(peer), self.group))
+            ops.append(dist.P2POp(dist.irecv, received[peer], self._global(peer), self.group))
+        if ops:
+            wait(lambda: dist.batch_isend_irecv(ops))
+        return received
 
     # -- failures ---------------------------------------------------------------------------
 

@@ -1,0 +1,76 @@
+"""The seam between the front end and its ranks: ``PipelineGroup``, which both groups
+satisfy and which is all that ``gpipe.pipe`` asks of them. (What each method does is
+tested through Pipes: tests/test_pipe.py in one process, test_distributed.py in many.)"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+from pathlib import Path
+
+import pytest
+import torch
+
+import gpipe.assembly
+import gpipe.pipe
+from gpipe.parallel.group import MultiProcess, PipelineGroup, SingleProcess, pipeline_group
+
+METHODS = {
+    name: member
+    for name, member in vars(PipelineGroup).items()
+    if inspect.isfunction(member) and not name.startswith("_")
+}
+ATTRIBUTES = set(PipelineGroup.__annotations__)
+
+
+@pytest.mark.parametrize("group", [SingleProcess, MultiProcess], ids=lambda c: c.__name__)
+def test_both_groups_satisfy_the_protocol(group):
+    for name, method in METHODS.items():
+        theirs = getattr(group, name, None)
+        assert callable(theirs), f"{group.__name__} has no {name}()"
+        wanted = inspect.signature(method).parameters
+        given = inspect.signature(theirs).parameters
+        assert [(p.name, p.kind) for p in given.values()] == [
+            (p.name, p.kind) for p in wanted.values()
+        ], f"{group.__name__}.{name} takes {list(given)}, the protocol {list(wanted)}"
+    missing = ATTRIBUTES - set(group.__annotations__)
+    assert not missing, f"{group.__name__} does not declare {sorted(missing)}"
+
+
+def test_the_front_end_asks_only_what_the_protocol_offers():
+    """Every attribute ``gpipe.pipe`` reads from the object ``pipeline_group`` gave it, and
+    ``gpipe.assembly`` from the ``ranks`` it is handed."""
+    tree = ast.parse(Path(gpipe.pipe.__file__).read_text())
+    holders = {
+        ast.unparse(target)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Assign)
+        and isinstance(node.value, ast.Call)
+        and ast.unparse(node.value.func) == "pipeline_group"
+        for target in node.targets
+    }
+    assert holders, "gpipe.pipe no longer calls pipeline_group: update this test"
+    asked = {
+        node.attr
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute) and ast.unparse(node.value) in holders
+    }
+    assert asked, holders
+    steps = ast.parse(Path(gpipe.assembly.__file__).read_text())
+    by_steps = {
+        node.attr
+        for node in ast.walk(steps)
+        if isinstance(node, ast.Attribute) and ast.unparse(node.value) == "ranks"
+    }
+    assert by_steps, "gpipe.assembly no longer takes ranks: update this test"
+    asked |= by_steps
+    assert asked <= set(METHODS) | ATTRIBUTES, sorted(asked - set(METHODS) - ATTRIBUTES)
+
+
+def test_one_process_exchange_gathers_on_the_last_holder():
+    group = pipeline_group(None, timeout=1.0)
+    assert isinstance(group, SingleProcess) and group.rank is None and group.broken is None
+    mine = {0: torch.ones(2), 2: torch.full((2,), 3.0)}
+    exchanged = group.exchange([0, 2], mine)
+    assert set(exchanged) == {0, 2} and torch.equal(exchanged[2], mine[2])
+    assert torch.equal(exchanged[0], mine[0])
