@@ -3,10 +3,12 @@ Pipe, ``gpipe train``, the planner and the capacity search."""
 
 from __future__ import annotations
 
+import doctest
 import itertools
 
 import pytest
 
+import gpipe.layout
 from gpipe.errors import PartitionError
 from gpipe.layout import FLAGS, PIPE, Layout, even_balance, layouts
 from gpipe.remat import REMAT_MODES
@@ -140,3 +142,7 @@ def test_layouts_enumerates_the_valid_canonical_ones_once():
 def test_even_balance():
     assert even_balance(10, 4) == [3, 3, 2, 2]
     assert even_balance(2, 3) == [1, 1]
+
+
+def test_the_module_example_runs():
+    assert doctest.testmod(gpipe.layout).failed == 0

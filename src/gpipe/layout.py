@@ -9,8 +9,9 @@ sharded or not (``shard``). Which combinations are valid is decided here and now
 planner and the capacity search all ask this module; what a named schedule allows comes
 from its entry in ``gpipe.schedule.SCHEDULES``::
 
-    >>> Layout(stages=2, chunks=6, schedule="interleaved-1f1b").problems()
-    ["'interleaved-1f1b': 6 micro-batches ... use 6 or 8 micro-batches"]   # (abridged)
+    >>> for problem in Layout(stages=4, chunks=6, schedule="interleaved-1f1b").problems():
+    ...     print(problem[:77])
+    schedule='interleaved-1f1b', virtual_stages=2, chunks=6 on 4 ranks: 6 micro-b
     >>> Layout(stages=4, chunks=8, schedule="zb-v").num_stages
     8
 """
