@@ -1,0 +1,303 @@
+"""The runtime's own cost, where it (not compute) sets the pace: tiny layers, many micro-batches.
+
+    python benchmarks/runtime_cost.py [--out docs/benchmarks.md] [--profile DIR]
+
+Three measurements, each side by side in one run, steps alternating so that both sides see
+the same machine; medians, and 95% bootstrap intervals of the paired ratios:
+
+1. **Latency-bound pipeline**: a 4-layer MLP of width 16 (Linear + ReLU), batch = M (one
+   sample per micro-batch), K=2 gloo processes with one thread each, gpipe's ``gpipe`` and
+   ``1f1b`` schedules against ``torch.distributed.pipelining``'s ``ScheduleGPipe`` and
+   ``Schedule1F1B`` on the same two stage modules, at M = 8 and 32.
+2. **One process, per micro-batch**: the same MLP, M = 32 micro-batches of one sample:
+   ``Pipe(K=1)`` against plain gradient accumulation (``loss / M`` backward per micro-batch),
+   the difference per micro-batch.
+3. **``Pipe(K=1, M=1)`` against the plain model**: an MLP of 16 × Linear(1024) at batch 256
+   and the GPT of ``gpipe.models`` (4 blocks, d_model 256), one thread.
+
+``--profile DIR`` also profiles 30 gpipe steps of case 1 (1f1b, M=8) with cProfile on both
+ranks and writes each rank's top functions to ``DIR/rank-R.txt``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import cProfile
+import io
+import os
+import pstats
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+import gpipe
+from gpipe.models import GPTConfig, gpt, lm_loss
+from gpipe.parallel.launch import launch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from measured_timeline import machine, source, write_section  # a sibling script
+from pipeline_throughput import median_interval  # a sibling script
+
+SECTION = "runtime-cost"
+WIDTH, LAYERS = 16, 4
+PEERS = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
+
+
+def mlp(width: int = WIDTH, layers: int = LAYERS) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*(m for _ in range(layers) for m in (nn.Linear(width, width), nn.ReLU())))
+
+
+def mse(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.mse_loss(out, y)
+
+
+# -- 1. two processes, latency-bound ------------------------------------------------------
+
+
+def _pipeline_rank(rank: int, cases: list[tuple[str, int]], rounds: int, profile: str | None):
+    import torch.distributed as dist
+    from torch.distributed import pipelining
+
+    torch.set_num_threads(1)
+    results = []
+    for schedule, m in cases:
+        model = mlp()
+        half = len(model) // 2
+        mine = copy.deepcopy(model[:half] if rank == 0 else model[half:])
+        stage = pipelining.PipelineStage(mine, rank, 2, torch.device("cpu"), group=dist.group.WORLD)
+        peer = getattr(pipelining, PEERS[schedule])(stage, n_microbatches=m, loss_fn=mse)
+        pipe = gpipe.Pipe(
+            copy.deepcopy(model), balance=[half, half], chunks=m, checkpoint="never",
+            schedule=schedule, group=dist.group.WORLD,
+        )  # fmt: skip
+        generator = torch.Generator().manual_seed(1)
+        x = torch.randn(m, WIDTH, generator=generator)
+        y = torch.randn(m, WIDTH, generator=generator)
+
+        def ours(pipe=pipe, x=x, y=y) -> None:
+            pipe.step(x, y, mse)
+            pipe.zero_grad(set_to_none=True)
+
+        def theirs(peer=peer, mine=mine, x=x, y=y) -> None:
+            if rank == 0:
+                peer.step(x)
+            else:
+                peer.step(target=y)
+            mine.zero_grad(set_to_none=True)
+
+        def timed(step: Callable[[], None]) -> float:
+            dist.barrier()
+            start = time.perf_counter()
+            step()
+            dist.barrier()
+            return time.perf_counter() - start
+
+        for _ in range(3):  # warm-up
+            timed(ours)
+            timed(theirs)
+        times: dict[str, list[float]] = {"gpipe": [], "peer": []}
+        for _ in range(rounds):
+            times["gpipe"].append(timed(ours))
+            times["peer"].append(timed(theirs))
+        results.append({"schedule": schedule, "chunks": m, **times})
+        if profile is not None and (schedule, m) == ("1f1b", 8):
+            profiler = cProfile.Profile()
+            dist.barrier()
+            start = time.perf_counter()
+            profiler.enable()
+            for _ in range(30):
+                ours()
+            profiler.disable()
+            elapsed = (time.perf_counter() - start) / 30
+            text = io.StringIO()
+            stats = pstats.Stats(profiler, stream=text).sort_stats("tottime")
+            stats.print_stats(40)
+            out = Path(profile) / f"rank-{rank}.txt"
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(
+                f"{elapsed * 1e3:.2f} ms per step (30 steps, profiled)\n" + text.getvalue()
+            )
+    return results
+
+
+def pipeline_rows(rounds: int, profile: str | None) -> list[dict]:
+    cases = [(s, m) for m in (8, 32) for s in ("gpipe", "1f1b")]
+    per_rank = launch(_pipeline_rank, 2, args=(cases, rounds, profile), timeout=1200)
+    rows = []
+    for r0, r1 in zip(*per_rank, strict=True):
+        ours = [max(a, b) for a, b in zip(r0["gpipe"], r1["gpipe"], strict=True)]
+        theirs = [max(a, b) for a, b in zip(r0["peer"], r1["peer"], strict=True)]
+        ratios = [b / a for a, b in zip(ours, theirs, strict=True)]
+        rows.append(
+            {
+                "schedule": r0["schedule"],
+                "chunks": r0["chunks"],
+                "gpipe": statistics.median(ours),
+                "peer": statistics.median(theirs),
+                "ratio": statistics.median(ratios),
+                "interval": median_interval(ratios),
+            }
+        )
+    return rows
+
+
+# -- 2. one process, per micro-batch ------------------------------------------------------------
+
+
+def _alternate(steps: dict[str, Callable[[], None]], rounds: int) -> dict[str, list[float]]:
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(3):
+        for step in steps.values():
+            step()
+    for _ in range(rounds):
+        for name, step in steps.items():
+            start = time.perf_counter()
+            step()
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
+def per_microbatch(rounds: int, m: int = 32) -> dict:
+    torch.set_num_threads(1)
+    model = mlp()
+    plain = copy.deepcopy(model)
+    pipe = gpipe.Pipe(model, balance=[len(model)], chunks=m, checkpoint="never")
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(m, WIDTH, generator=generator)
+    y = torch.randn(m, WIDTH, generator=generator)
+    xs, ys = x.split(1), y.split(1)
+
+    def accumulate() -> None:
+        for xm, ym in zip(xs, ys, strict=True):
+            (mse(plain(xm), ym) / m).backward()
+        plain.zero_grad(set_to_none=True)
+
+    def pipelined() -> None:
+        pipe.step(x, y, mse)
+        pipe.zero_grad(set_to_none=True)
+
+    times = _alternate({"plain": accumulate, "pipe": pipelined}, rounds)
+    extra = [(p - a) / m for a, p in zip(times["plain"], times["pipe"], strict=True)]
+    return {
+        "chunks": m,
+        "plain": statistics.median(times["plain"]) / m,
+        "pipe": statistics.median(times["pipe"]) / m,
+        "extra": statistics.median(extra),
+        "interval": median_interval(extra),
+    }
+
+
+# -- 3. Pipe(K=1, M=1) against the plain model ------------------------------------------------
+
+
+def one_stage(rounds: int) -> list[dict]:
+    torch.set_num_threads(1)
+    cases = []
+    torch.manual_seed(0)
+    wide = nn.Sequential(*(nn.Linear(1024, 1024) for _ in range(16)))
+    x = torch.randn(256, 1024)
+    cases.append(("MLP 16 x Linear(1024), batch 256", wide, x, torch.randn(256, 1024), mse))
+    config = GPTConfig(vocab_size=256, context=64, d_model=256, n_heads=4, n_layers=4, dropout=0.0)
+    tokens = torch.randint(0, 256, (16, 64))
+    cases.append(("GPT 4 blocks, d_model 256, batch 16 x 64", gpt(config), tokens, tokens, lm_loss))
+    rows = []
+    for label, model, x, y, loss_fn in cases:
+        plain = copy.deepcopy(model)
+        pipe = gpipe.Pipe(model, balance=[len(model)], chunks=1, checkpoint="never")
+
+        def direct(plain=plain, x=x, y=y, loss_fn=loss_fn) -> None:
+            loss_fn(plain(x), y).backward()
+            plain.zero_grad(set_to_none=True)
+
+        def pipelined(pipe=pipe, x=x, y=y, loss_fn=loss_fn) -> None:
+            pipe.step(x, y, loss_fn)
+            pipe.zero_grad(set_to_none=True)
+
+        times = _alternate({"plain": direct, "pipe": pipelined}, rounds)
+        overhead = [p / a - 1 for a, p in zip(times["plain"], times["pipe"], strict=True)]
+        rows.append(
+            {
+                "label": label,
+                "plain": statistics.median(times["plain"]),
+                "pipe": statistics.median(times["pipe"]),
+                "overhead": statistics.median(overhead),
+                "interval": median_interval(overhead),
+            }
+        )
+    return rows
+
+
+# -- the report ----------------------------------------------------------------------------------
+
+
+def report(pipeline: Sequence[dict], micro: dict, single: Sequence[dict], rounds: int) -> str:
+    ms = 1e3
+    lines = [
+        f"Measured by `python benchmarks/runtime_cost.py` on {machine()}, commit {source()}, "
+        f"load {os.getloadavg()[0]:.1f} at the end; {rounds} rounds per row, the two sides "
+        "alternating; medians, 95% bootstrap intervals of the paired ratios.",
+        "",
+        f"Latency-bound pipeline: MLP of {LAYERS} × Linear({WIDTH}) + ReLU, batch = M (one "
+        "sample per micro-batch), K=2 gloo processes, one thread each; a step is the slower "
+        "rank's, between barriers.",
+        "",
+        "| schedule | M | gpipe step | peer step | peer / gpipe | 95% interval |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in pipeline:
+        lo, hi = r["interval"]
+        lines.append(
+            f"| {r['schedule']} | {r['chunks']} | {r['gpipe'] * ms:.2f} ms | "
+            f"{r['peer'] * ms:.2f} ms | {r['ratio']:.2f} | {lo:.2f}–{hi:.2f} |"
+        )
+    lo, hi = micro["interval"]
+    lines += [
+        "",
+        f"One process, M={micro['chunks']} micro-batches of one sample: plain gradient "
+        f"accumulation {micro['plain'] * 1e6:.0f} µs per micro-batch, `Pipe(K=1)` "
+        f"{micro['pipe'] * 1e6:.0f} µs: the runtime adds **{micro['extra'] * 1e6:.0f} µs per "
+        f"micro-batch** (95% interval {lo * 1e6:.0f}–{hi * 1e6:.0f}).",
+        "",
+        "| `Pipe(K=1, M=1)` against the plain model | plain step | Pipe step | overhead | "
+        "95% interval |",
+        "|---|---|---|---|---|",
+    ]
+    for r in single:
+        lo, hi = r["interval"]
+        lines.append(
+            f"| {r['label']} | {r['plain'] * ms:.2f} ms | {r['pipe'] * ms:.2f} ms | "
+            f"{r['overhead']:+.1%} | {lo:+.1%} … {hi:+.1%} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=None, help="markdown file to update")
+    parser.add_argument("--rounds", type=int, default=41, help="timed rounds per row")
+    parser.add_argument("--profile", default=None, help="folder for cProfile reports")
+    parser.add_argument(
+        "--only", choices=["pipeline", "micro", "single"], default=None, help="one part"
+    )
+    args = parser.parse_args(argv)
+    pipeline = pipeline_rows(args.rounds, args.profile) if args.only in (None, "pipeline") else []
+    micro = per_microbatch(args.rounds) if args.only in (None, "micro") else None
+    single = one_stage(max(11, args.rounds // 2)) if args.only in (None, "single") else []
+    if micro is None:
+        micro = {"chunks": 0, "plain": 0, "pipe": 0, "extra": 0, "interval": (0, 0)}
+    text = report(pipeline, micro, single, args.rounds)
+    print(text)
+    if args.out is not None:
+        write_section(args.out, SECTION, "## The runtime's own cost (latency-bound)\n\n" + text)
+
+
+if __name__ == "__main__":
+    main()
