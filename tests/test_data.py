@@ -63,7 +63,7 @@ def test_sampler_visits_every_item_once_per_epoch_and_resumes_exactly():
     assert sorted(first) == list(range(10))
     crossing = sampler.take(7)  # epoch 1: 7 of 10
     state = sampler.state_dict()
-    assert state == {"seed": 7, "epoch": 1, "index": 7}
+    assert state == {"seed": 7, "epoch": 1, "index": 7, "items": 10}
     expected = sampler.take(9)  # runs into epoch 2
 
     resumed = data.EpochSampler(10, seed=7)
@@ -74,8 +74,10 @@ def test_sampler_visits_every_item_once_per_epoch_and_resumes_exactly():
 
     with pytest.raises(ValueError, match="seed 7"):
         data.EpochSampler(10, seed=1).load_state_dict(state)
-    with pytest.raises(ValueError, match="other data"):
+    with pytest.raises(ValueError, match="epoch of 10 items, this data has 5: .* other data"):
         data.EpochSampler(5, seed=7).load_state_dict(state)
+    with pytest.raises(ValueError, match="outside an epoch of 5"):  # a state without "items"
+        data.EpochSampler(5, seed=7).load_state_dict({"seed": 7, "epoch": 1, "index": 7})
 
 
 def test_hash_seed_is_stable_and_mixes():
