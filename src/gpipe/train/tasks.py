@@ -231,7 +231,8 @@ class Task:
         """Once, before the ranks start: returns what they are handed (or None)."""
         return self.source.prepare()
 
-    def data(self, *, batch: int, eval_batches: int, prepared: Any) -> Data:
+    def data(self, *, batch: int, eval_batches: int, prepared: Any, chunks: int = 1) -> Data:
+        """The train and validation samples; ``chunks``: the fewest a forward takes."""
         if isinstance(self.source, DigitsData):
             images = self.source.load(prepared)
             val = _Pairs(images.val_images, images.val_labels)
@@ -247,6 +248,11 @@ class Task:
             except ValueError as error:
                 raise ValueError(f"the {side} set: {error}") from None
         val = made["validation"]
+        if len(val) < chunks:
+            raise ValueError(
+                f"the validation set holds {len(val)} sample(s), fewer than --chunks {chunks}: "
+                "hold out more (--val-fraction), or name a larger --val-data"
+            )
         return Data(made["train"], val, val.evenly_spaced(eval_batches * batch),
                     split.description)  # fmt: skip
 

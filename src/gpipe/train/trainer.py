@@ -76,7 +76,9 @@ class Trainer:
         )
         self.names = {p: n for n, p in self.pipe.named_parameters()}
         self.optimizer = self._optimizer()
-        self.data = self.task.data(batch=c.batch, eval_batches=c.eval_batches, prepared=prepared)
+        self.data = self.task.data(
+            batch=c.batch, eval_batches=c.eval_batches, prepared=prepared, chunks=c.chunks
+        )
         self.sampler = EpochSampler(len(self.data.train), seed=c.seed)
         self.start = 0
         if c.resume:
