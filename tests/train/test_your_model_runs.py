@@ -20,6 +20,7 @@ from saved_models import EOS, PAD, TEXT, bart, mixtral, model_folder, pairs_file
 from torch.nn import functional as F
 
 from gpipe import checkpoint as ckpt
+from gpipe.cli.export import export
 from gpipe.data import EpochSampler, hash_seed
 from gpipe.train import resolve
 from train_runs import losses
@@ -120,6 +121,15 @@ def test_a_saved_mixtral_fine_tunes_in_2_processes_as_plain_gradient_accumulatio
                "dtype": "float64"}  # fmt: skip
     history = plain_training(model, options, tmp_path / "reference")
     compare(run, history, model)
+
+    # Exported as the model's own kind of folder: save_pretrained's, experts saved one by one.
+    exported = export(run)
+    assert (exported / "tokenizer.json").exists()
+    again = transformers.AutoModelForCausalLM.from_pretrained(
+        exported, dtype=torch.float64, experts_implementation="eager"
+    )
+    trained = ckpt.export_state_dict(run)
+    assert all(torch.equal(v, trained[k]) for k, v in again.state_dict().items())
 
 
 @pytest.mark.timeout(400)

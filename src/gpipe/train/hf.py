@@ -32,7 +32,7 @@ from gpipe.train.networks import ModelSource, attention_floor
 
 __all__ = [
     "FAMILIES", "HFModel", "blocks", "decoder_start", "families_of", "family_of", "has_weights",
-    "parse_overrides", "read_config",
+    "parse_overrides", "read_config", "save_pretrained",
 ]  # fmt: skip
 
 # family -> the Auto class that builds it
@@ -209,6 +209,30 @@ class HFModel(ModelSource):
         config = self.args["config"]
         heads = _first(config, "num_attention_heads", "n_head", "encoder_attention_heads") or 1
         return attention_floor(micro_batch, heads, seq)
+
+
+def save_pretrained(
+    spec: dict[str, Any],
+    state: dict[str, torch.Tensor],
+    folder: str | Path,
+    *,
+    tokenizer: str | None = None,
+) -> Path:
+    """The plain model of ``spec`` holding ``state``, written by transformers' own
+    ``save_pretrained`` into ``folder`` (with the tokenizer of the folder ``tokenizer``), so
+    that ``AutoModelFor...from_pretrained(folder)`` loads it."""
+    floating = [t.dtype for t in state.values() if t.is_floating_point()]
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(floating[0] if floating else previous)
+    try:
+        model = HFModel(spec["args"]).build()
+    finally:
+        torch.set_default_dtype(previous)
+    model.load_state_dict(state, strict=True)
+    model.save_pretrained(folder)
+    if tokenizer is not None:
+        transformers_module().AutoTokenizer.from_pretrained(tokenizer).save_pretrained(folder)
+    return Path(folder)
 
 
 def _first(config: dict[str, Any], *keys: str) -> Any:
