@@ -148,11 +148,9 @@ def test_from_scratch_at_a_size_the_user_sets(tmp_path):
     )
     assert (config.init, config.tokenizer) == ("random", BYTES)  # no weights, no tokenizer
     pipe = one_process_pipe(config)
-    # Exactly what the plain model gives from the same seed, at the size asked for (the
-    # fields overridden as transformers' own from_pretrained(..., **fields) does).
-    resized = transformers.AutoConfig.from_pretrained(
-        tmp_path, num_hidden_layers=2, hidden_size=48, intermediate_size=64
-    )
+    # Exactly what the plain model gives from the same seed, at the size asked for (fields
+    # derived from those, as the head size, derived anew).
+    resized = llama(num_hidden_layers=2, hidden_size=48, intermediate_size=64)
     torch.manual_seed(3)
     model = transformers.AutoModelForCausalLM.from_config(resized, dtype=torch.float64)
     state = model.state_dict()

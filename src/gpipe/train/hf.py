@@ -78,7 +78,12 @@ def parse_overrides(text: str | None) -> dict[str, Any]:
 
 def read_config(model: str, overrides: dict[str, Any]) -> dict[str, Any]:
     """The configuration of ``model`` (a folder with ``config.json``, or such a file) with
-    ``overrides``, as a dict (``to_dict()``); raises ValueError naming an unknown field."""
+    ``overrides``, as a dict (``to_dict()``); raises ValueError naming an unknown field or a
+    configuration transformers refuses.
+
+    Fields derived from others (a layer type per layer, the head size) are derived anew from
+    the overridden ones, as if the configuration had been written with them.
+    """
     transformers = transformers_module()
     path = Path(model)
     file = path / "config.json" if path.is_dir() else path
@@ -90,16 +95,40 @@ def read_config(model: str, overrides: dict[str, Any]) -> dict[str, Any]:
     raw = json.loads(file.read_text())
     if "model_type" not in raw:
         raise ValueError(f"--model {model}: {file} has no model_type, which says the family")
-    config = transformers.AutoConfig.for_model(**raw)
-    for key, value in overrides.items():
-        if key not in config.to_dict():
-            close = difflib.get_close_matches(key, list(config.to_dict()), n=3)
+    make = transformers.AutoConfig.for_model
+    config = make(**raw)
+    known = config.to_dict()
+    for key in overrides:
+        if key not in known:
+            close = difflib.get_close_matches(key, list(known), n=3)
             raise ValueError(
                 f"--model-config {key}: not a field of {type(config).__name__}"
                 + (f"; close: {', '.join(close)}" if close else "")
             )
-        setattr(config, key, value)
-    return config.to_dict()
+    if not overrides:
+        return known
+    try:
+        return make(**{**_written(raw, known), **overrides}).to_dict()
+    except Exception as error:  # transformers' own validation of the fields together
+        first = str(error).strip().splitlines()[-1].strip()
+        raise ValueError(
+            f"--model-config: transformers refuses the configuration: {first}"
+        ) from None
+
+
+def _written(raw: dict[str, Any], full: dict[str, Any]) -> dict[str, Any]:
+    """The fields of a saved configuration that the others do not determine (save_pretrained
+    writes derived ones too)."""
+    make = transformers_module().AutoConfig.for_model
+    kept = {}
+    for key, value in raw.items():
+        try:
+            derived = make(**{k: v for k, v in raw.items() if k != key}).to_dict().get(key)
+        except Exception:  # needed by the others
+            derived = None
+        if key == "model_type" or derived != full.get(key):
+            kept[key] = value
+    return kept
 
 
 def families_of(model_type: str) -> list[str]:

@@ -124,5 +124,5 @@ def load(spec: str) -> Tokenizer:
 
 def describe(tokenizer: Any) -> str:
     if isinstance(tokenizer, ByteTokenizer):
-        return "bytes (256 tokens)"
+        return "bytes, 256 tokens"
     return f"the tokenizer of {tokenizer.name}, {tokenizer.vocab_size:,} tokens"
