@@ -164,6 +164,10 @@ def test_from_scratch_at_a_size_the_user_sets(tmp_path):
     tokens, _ = data.train[torch.tensor([1])]
     assert bytes(tokens[0].tolist()) == TEXT.encode()[SEQ : 2 * SEQ + 1]
 
+    cut = configure(tmp_path, model=str(tmp_path / "config.json"), split="model.layers.1")
+    # units: the work before model.layers.1 (embedding, layer 0), layer 1, the head
+    assert cut.model_args["split"] == ["model.layers.1"] and cut.task.units() == 3
+
     with pytest.raises(ConfigError, match="num_hiden_layers: not a field of LlamaConfig; "
                                           "close: num_hidden_layers"):  # fmt: skip
         configure(tmp_path, model=str(tmp_path / "config.json"), model_config="num_hiden_layers=2")
