@@ -22,7 +22,7 @@ the gradient of a stage's inputs is what its backward hands to the previous stag
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -32,10 +32,10 @@ from torch.utils._pytree import tree_map
 
 from gpipe import microbatch, rng
 from gpipe._utils import tensors_of, to_device
-from gpipe.engine.batchnorm import DeferredBatchNorm
 from gpipe.engine.skip import SkipError, StageSkips, tracking
 from gpipe.engine.split_backward import WeightWork, backward_input, backward_weight
-from gpipe.remat import recomputing
+from gpipe.engine.state import ModuleState, SavedState, running_stats_frozen
+from gpipe.remat import recomputing, replaying
 
 if TYPE_CHECKING:
     from gpipe.engine.memory import ActivationMeter
@@ -111,29 +111,7 @@ class _Stored:
     outputs: Any = None  # with autograd graph; None until recomputed under remat
     loss_value: torch.Tensor | None = None  # weighted, with graph (last stage)
     held: list[Any] = field(default_factory=list)  # memory-meter tokens
-
-
-@contextmanager
-def _running_stats_frozen(layers: Sequence[nn.Module]) -> Iterator[None]:
-    # A plain BatchNorm updates its running statistics on every forward; a recomputation
-    # must not update them a second time. With track_running_stats off it still
-    # normalizes by batch statistics (training mode) but leaves the buffers alone.
-    # DeferredBatchNorm checks gpipe.is_recomputing() itself.
-    frozen = [
-        m
-        for layer in layers
-        for m in layer.modules()
-        if isinstance(m, nn.modules.batchnorm._BatchNorm)
-        and not isinstance(m, DeferredBatchNorm)
-        and m.track_running_stats
-    ]
-    for module in frozen:
-        module.track_running_stats = False
-    try:
-        yield
-    finally:
-        for module in frozen:
-            module.track_running_stats = True
+    state: SavedState | None = None  # buffers the forward wrote, as it found them (remat)
 
 
 class Stage:
@@ -165,6 +143,7 @@ class Stage:
         self._stored: dict[int, _Stored] = {}
         self._weight_work: dict[int, WeightWork] = {}
         self._writes_input: bool | None = None  # do the layers write to their input?
+        self.state = ModuleState(self.layers, first_layer)  # buffers the forward writes
         # Set when the stage's parameters are sharded (gpipe.parallel.sharded): the tensors
         # autograd differentiates (the gathered parameters), and a context that gathers
         # them all (for W, whose autograd call the sharding's own hooks do not see).
@@ -181,12 +160,12 @@ class Stage:
 
     # -- running layers -------------------------------------------------------------------
 
-    def _run(self, inputs: Any, microbatch: int, seed: int) -> Any:
+    def _run(self, inputs: Any, microbatch: int, seed: int, replay: frozenset[int]) -> Any:
         if self.skips is None:
-            return self._run_layers(inputs, microbatch, seed)
+            return self._run_layers(inputs, microbatch, seed, replay)
         value, skip_inputs = inputs
         with tracking(self.skips.local, skip_inputs) as tracker:
-            value = self._run_layers(value, microbatch, seed)
+            value = self._run_layers(value, microbatch, seed, replay)
         missing = [name for name in self.skips.outputs if name not in tracker.outputs]
         if missing:
             raise SkipError(
@@ -195,11 +174,17 @@ class Stage:
             )
         return value, {name: tracker.outputs[name] for name in self.skips.outputs}
 
-    def _run_layers(self, x: Any, microbatch: int, seed: int) -> Any:
+    def _run_layers(self, x: Any, microbatch: int, seed: int, replay: frozenset[int]) -> Any:
+        # ``replay``: layers whose buffers were restored for this recomputation run as
+        # their first forward did (gpipe.engine.state).
         with rng.preserved(self.device) as generator:
             for offset, layer in enumerate(self.layers):
                 generator.manual_seed(rng.layer_seed(seed, self.first_layer + offset, microbatch))
-                x = layer(x)
+                if offset in replay:
+                    with replaying():
+                        x = layer(x)
+                else:
+                    x = layer(x)
         return x
 
     def value_of(self, packet: Any) -> Any:
@@ -209,20 +194,22 @@ class Stage:
     def _metered(self):
         return self.meter.saved_tensors(self.index) if self.meter is not None else nullcontext()
 
-    def _outputs_and_loss(self, stored: _Stored, microbatch: int) -> None:
+    def _outputs_and_loss(
+        self, stored: _Stored, microbatch: int, replay: frozenset[int] = frozenset()
+    ) -> None:
         # A layer that changes its input in place (``x.sub_(m)``, ``ReLU(inplace=True)``)
         # must not change what the stage keeps: a recomputation would see the changed value,
         # the caller's batch (micro-batches are views of it) would change, and autograd
         # forbids writing to a leaf that requires grad. Such a stage's layers get a copy.
         inputs = stored.inputs
         if self._writes_input is False:
-            stored.outputs = self._run(inputs, microbatch, stored.seed)
+            stored.outputs = self._run(inputs, microbatch, stored.seed, replay)
         elif self._writes_input:
-            stored.outputs = self._run(_copied(inputs), microbatch, stored.seed)
+            stored.outputs = self._run(_copied(inputs), microbatch, stored.seed, replay)
         else:  # the first forward learns it from the copy's version counters
             copy = _copied(inputs)
             versions = [t._version for t in tensors_of(copy)]
-            stored.outputs = self._run(copy, microbatch, stored.seed)
+            stored.outputs = self._run(copy, microbatch, stored.seed, replay)
             self._writes_input = [t._version for t in tensors_of(copy)] != versions
             if not self._writes_input and torch.is_grad_enabled():
                 # Autograd may have saved the copy: the input shares its memory from now
@@ -268,8 +255,11 @@ class Stage:
             raise RuntimeError(f"stage {self.index} is not the last stage; it computes no loss")
         stored = _Stored(inputs=inputs, remat=remat, seed=seed, loss=loss)
         grad_mode = torch.enable_grad() if keep and not remat else torch.no_grad()
+        # A re-materialized forward keeps the buffers it writes as it found them.
+        saved = self.state.save() if keep and remat else None
         with grad_mode, self._metered():
             self._outputs_and_loss(stored, microbatch)
+        stored.state = self.state.learned(saved)
         outputs, loss_value = stored.outputs, stored.loss_value
         if keep:
             if remat:
@@ -306,8 +296,13 @@ class Stage:
         stored = self._take(self._stored, microbatch, "stored forward", "F before B")
         with torch.enable_grad():
             if stored.remat:
-                with recomputing(), _running_stats_frozen(self.layers), self._metered():
-                    self._outputs_and_loss(stored, microbatch)
+                with (
+                    recomputing(),
+                    running_stats_frozen(self.layers),
+                    self._metered(),
+                    ModuleState.restored(stored.state) as replay,
+                ):
+                    self._outputs_and_loss(stored, microbatch, replay)
             roots, grads = self._roots(stored, grad_outputs, microbatch)
             inputs = tensors_of(stored.inputs)
             if split:
