@@ -12,6 +12,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+import captured_models
 import gpipe
 import user_scripts
 from gpipe.models import convnet, gpt, gpt_tied_names, lm_loss
@@ -399,3 +400,79 @@ def test_a_forward_that_writes_a_parameter_is_refused_under_remat():
     pipe = gpipe.Pipe(model, balance=[2, 1], chunks=2)
     with pytest.raises(RuntimeError, match=r"writes parameters in place \(1\.calls\).*'never'"):
         pipe.step(x, y, F.cross_entropy)
+
+
+# -- issue 27, 2 and 3: a frozen tie keeps grad None; copies equal whenever the user reads them --
+
+
+def _tied_adamw_ranks(processes: int, steps: int, *, freeze: bool, accumulate: int) -> list:
+    args = (steps, freeze, accumulate)
+    if processes == 1:
+        return [user_scripts.tied_adamw_script(None, *args)]
+    return gpipe.launch(user_scripts.tied_adamw_script, nprocs=2, args=args, timeout=60)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("processes", [1, 2])
+def test_a_frozen_tied_weight_keeps_no_gradient(processes):
+    """AdamW's weight decay must not move a frozen tied weight (a zero .grad would)."""
+    steps = 3
+    plain, _ = user_scripts.train_plain_tied_adamw(steps, freeze=True, accumulate=1)
+    ranks = _tied_adamw_ranks(processes, steps, freeze=True, accumulate=1)
+    theirs = plain.state_dict()
+    for rank in ranks:
+        assert all(g is None for step in rank["tied_grads"] for g in step.values())
+        for name, value in rank["state"].items():
+            assert relative_error(value, theirs[name]) < 1e-10, name
+    embedding, _ = gpt_tied_names(user_scripts.TIED_GPT)
+    assert torch.equal(
+        ranks[0]["state"][embedding], user_scripts.tied_gpt().state_dict()[embedding]
+    )
+
+
+@pytest.mark.skipif(captured_models.transformers is None, reason="needs transformers")
+def test_a_frozen_hugging_face_tied_embedding_keeps_no_gradient():
+    case = captured_models.CASES["hf-gpt2"]  # wte and lm_head: one tensor, found by capture
+    plain = case.build()
+    plain.transformer.wte.weight.requires_grad_(False)
+    pipe = gpipe.Pipe.from_model(
+        copy.deepcopy(plain), case.example(), split=case.split, balance=[2, 3], chunks=4
+    )
+    optimizers = [
+        torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1) for m in (pipe, plain)
+    ]
+    for step in range(2):
+        x, y = case.batch(step)
+        case.loss(plain(x), y).backward()
+        pipe.step(x, y, case.loss)
+        every = dict(pipe.named_parameters(remove_duplicate=False))
+        assert every["transformer.wte.weight"].grad is None
+        assert every["lm_head.weight"].grad is None
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+    theirs = plain.state_dict()
+    for name, value in pipe.state_dict().items():
+        assert relative_error(value, theirs[name]) < 1e-10, name
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("processes", [1, 2])
+def test_tied_copies_are_equal_right_after_the_optimizer_step(processes):
+    """Optimizer built before the Pipe, gradients accumulated over two steps: after the
+    last optimizer step (no forward since) the state dict and the caller's model are the
+    plain model's."""
+    steps = 3
+    plain, plain_grads = user_scripts.train_plain_tied_adamw(steps, freeze=False, accumulate=2)
+    ranks = _tied_adamw_ranks(processes, steps, freeze=False, accumulate=2)
+    theirs = plain.state_dict()
+    for rank in ranks:
+        for name, value in rank["state"].items():
+            assert relative_error(value, theirs[name]) < 1e-10, name
+        for step, grads in enumerate(rank["tied_grads"]):
+            for name, grad in grads.items():
+                assert relative_error(grad, plain_grads[step]) < 1e-10, (step, name)
+    if processes == 1:
+        x = user_scripts.tied_batches(1)[0][0]
+        with torch.no_grad():
+            torch.testing.assert_close(ranks[0]["model"](x), plain(x), rtol=1e-10, atol=1e-10)

@@ -127,3 +127,41 @@ def factory_script(rank: int) -> dict:
         custom_init_factory, balance=[2, 3], chunks=2, group=dist.group.WORLD, init_seed=11
     )
     return {n: t.detach().clone() for n, t in pipe.state_dict().items()}
+
+
+def tied_adamw_script(rank: int | None, steps: int, freeze: bool, accumulate: int) -> dict:
+    """Tied weights with AdamW (weight decay) built before the Pipe; the embedding frozen or
+    not; ``accumulate`` pipe.step calls per optimizer step. Nothing reads the model between
+    the last optimizer step and the state dict."""
+    model = tied_gpt()
+    model[0].token.weight.requires_grad_(not freeze)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    group = dist.group.WORLD if rank is not None else None
+    pipe = gpipe.Pipe(
+        model, balance=[2, 2], chunks=2, group=group, tied=[list(gpt_tied_names(TIED_GPT))]
+    )
+    tied_grads = []
+    for step, (x, y) in enumerate(tied_batches(steps * accumulate)):
+        pipe.step(x, y, lm_loss)
+        if (step + 1) % accumulate == 0:
+            every = dict(pipe.named_parameters(remove_duplicate=False))
+            tied_grads.append({n: every[n].grad for n in gpt_tied_names(TIED_GPT) if n in every})
+            optimizer.step()
+            optimizer.zero_grad()
+    state = {n: t.detach().clone() for n, t in pipe.state_dict().items()}
+    return {"state": state, "tied_grads": tied_grads, "model": model if rank is None else None}
+
+
+def train_plain_tied_adamw(steps: int, *, freeze: bool, accumulate: int) -> tuple[nn.Module, list]:
+    """The un-split tied model trained as :func:`tied_adamw_script` trains it."""
+    plain = tied_gpt()
+    plain[0].token.weight.requires_grad_(not freeze)
+    optimizer = torch.optim.AdamW(plain.parameters(), lr=1e-2, weight_decay=0.1)
+    grads = []
+    for step, (x, y) in enumerate(tied_batches(steps * accumulate)):
+        lm_loss(plain(x), y).backward()
+        if (step + 1) % accumulate == 0:
+            grads.append(plain[0].token.weight.grad)
+            optimizer.step()
+            optimizer.zero_grad()
+    return plain, grads

@@ -10,7 +10,7 @@ a pipeline spread over processes and machines; what differs between the two is
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal
 
 import torch
@@ -329,9 +329,10 @@ class Pipe(ModelNames, nn.Module):
             self._transport.finish()
             if self._reducer is not None and losses is not None:
                 self._reducer.finish()
-            add_earlier_gradients(earlier)
             if self._tied is not None and losses is not None:
+                # this step's gradients only: every holder already carries the earlier sum
                 self._tied.sync_gradients(self._ranks.exchange)
+            add_earlier_gradients(earlier)
         except BaseException as error:
             self._abandon_step(earlier)
             explained = self._sharded.explain(error) if self._sharded is not None else error
@@ -367,7 +368,19 @@ class Pipe(ModelNames, nn.Module):
             self._reducer.reset()
         restore_gradients(self.parameters(), earlier)
 
-    # -- gradients ------------------------------------------------------------------------
+    # -- parameters and gradients ------------------------------------------------------------
+
+    def named_parameters(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Parameter]]:
+        """The model's parameters, each once: a tied tensor is one parameter, as in the
+        un-split model, though a stage on another device holds a copy of it (gpipe's, kept
+        equal; listed with ``remove_duplicate=False``)."""
+        tied = getattr(self, "_tied", None)
+        hidden = tied.extra_copies() if tied is not None and remove_duplicate else set()
+        for name, p in super().named_parameters(prefix, recurse, remove_duplicate):
+            if id(p) not in hidden:
+                yield name, p
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the gradients of the whole model (every stage, every replica) by their norm.
@@ -376,9 +389,11 @@ class Pipe(ModelNames, nn.Module):
         returned on every rank.
         """
         grads = [p.grad for p in self.parameters() if p.grad is not None]
-        # A tied tensor counts once, as in the un-split model, though every holder has a copy.
-        extra = self._tied.extra_copies() if self._tied is not None else set()
-        counted = [p.grad for p in self.parameters() if p.grad is not None and id(p) not in extra]
+        # A tied tensor counts once, as in the un-split model, though each holder has a copy.
+        elsewhere = self._tied.counted_elsewhere() if self._tied is not None else set()
+        counted = [
+            p.grad for p in self.parameters() if p.grad is not None and id(p) not in elsewhere
+        ]
         p = float(norm_type)
         local = norm_part(counted, p, self.stages[0].device)
         if self._sharded is not None:  # each replica holds a shard of every gradient
