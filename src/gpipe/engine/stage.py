@@ -35,14 +35,22 @@ from gpipe._utils import tensors_of, to_device
 from gpipe.engine.skip import SkipError, StageSkips, tracking
 from gpipe.engine.split_backward import WeightWork, backward_input, backward_weight
 from gpipe.engine.state import ModuleState, SavedState, running_stats_frozen
+from gpipe.losses import IGNORE_INDEX
 from gpipe.remat import recomputing, replaying
 
 if TYPE_CHECKING:
     from gpipe.engine.memory import ActivationMeter
 
-__all__ = ["LossSpec", "Stage", "check_batch", "loss_specs"]
+__all__ = ["LossSpec", "Stage", "check_batch", "ignored_targets", "loss_specs"]
 
 LossFn = Callable[[Any, Any], torch.Tensor]
+_NOTHING_COUNTS = (
+    "micro-batch {microbatch}'s targets are all -100 (labels that do not count), so its mean "
+    "loss is {loss:g} (0/0): a token mean needs step(..., count=...) to weigh each "
+    "micro-batch by its tokens, e.g. count=lambda y: (y != -100).sum() (for Hugging Face-style "
+    "labels, shifted inside the loss: (y[:, 1:] != -100).sum()); or use a loss of "
+    "gpipe.losses (causal_lm(), masked_lm()), which counts for you"
+)
 
 
 @dataclass
@@ -52,6 +60,8 @@ class LossSpec:
     loss_fn: LossFn
     target: Any
     weight: float  # this micro-batch's share of the mini-batch loss
+    scale: torch.Tensor | None = None  # a GradScaler's: backward runs from loss * scale
+    nothing_counts: bool = False  # every target is the ignore index, and no count= was given
 
 
 def loss_specs(
@@ -62,9 +72,12 @@ def loss_specs(
     reduction: str,
     count: Callable[[Any], Any] | None,
     device: torch.device,
+    scale: torch.Tensor | None = None,
+    nothing_counts: list[bool] | None = None,
 ) -> list[LossSpec]:
     """The last stage's loss for each micro-batch, weighted so that the gradients add up
-    to the mini-batch loss's (see ``Pipe.step`` for ``reduction`` and ``count``)."""
+    to the mini-batch loss's (see ``Pipe.step`` for ``reduction`` and ``count``).
+    ``nothing_counts``: the micro-batches whose targets are all the ignore index."""
     if reduction not in ("mean", "sum"):
         raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
     if count is not None and reduction != "mean":
@@ -85,9 +98,31 @@ def loss_specs(
         )
     total = sum(shares)
     return [
-        LossSpec(loss_fn, to_device(y, device), n / total if reduction == "mean" else 1.0)
-        for y, n in zip(targets_mb, shares, strict=True)
+        LossSpec(
+            loss_fn,
+            to_device(y, device),
+            n / total if reduction == "mean" else 1.0,
+            scale=scale,
+            nothing_counts=bool(nothing_counts and nothing_counts[m]),
+        )
+        for m, (y, n) in enumerate(zip(targets_mb, shares, strict=True))
     ]
+
+
+def ignored_targets(targets_mb: list[Any]) -> tuple[bool, list[bool]]:
+    """Whether any integer target holds the ignore index (-100), and for each micro-batch
+    whether all of its targets do (a mean over them is 0/0); one transfer to the host."""
+    flags = []
+    for y in targets_mb:
+        labels = [t for t in tensors_of(y) if not t.is_floating_point() and t.numel()]
+        if not labels:
+            return False, [False] * len(targets_mb)
+        ignored = [t == IGNORE_INDEX for t in labels]
+        device = labels[0].device
+        flags.append(torch.stack([m.any().to(device) for m in ignored]).any())
+        flags.append(torch.stack([m.all().to(device) for m in ignored]).all())
+    found = torch.stack([f.to(flags[0].device) for f in flags]).tolist()
+    return any(found[0::2]), found[1::2]
 
 
 def check_batch(losses: list[LossSpec], inputs: int) -> None:
@@ -221,7 +256,10 @@ class Stage:
             stored.loss_value = torch.zeros((), device=self.device)
         elif stored.loss is not None:
             outputs = self.value_of(stored.outputs)
-            stored.loss_value = _compute_loss(stored.loss, outputs) * stored.loss.weight
+            loss = _compute_loss(stored.loss, outputs)
+            if stored.loss.nothing_counts and not bool(torch.isfinite(loss)):
+                raise ValueError(_NOTHING_COUNTS.format(microbatch=microbatch, loss=float(loss)))
+            stored.loss_value = loss * stored.loss.weight
             needs_grad = any(t.requires_grad for t in tensors_of(stored.inputs)) or any(
                 p.requires_grad for p in self.parameters()
             )
@@ -339,7 +377,9 @@ class Stage:
         """The tensors backward starts from, with their gradients (None: a scalar loss)."""
         if self.is_last:
             loss = stored.loss_value
-            return ([loss], [None]) if loss is not None and loss.requires_grad else ([], [])
+            if loss is None or not loss.requires_grad:
+                return [], []
+            return [loss if stored.loss.scale is None else loss * stored.loss.scale], [None]
         outputs = tensors_of(stored.outputs)
         grads = list(grad_outputs or [])
         if len(grads) != len(outputs):
