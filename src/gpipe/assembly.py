@@ -2,8 +2,8 @@
 
 * :func:`configure` checks every argument against the model (which is only recorded on
   ``meta`` when it is a function) and reports every problem in one error; it settles the
-  :class:`~gpipe.layout.Layout`, the balance (profiled with ``balance="auto"``), the devices
-  and the schedule, and makes every rank agree on them;
+  :class:`~gpipe.layout.Layout`, the balance (profiled with ``balance="auto"``, an even split
+  of the layers without one), the devices and the schedule, and makes every rank agree on them;
 * :func:`place` builds this process's layers (only those, for a function or a model on
   ``meta``), moves them to their stage's device and makes the stages;
 * :func:`tie` keeps the copies of tied weights that live on several stages as one tensor;
@@ -72,7 +72,7 @@ def configure(
     module: ModelOrFactory,
     ranks: PipelineGroup,
     *,
-    balance: Sequence[int] | str,
+    balance: Sequence[int] | str | None,
     devices: Sequence[Any] | None,
     chunks: int,
     checkpoint: str,
@@ -86,8 +86,9 @@ def configure(
     settings: dict[str, Any],
 ) -> Configuration:
     """Every argument checked (one :class:`PartitionError` listing every problem), the
-    balance chosen when ``"auto"``, and the ranks' agreement that they were built alike
-    (``settings``: what else must agree, e.g. ``tied``)."""
+    balance chosen when ``"auto"`` (profiled) or None (:meth:`Layout.default_balance` over
+    one stage per device, or per rank of the group: ``virtual_stages`` each), and the ranks'
+    agreement that they were built alike (``settings``: what else must agree, e.g. ``tied``)."""
     if shard is not None and shard not in SHARD_MODES:
         raise ValueError(f"shard must be None or one of {SHARD_MODES}, got {shard!r}")
     factory = _factory_of(module)
@@ -101,14 +102,20 @@ def configure(
     )
     if isinstance(balance, str):
         balance = _auto_balance(module, balance, ranks, devices, wanted, sample, sample_loss)
-    balance = list(balance)
     if devices is None:
         v = wanted.virtual_stages if isinstance(wanted.virtual_stages, int) else 1
-        devices = ranks.default_devices(max(1, len(balance) // max(1, v)))
+        devices = ranks.default_devices(1 if balance is None else max(1, len(balance) // max(1, v)))
     devices = list(devices)
     layout = replace(wanted, stages=len(devices))
     # A function is recorded on meta (no memory) to check the configuration against.
     model = build(factory, seed=init_seed, layers=[]) if factory is not None else module
+    if (
+        balance is None
+        and isinstance(model, nn.Sequential)
+        and not layout.problems(layers=len(model))
+    ):
+        balance = layout.default_balance(len(model))
+    balance = None if balance is None else list(balance)
     _check(layout, model, balance, devices, ranks)
     built = layout.build_schedule()
     ranks.check_same(
@@ -148,7 +155,7 @@ def _auto_balance(module, balance, ranks, devices, layout, sample, sample_loss) 
 
 
 def _check(
-    layout: Layout, model: nn.Module, balance: list[int], devices: list, ranks: PipelineGroup
+    layout: Layout, model: nn.Module, balance: list[int] | None, devices: list, ranks: PipelineGroup
 ) -> None:
     """Every problem of the configuration against the model, in one error; a warning for a
     pipeline that cannot overlap its stages."""

@@ -57,6 +57,11 @@ class Pipe(ModelNames, nn.Module):
         balance: layers per stage; ``len(balance)`` is the number of stages. ``"auto"``:
             profile the model on ``sample`` (one micro-batch of inputs) and choose the cuts
             that minimise the slowest stage (``gpipe.estimate.balance.balance_by_time``).
+            ``None`` (default): the layers split evenly by count (not by size or time;
+            ``Layout.default_balance``) over one stage per device in ``devices``, or per rank
+            of ``group`` when ``devices`` is not given (``virtual_stages`` each); with
+            neither, one process holds one stage on the CPU: ``Pipe(model)`` is the plain
+            model trained by micro-batches.
         devices: one device per rank (default: all ``"cpu"``; with ``group``, this
             process's ``cuda:LOCAL_RANK`` under NCCL). A rank holds one stage, or
             ``virtual_stages`` stages with ``"interleaved-1f1b"``, two with ``"zb-v"`` and
@@ -113,7 +118,7 @@ class Pipe(ModelNames, nn.Module):
         self,
         module: assembly.ModelOrFactory,
         *,
-        balance: Sequence[int] | Literal["auto"],
+        balance: Sequence[int] | Literal["auto"] | None = None,
         devices: Sequence[DeviceLike] | None = None,
         chunks: int = 1,
         checkpoint: remat.Remat = "except_last",
@@ -182,7 +187,8 @@ class Pipe(ModelNames, nn.Module):
         list; a list of module paths; ``None``: the model's largest ``nn.ModuleList``), see
         ``gpipe.frontend``. ``balance`` then counts units: the work before the first split
         module, each split module, the work after the last one (``len(pipe.units)``
-        before building: ``gpipe.frontend.capture(...)``). Parameters used by two units
+        before building: ``gpipe.frontend.capture(...)``); without it the units are split
+        evenly over the stages, as ``Pipe`` splits layers. Parameters used by two units
         (tied embeddings) are found and tied. Every other option is ``Pipe``'s
         (``balance="auto"`` profiles the units on ``example``).
 
