@@ -5,7 +5,8 @@
   :class:`~gpipe.layout.Layout`, the balance (profiled with ``balance="auto"``, an even split
   of the layers without one), the devices and the schedule, and makes every rank agree on them;
 * :func:`place` builds this process's layers (only those, for a function or a model on
-  ``meta``), moves them to their stage's device and makes the stages;
+  ``meta``), gives a captured model's units the graphs of their devices, moves them to their
+  stage's device and makes the stages;
 * :func:`tie` keeps the copies of tied weights that live on several stages as one tensor;
 * :func:`wire` connects the stages: transport, gradient reduction over replicas (plain or
   sharded), and the runtime that walks the schedule.
@@ -30,11 +31,11 @@ from gpipe.engine.skip import SkipLayout
 from gpipe.engine.stage import Stage
 from gpipe.errors import PartitionError
 from gpipe.estimate.auto import auto_balance
-from gpipe.frontend import CapturedModel, materialize_units, on_meta
+from gpipe.frontend import CapturedModel, fit_devices, materialize_units, on_meta
 from gpipe.layout import PIPE, Layout
 from gpipe.materialize import build
 from gpipe.parallel.data_parallel import GradientReducer
-from gpipe.parallel.group import PipelineGroup
+from gpipe.parallel.group import PipelineGroup, default_device
 from gpipe.parallel.mesh import group_size
 from gpipe.parallel.sharded import SHARD_MODES, ShardedStages, sharing_problems
 from gpipe.parallel.tied import TiedParameters
@@ -42,7 +43,16 @@ from gpipe.partition import check_not_shared, cut, device_problems, fingerprint
 from gpipe.schedule import Schedule
 from gpipe.schedule.routes import Routes
 
-__all__ = ["Configuration", "Placed", "Wiring", "configure", "place", "tie", "wire"]
+__all__ = [
+    "Configuration",
+    "Placed",
+    "Wiring",
+    "capture_device",
+    "configure",
+    "place",
+    "tie",
+    "wire",
+]
 
 ModelOrFactory = nn.Sequential | Callable[[], nn.Sequential]
 
@@ -211,8 +221,10 @@ def place(
         # Built on the CPU, as ``factory()`` would be, then moved: the same weights as
         # Pipe(factory()) on any devices (generators of other device types differ).
         model = build(config.factory, seed=init_seed, layers=local_layers, tied=bool(tied_names))
-    elif isinstance(model, CapturedModel) and on_meta(model):
-        materialize_units(model, local_layers, model.origin)
+    elif isinstance(model, CapturedModel):
+        if on_meta(model):
+            materialize_units(model, local_layers, model.origin)
+        fit_devices(model, _layer_devices(config), local_layers)
     stage_layers = cut(model, balance)
     check_not_shared(stage_layers, tied_names)
 
@@ -246,6 +258,18 @@ def place(
         )
     stage_of_name = {name: s for s, layers in enumerate(stage_layers) for name, _ in layers}
     return Placed(model, placed_layers, stages, stage_of_name, Routes(len(balance), skips))
+
+
+def _layer_devices(config: Configuration) -> list[torch.device]:
+    stages = zip(config.stage_devices, config.balance, strict=True)
+    return [device for device, size in stages for _ in range(size)]
+
+
+def capture_device(devices: Sequence[Any] | None, group: Any) -> torch.device:
+    """The device a model is captured for when Pipe's ``devices`` and ``group`` are these:
+    the first stage's (:func:`gpipe.frontend.capture.fit_devices` captures again for the
+    others' types, if they differ)."""
+    return torch.device(devices[0]) if devices else default_device(group)
 
 
 def tie(

@@ -200,7 +200,9 @@ class Pipe(ModelNames, nn.Module):
         then materializes only its own units, from ``weights`` (a ``save_pretrained``
         directory or a ``.safetensors`` file) or by the model's own initialization (a
         function: exactly ``torch.manual_seed(init_seed); model()``), see
-        ``gpipe.frontend.weights``.
+        ``gpipe.frontend.weights``. The model is captured for the device type of the stages
+        (a model on meta: on fake tensors of that device), so that its device-dependent
+        branches are those of the device it runs on.
         """
         if options.get("balance") == "auto":
             options.setdefault("sample", example)  # profile the units on the example
@@ -211,7 +213,8 @@ class Pipe(ModelNames, nn.Module):
                 "meta (or a function): pass balance=[units per stage], or plan on a smaller "
                 "configuration built in one process (gpipe.plan)"
             )
-        captured = capture(model, example, split=split)
+        device = assembly.capture_device(options.get("devices"), options.get("group"))
+        captured = capture(model, example, split=split, device=device)
         captured.origin = origin
         return cls(captured, tied=[*captured.tied, *tied], init_seed=init_seed, **options)
 

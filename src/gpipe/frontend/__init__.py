@@ -5,7 +5,7 @@
 ``Pipe`` takes; ``Pipe.from_model`` does both in one call.
 """
 
-from gpipe.frontend.capture import capture, split_points
+from gpipe.frontend.capture import capture, fit_devices, split_points
 from gpipe.frontend.cut import CaptureError
 from gpipe.frontend.names import ModelNames
 from gpipe.frontend.units import CapturedModel, Unit
@@ -18,6 +18,7 @@ __all__ = [
     "Origin",
     "Unit",
     "capture",
+    "fit_devices",
     "materialize_units",
     "on_meta",
     "origin_of",

@@ -112,6 +112,33 @@ class Unit(nn.Module):
             self._compiled[key] = namespace["forward"]
         return self._compiled[key]
 
+    @property
+    def capture_device(self) -> torch.device:
+        """The device the graphs were captured for (their branches are that device's)."""
+        return self._capture_device
+
+    def boundary(self, side: str) -> list[tuple[str, ...]]:
+        """What this unit takes (``side="in"``) or gives (``"out"``) in each mode: the names
+        of the carried values and which are integers; two captures agree on a cut iff the
+        units on either side agree on it."""
+        found = []
+        for training in (True, False):
+            graph = self._graphs[training]
+            if side == "in":
+                names = [n.name for n in graph.graph.nodes if n.op == "placeholder"]
+                found.append((*names, *map(str, sorted(graph.int_inputs))))
+            else:
+                (out,) = [n for n in graph.graph.nodes if n.op == "output"]
+                names = [getattr(v, "name", repr(v)) for v in out.args[0]]
+                found.append((*names, *map(str, sorted(graph.int_outputs))))
+        return found
+
+    def use_graphs(self, other: Unit) -> None:
+        """Run ``other``'s graphs (the same unit, captured for another device)."""
+        self._graphs = other._graphs
+        self._capture_device = other._capture_device
+        self._compiled = {}
+
     def __getstate__(self):  # the compiled code is rebuilt on demand, never pickled
         return {**self.__dict__, "_compiled": {}}
 
@@ -129,6 +156,7 @@ class CapturedModel(nn.Sequential):
         self.tied = list(tied)
         self.split = list(split)
         self.origin = None  # a gpipe.frontend.weights.Origin when captured on meta
+        self.source = None  # (model, example, split, dynamic): to capture again elsewhere
 
     @staticmethod
     def original_name(name: str) -> str:

@@ -38,7 +38,7 @@ from gpipe.schedule.routes import Routes
 from gpipe.transport.distributed import DistributedTransport
 from gpipe.transport.local import LocalTransport
 
-__all__ = ["MultiProcess", "PipelineGroup", "SingleProcess", "pipeline_group"]
+__all__ = ["MultiProcess", "PipelineGroup", "SingleProcess", "default_device", "pipeline_group"]
 
 T = TypeVar("T")
 ByStage = dict[int, torch.Tensor]  # a tensor per stage
@@ -90,6 +90,18 @@ class PipelineGroup(Protocol):
 
     def norm_total(self, local: torch.Tensor, *, maximum: bool) -> torch.Tensor:
         """A gradient norm's term summed (or maxed) over the pipeline's ranks."""
+
+
+def default_device(group: Any) -> torch.device:
+    """Where a process computes unless told: with a process group under NCCL, its
+    ``cuda:LOCAL_RANK``; otherwise the CPU."""
+    if group is None:
+        return torch.device("cpu")
+    import torch.distributed as dist
+
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
 
 
 def pipeline_group(
@@ -202,9 +214,7 @@ class MultiProcess:
     # -- devices and stages -------------------------------------------------------------------
 
     def _own_device(self) -> torch.device:
-        if self.backend == "nccl":
-            return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        return torch.device("cpu")
+        return default_device(self.group)
 
     def default_devices(self, num_ranks: int) -> list[DeviceLike]:
         return [self._own_device()] * self.num_ranks
