@@ -5,8 +5,9 @@
   :class:`~gpipe.layout.Layout`, the balance (profiled with ``balance="auto"``, an even split
   of the layers without one), the devices and the schedule, and makes every rank agree on them;
 * :func:`place` builds this process's layers (only those, for a function or a model on
-  ``meta``), gives a captured model's units the graphs of their devices, moves them to their
-  stage's device and makes the stages;
+  ``meta``: from a checkpoint, whole or not at all), gives a captured model's units the graphs
+  of their devices, moves them to their stage's device and makes the stages; a rank that cannot
+  build its layers stops every rank;
 * :func:`tie` keeps the copies of tied weights that live on several stages as one tensor;
 * :func:`wire` connects the stages: transport, gradient reduction over replicas (plain or
   sharded), and the runtime that walks the schedule.
@@ -29,9 +30,9 @@ from gpipe.engine.batchnorm import DeferredBatchNorm
 from gpipe.engine.runtime import Runtime
 from gpipe.engine.skip import SkipLayout
 from gpipe.engine.stage import Stage
-from gpipe.errors import PartitionError
+from gpipe.errors import PartitionError, PipelineError
 from gpipe.estimate.auto import auto_balance
-from gpipe.frontend import CapturedModel, fit_devices, materialize_units, on_meta
+from gpipe.frontend import CapturedModel, LoadReport, fit_devices, materialize_units, on_meta
 from gpipe.layout import PIPE, Layout
 from gpipe.materialize import build
 from gpipe.parallel.data_parallel import GradientReducer
@@ -216,15 +217,7 @@ def place(
     local = ranks.local_stages(config.schedule)
     starts, balance = config.first_layers, config.balance
     local_layers = [i for s in local for i in range(starts[s], starts[s] + balance[s])]
-    model = config.model
-    if config.factory is not None:
-        # Built on the CPU, as ``factory()`` would be, then moved: the same weights as
-        # Pipe(factory()) on any devices (generators of other device types differ).
-        model = build(config.factory, seed=init_seed, layers=local_layers, tied=bool(tied_names))
-    elif isinstance(model, CapturedModel):
-        if on_meta(model):
-            materialize_units(model, local_layers, model.origin)
-        fit_devices(model, _layer_devices(config), local_layers)
+    model = _build_local(config, ranks, local_layers, tied=bool(tied_names), init_seed=init_seed)
     stage_layers = cut(model, balance)
     check_not_shared(stage_layers, tied_names)
 
@@ -258,6 +251,48 @@ def place(
         )
     stage_of_name = {name: s for s, layers in enumerate(stage_layers) for name, _ in layers}
     return Placed(model, placed_layers, stages, stage_of_name, Routes(len(balance), skips))
+
+
+def _build_local(
+    config: Configuration, ranks: PipelineGroup, layers: list[int], *, tied: bool, init_seed: int
+) -> nn.Sequential:
+    """The model with this rank's ``layers`` built: a function's, bit for bit; a captured
+    model's units materialized (from its checkpoint, whole or not at all) and given the
+    graphs of their devices. Any rank that cannot build its own stops every rank, none waits
+    for it in a collective; an incomplete checkpoint is one error naming what is missing
+    everywhere (or, with ``strict=False``, a warning of what was initialized)."""
+    model = config.model
+    if config.factory is None and not isinstance(model, CapturedModel):
+        return model  # built by the caller: nothing of it can fail here
+    report: LoadReport | None = None
+    failure: Exception | None = None
+    try:
+        if config.factory is not None:
+            # Built on the CPU, as ``factory()`` would be, then moved: the same weights as
+            # Pipe(factory()) on any devices (generators of other device types differ).
+            model = build(config.factory, seed=init_seed, layers=layers, tied=tied)
+        elif isinstance(model, CapturedModel):
+            report = materialize_units(model, layers, model.origin) if on_meta(model) else None
+            if report is None or report.complete or not model.origin.strict:
+                fit_devices(model, _layer_devices(config), layers)
+    except Exception as error:
+        failure = error
+    said = None if failure is None else f"{type(failure).__name__}: {failure}"
+    everyone = ranks.gather((report, said), "what each rank built")
+    if failure is not None:
+        raise failure
+    for rank, (_, message) in enumerate(everyone):
+        if message is not None:
+            raise PipelineError(
+                f"rank {rank} could not build its stages, so no rank starts: {message}", rank=rank
+            )
+    reports = [r for r, _ in everyone if r is not None]
+    if reports and not LoadReport.merged(reports).complete:
+        if model.origin.strict:
+            raise LoadReport.merged(reports).error()
+        if report is not None and not report.complete:
+            warnings.warn(report.warning(), stacklevel=4)
+    return model
 
 
 def _layer_devices(config: Configuration) -> list[torch.device]:

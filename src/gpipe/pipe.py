@@ -10,6 +10,7 @@ a pipeline spread over processes and machines; what differs between the two is
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
@@ -174,7 +175,8 @@ class Pipe(ModelNames, nn.Module):
         example: Any,
         *,
         split: str | Sequence[str] | None = None,
-        weights: str | None = None,
+        weights: str | os.PathLike | None = None,
+        strict: bool = True,
         init_seed: int = 0,
         tied: Sequence[Sequence[str]] = (),
         **options: Any,
@@ -198,15 +200,25 @@ class Pipe(ModelNames, nn.Module):
 
         Big models: pass the model on ``meta``, or a function that builds it; each process
         then materializes only its own units, from ``weights`` (a ``save_pretrained``
-        directory or a ``.safetensors`` file) or by the model's own initialization (a
-        function: exactly ``torch.manual_seed(init_seed); model()``), see
-        ``gpipe.frontend.weights``. The model is captured for the device type of the stages
-        (a model on meta: on fake tensors of that device), so that its device-dependent
-        branches are those of the device it runs on.
+        directory or a ``.safetensors`` file, read under the names ``from_pretrained`` maps
+        its keys to) or by the model's own initialization (a function: exactly
+        ``torch.manual_seed(init_seed); model()``), see ``gpipe.frontend.weights``. Weights
+        load whole or not at all: a tensor the checkpoint lacks, one the model does not have
+        or one of another shape stops the build on every rank, naming them
+        (``gpipe.frontend.WeightsError``); ``strict=False`` initializes the tensors the
+        checkpoint does not fill, as without ``weights``, and lists them in a warning. A
+        rank's tensors then equal ``from_pretrained(weights)``'s. The model is captured for
+        the device type of the stages (a model on meta: on fake tensors of that device), so
+        that its device-dependent branches are those of the device it runs on.
+
+        Shapes: the dimensions of the inputs may change from step to step within what the
+        capture assumed (``torch.export``'s range constraints: a forward that branches on a
+        length is captured for one side); an input outside raises before the graph runs,
+        naming the dimension, the range and the remedy.
         """
         if options.get("balance") == "auto":
             options.setdefault("sample", example)  # profile the units on the example
-        model, origin = origin_of(model, weights, init_seed)
+        model, origin = origin_of(model, weights, init_seed, strict)
         if origin is not None and options.get("balance") == "auto":
             raise PartitionError(
                 "balance='auto' profiles the model, which needs its values, but this one is on "

@@ -71,6 +71,10 @@ class PipelineGroup(Protocol):
     def decide(self, choose: Callable[[], T]) -> T:
         """``choose()``, one answer for every rank."""
 
+    def gather(self, value: Any, what: str) -> list[Any]:
+        """Every rank's ``value`` (picklable), by rank, while building: what each rank found
+        (``what`` names it in a timeout's error)."""
+
     def tie(self, tied: TiedParameters) -> None:
         """Make the tied copies equal before the first step."""
 
@@ -164,6 +168,9 @@ class SingleProcess:
 
     def decide(self, choose: Callable[[], T]) -> T:
         return choose()
+
+    def gather(self, value: Any, what: str) -> list[Any]:
+        return [value]
 
     def tie(self, tied: TiedParameters) -> None:
         """Make the tied copies equal before the first step."""
@@ -400,6 +407,14 @@ class MultiProcess:
                 choose() if self.rank == 0 else None,
                 "the broadcast of the automatic balance (balance='auto')",
                 doing="building the Pipe",
+            )
+        )
+
+    def gather(self, value: Any, what: str) -> list[Any]:
+        """Every rank's ``value`` (one bounded all-gather), by rank."""
+        return self._collective(
+            lambda: self.ops.all_gather_object(
+                value, f"the gather of {what}", doing="building the Pipe"
             )
         )
 
