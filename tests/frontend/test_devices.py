@@ -95,3 +95,12 @@ def test_units_on_two_device_types_must_carry_the_same_values():
         CaptureError, match=r"captured for meta and would run on cpu; capture them there"
     ):
         fit_devices(units, [CPU, CPU], [0])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="names a device this machine lacks")
+def test_capturing_for_a_device_this_torch_lacks_is_refused_not_a_crash():
+    """Fake CUDA tensors in a CPU-only PyTorch abort the process (a c10::Error)."""
+    with torch.device("meta"):
+        model = DeviceBranch()
+    with pytest.raises(CaptureError, match=r"cannot capture for cuda:0: .* 0 cuda device"):
+        gpipe.Pipe.from_model(model, (torch.randn(2, 4),), split="blocks", devices=["cuda:0"])

@@ -92,6 +92,8 @@ def capture(
         )
     target = _target_device(model, device)
     fakes = _needs_fakes(model, target)
+    if fakes:
+        _check_present(target)
     source = (model, example, split, dynamic)
     args, kwargs = (
         ((), dict(example))
@@ -188,6 +190,20 @@ def _target_device(model: nn.Module, device: torch.device | str | None) -> torch
         return torch.device(device)
     real = [t.device for t in [*model.parameters(), *model.buffers()] if not t.is_meta]
     return real[0] if real else torch.device("cpu")
+
+
+def _check_present(device: torch.device) -> None:
+    """Fake tensors of a device type this PyTorch cannot run abort the process: refuse."""
+    if device.type in ("cpu", "meta"):
+        return
+    backend = getattr(torch, device.type, None)
+    present = getattr(backend, "is_available", lambda: False)()
+    count = getattr(backend, "device_count", lambda: 0)() if present else 0
+    if not present or (device.index is not None and device.index >= count):
+        raise CaptureError(
+            f"cannot capture for {device}: this machine's PyTorch has "
+            f"{count} {device.type} device(s); pass devices it has (e.g. devices=['cpu'])"
+        )
 
 
 def _needs_fakes(model: nn.Module, target: torch.device) -> bool:
