@@ -146,3 +146,14 @@ def test_even_balance():
 
 def test_the_module_example_runs():
     assert doctest.testmod(gpipe.layout).failed == 0
+
+
+def test_the_default_balance_splits_the_layers_evenly_over_every_stage():
+    assert Layout(stages=2).default_balance(5) == [3, 2]
+    assert Layout(stages=2, chunks=4, schedule="interleaved-1f1b").default_balance(9) == [
+        3,
+        2,
+        2,
+        2,
+    ]
+    assert Layout(stages=4, chunks=8, schedule="zb-v").default_balance(8) == [1] * 8

@@ -314,3 +314,31 @@ def test_every_schedule_equals_unsplit_model(name, schedule, devices, virtual, c
         for key, value in running_stats_of_unsplit_batch(initial, x, chunks).items():
             assert relative_error(state[key], value) <= 1e-10, key
     assert all(not stage.pending for stage in pipe.stages)
+
+
+@pytest.mark.parametrize(
+    ("devices", "schedule", "balance"),
+    [
+        (None, "gpipe", [9]),
+        (["cpu"] * 2, "1f1b", [5, 4]),
+        (["cpu"] * 2, "interleaved-1f1b", [3, 2, 2, 2]),
+    ],
+)
+def test_without_a_balance_the_layers_are_split_evenly_over_the_devices(devices, schedule, balance):
+    """Before, a raw TypeError (missing 'balance'); gpipe train split evenly already."""
+    torch.manual_seed(0)
+    model = mlp([16, 32, 32, 32, 32, 8]).double()  # 9 layers: 5 Linear, 4 ReLU
+    x, y = torch.randn(BATCH, 16, dtype=torch.float64), torch.randint(0, 8, (BATCH,))
+    reference = twin(model)
+    pipe = gpipe.Pipe(model, devices=devices, chunks=4, schedule=schedule)
+    assert pipe.balance == balance
+    loss = pipe.step(x, y, F.cross_entropy, seed=1)
+    expected = reference_step(reference, x, y, F.cross_entropy, chunks=4, seed=1)
+    assert relative_error(loss, expected) <= 1e-10
+    worst, where = worst_gradient_error(pipe, reference)
+    assert worst <= 1e-10, where
+
+
+def test_without_a_balance_fewer_layers_than_stages_is_refused():
+    with pytest.raises(gpipe.PartitionError, match=r"2 devices needs at least 2 layers"):
+        gpipe.Pipe(nn.Sequential(nn.Linear(2, 2)), devices=["cpu", "cpu"])

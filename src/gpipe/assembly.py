@@ -2,10 +2,12 @@
 
 * :func:`configure` checks every argument against the model (which is only recorded on
   ``meta`` when it is a function) and reports every problem in one error; it settles the
-  :class:`~gpipe.layout.Layout`, the balance (profiled with ``balance="auto"``), the devices
-  and the schedule, and makes every rank agree on them;
+  :class:`~gpipe.layout.Layout`, the balance (profiled with ``balance="auto"``, an even split
+  of the layers without one), the devices and the schedule, and makes every rank agree on them;
 * :func:`place` builds this process's layers (only those, for a function or a model on
-  ``meta``), moves them to their stage's device and makes the stages;
+  ``meta``: from a checkpoint, whole or not at all), gives a captured model's units the graphs
+  of their devices, moves them to their stage's device and makes the stages; a rank that cannot
+  build its layers stops every rank;
 * :func:`tie` keeps the copies of tied weights that live on several stages as one tensor;
 * :func:`wire` connects the stages: transport, gradient reduction over replicas (plain or
   sharded), and the runtime that walks the schedule.
@@ -28,13 +30,13 @@ from gpipe.engine.batchnorm import DeferredBatchNorm
 from gpipe.engine.runtime import Runtime
 from gpipe.engine.skip import SkipLayout
 from gpipe.engine.stage import Stage
-from gpipe.errors import PartitionError
+from gpipe.errors import PartitionError, PipelineError
 from gpipe.estimate.auto import auto_balance
-from gpipe.frontend import CapturedModel, materialize_units, on_meta
+from gpipe.frontend import CapturedModel, LoadReport, fit_devices, materialize_units, on_meta
 from gpipe.layout import PIPE, Layout
 from gpipe.materialize import build
 from gpipe.parallel.data_parallel import GradientReducer
-from gpipe.parallel.group import PipelineGroup
+from gpipe.parallel.group import PipelineGroup, default_device
 from gpipe.parallel.mesh import group_size
 from gpipe.parallel.sharded import SHARD_MODES, ShardedStages, sharing_problems
 from gpipe.parallel.tied import TiedParameters
@@ -42,7 +44,16 @@ from gpipe.partition import check_not_shared, cut, device_problems, fingerprint
 from gpipe.schedule import Schedule
 from gpipe.schedule.routes import Routes
 
-__all__ = ["Configuration", "Placed", "Wiring", "configure", "place", "tie", "wire"]
+__all__ = [
+    "Configuration",
+    "Placed",
+    "Wiring",
+    "capture_device",
+    "configure",
+    "place",
+    "tie",
+    "wire",
+]
 
 ModelOrFactory = nn.Sequential | Callable[[], nn.Sequential]
 
@@ -72,7 +83,7 @@ def configure(
     module: ModelOrFactory,
     ranks: PipelineGroup,
     *,
-    balance: Sequence[int] | str,
+    balance: Sequence[int] | str | None,
     devices: Sequence[Any] | None,
     chunks: int,
     checkpoint: str,
@@ -86,8 +97,9 @@ def configure(
     settings: dict[str, Any],
 ) -> Configuration:
     """Every argument checked (one :class:`PartitionError` listing every problem), the
-    balance chosen when ``"auto"``, and the ranks' agreement that they were built alike
-    (``settings``: what else must agree, e.g. ``tied``)."""
+    balance chosen when ``"auto"`` (profiled) or None (:meth:`Layout.default_balance` over
+    one stage per device, or per rank of the group: ``virtual_stages`` each), and the ranks'
+    agreement that they were built alike (``settings``: what else must agree, e.g. ``tied``)."""
     if shard is not None and shard not in SHARD_MODES:
         raise ValueError(f"shard must be None or one of {SHARD_MODES}, got {shard!r}")
     factory = _factory_of(module)
@@ -101,14 +113,20 @@ def configure(
     )
     if isinstance(balance, str):
         balance = _auto_balance(module, balance, ranks, devices, wanted, sample, sample_loss)
-    balance = list(balance)
     if devices is None:
         v = wanted.virtual_stages if isinstance(wanted.virtual_stages, int) else 1
-        devices = ranks.default_devices(max(1, len(balance) // max(1, v)))
+        devices = ranks.default_devices(1 if balance is None else max(1, len(balance) // max(1, v)))
     devices = list(devices)
     layout = replace(wanted, stages=len(devices))
     # A function is recorded on meta (no memory) to check the configuration against.
     model = build(factory, seed=init_seed, layers=[]) if factory is not None else module
+    if (
+        balance is None
+        and isinstance(model, nn.Sequential)
+        and not layout.problems(layers=len(model))
+    ):
+        balance = layout.default_balance(len(model))
+    balance = None if balance is None else list(balance)
     _check(layout, model, balance, devices, ranks)
     built = layout.build_schedule()
     ranks.check_same(
@@ -148,7 +166,7 @@ def _auto_balance(module, balance, ranks, devices, layout, sample, sample_loss) 
 
 
 def _check(
-    layout: Layout, model: nn.Module, balance: list[int], devices: list, ranks: PipelineGroup
+    layout: Layout, model: nn.Module, balance: list[int] | None, devices: list, ranks: PipelineGroup
 ) -> None:
     """Every problem of the configuration against the model, in one error; a warning for a
     pipeline that cannot overlap its stages."""
@@ -199,13 +217,7 @@ def place(
     local = ranks.local_stages(config.schedule)
     starts, balance = config.first_layers, config.balance
     local_layers = [i for s in local for i in range(starts[s], starts[s] + balance[s])]
-    model = config.model
-    if config.factory is not None:
-        # Built on the CPU, as ``factory()`` would be, then moved: the same weights as
-        # Pipe(factory()) on any devices (generators of other device types differ).
-        model = build(config.factory, seed=init_seed, layers=local_layers, tied=bool(tied_names))
-    elif isinstance(model, CapturedModel) and on_meta(model):
-        materialize_units(model, local_layers, model.origin)
+    model = _build_local(config, ranks, local_layers, tied=bool(tied_names), init_seed=init_seed)
     stage_layers = cut(model, balance)
     check_not_shared(stage_layers, tied_names)
 
@@ -239,6 +251,60 @@ def place(
         )
     stage_of_name = {name: s for s, layers in enumerate(stage_layers) for name, _ in layers}
     return Placed(model, placed_layers, stages, stage_of_name, Routes(len(balance), skips))
+
+
+def _build_local(
+    config: Configuration, ranks: PipelineGroup, layers: list[int], *, tied: bool, init_seed: int
+) -> nn.Sequential:
+    """The model with this rank's ``layers`` built: a function's, bit for bit; a captured
+    model's units materialized (from its checkpoint, whole or not at all) and given the
+    graphs of their devices. Any rank that cannot build its own stops every rank, none waits
+    for it in a collective; an incomplete checkpoint is one error naming what is missing
+    everywhere (or, with ``strict=False``, a warning of what was initialized)."""
+    model = config.model
+    if config.factory is None and not isinstance(model, CapturedModel):
+        return model  # built by the caller: nothing of it can fail here
+    report: LoadReport | None = None
+    failure: Exception | None = None
+    try:
+        if config.factory is not None:
+            # Built on the CPU, as ``factory()`` would be, then moved: the same weights as
+            # Pipe(factory()) on any devices (generators of other device types differ).
+            model = build(config.factory, seed=init_seed, layers=layers, tied=tied)
+        elif isinstance(model, CapturedModel):
+            report = materialize_units(model, layers, model.origin) if on_meta(model) else None
+            if report is None or report.complete or not model.origin.strict:
+                fit_devices(model, _layer_devices(config), layers)
+    except Exception as error:
+        failure = error
+    said = None if failure is None else f"{type(failure).__name__}: {failure}"
+    everyone = ranks.gather((report, said), "what each rank built")
+    if failure is not None:
+        raise failure
+    for rank, (_, message) in enumerate(everyone):
+        if message is not None:
+            raise PipelineError(
+                f"rank {rank} could not build its stages, so no rank starts: {message}", rank=rank
+            )
+    reports = [r for r, _ in everyone if r is not None]
+    if reports and not LoadReport.merged(reports).complete:
+        if model.origin.strict:
+            raise LoadReport.merged(reports).error()
+        if report is not None and not report.complete:
+            warnings.warn(report.warning(), stacklevel=4)
+    return model
+
+
+def _layer_devices(config: Configuration) -> list[torch.device]:
+    stages = zip(config.stage_devices, config.balance, strict=True)
+    return [device for device, size in stages for _ in range(size)]
+
+
+def capture_device(devices: Sequence[Any] | None, group: Any) -> torch.device:
+    """The device a model is captured for when Pipe's ``devices`` and ``group`` are these:
+    the first stage's (:func:`gpipe.frontend.capture.fit_devices` captures again for the
+    others' types, if they differ)."""
+    return torch.device(devices[0]) if devices else default_device(group)
 
 
 def tie(

@@ -132,6 +132,12 @@ class Layout:
     def schedule_name(self) -> str:
         return self.schedule.name if isinstance(self.schedule, Schedule) else str(self.schedule)
 
+    def default_balance(self, layers: int) -> list[int]:
+        """The cut used when none is given: the layers (a captured model's units) split as
+        evenly as possible over the :attr:`num_stages` stages, by count, not by size or time
+        (earlier stages take the remainder); ``balance="auto"`` profiles instead."""
+        return even_balance(layers, self.num_stages)
+
     def label(self) -> str:
         """One line: ``K=2 v=2 R=2 sharded M=8 interleaved-1f1b except_last``."""
         virtual = f" v={self.virtual_stages}" if self.virtual_stages != 1 else ""

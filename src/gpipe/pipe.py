@@ -10,6 +10,7 @@ a pipeline spread over processes and machines; what differs between the two is
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal
@@ -69,6 +70,11 @@ class Pipe(ModelNames, nn.Module):
         balance: layers per stage; ``len(balance)`` is the number of stages. ``"auto"``:
             profile the model on ``sample`` (one micro-batch of inputs) and choose the cuts
             that minimise the slowest stage (``gpipe.estimate.balance.balance_by_time``).
+            ``None`` (default): the layers split evenly by count (not by size or time;
+            ``Layout.default_balance``) over one stage per device in ``devices``, or per rank
+            of ``group`` when ``devices`` is not given (``virtual_stages`` each); with
+            neither, one process holds one stage on the CPU: ``Pipe(model)`` is the plain
+            model trained by micro-batches.
         devices: one device per rank (default: all ``"cpu"``; with ``group``, this
             process's ``cuda:LOCAL_RANK`` under NCCL). A rank holds one stage, or
             ``virtual_stages`` stages with ``"interleaved-1f1b"``, two with ``"zb-v"`` and
@@ -125,7 +131,7 @@ class Pipe(ModelNames, nn.Module):
         self,
         module: assembly.ModelOrFactory,
         *,
-        balance: Sequence[int] | Literal["auto"],
+        balance: Sequence[int] | Literal["auto"] | None = None,
         devices: Sequence[DeviceLike] | None = None,
         chunks: int = 1,
         checkpoint: remat.Remat = "except_last",
@@ -184,7 +190,8 @@ class Pipe(ModelNames, nn.Module):
         example: Any,
         *,
         split: str | Sequence[str] | None = None,
-        weights: str | None = None,
+        weights: str | os.PathLike | None = None,
+        strict: bool = True,
         init_seed: int = 0,
         tied: Sequence[Sequence[str]] = (),
         **options: Any,
@@ -197,7 +204,8 @@ class Pipe(ModelNames, nn.Module):
         list; a list of module paths; ``None``: the model's largest ``nn.ModuleList``), see
         ``gpipe.frontend``. ``balance`` then counts units: the work before the first split
         module, each split module, the work after the last one (``len(pipe.units)``
-        before building: ``gpipe.frontend.capture(...)``). Parameters used by two units
+        before building: ``gpipe.frontend.capture(...)``); without it the units are split
+        evenly over the stages, as ``Pipe`` splits layers. Parameters used by two units
         (tied embeddings) are found and tied. Every other option is ``Pipe``'s
         (``balance="auto"`` profiles the units on ``example``).
 
@@ -207,20 +215,33 @@ class Pipe(ModelNames, nn.Module):
 
         Big models: pass the model on ``meta``, or a function that builds it; each process
         then materializes only its own units, from ``weights`` (a ``save_pretrained``
-        directory or a ``.safetensors`` file) or by the model's own initialization (a
-        function: exactly ``torch.manual_seed(init_seed); model()``), see
-        ``gpipe.frontend.weights``.
+        directory or a ``.safetensors`` file, read under the names ``from_pretrained`` maps
+        its keys to) or by the model's own initialization (a function: exactly
+        ``torch.manual_seed(init_seed); model()``), see ``gpipe.frontend.weights``. Weights
+        load whole or not at all: a tensor the checkpoint lacks, one the model does not have
+        or one of another shape stops the build on every rank, naming them
+        (``gpipe.frontend.WeightsError``); ``strict=False`` initializes the tensors the
+        checkpoint does not fill, as without ``weights``, and lists them in a warning. A
+        rank's tensors then equal ``from_pretrained(weights)``'s. The model is captured for
+        the device type of the stages (a model on meta: on fake tensors of that device), so
+        that its device-dependent branches are those of the device it runs on.
+
+        Shapes: the dimensions of the inputs may change from step to step within what the
+        capture assumed (``torch.export``'s range constraints: a forward that branches on a
+        length is captured for one side); an input outside raises before the graph runs,
+        naming the dimension, the range and the remedy.
         """
         if options.get("balance") == "auto":
             options.setdefault("sample", example)  # profile the units on the example
-        model, origin = origin_of(model, weights, init_seed)
+        model, origin = origin_of(model, weights, init_seed, strict)
         if origin is not None and options.get("balance") == "auto":
             raise PartitionError(
                 "balance='auto' profiles the model, which needs its values, but this one is on "
                 "meta (or a function): pass balance=[units per stage], or plan on a smaller "
                 "configuration built in one process (gpipe.plan)"
             )
-        captured = capture(model, example, split=split)
+        device = assembly.capture_device(options.get("devices"), options.get("group"))
+        captured = capture(model, example, split=split, device=device)
         captured.origin = origin
         return cls(captured, tied=[*captured.tied, *tied], init_seed=init_seed, **options)
 

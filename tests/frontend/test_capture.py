@@ -417,3 +417,15 @@ def test_many_processes_give_the_models_gradients(stages, tmp_path):
         shards = [r[index]["state"] for r in results]
         assert set().union(*shards) == set(model.state_dict())
         model.load_state_dict(shards[-1], strict=False)
+
+
+@needs("hf-llama")
+def test_from_model_without_a_balance_splits_the_units_evenly_over_the_devices():
+    """Before: a raw TypeError, missing 'balance'."""
+    case = CASES["hf-llama"]
+    model = case.build()
+    pipe = gpipe.Pipe.from_model(
+        copy.deepcopy(model), case.example(), devices=["cpu"] * 2, chunks=3
+    )
+    assert pipe.balance == [3, 2]  # 5 units: the embedding, 3 blocks, the head
+    assert_trains_as(model, pipe, case, *case.batch())

@@ -5,19 +5,26 @@
 ``Pipe`` takes; ``Pipe.from_model`` does both in one call.
 """
 
-from gpipe.frontend.capture import capture, split_points
+from gpipe.frontend.capture import capture, fit_devices, split_points
 from gpipe.frontend.cut import CaptureError
+from gpipe.frontend.files import Checkpoint, CheckpointError
 from gpipe.frontend.names import ModelNames
+from gpipe.frontend.report import LoadReport, WeightsError
 from gpipe.frontend.units import CapturedModel, Unit
 from gpipe.frontend.weights import Origin, materialize_units, on_meta, origin_of
 
 __all__ = [
     "CaptureError",
     "CapturedModel",
+    "Checkpoint",
+    "CheckpointError",
+    "LoadReport",
     "ModelNames",
     "Origin",
     "Unit",
+    "WeightsError",
     "capture",
+    "fit_devices",
     "materialize_units",
     "on_meta",
     "origin_of",

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.export import Dim, export
 from torch.export.graph_signature import InputKind
 from torch.nn.modules.batchnorm import _BatchNorm
@@ -27,7 +28,7 @@ from torch.utils import _pytree as pytree
 from gpipe.frontend.cut import CaptureError, Piece, cut_graph, keep_as_calls
 from gpipe.frontend.units import CapturedModel, Unit
 
-__all__ = ["CaptureError", "capture", "split_points"]
+__all__ = ["CaptureError", "capture", "fit_devices", "split_points"]
 
 Split = str | Sequence[str] | None
 
@@ -62,10 +63,20 @@ def split_points(model: nn.Module, split: Split) -> list[str]:
 
 
 def capture(
-    model: nn.Module, example: Any, *, split: Split = None, dynamic: bool = True
+    model: nn.Module,
+    example: Any,
+    *,
+    split: Split = None,
+    dynamic: bool = True,
+    device: torch.device | str | None = None,
 ) -> CapturedModel:
     """Export ``model`` on ``example`` (a tensor, a tuple of positional tensors, or a dict of
-    keyword tensors) and cut it before each split module; see the module doc."""
+    keyword tensors) and cut it before each split module; see the module doc.
+
+    ``device``: where the units will run (default: where the model's tensors are, the CPU for
+    a model on meta). A model may take other branches on other devices (transformers' MoE
+    picks ``histc``'s dtype by device type), so a model on meta, or on a device of another
+    type, is exported on fake tensors of ``device``: shapes only, no memory."""
     paths = split_points(model, split)
     path_leaves, _ = pytree.tree_flatten_with_path(example)
     constants = [
@@ -79,10 +90,11 @@ def capture(
             "inputs are split into micro-batches and carried between stages, so pass tensors "
             "only, and set options on the model instead (e.g. model.config.output_attentions)"
         )
-    if any(t.is_meta for t in model.parameters()):  # capture a meta model on meta inputs
-        example = pytree.tree_map(
-            lambda x: x.to("meta") if isinstance(x, torch.Tensor) else x, example
-        )
+    target = _target_device(model, device)
+    fakes = _needs_fakes(model, target)
+    if fakes:
+        _check_present(target)
+    source = (model, example, split, dynamic)
     args, kwargs = (
         ((), dict(example))
         if isinstance(example, dict)
@@ -98,7 +110,7 @@ def capture(
     try:
         for mode in (True, False):
             model.train(mode)
-            program = _export(model, args, kwargs, dynamic)
+            program = _export(model, args, kwargs, dynamic, target if fakes else None)
             gm = program.graph_module
             specs = program.graph_signature.input_specs
             placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -114,7 +126,6 @@ def capture(
             "train() and eval() capture cut the model differently: "
             f"{[p.name for p in train]} vs {[p.name for p in evaluate]}"
         )
-    device = next((t.device for t in [*model.parameters(), *model.buffers()]), torch.device("cpu"))
     _add_other_names(model, train, evaluate)
     _add_unused(model, paths, train, evaluate)
     order: dict[str, int] = {}  # a tensor's or a module's place in the model's state dict
@@ -124,27 +135,131 @@ def capture(
         for end in range(1, len(parts) + 1):
             order.setdefault(".".join(parts[:end]), index)
     units = [
-        Unit(t.name, _holder([t, e], order), {True: t.graph, False: e.graph}, device)
+        Unit(t.name, _holder([t, e], order), {True: t.graph, False: e.graph}, target)
         for t, e in zip(train, evaluate, strict=True)
     ]
     captured = CapturedModel(*units, tied=_ties(train, evaluate), split=paths)
+    captured.source = source
     captured.train(was_training)
     return captured
 
 
-def _export(model: nn.Module, args: tuple, kwargs: dict, dynamic: bool):
+def fit_devices(
+    captured: CapturedModel, devices: Sequence[torch.device], local: Sequence[int]
+) -> None:
+    """Make each unit of ``local`` run the graph captured for its device's type (``devices``:
+    every unit's device). Units captured for another type take the graphs of a capture for
+    theirs (on fake tensors: no memory). Where adjacent units run on devices of different
+    types, both captures must carry the same values across their cut, else CaptureError."""
+    captured_for = captured[0].capture_device
+    others = {d.type: d for d in devices if d.type != captured_for.type}
+    if not others:
+        return
+    if captured.source is None:
+        raise CaptureError(
+            f"the units were captured for {captured_for} and would run on "
+            f"{', '.join(map(str, others.values()))}; capture them there: "
+            f"capture(model, example, device=...)"
+        )
+    model, example, split, dynamic = captured.source
+    by_type = {captured_for.type: captured}
+    for kind, device in others.items():
+        by_type[kind] = capture(model, example, split=split, dynamic=dynamic, device=device)
+        names = [u.unit_name for u in by_type[kind]]
+        if names != [u.unit_name for u in captured]:
+            raise CaptureError(
+                f"the model cuts into other units on {kind} than on {captured_for.type}: "
+                f"{names} vs {[u.unit_name for u in captured]}; put every stage on one device type"
+            )
+    for i in range(len(devices) - 1):
+        a, b = devices[i].type, devices[i + 1].type
+        if a != b and by_type[a][i].boundary("out") != by_type[b][i + 1].boundary("in"):
+            raise CaptureError(
+                f"the model carries other values across the cut before "
+                f"{captured[i + 1].unit_name!r} on {a} than on {b} (its forward depends on the "
+                f"device type), so units {i} on {devices[i]} and {i + 1} on {devices[i + 1]} "
+                "cannot be joined; put both on one device type, or cut elsewhere"
+            )
+    for i in local:
+        if devices[i].type != captured_for.type:
+            captured[i].use_graphs(by_type[devices[i].type][i])
+
+
+def _target_device(model: nn.Module, device: torch.device | str | None) -> torch.device:
+    if device is not None:
+        return torch.device(device)
+    real = [t.device for t in [*model.parameters(), *model.buffers()] if not t.is_meta]
+    return real[0] if real else torch.device("cpu")
+
+
+def _check_present(device: torch.device) -> None:
+    """Fake tensors of a device type this PyTorch cannot run abort the process: refuse."""
+    if device.type in ("cpu", "meta"):
+        return
+    backend = getattr(torch, device.type, None)
+    present = getattr(backend, "is_available", lambda: False)()
+    count = getattr(backend, "device_count", lambda: 0)() if present else 0
+    if not present or (device.index is not None and device.index >= count):
+        raise CaptureError(
+            f"cannot capture for {device}: this machine's PyTorch has "
+            f"{count} {device.type} device(s); pass devices it has (e.g. devices=['cpu'])"
+        )
+
+
+def _needs_fakes(model: nn.Module, target: torch.device) -> bool:
+    tensors = [*model.parameters(), *model.buffers()]
+    return any(t.is_meta or t.device.type != target.type for t in tensors)
+
+
+def _export(model: nn.Module, args: tuple, kwargs: dict, dynamic: bool, fake: torch.device | None):
     bound = inspect.signature(model.forward).bind(*args, **kwargs).arguments
     dims = pytree.tree_map(
         lambda t: {d: Dim.AUTO for d in range(t.dim())} if isinstance(t, torch.Tensor) else None,
         dict(bound),
     )
-    with _no_cache(model):
+    with _no_cache(model), _on_fakes(model, fake) as as_fake:
+        args, kwargs = pytree.tree_map(as_fake, (args, kwargs))
         try:
             return export(
                 model, args, kwargs, dynamic_shapes=dims if dynamic else None, strict=False
             )
         except Exception as error:
             raise CaptureError(_explain(model, error)) from error
+
+
+@contextmanager
+def _on_fakes(model: nn.Module, device: torch.device | None):
+    """While exporting: the model's tensors as fake tensors on ``device`` (shapes, no memory;
+    None: as they are), so that its forward takes the branches it takes there. Yields the
+    conversion for the example's tensors."""
+    if device is None:
+        yield lambda x: x
+        return
+    mode = FakeTensorMode()
+    made: dict[int, torch.Tensor] = {}
+
+    def fake(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor):
+            return t
+        if id(t) not in made:
+            shape = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+            value = FakeTensor(mode, shape, device)
+            made[id(t)] = (
+                nn.Parameter(value, t.requires_grad) if isinstance(t, nn.Parameter) else value
+            )
+        return made[id(t)]
+
+    saved = []  # (table, key, tensor): registered tensors and plain tensor attributes
+    for module in model.modules():
+        for table in (module._parameters, module._buffers, vars(module)):
+            saved += [(table, k, t) for k, t in table.items() if isinstance(t, torch.Tensor)]
+    for table, key, t in saved:
+        table[key] = fake(t)
+    try:
+        yield fake
+    finally:
+        for table, key, t in saved:
+            table[key] = t
 
 
 @contextmanager

@@ -20,6 +20,7 @@ from torch import fx, nn
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 
+from gpipe.frontend.shapes import InputShapes
 from gpipe.frontend.units import UnitGraph
 
 __all__ = ["CaptureError", "Piece", "cut_graph", "module_path"]
@@ -180,7 +181,7 @@ def cut_graph(
             piece.graph.int_outputs = _int_slots(live[u + 1])
         if u == 0:
             piece.graph.in_spec = ep.call_spec.in_spec
-            piece.graph.fixed_dims = _fixed_dims(inputs)
+            piece.graph.shapes = InputShapes.of(inputs, ep.range_constraints)
         else:
             piece.graph.int_inputs = _int_slots(carried_in)
         g.lint()
@@ -242,18 +243,6 @@ def _int_slots(values: Sequence[fx.Node]) -> frozenset[int]:
     return frozenset(
         i for i, v in enumerate(values) if not isinstance(v.meta.get("val"), torch.Tensor)
     )
-
-
-def _fixed_dims(inputs: Sequence[fx.Node]) -> dict[tuple[int, int], int]:
-    fixed = {}
-    for i, v in enumerate(inputs):
-        val = v.meta.get("val")
-        if isinstance(val, torch.Tensor):
-            for d, size in enumerate(val.shape):
-                static = size if isinstance(size, int) else size.node.maybe_as_int()
-                if static is not None and d > 0:
-                    fixed[(i, d)] = static
-    return fixed
 
 
 def _aliases(model: nn.Module) -> dict[str, list[str]]:

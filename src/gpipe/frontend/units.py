@@ -21,6 +21,8 @@ import torch
 from torch import fx, nn
 from torch.utils import _pytree as pytree
 
+from gpipe.frontend.shapes import InputShapes
+
 __all__ = ["CapturedModel", "Unit", "UnitGraph"]
 
 
@@ -33,12 +35,12 @@ class UnitGraph:
     int_outputs: frozenset[int] = frozenset()
     in_spec: Any = None  # first unit: the model's (args, kwargs) structure
     out_spec: Any = None  # last unit: the model's output structure
-    fixed_dims: dict[tuple[int, int], int] = field(default_factory=dict)  # (input, dim) -> size
+    shapes: InputShapes = field(default_factory=InputShapes)  # first unit: what export assumed
 
-    def __deepcopy__(self, memo: dict) -> UnitGraph:  # tree specs are immutable: shared
+    def __deepcopy__(self, memo: dict) -> UnitGraph:  # specs and shapes do not change: shared
         return UnitGraph(
             copy.deepcopy(self.graph, memo), self.int_inputs, self.int_outputs,
-            self.in_spec, self.out_spec, dict(self.fixed_dims),
+            self.in_spec, self.out_spec, self.shapes,
         )  # fmt: skip
 
 
@@ -76,7 +78,7 @@ class Unit(nn.Module):
         graph = self._graphs[self.training]
         if graph.in_spec is not None:
             flat = _flatten_inputs(carried, graph.in_spec, self.unit_name)
-            _check_fixed_dims(flat, graph.fixed_dims)
+            graph.shapes.check(flat, graph.in_spec)
         else:
             flat = list(carried) if isinstance(carried, tuple) else [carried]
             flat = [int(v) if i in graph.int_inputs else v for i, v in enumerate(flat)]
@@ -110,6 +112,33 @@ class Unit(nn.Module):
             self._compiled[key] = namespace["forward"]
         return self._compiled[key]
 
+    @property
+    def capture_device(self) -> torch.device:
+        """The device the graphs were captured for (their branches are that device's)."""
+        return self._capture_device
+
+    def boundary(self, side: str) -> list[tuple[str, ...]]:
+        """What this unit takes (``side="in"``) or gives (``"out"``) in each mode: the names
+        of the carried values and which are integers; two captures agree on a cut iff the
+        units on either side agree on it."""
+        found = []
+        for training in (True, False):
+            graph = self._graphs[training]
+            if side == "in":
+                names = [n.name for n in graph.graph.nodes if n.op == "placeholder"]
+                found.append((*names, *map(str, sorted(graph.int_inputs))))
+            else:
+                (out,) = [n for n in graph.graph.nodes if n.op == "output"]
+                names = [getattr(v, "name", repr(v)) for v in out.args[0]]
+                found.append((*names, *map(str, sorted(graph.int_outputs))))
+        return found
+
+    def use_graphs(self, other: Unit) -> None:
+        """Run ``other``'s graphs (the same unit, captured for another device)."""
+        self._graphs = other._graphs
+        self._capture_device = other._capture_device
+        self._compiled = {}
+
     def __getstate__(self):  # the compiled code is rebuilt on demand, never pickled
         return {**self.__dict__, "_compiled": {}}
 
@@ -127,6 +156,7 @@ class CapturedModel(nn.Sequential):
         self.tied = list(tied)
         self.split = list(split)
         self.origin = None  # a gpipe.frontend.weights.Origin when captured on meta
+        self.source = None  # (model, example, split, dynamic): to capture again elsewhere
 
     @staticmethod
     def original_name(name: str) -> str:
@@ -148,17 +178,6 @@ def _flatten_inputs(inputs: Any, in_spec: Any, unit: str) -> list[Any]:
             f"the example given to capture"
         )
     return leaves
-
-
-def _check_fixed_dims(flat: list[Any], fixed: dict[tuple[int, int], int]) -> None:
-    for (i, dim), size in fixed.items():
-        got = flat[i].shape[dim]
-        if got != size:
-            raise ValueError(
-                f"input {i} has size {got} in dimension {dim}, but the model was captured with "
-                f"that dimension fixed at {size} (export could not keep it dynamic); use size "
-                f"{size}, or capture again with an example of the size you train with"
-            )
 
 
 def _names_a_dtype(graphs: dict[bool, UnitGraph]) -> bool:

@@ -5,12 +5,16 @@ or as a function that builds it is captured without real memory; ``Pipe`` then c
 :func:`materialize_units` for the units this process holds. Values come, in order of preference:
 
 1. from ``weights``, a checkpoint directory (``save_pretrained``: ``model.safetensors``, or
-   shards listed by ``model.safetensors.index.json``) or one ``.safetensors`` file: each rank
-   reads only its own tensors (a tensor saved under another of its names, as Hugging Face saves
-   one of two tied weights, is found by that name);
+   shards listed by ``model.safetensors.index.json``) or one ``.safetensors`` file, under the
+   names ``from_pretrained`` gives its tensors (``gpipe.frontend.load``: transformers' own key
+   conversions, e.g. Mixtral's per-expert tensors fused): each rank reads only its own tensors.
+   Whole or not at all: a tensor the checkpoint lacks, one it holds that the model does not
+   have, or one of another shape stops the build on every rank, naming them; ``strict=False``
+   initializes those (2. or 3.) and lists them in a warning;
 2. for a model given as a function, by replaying its construction (``gpipe.materialize``): bit
    for bit the tensors of ``torch.manual_seed(init_seed); factory()``, whatever the cut, buffers
-   computed at construction (rotary ``inv_freq``) included;
+   computed at construction (rotary ``inv_freq``) included; with ``weights``, only what the
+   checkpoint does not hold (non-persistent buffers);
 3. otherwise by the model's own initialization of each module that owns a local tensor: Hugging
    Face's ``_init_weights`` (which also recomputes rotary buffers), else ``reset_parameters()``,
    seeded per unit so that any cut gives the same weights.
@@ -19,7 +23,6 @@ or as a function that builds it is captured without real memory; ``Pipe`` then c
 from __future__ import annotations
 
 import importlib
-import json
 import sys
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -29,6 +32,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from gpipe.frontend.files import Checkpoint
+from gpipe.frontend.keys import KeyMap
+from gpipe.frontend.load import install, load_units, local_slots
+from gpipe.frontend.report import LoadReport
 from gpipe.materialize import record_factory, replay_layers
 from gpipe.materialize.record import Recording
 
@@ -43,27 +50,41 @@ class Origin:
     recording: Recording | None = None  # its construction, when built from a function
     seed: int = 0
     weights: str | Path | None = None
+    strict: bool = True  # weights fill every tensor, or the build stops
+    keys: KeyMap | None = None  # the checkpoint's keys, mapped to the model's names
 
 
 def origin_of(
-    model: nn.Module | Callable[[], nn.Module], weights: str | Path | None, seed: int
+    model: nn.Module | Callable[[], nn.Module],
+    weights: str | Path | None,
+    seed: int,
+    strict: bool = True,
 ) -> tuple[nn.Module, Origin | None]:
-    """The model to capture, and where its values come from (None: it has them)."""
+    """The model to capture, and where its values come from (None: it has them). With
+    ``weights``, the checkpoint's names are checked against the whole model first (no tensor
+    read; the same on every rank): ``strict`` and a tensor missing or unexpected raise
+    :class:`~gpipe.frontend.report.WeightsError` before anything is captured."""
+    recording = None
     if not isinstance(model, nn.Module) and callable(model):
         factory = model
         with _hf_initializes_on_meta():
-            built, recording = record_factory(
+            model, recording = record_factory(
                 factory, seed=seed, device=torch.device("cpu"), sequential=False
             )
-        return built, Origin(built, recording, seed, weights)
-    if on_meta(model):
-        return model, Origin(model, None, seed, weights)
+    elif not on_meta(model):
+        if weights is not None:
+            raise ValueError(
+                "weights= fills a model given on meta or as a function; this one has values "
+                "already (load the checkpoint into it first, or build it on meta)"
+            )
+        return model, None
+    origin = Origin(model, recording, seed, weights, strict)
     if weights is not None:
-        raise ValueError(
-            "weights= fills a model given on meta or as a function; this one has values "
-            "already (load the checkpoint into it first, or build it on meta)"
-        )
-    return model, None
+        origin.keys = KeyMap(model, Checkpoint(weights))
+        found = origin.keys.check(model)
+        if strict and not found.complete:
+            raise found.error()
+    return model, origin
 
 
 @contextmanager
@@ -90,8 +111,14 @@ def on_meta(units: nn.Module) -> bool:
     return any(t.is_meta for t in (*units.parameters(), *units.buffers()))
 
 
-def materialize_units(units: nn.Sequential, layers: list[int], origin: Origin | None) -> None:
-    """Give the meta tensors of ``units[i]`` for ``i`` in ``layers`` their values, in place."""
+def materialize_units(
+    units: nn.Sequential, layers: list[int], origin: Origin | None
+) -> LoadReport | None:
+    """Give the meta tensors of ``units[i]`` for ``i`` in ``layers`` their values, in place.
+
+    Returns what loading ``origin.weights`` found (None without weights). With ``strict`` and
+    a checkpoint that does not fill these units, nothing else is filled: the caller stops
+    (``report.error()``; ``gpipe.assembly`` on every rank)."""
     if origin is None:
         missing = _meta_names(units, layers)
         if missing:
@@ -100,10 +127,15 @@ def materialize_units(units: nn.Sequential, layers: list[int], origin: Origin | 
                 "their values: capture through Pipe.from_model with weights= a checkpoint, or "
                 "a function that builds the model"
             )
-        return
+        return None
+    report = None
     if origin.weights is not None:
-        _load(units, layers, origin)
-    if origin.recording is not None and _meta_names(units, layers):
+        keys = origin.keys or KeyMap(origin.model, Checkpoint(origin.weights))
+        report = load_units(units, layers, origin.model, keys)
+        if origin.strict and not report.complete:
+            return report
+    before = set(_meta_names(units, layers))
+    if origin.recording is not None and before:
         replay_layers(units, origin.recording, seed=origin.seed, layers=layers, tied=True)
     if _meta_names(units, layers):
         _initialize(units, layers, origin)
@@ -114,83 +146,14 @@ def materialize_units(units: nn.Sequential, layers: list[int], origin: Origin | 
             "modules have neither a Hugging Face _init_weights nor reset_parameters(); pass "
             "weights= a checkpoint that has them, or build the model from a function"
         )
-
-
-def _slots(units: nn.Sequential, layers: list[int]):
-    """(unit, owner module, attribute, model's name, tensor) of every local registration."""
-    for i in layers:
-        for prefix, module in units[i].named_modules(remove_duplicate=False):
-            for attr, t in [*module._parameters.items(), *module._buffers.items()]:
-                if t is not None:
-                    yield units[i], module, attr, f"{prefix}.{attr}" if prefix else attr, t
+    if report is not None:
+        expected = {*report.missing, *(name for name, _, _ in report.mismatched)}
+        report.initialized = sorted(before & expected)
+    return report
 
 
 def _meta_names(units: nn.Sequential, layers: list[int]) -> list[str]:
-    return [name for _, _, _, name, t in _slots(units, layers) if t.is_meta]
-
-
-def _install(module: nn.Module, attr: str, old: torch.Tensor, value: torch.Tensor, made: dict):
-    new = made.get(id(old))
-    if new is None:
-        value = value.to(old.dtype)
-        if isinstance(old, nn.Parameter):
-            new = nn.Parameter(value, requires_grad=old.requires_grad)
-        else:
-            new = value
-        made[id(old)] = new
-    if attr in module._parameters:
-        module._parameters[attr] = new
-    else:
-        module._buffers[attr] = new
-
-
-def _load(units: nn.Sequential, layers: list[int], origin: Origin) -> None:
-    names_of: dict[int, list[str]] = {}
-    for name, t in origin.model.named_parameters(remove_duplicate=False):
-        names_of.setdefault(id(t), []).append(name)
-    for name, t in origin.model.named_buffers(remove_duplicate=False):
-        names_of.setdefault(id(t), []).append(name)
-    files = _files(Path(origin.weights))
-    made: dict[int, torch.Tensor] = {}
-    wanted = [s for s in _slots(units, layers) if s[4].is_meta]
-    by_file: dict[Path, list] = {}
-    for slot in wanted:
-        for name in [slot[3], *names_of.get(id(slot[4]), [])]:
-            if name in files:
-                by_file.setdefault(files[name], []).append((slot, name))
-                break
-    from safetensors import safe_open  # a dependency of the hf extra
-
-    for path, slots in by_file.items():
-        with safe_open(str(path), framework="pt") as f:
-            for (_, module, attr, _, old), name in slots:
-                shape = tuple(f.get_slice(name).get_shape())
-                if shape != tuple(old.shape):
-                    raise ValueError(
-                        f"{name} has shape {shape} in {path}, but {tuple(old.shape)} in the model: "
-                        "the checkpoint is of another configuration"
-                    )
-                _install(module, attr, old, f.get_tensor(name), made)
-
-
-def _files(path: Path) -> dict[str, Path]:
-    """Tensor name -> the safetensors file holding it."""
-    if path.is_file():
-        from safetensors import safe_open
-
-        with safe_open(str(path), framework="pt") as f:
-            return dict.fromkeys(f.keys(), path)
-    index = path / "model.safetensors.index.json"
-    if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return {name: path / file for name, file in weight_map.items()}
-    single = path / "model.safetensors"
-    if single.exists():
-        return _files(single)
-    raise FileNotFoundError(
-        f"weights={str(path)!r} holds neither model.safetensors nor model.safetensors.index.json; "
-        "pass the directory save_pretrained wrote (safe_serialization), or a .safetensors file"
-    )
+    return [s.name for s in local_slots(units, layers) if s.tensor.is_meta]
 
 
 def _initialize(units: nn.Sequential, layers: list[int], origin: Origin) -> None:
@@ -205,10 +168,14 @@ def _initialize(units: nn.Sequential, layers: list[int], origin: Origin) -> None
             if t is not None:
                 source.setdefault(id(t), (m, attr))
     for i in layers:
-        meta = [(module, attr, t) for _, module, attr, _, t in _slots(units, [i]) if t.is_meta]
+        meta = [s for s in local_slots(units, [i]) if s.tensor.is_meta]
         if not meta:
             continue
-        todo = {id(source[id(t)][0]): source[id(t)][0] for _, _, t in meta if id(t) in source}
+        todo = {
+            id(source[id(s.tensor)][0]): source[id(s.tensor)][0]
+            for s in meta
+            if id(s.tensor) in source
+        }
         generator_state = torch.random.get_rng_state()
         torch.manual_seed(origin.seed * 100_003 + i)
         try:
@@ -221,9 +188,9 @@ def _initialize(units: nn.Sequential, layers: list[int], origin: Origin) -> None
         finally:
             torch.random.set_rng_state(generator_state)
         made: dict[int, torch.Tensor] = {}
-        for module, attr, t in meta:
-            if id(t) in source:
-                owner, name = source[id(t)]
+        for slot in meta:
+            if id(slot.tensor) in source:
+                owner, name = source[id(slot.tensor)]
                 value = getattr(owner, name)
                 if not value.is_meta:
-                    _install(module, attr, t, value.detach(), made)
+                    install(slot, value, made)

@@ -286,11 +286,12 @@ def _reject_crossing(slots: list[_Slot], *, allowed: bool) -> None:
 
 
 def _kept_storages(slots: list[_Slot], recording: Recording) -> tuple[dict[int, str], list[str]]:
-    """The storages to replay (key -> label of a tensor in it), and the tensors that can't be."""
+    """The storages to replay (key -> label of a tensor in it), and the tensors that can't be.
+    A tensor that has values already (loaded from a checkpoint) is left as it is."""
     keep: dict[int, str] = {}
     problems: list[str] = []
     for slot in slots:
-        if not slot.local or slot.key in keep:
+        if not slot.local or slot.key in keep or not slot.tensor.is_meta:
             continue
         if not isinstance(slot.key, int) or recording.is_outside_meta(slot.key):
             problems.append(
@@ -306,7 +307,7 @@ def _install(slots: list[_Slot], storages: dict[int, torch.UntypedStorage]) -> N
     """Put the replayed tensors in place of the local meta ones; one new tensor per old one."""
     made: dict[int, torch.Tensor] = {}
     for slot in slots:
-        if not slot.local:
+        if not slot.local or not slot.tensor.is_meta:
             continue
         old = slot.tensor
         new = made.get(id(old))

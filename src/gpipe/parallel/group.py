@@ -40,7 +40,14 @@ from gpipe.schedule.routes import Routes
 from gpipe.transport.distributed import DistributedTransport
 from gpipe.transport.local import LocalTransport
 
-__all__ = ["Agreement", "MultiProcess", "PipelineGroup", "SingleProcess", "pipeline_group"]
+__all__ = [
+    "Agreement",
+    "MultiProcess",
+    "PipelineGroup",
+    "SingleProcess",
+    "default_device",
+    "pipeline_group",
+]
 
 T = TypeVar("T")
 ByStage = dict[int, torch.Tensor]  # a tensor per stage
@@ -81,6 +88,10 @@ class PipelineGroup(Protocol):
     def decide(self, choose: Callable[[], T]) -> T:
         """``choose()``, one answer for every rank."""
 
+    def gather(self, value: Any, what: str) -> list[Any]:
+        """Every rank's ``value`` (picklable), by rank, while building: what each rank found
+        (``what`` names it in a timeout's error)."""
+
     def tie(self, tied: TiedParameters) -> None:
         """Make the tied copies equal before the first step."""
 
@@ -110,6 +121,18 @@ class PipelineGroup(Protocol):
 
     def norm_total(self, local: torch.Tensor, *, maximum: bool) -> torch.Tensor:
         """A gradient norm's term summed (or maxed) over the pipeline's ranks."""
+
+
+def default_device(group: Any) -> torch.device:
+    """Where a process computes unless told: with a process group under NCCL, its
+    ``cuda:LOCAL_RANK``; otherwise the CPU."""
+    if group is None:
+        return torch.device("cpu")
+    import torch.distributed as dist
+
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
 
 
 def pipeline_group(
@@ -181,6 +204,9 @@ class SingleProcess:
     def decide(self, choose: Callable[[], T]) -> T:
         return choose()
 
+    def gather(self, value: Any, what: str) -> list[Any]:
+        return [value]
+
     def tie(self, tied: TiedParameters) -> None:
         """Make the tied copies equal before the first step."""
         tied.sync_values(self.exchange)
@@ -230,9 +256,7 @@ class MultiProcess:
     # -- devices and stages -------------------------------------------------------------------
 
     def _own_device(self) -> torch.device:
-        if self.backend == "nccl":
-            return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        return torch.device("cpu")
+        return default_device(self.group)
 
     def default_devices(self, num_ranks: int) -> list[DeviceLike]:
         return [self._own_device()] * self.num_ranks
@@ -433,6 +457,14 @@ class MultiProcess:
                 choose() if self.rank == 0 else None,
                 "the broadcast of the automatic balance (balance='auto')",
                 doing="building the Pipe",
+            )
+        )
+
+    def gather(self, value: Any, what: str) -> list[Any]:
+        """Every rank's ``value`` (one bounded all-gather), by rank."""
+        return self._collective(
+            lambda: self.ops.all_gather_object(
+                value, f"the gather of {what}", doing="building the Pipe"
             )
         )
 

@@ -32,7 +32,6 @@ from gpipe.allocator import cpu_allocator
 from gpipe.data import EpochSampler, hash_seed
 from gpipe.engine.memory import measure_activations
 from gpipe.errors import NonFiniteError
-from gpipe.layout import even_balance
 from gpipe.parallel.launch import threads_per_process
 from gpipe.parallel.mesh import Mesh
 from gpipe.parallel.sharded import full_value, sharded_optimizer_state
@@ -59,7 +58,7 @@ class Trainer:
         self.replica = rank // c.stages
         self.spec = model_spec(c)
         self.layers = num_layers(self.spec)
-        self.balance = c.balance or even_balance(self.layers, c.stages * c.virtual_stages)
+        self.balance = c.balance or c.layout.default_balance(self.layers)
         self.pipe = self.task.pipe(
             resume=bool(c.resume),  # then the checkpoint's weights, not the model folder's
             balance=self.balance,
