@@ -459,7 +459,7 @@ class Pipe(ModelNames, nn.Module):
         """Clip the gradients of the whole model (every stage, every replica) by their norm.
 
         The norm is over all stages' gradients together, as for the un-split model, and is
-        returned on every rank.
+        returned on every rank, in the gradients' dtype (as ``torch.nn.utils.clip_grad_norm_``).
         """
         grads = [p.grad for p in self.parameters() if p.grad is not None]
         # A tied tensor counts once, as in the un-split model, though each holder has a copy.
@@ -480,7 +480,7 @@ class Pipe(ModelNames, nn.Module):
             local_value(g).mul_(scale.to(g.device, g.dtype))
         if self._watch is not None:
             self._watch.rebase()  # gpipe's own clip: not the script's
-        return total.float()
+        return total.to(grads[0].dtype if grads else torch.float32)
 
     # -- state of a sharded Pipe -------------------------------------------------------------
 

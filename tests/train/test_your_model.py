@@ -237,13 +237,6 @@ def test_built_in_models_take_your_data_and_size_the_same_way(tmp_path):
         configure(tmp_path, model="gpt", model_config="width=3")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="needs the frontend to map a checkpoint's names as transformers does: "
-    "save_pretrained writes a Mixtral's experts one by one (block_sparse_moe.experts.N.w1), "
-    "the model holds them fused (mlp.experts.gate_up_proj); until then the build leaves them "
-    "to the model's initialization (the frontend's weights work, branch frontend26)",
-)
 def test_a_mixtral_saved_by_save_pretrained_starts_from_its_own_experts(tmp_path):
     folder = model_folder(tmp_path / "mixtral", mixtral())
     (tmp_path / "t.txt").write_text(TEXT[:4000])
