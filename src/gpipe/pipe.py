@@ -326,7 +326,6 @@ class Pipe(ModelNames, nn.Module):
                 losses=losses,
             )
             result = self._runtime.run(step, trace=trace, clock_origin=self._ranks.clock_origin)
-            self._transport.finish()
             if self._reducer is not None and losses is not None:
                 self._reducer.finish()
             add_earlier_gradients(earlier)
@@ -348,6 +347,8 @@ class Pipe(ModelNames, nn.Module):
             if self._sharded is not None and losses is not None:
                 trouble = self._sharded.nonfinite_anywhere(trouble, doing="ending a step")
             result.loss = self._ranks.agree(local_loss, trouble)
+            # Every rank has received all of its messages: no send can be waiting.
+            self._transport.finish()
         except BaseException:  # refused here or elsewhere: this step counts nowhere
             self._abandon_step(earlier)
             raise
