@@ -3,9 +3,10 @@
     python examples/gpt_tied.py               # one process, two stages
     python examples/gpt_tied.py --processes   # two processes (gloo)
 
-The tied weight lives in stage 0 (embedding) and in the last stage (head). Each holds a
-copy; gpipe sums their gradients once per step, so the copies stay identical and the
-training equals that of the un-split, tied model. See gpipe.parallel.tied.
+The tied weight lives in stage 0 (embedding) and in the last stage (head). In one process on
+one device both stages hold the one tensor; across processes each holds a copy, gpipe sums
+their gradients once per step, and the copies stay identical: the training equals that of
+the un-split, tied model. See gpipe.parallel.tied.
 """
 
 from __future__ import annotations

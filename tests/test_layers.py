@@ -15,7 +15,7 @@ ROOT = Path(gpipe.__file__).parent
 
 # Lowest first; a module may import from its own layer and the layers below it.
 LAYERS = [
-    ["_utils", "allocator", "errors", "remat", "rng", "microbatch"],
+    ["_utils", "allocator", "errors", "losses", "remat", "rng", "microbatch"],
     ["schedule"],
     ["layout"],
     ["engine"],

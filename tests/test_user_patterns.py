@@ -6,12 +6,14 @@ their input, padded token means) and the small API traps around them."""
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
 from torch import nn
 from torch.nn import functional as F
 
+import captured_models
 import gpipe
 import user_scripts
 from gpipe.models import convnet, gpt, gpt_tied_names, lm_loss
@@ -266,3 +268,413 @@ def test_deferred_batch_norm_keeps_the_parameters_an_optimizer_was_built_with():
         optimizer.zero_grad()
     for (name, ours), theirs in zip(pipe.named_parameters(), plain.parameters(), strict=True):
         assert relative_error(ours, theirs) < 1e-10, name
+
+
+# -- issue 27, 1: layers that write their own buffers (spectral norm, a moving average) ---------
+
+
+class MovingAverage(nn.Module):
+    """Subtracts a running mean it updates in forward; skips the update when recomputing,
+    as the docs once advised."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training and not gpipe.is_recomputing():
+            with torch.no_grad():
+                self.mean.mul_(0.5).add_(x.mean(0), alpha=0.5)
+        return x - self.mean
+
+
+class CountCalls(nn.Module):
+    """A naive counter buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("calls", torch.zeros((), dtype=torch.int64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return x
+
+
+def stateful_model(kind: str) -> nn.Sequential:
+    torch.manual_seed(0)
+    middle = {
+        "spectral-norm": lambda: nn.utils.parametrizations.spectral_norm(nn.Linear(16, 16)),
+        "moving-average": lambda: MovingAverage(16),
+    }[kind]()
+    return nn.Sequential(
+        nn.Linear(6, 16), nn.Tanh(), middle, CountCalls(), nn.Tanh(), nn.Linear(16, 4)
+    ).double()
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("checkpoint", ["except_last", "always"])
+@pytest.mark.parametrize("kind", ["spectral-norm", "moving-average"])
+def test_layers_that_write_their_buffers_train_as_in_the_plain_model(kind, checkpoint, schedule):
+    """The recomputation starts from the buffers the first forward found, and every forward
+    writes them once, in order, as plain gradient accumulation does."""
+    plain = stateful_model(kind)
+    pipe = gpipe.Pipe(
+        copy.deepcopy(plain), balance=[2, 4], chunks=4, checkpoint=checkpoint, schedule=schedule
+    )
+    plain_opt = torch.optim.SGD(plain.parameters(), lr=0.1)
+    optimizer = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    generator = torch.Generator().manual_seed(1)
+    for step in range(3):
+        x = torch.randn(8, 6, generator=generator, dtype=torch.float64)
+        y = torch.randint(0, 4, (8,), generator=generator)
+        reference_step(plain, x, y, F.cross_entropy, chunks=4, seed=step)
+        pipe.step(x, y, F.cross_entropy, seed=step)
+        for (name, ours), theirs in zip(pipe.named_parameters(), plain.parameters(), strict=True):
+            assert relative_error(ours.grad, theirs.grad) < 1e-10, (step, name)
+        plain_opt.step()
+        optimizer.step()
+        plain_opt.zero_grad()
+        optimizer.zero_grad()
+    theirs = plain.state_dict()
+    for name, value in pipe.state_dict().items():
+        assert relative_error(value, theirs[name]) < 1e-10, name
+    assert int(pipe.state_dict()["3.calls"]) == 3 * 4  # once per micro-batch
+
+
+class SpectralNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(6, 16)
+        self.blocks = nn.ModuleList(
+            [nn.utils.parametrizations.spectral_norm(nn.Linear(16, 16)) for _ in range(3)]
+        )
+        self.out = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for block in self.blocks:
+            x = torch.tanh(block(x))
+        return self.out(x)
+
+
+def test_a_captured_spectral_norm_model_trains_as_in_the_plain_model():
+    torch.manual_seed(0)
+    plain = SpectralNet().double()
+    example = (torch.randn(2, 6, dtype=torch.float64),)
+    pipe = gpipe.Pipe.from_model(
+        copy.deepcopy(plain), example, split="blocks", balance=[2, 3], chunks=4
+    )
+    generator = torch.Generator().manual_seed(1)
+    for step in range(2):
+        x = torch.randn(8, 6, generator=generator, dtype=torch.float64)
+        y = torch.randint(0, 4, (8,), generator=generator)
+        for x_m, y_m in zip(x.tensor_split(4), y.tensor_split(4), strict=True):
+            (F.cross_entropy(plain(x_m), y_m) / 4).backward()
+        pipe.step(x, y, F.cross_entropy)
+        ours = dict(pipe.named_parameters())
+        for name, theirs in plain.named_parameters():
+            assert relative_error(ours[name].grad, theirs.grad) < 1e-10, (step, name)
+            ours[name].grad, theirs.grad = None, None
+    theirs = plain.state_dict()
+    for name, value in pipe.state_dict().items():
+        assert relative_error(value, theirs[name]) < 1e-10, name
+
+
+class CountsInAParameter(nn.Linear):
+    """A step counter kept in a frozen Parameter: gpipe can restore buffers, not this."""
+
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        self.calls = nn.Parameter(torch.zeros(()), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return super().forward(x)
+
+
+def test_a_forward_that_writes_a_parameter_is_refused_under_remat():
+    model = nn.Sequential(nn.Linear(5, 8), CountsInAParameter(8, 8), nn.Linear(8, 3))
+    x, y = torch.randn(4, 5), torch.randint(0, 3, (4,))
+    never = gpipe.Pipe(copy.deepcopy(model), balance=[2, 1], chunks=2, checkpoint="never")
+    never.step(x, y, F.cross_entropy)
+    assert int(never.state_dict()["1.calls"]) == 2  # the remedy: once per micro-batch
+    pipe = gpipe.Pipe(model, balance=[2, 1], chunks=2)
+    with pytest.raises(RuntimeError, match=r"writes parameters in place \(1\.calls\).*'never'"):
+        pipe.step(x, y, F.cross_entropy)
+
+
+# -- issue 27, 2 and 3: a frozen tie keeps grad None; copies equal whenever the user reads them --
+
+
+def _tied_adamw_ranks(processes: int, steps: int, *, freeze: bool, accumulate: int) -> list:
+    args = (steps, freeze, accumulate)
+    if processes == 1:
+        return [user_scripts.tied_adamw_script(None, *args)]
+    return gpipe.launch(user_scripts.tied_adamw_script, nprocs=2, args=args, timeout=60)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("processes", [1, 2])
+def test_a_frozen_tied_weight_keeps_no_gradient(processes):
+    """AdamW's weight decay must not move a frozen tied weight (a zero .grad would)."""
+    steps = 3
+    plain, _ = user_scripts.train_plain_tied_adamw(steps, freeze=True, accumulate=1)
+    ranks = _tied_adamw_ranks(processes, steps, freeze=True, accumulate=1)
+    theirs = plain.state_dict()
+    for rank in ranks:
+        assert all(g is None for step in rank["tied_grads"] for g in step.values())
+        for name, value in rank["state"].items():
+            assert relative_error(value, theirs[name]) < 1e-10, name
+    embedding, _ = gpt_tied_names(user_scripts.TIED_GPT)
+    assert torch.equal(
+        ranks[0]["state"][embedding], user_scripts.tied_gpt().state_dict()[embedding]
+    )
+
+
+@pytest.mark.skipif(captured_models.transformers is None, reason="needs transformers")
+def test_a_frozen_hugging_face_tied_embedding_keeps_no_gradient():
+    case = captured_models.CASES["hf-gpt2"]  # wte and lm_head: one tensor, found by capture
+    plain = case.build()
+    plain.transformer.wte.weight.requires_grad_(False)
+    pipe = gpipe.Pipe.from_model(
+        copy.deepcopy(plain), case.example(), split=case.split, balance=[2, 3], chunks=4
+    )
+    optimizers = [
+        torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1) for m in (pipe, plain)
+    ]
+    for step in range(2):
+        x, y = case.batch(step)
+        case.loss(plain(x), y).backward()
+        pipe.step(x, y, case.loss)
+        every = dict(pipe.named_parameters(remove_duplicate=False))
+        assert every["transformer.wte.weight"].grad is None
+        assert every["lm_head.weight"].grad is None
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+    theirs = plain.state_dict()
+    for name, value in pipe.state_dict().items():
+        assert relative_error(value, theirs[name]) < 1e-10, name
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("processes", [1, 2])
+def test_tied_copies_are_equal_right_after_the_optimizer_step(processes):
+    """Optimizer built before the Pipe, gradients accumulated over two steps: after the
+    last optimizer step (no forward since) the state dict and the caller's model are the
+    plain model's."""
+    steps = 3
+    plain, plain_grads = user_scripts.train_plain_tied_adamw(steps, freeze=False, accumulate=2)
+    ranks = _tied_adamw_ranks(processes, steps, freeze=False, accumulate=2)
+    theirs = plain.state_dict()
+    for rank in ranks:
+        for name, value in rank["state"].items():
+            assert relative_error(value, theirs[name]) < 1e-10, name
+        for step, grads in enumerate(rank["tied_grads"]):
+            for name, grad in grads.items():
+                assert relative_error(grad, plain_grads[step]) < 1e-10, (step, name)
+    if processes == 1:
+        x = user_scripts.tied_batches(1)[0][0]
+        with torch.no_grad():
+            torch.testing.assert_close(ranks[0]["model"](x), plain(x), rtol=1e-10, atol=1e-10)
+
+
+# -- issue 27, 4: torch.nn.utils.clip_grad_norm_ on a Pipe -----------------------------------------
+
+
+def _train_plain_clipped(edit: str, max_norm: float) -> dict:
+    plain = user_scripts.mlp()
+    optimizer = torch.optim.SGD(plain.parameters(), lr=0.5)
+    for x, y in user_scripts.clip_batches(3):
+        F.cross_entropy(plain(x), y).backward()
+        if edit == "halve":
+            for p in plain.parameters():
+                p.grad.div_(2)
+        else:
+            torch.nn.utils.clip_grad_norm_(plain.parameters(), max_norm)
+        optimizer.step()
+        optimizer.zero_grad()
+    return dict(plain.named_parameters())
+
+
+def _between_stage_norms() -> float:
+    """A max_norm above each stage's first gradient norm but below the whole model's."""
+    plain = user_scripts.mlp()
+    x, y = user_scripts.clip_batches(1)[0]
+    F.cross_entropy(plain(x), y).backward()
+    stages = [[p.grad for p in plain[:2].parameters()], [p.grad for p in plain[2:].parameters()]]
+    norms = [torch.cat([g.flatten() for g in grads]).norm().item() for grads in stages]
+    whole = (norms[0] ** 2 + norms[1] ** 2) ** 0.5
+    return (max(norms) + whole) / 2
+
+
+def test_torch_clip_grad_norm_in_one_process_with_tied_weights_clips_the_whole_model():
+    plain = user_scripts.tied_gpt()
+    model = copy.deepcopy(plain)
+    pipe = gpipe.Pipe(
+        model, balance=[2, 2], chunks=2, tied=[list(gpt_tied_names(user_scripts.TIED_GPT))]
+    )
+    optimizer, plain_opt = (torch.optim.SGD(m.parameters(), lr=0.5) for m in (pipe, plain))
+    for x, y in user_scripts.tied_batches(3):
+        lm_loss(plain(x), y).backward()
+        pipe.step(x, y, lm_loss)
+        expected = torch.nn.utils.clip_grad_norm_(plain.parameters(), 0.05)
+        norm = torch.nn.utils.clip_grad_norm_(pipe.parameters(), 0.05)
+        assert relative_error(norm, expected) < 1e-10
+        plain_opt.step()
+        optimizer.step()
+        plain_opt.zero_grad()
+        optimizer.zero_grad()
+    theirs = plain.state_dict()
+    for name, value in pipe.state_dict().items():
+        assert relative_error(value, theirs[name]) < 1e-10, name
+
+
+@pytest.mark.timeout(180)
+def test_torch_clip_grad_norm_across_processes_is_refused_and_the_pipes_clips_exactly():
+    """Per-stage clipping (each rank by its own norm) is refused at the next step, also when
+    no stage reaches max_norm but the whole model does; pipe.clip_grad_norm_ and a rescale
+    that is the same on every rank train the un-split model."""
+    between = _between_stage_norms()
+    variants = [("torch", 0.3), ("torch", between), ("pipe", between), ("pipe", 10.0)]
+    variants = [(*variant, "pipeline") for variant in [*variants, ("halve", 0.0)]]
+    outcomes = gpipe.launch(user_scripts.clipping_script, nprocs=2, args=(variants,), timeout=90)
+    for edit, max_norm, layout in variants:
+        ranks = [outcome[(edit, max_norm, layout)] for outcome in outcomes]
+        if edit == "torch":
+            for rank in ranks:
+                assert rank["error"].startswith("ClippedPerStageError"), rank["error"]
+                assert "pipe.clip_grad_norm_(max_norm)" in rank["error"]
+            continue
+        theirs = _train_plain_clipped(edit, max_norm)
+        for rank in ranks:
+            assert rank["error"] is None
+            for name, value in rank["params"].items():
+                assert relative_error(value, theirs[name]) < 1e-6, (edit, name)
+
+
+@pytest.mark.timeout(240)
+def test_torch_clip_grad_norm_with_replicas_is_refused():
+    variants = [("torch", 0.3, "replicas"), ("torch", 0.3, "sharded")]
+    outcomes = gpipe.launch(user_scripts.clipping_script, nprocs=4, args=(variants,), timeout=120)
+    for outcome in outcomes:
+        for variant in variants:
+            assert outcome[variant]["error"].startswith("ClippedPerStageError"), variant
+
+
+# -- issue 27, 5: token means over padded batches -------------------------------------------------
+
+
+def _padded_batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, 32, (8, 8), generator=generator)
+    labels = torch.randint(0, 32, (8, 8), generator=generator)
+    lengths = torch.tensor([8, 1, 2, 8, 5, 3, 8, 7])
+    labels[torch.arange(8)[None, :] >= lengths[:, None]] = -100
+    labels[2:4] = -100  # micro-batch 1 (of 4) holds no label that counts
+    return x, labels
+
+
+@pytest.mark.parametrize("name", ["causal_lm", "masked_lm"])
+def test_padded_token_means_of_gpipe_losses_train_as_in_the_plain_model(name):
+    loss_fn = getattr(gpipe.losses, name)()
+    torch.manual_seed(0)
+    plain = gpt(user_scripts.TIED_GPT).double()
+    pipe = gpipe.Pipe(copy.deepcopy(plain), balance=[2, 2], chunks=4)
+    optimizer, plain_opt = (torch.optim.SGD(m.parameters(), lr=0.5) for m in (pipe, plain))
+    for step in range(2):
+        x, labels = _padded_batch(step)
+        expected = loss_fn(plain(x), labels)  # the whole batch's token mean
+        expected.backward()
+        loss = pipe.step(x, labels, loss_fn)
+        assert relative_error(loss, expected.detach()) < 1e-10
+        for (name_, ours), theirs in zip(pipe.named_parameters(), plain.parameters(), strict=True):
+            assert relative_error(ours.grad, theirs.grad) < 1e-10, (step, name_)
+        plain_opt.step()
+        optimizer.step()
+        plain_opt.zero_grad()
+        optimizer.zero_grad()
+
+
+@pytest.mark.skipif(captured_models.transformers is None, reason="needs transformers")
+def test_causal_lm_gives_a_hugging_face_models_own_labels_loss():
+    case = captured_models.CASES["hf-llama"]
+    plain = case.build()
+    pipe = gpipe.Pipe.from_model(
+        copy.deepcopy(plain), case.example(), split=case.split, balance=[2, 3], chunks=4
+    )
+    x, labels = _padded_batch(0)
+    own = plain(input_ids=x, labels=labels).loss  # shifted inside, averaged in float32
+    expected = gpipe.losses.causal_lm()(plain(input_ids=x), labels)  # the same, in float64
+    assert relative_error(expected.detach(), own.detach()) < 1e-6
+    expected.backward()
+    loss = pipe.step(x, labels, gpipe.losses.causal_lm())
+    assert relative_error(loss, expected.detach()) < 1e-10
+    ours = dict(pipe.named_parameters())
+    for name, theirs in plain.named_parameters():
+        assert relative_error(ours[name].grad, theirs.grad) < 1e-10, name
+
+
+def test_a_padded_mean_without_count_warns_once_and_an_empty_micro_batch_says_why():
+    torch.manual_seed(0)
+    pipe = gpipe.Pipe(gpt(user_scripts.TIED_GPT).double(), balance=[2, 2], chunks=4)
+    x, labels = _padded_batch(0)
+    full = labels.clone()
+    full[full == -100] = 0  # nothing ignored
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pipe.step(x, full, token_loss)  # no -100: a sample mean is the token mean
+        pipe.step(x, labels, token_loss, count=lambda t: (t != -100).sum())
+    labels[2:4] = 5  # every micro-batch counts something
+    with pytest.warns(UserWarning, match=r"count=lambda y: \(y != -100\)\.sum\(\).*gpipe\.losses"):
+        pipe.step(x, labels, token_loss)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pipe.step(x, labels, token_loss)  # once per Pipe
+    x, labels = _padded_batch(0)
+    with pytest.raises(ValueError, match=r"micro-batch 1's targets are all -100.*count="):
+        pipe.step(x, labels, token_loss)
+
+
+# -- issue 27, 6: float16's GradScaler -------------------------------------------------------------
+
+
+def _train_plain_scaled() -> tuple[dict, list, list]:
+    plain = user_scripts.scaler_model()
+    optimizer = torch.optim.SGD(plain.parameters(), lr=0.1)
+    scaler = user_scripts.new_scaler()
+    losses, scales = [], []
+    for step, (x, y) in enumerate(user_scripts.clip_batches(user_scripts.SCALER_STEPS)):
+        plain[3].armed = step == user_scripts.OVERFLOW_STEP
+        total = 0.0
+        for x_m, y_m in zip(x.double().tensor_split(2), y.tensor_split(2), strict=True):
+            loss = F.cross_entropy(plain(x_m), y_m) * len(x_m) / len(x)
+            scaler.scale(loss).backward()
+            total += float(loss.detach())
+        scaler.unscale_(optimizer)
+        torch.nn.utils.clip_grad_norm_(plain.parameters(), 1.0)
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+        losses.append(total)
+        scales.append(scaler.get_scale())
+    return dict(plain.named_parameters()), losses, scales
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("processes", [1, 2])
+def test_a_grad_scaler_skips_an_overflowing_step_on_every_rank_as_in_the_plain_model(processes):
+    """The step's gradients overflow on the last stage's rank only: every rank's scaler
+    skips it and lowers its scale, as the plain model's does; step returns the unscaled
+    loss."""
+    theirs, losses, scales = _train_plain_scaled()
+    if processes == 1:
+        ranks = [user_scripts.scaler_script(None)]
+    else:
+        ranks = gpipe.launch(user_scripts.scaler_script, nprocs=2, timeout=60)
+    assert scales[user_scripts.OVERFLOW_STEP] < scales[user_scripts.OVERFLOW_STEP - 1]
+    for rank in ranks:
+        assert rank["scales"] == scales
+        assert rank["losses"] == pytest.approx(losses, rel=1e-12)
+        for name, value in rank["params"].items():
+            assert relative_error(value, theirs[name]) < 1e-10, name

@@ -13,9 +13,11 @@ __all__ = [
     "MiB",
     "DeviceLike",
     "add_earlier_gradients",
-    "first_nonfinite_grad",
+    "first_nonfinite",
+    "gradient_norms",
     "local_value",
     "norm_part",
+    "poison",
     "restore_gradients",
     "seconds",
     "set_aside_gradients",
@@ -106,17 +108,38 @@ def norm_part(grads: list[torch.Tensor], p: float, device: torch.device) -> torc
     return norms.max() if p == float("inf") else norms.pow(p).sum()
 
 
-def first_nonfinite_grad(named: Iterable[tuple[str, torch.Tensor]]) -> str | None:
-    """The name of the first parameter whose gradient holds a NaN or an infinity."""
-    grads = [(name, local_value(p.grad)) for name, p in named if p.grad is not None]
-    if not grads:
+def gradient_norms(grads: list[torch.Tensor]) -> torch.Tensor:
+    """Each gradient's 2-norm (of this process's part), in float64 on the first one's
+    device; not finite exactly where the gradient holds a NaN or an infinity."""
+    local = [local_value(g).detach() for g in grads]
+    local = [g.coalesce().values() if g.is_sparse else g for g in local]
+    device = local[0].device
+    by_device: dict[torch.device, list[int]] = {}
+    for i, g in enumerate(local):
+        by_device.setdefault(g.device, []).append(i)
+    norms: list[torch.Tensor] = [torch.empty(())] * len(local)
+    for indices in by_device.values():
+        found = torch._foreach_norm([local[i] for i in indices], 2.0, dtype=torch.float64)
+        for i, norm in zip(indices, found, strict=True):
+            norms[i] = norm.to(device)
+    return torch.stack(norms)
+
+
+def first_nonfinite(names: list[str], norms: torch.Tensor | None) -> str | None:
+    """The first of ``names`` whose gradient norm (:func:`gradient_norms`) is not finite."""
+    if norms is None:
         return None
-    device = grads[0][1].device
-    sums = torch.stack([g.detach().sum(dtype=torch.float64).to(device) for _, g in grads])
-    finite = torch.isfinite(sums)
+    finite = torch.isfinite(norms)
     if bool(finite.all()):
         return None
-    return grads[int((~finite).nonzero()[0])][0]
+    return names[int((~finite).nonzero()[0])]
+
+
+def poison(grad: torch.Tensor) -> None:
+    """Put an infinity into ``grad`` (this process's part), for a GradScaler to find."""
+    local = local_value(grad)
+    if local.numel():
+        local[(0,) * local.dim()] = float("inf")
 
 
 def seconds(value: object, name: str) -> float:

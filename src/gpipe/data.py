@@ -8,6 +8,14 @@
   ``~/.cache/gpipe``).
 * **digits** (the CNN's): scikit-learn's bundled 8x8 handwritten digits, 1,797 images in
   10 classes (``pip install 'gpipe[digits]'``), split once with a fixed permutation.
+* **your files** (:func:`read_texts`): a plain text file, a JSONL file (one record per line,
+  its text in a named field), a folder of such files, or a ``datasets`` dataset saved with
+  ``save_to_disk``; as documents of bytes, tokenized by the caller into :class:`Documents`.
+
+A language model reads token documents as windows: :class:`PackedWindows` (the documents
+joined, cut into windows of equal length, no padding) or :class:`PaddedWindows` (each document
+cut on its own, its last window padded and marked invalid), each window with its mask of real
+tokens, so that a token-mean loss counts only those.
 
 Batches come from :class:`EpochSampler`: each epoch visits every item once in an order
 fixed by (seed, epoch), and its whole state is two integers, so a checkpoint can store the
@@ -17,28 +25,37 @@ data position and a resumed run sees exactly the batches an uninterrupted one wo
     windows = TokenWindows(corpus.train, seq=64)
     sampler = EpochSampler(len(windows), seed=0)
     x, y = windows[sampler.take(16)]          # (16, 64) inputs and next-byte targets
-    state = sampler.state_dict()              # {"seed": 0, "epoch": 0, "index": 16}
+    state = sampler.state_dict()   # {"seed": 0, "epoch": 0, "index": 16, "items": 43690}
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import sys
 import sysconfig
 import zlib
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 __all__ = [
     "Corpus",
     "Digits",
+    "Documents",
     "EpochSampler",
+    "PackedWindows",
+    "PaddedWindows",
+    "Texts",
     "TokenWindows",
     "cache_dir",
     "digits",
+    "hold_out",
+    "read_texts",
     "readable",
     "stdlib_bytes",
     "stdlib_corpus",
@@ -183,8 +200,289 @@ class TokenWindows:
 
     def evenly_spaced(self, count: int) -> torch.Tensor:
         """Indices of ``count`` windows spread over the whole data (a fixed evaluation set)."""
-        count = min(count, len(self))
-        return torch.linspace(0, len(self) - 1, count).round().long()
+        return _evenly_spaced(len(self), count)
+
+
+# -- your files ------------------------------------------------------------------------------
+
+# A document: its bytes, or, for a sequence-to-sequence model, the (source, target) pair.
+Record = bytes | tuple[bytes, bytes]
+JSON_SUFFIXES = (".jsonl", ".ndjson", ".json")
+# The files of a saved ``datasets`` Dataset, and of a DatasetDict (``save_to_disk``).
+_DATASET_FILES, _DATASET_DICT_FILE = ("dataset_info.json", "state.json"), "dataset_dict.json"
+_VALIDATION_SPLITS = ("validation", "valid", "val", "test")
+
+
+@dataclass(frozen=True)
+class Texts:
+    """Documents read from what a user named: ``train``, and ``val`` where the source has a
+    split of its own (a saved DatasetDict's ``validation``); None: hold some out."""
+
+    train: list[Record]
+    val: list[Record] | None
+    description: str
+    files: tuple[Path, ...]  # what they were read from (what a cache of their tokens depends on)
+
+
+def read_texts(path: str | Path, *, field: str = "text", target: str | None = None) -> Texts:
+    """The documents at ``path``: a text file (one document), a JSONL file (a document per
+    line, its text in ``field``; also a ``.json`` array of records), a folder of such files
+    (every file under it, sorted by path, hidden ones skipped), or a dataset saved by
+    ``datasets``' ``save_to_disk`` (a record per row). With ``target`` each record is a
+    (``field``, ``target``) pair, for a sequence-to-sequence model."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(
+            f"{path} does not exist: name a text or JSONL file, a folder "
+            "of them, or a dataset folder saved by datasets' save_to_disk"
+        )
+    if path.is_dir() and _is_saved_dataset(path):
+        return _read_saved_dataset(path, field, target)
+    files = [path] if path.is_file() else sorted(
+        p for p in path.rglob("*")
+        if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts)
+    )  # fmt: skip
+    if not files:
+        raise FileNotFoundError(f"{path} holds no files")
+    records: list[Record] = []
+    for file in files:
+        records += _read_file(file, field, target)
+    if not records:
+        raise ValueError(f"{path}: no documents in {len(files)} file(s)")
+    size = sum(len(r) if isinstance(r, bytes) else len(r[0]) + len(r[1]) for r in records)
+    where = str(path) if path.is_file() else f"{len(files)} files in {path}"
+    documents = f"{len(records):,} document{'s' if len(records) > 1 else ''}"
+    return Texts(records, None, f"{documents}, {size:,} bytes ({where})", tuple(files))
+
+
+def _read_file(file: Path, field: str, target: str | None) -> list[Record]:
+    if file.suffix.lower() not in JSON_SUFFIXES:
+        if target is not None:
+            raise ValueError(
+                f"{file} is plain text, but pairs of --text-field {field} and --target-field "
+                f"{target} come from JSONL records or a saved dataset: name those instead"
+            )
+        return [file.read_bytes()]
+    text = file.read_text(encoding="utf-8")
+    if file.suffix.lower() == ".json" and text.lstrip().startswith("["):
+        rows = [(i + 1, row) for i, row in enumerate(json.loads(text))]
+    else:
+        rows = [(i + 1, json.loads(line)) for i, line in enumerate(text.splitlines())
+                if line.strip()]  # fmt: skip
+    return [_record(row, field, target, f"{file}, record {n}") for n, row in rows]
+
+
+def _record(row: Any, field: str, target: str | None, where: str) -> Record:
+    wanted = (field,) if target is None else (field, target)
+    if not isinstance(row, dict) or any(not isinstance(row.get(k), str) for k in wanted):
+        keys = sorted(row) if isinstance(row, dict) else type(row).__name__
+        missing = [k for k in wanted if not isinstance(row, dict) or k not in row]
+        raise ValueError(
+            f"{where}: no text in field {missing[0] if missing else wanted!r} (it has {keys}); "
+            f"name the field that holds the text with --text-field"
+            + (" and --target-field" if target is not None else "")
+        )
+    if target is None:
+        return row[field].encode()
+    return row[field].encode(), row[target].encode()
+
+
+def _is_saved_dataset(folder: Path) -> bool:
+    return (folder / _DATASET_DICT_FILE).exists() or all(
+        (folder / name).exists() for name in _DATASET_FILES
+    )
+
+
+def _read_saved_dataset(folder: Path, field: str, target: str | None) -> Texts:
+    try:
+        import datasets
+    except ImportError as error:
+        raise ImportError(
+            f"{folder} is a dataset saved by datasets' save_to_disk: reading it needs the "
+            "datasets library: pip install 'gpipe[datasets]'"
+        ) from error
+    loaded = datasets.load_from_disk(str(folder))
+    splits = dict(loaded) if isinstance(loaded, datasets.DatasetDict) else {"train": loaded}
+    train_name = "train" if "train" in splits else sorted(splits)[0]
+    val_name = next((n for n in _VALIDATION_SPLITS if n in splits and n != train_name), None)
+
+    def records(name: str) -> list[Record]:
+        rows = splits[name]
+        missing = [k for k in (field, target) if k is not None and k not in rows.column_names]
+        if missing:
+            raise ValueError(
+                f"{folder} (split {name}) has no column {missing[0]!r} (its columns: "
+                f"{rows.column_names}); name the text's column with --text-field"
+            )
+        if target is None:
+            return [text.encode() for text in rows[field]]
+        return [(s.encode(), t.encode()) for s, t in zip(rows[field], rows[target], strict=True)]
+
+    train = records(train_name)
+    val = records(val_name) if val_name else None
+    files = tuple(sorted(p for p in folder.rglob("*") if p.is_file()))
+    held = f", {len(val):,} in its {val_name} split" if val else ""
+    description = f"{len(train):,} records of the saved dataset {folder} ({train_name}{held})"
+    return Texts(train, val, description, files)
+
+
+def hold_out(records: list[Record], fraction: float) -> tuple[list[Record], list[Record]]:
+    """(train, validation): ``fraction`` of the documents, chosen by a fixed permutation (the
+    same on every machine) and kept in their order; a single document is cut instead, at the
+    line that ends before ``1 - fraction`` of its bytes."""
+    if not 0 < fraction < 1:
+        raise ValueError(f"the validation fraction must be in (0, 1), got {fraction}")
+    if len(records) == 1 and isinstance(records[0], bytes):
+        text = records[0]
+        cut = int(len(text) * (1 - fraction))
+        line = text.rfind(b"\n", 0, cut)
+        cut = line + 1 if line > 0 else cut
+        return [text[:cut]], [text[cut:]]
+    if len(records) < 2:
+        raise ValueError("one record cannot be split into train and validation: name a "
+                         "separate validation set")  # fmt: skip
+    count = min(len(records) - 1, max(1, round(fraction * len(records))))
+    order = torch.randperm(len(records), generator=torch.Generator().manual_seed(0))
+    held = set(order[:count].tolist())
+    train = [r for i, r in enumerate(records) if i not in held]
+    return train, [r for i, r in enumerate(records) if i in held]
+
+
+class Documents:
+    """Token documents stored flat: ``tokens`` and ``offsets``, document i being
+    ``tokens[offsets[i]:offsets[i + 1]]``."""
+
+    def __init__(self, tokens: torch.Tensor, offsets: torch.Tensor) -> None:
+        self.tokens, self.offsets = tokens, offsets
+
+    @classmethod
+    def of(
+        cls, documents: Iterable[Sequence[int] | torch.Tensor], *, dtype: torch.dtype = torch.int32
+    ) -> Documents:
+        """From each document's token ids, stored as ``dtype`` (one that holds every id)."""
+        parts = [torch.as_tensor(d, dtype=dtype) for d in documents]
+        lengths = torch.tensor([0] + [len(p) for p in parts], dtype=torch.int64)
+        tokens = torch.cat(parts) if parts else torch.empty(0, dtype=dtype)
+        return cls(tokens, lengths.cumsum(0))
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return self.tokens[self.offsets[i] : self.offsets[i + 1]]
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        return self.offsets[1:] - self.offsets[:-1]
+
+    def joined(self, separator: Sequence[int]) -> torch.Tensor:
+        """One stream: the documents with ``separator`` between them (packing)."""
+        sep = torch.tensor(list(separator), dtype=self.tokens.dtype)
+        parts = []
+        for i in range(len(self)):
+            parts += [sep, self[i]] if i and len(sep) else [self[i]]
+        return torch.cat(parts) if parts else self.tokens[:0]
+
+
+class PackedWindows:
+    """Windows of ``length`` tokens, ``stride`` apart, over one stream; every token real.
+
+    A language model's windows overlap by ``length - stride`` tokens: one for next-token
+    prediction (``length = seq + 1``, ``stride = seq``), so that every token but the first is
+    a target exactly once per epoch, as in :class:`TokenWindows`.
+    """
+
+    def __init__(self, stream: torch.Tensor, *, length: int, stride: int) -> None:
+        if len(stream) < length:
+            raise ValueError(
+                f"{len(stream):,} tokens hold no window of {length} tokens: more data, or a "
+                "shorter --seq"
+            )
+        self.stream, self.length = stream, length
+        self._starts = torch.arange((len(stream) - length) // stride + 1) * stride
+
+    def __len__(self) -> int:
+        return len(self._starts)
+
+    def __getitem__(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tokens, real): (len(indices), length) int64 and bool."""
+        tokens = self.stream[self._starts[indices].unsqueeze(1) + torch.arange(self.length)]
+        return tokens.long(), torch.ones(tokens.shape, dtype=torch.bool)
+
+    def evenly_spaced(self, count: int) -> torch.Tensor:
+        return _evenly_spaced(len(self), count)
+
+
+class PaddedWindows:
+    """Each document cut on its own into windows of ``length`` tokens, ``stride`` apart (the
+    last one shorter: padded with ``pad`` and marked not real); a window holds at least
+    one token beyond the overlap of ``length - stride``."""
+
+    def __init__(self, documents: Documents, *, length: int, stride: int, pad: int) -> None:
+        overlap = length - stride
+        starts, lengths = [], []
+        for begin, size in zip(documents.offsets[:-1].tolist(), documents.lengths.tolist(),
+                               strict=True):  # fmt: skip
+            for start in range(0, max(0, size - overlap), stride):
+                starts.append(begin + start)
+                lengths.append(min(length, size - start))
+        if not starts:
+            raise ValueError(
+                f"no document holds more than {overlap} token(s): nothing to learn from"
+            )
+        self.tokens, self.length, self.pad = documents.tokens, length, pad
+        self._starts, self._lengths = torch.tensor(starts), torch.tensor(lengths)
+
+    def __len__(self) -> int:
+        return len(self._starts)
+
+    def __getitem__(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tokens, real): (len(indices), length) int64 and bool; padding where not real."""
+        span = torch.arange(self.length)
+        real = span < self._lengths[indices].unsqueeze(1)
+        where = (self._starts[indices].unsqueeze(1) + span).clamp(max=len(self.tokens) - 1)
+        tokens = torch.where(real, self.tokens[where].long(), self.pad)
+        return tokens, real
+
+    def evenly_spaced(self, count: int) -> torch.Tensor:
+        return _evenly_spaced(len(self), count)
+
+
+class PairedSamples:
+    """Sequence-to-sequence samples, one per (source, target) pair, each side cut to its
+    length and padded with ``pad`` (marked not real)."""
+
+    def __init__(
+        self, sources: Documents, targets: Documents, *, length: int, target_length: int, pad: int
+    ) -> None:
+        if len(sources) != len(targets) or not len(sources):
+            raise ValueError(f"{len(sources)} sources for {len(targets)} targets")
+        self.sides = [(sources, length), (targets, target_length)]
+        self.pad = pad
+
+    def __len__(self) -> int:
+        return len(self.sides[0][0])
+
+    def __getitem__(self, indices: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(source, source real, target, target real), each (len(indices), its length)."""
+        out: list[torch.Tensor] = []
+        for documents, length in self.sides:
+            tokens = torch.full((len(indices), length), self.pad, dtype=torch.int64)
+            for row, i in enumerate(indices.tolist()):
+                document = documents[i][:length]
+                tokens[row, : len(document)] = document.long()
+            size = documents.lengths[indices].clamp(max=length)
+            out += [tokens, torch.arange(length) < size.unsqueeze(1)]
+        return tuple(out)
+
+    def evenly_spaced(self, count: int) -> torch.Tensor:
+        return _evenly_spaced(len(self), count)
+
+
+def _evenly_spaced(total: int, count: int) -> torch.Tensor:
+    """Indices of ``count`` items spread over ``total`` (a fixed evaluation set)."""
+    count = min(count, total)
+    return torch.linspace(0, total - 1, count).round().long()
 
 
 # -- digits --------------------------------------------------------------------------------
@@ -260,12 +558,23 @@ class EpochSampler:
         return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
 
     def state_dict(self) -> dict[str, int]:
-        return {"seed": self.seed, "epoch": self.epoch, "index": self.index}
+        return {
+            "seed": self.seed,
+            "epoch": self.epoch,
+            "index": self.index,
+            "items": self.num_items,
+        }
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         if state["seed"] != self.seed:
             raise ValueError(
                 f"sampler state is for seed {state['seed']}, this sampler has seed {self.seed}"
+            )
+        if state.get("items", self.num_items) != self.num_items:
+            raise ValueError(
+                f"the sampler's position is in an epoch of {state['items']} items, this data "
+                f"has {self.num_items}: the checkpoint was made with other data (the data "
+                "files, --seq or --packing changed?)"
             )
         if not 0 <= state["index"] <= self.num_items:
             raise ValueError(

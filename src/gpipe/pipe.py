@@ -10,7 +10,8 @@ a pipeline spread over processes and machines; what differs between the two is
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import warnings
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal
 
 import torch
@@ -20,9 +21,11 @@ from gpipe import assembly, microbatch, remat
 from gpipe._utils import (
     DeviceLike,
     add_earlier_gradients,
-    first_nonfinite_grad,
+    first_nonfinite,
+    gradient_norms,
     local_value,
     norm_part,
+    poison,
     restore_gradients,
     seconds,
     set_aside_gradients,
@@ -30,10 +33,12 @@ from gpipe._utils import (
 )
 from gpipe.engine import batchnorm
 from gpipe.engine.runtime import StepInputs, StepResult
-from gpipe.engine.stage import LossSpec, check_batch, loss_specs
+from gpipe.engine.stage import LossSpec, check_batch, ignored_targets, loss_specs
 from gpipe.errors import PartitionError, PipelineError
 from gpipe.frontend import CapturedModel, ModelNames, capture, origin_of
 from gpipe.layout import Layout
+from gpipe.losses import TokenCrossEntropy
+from gpipe.parallel.clipping import GradientWatch
 from gpipe.parallel.group import pipeline_group
 from gpipe.parallel.sharded import full_value, shard_like
 from gpipe.schedule import Schedule, TimedAction
@@ -41,6 +46,13 @@ from gpipe.schedule import Schedule, TimedAction
 __all__ = ["Pipe"]
 
 Reduction = Literal["mean", "sum"]
+_UNCOUNTED = (
+    "the targets hold -100 (labels that do not count) but step() was given no count=: each "
+    "micro-batch's mean is then weighed by its samples, not by its tokens, and the gradients "
+    "are not the un-split model's. Pass count=lambda y: (y != -100).sum() (for Hugging "
+    "Face-style labels, shifted inside the loss: count=lambda y: (y[:, 1:] != -100).sum()), or "
+    "use gpipe.losses.causal_lm() or masked_lm(), which count for themselves"
+)
 _FIXED = "a Pipe cannot be moved with {}: each stage lives on its own device; build the Pipe \
 with devices=[{}] instead"
 
@@ -161,6 +173,9 @@ class Pipe(ModelNames, nn.Module):
         self._transport, self._runtime = wiring.transport, wiring.runtime
         self._reducer, self._sharded = wiring.reducer, wiring.sharded
         self.last_trace: list[TimedAction] = []
+        # Across processes torch's own clip sees one stage: gpipe notices it (clipping.py).
+        self._watch = GradientWatch() if self.rank is not None else None
+        self._warned_uncounted = False
 
     @classmethod
     def from_model(
@@ -240,6 +255,7 @@ class Pipe(ModelNames, nn.Module):
         count: Callable[[Any], float | torch.Tensor] | None = None,
         seed: int | None = None,
         trace: bool = False,
+        scaler: Any = None,
     ) -> torch.Tensor:
         """Run one pipelined training step; gradients are accumulated into the parameters.
 
@@ -251,13 +267,14 @@ class Pipe(ModelNames, nn.Module):
           by their share of the samples (uneven micro-batches included) or, with
           ``count``, by their share of ``count(target)`` over the mini-batch. A loss that
           averages over something else than samples needs ``count``: e.g. a token mean
-          over a padded batch, which averages over the tokens that are not padding::
+          over a padded batch, which averages over the tokens that are not padding. The
+          losses of ``gpipe.losses`` count for themselves::
 
-              loss_fn = lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten(),
-                                                       ignore_index=-100)
-              pipe.step(x, y, loss_fn, count=lambda y: (y != -100).sum())
+              pipe.step(input_ids, labels, gpipe.losses.causal_lm())  # shifted inside
+              pipe.step(x, y, loss_fn, count=lambda y: (y != -100).sum())  # your own mean
 
-          A micro-batch whose count is 0 adds nothing.
+          A micro-batch whose count is 0 adds nothing. Targets that hold -100 without a
+          ``count`` warn (once per Pipe), with the recipe.
         * ``"sum"``: micro-batch losses are added (a sum-reduced loss).
 
         ``seed`` fixes the random numbers (dropout) of this step (default: one draw from
@@ -265,6 +282,16 @@ class Pipe(ModelNames, nn.Module):
         ``trace=True`` the start and end of every action is recorded in ``self.last_trace``
         (seconds from the step's start; multi-process: this rank's actions, in
         ``time.perf_counter`` seconds, which all ranks of a machine share).
+
+        ``scaler``: a ``torch.amp.GradScaler`` for float16 mixed precision. Backward runs
+        from each micro-batch's loss times its scale; a step whose gradients are not finite
+        (anywhere, on any rank) is not refused but left to the scaler, which every rank's
+        ``scaler.step(optimizer)`` then skips alike (and ``scaler.update()`` lowers the
+        scale alike); the loss returned is unscaled. Unscale before clipping, as usual::
+
+            loss = pipe.step(x, y, loss_fn, scaler=scaler)
+            scaler.unscale_(optimizer); pipe.clip_grad_norm_(1.0)
+            scaler.step(optimizer); scaler.update(); optimizer.zero_grad()
 
         With ``group``, every rank calls ``step``; ``inputs`` matter only where the first
         stage lives and ``targets`` where the last does (elsewhere they may be ``None``).
@@ -275,15 +302,24 @@ class Pipe(ModelNames, nn.Module):
         bfloat16 loss exactly), the same on every rank when multi-process.
         """
         first, last = self._holds(0), self._holds(self.num_stages - 1)
+        if count is None and isinstance(loss_fn, TokenCrossEntropy):
+            count = loss_fn.count
+        scale = _scale_of(scaler, self.stages[-1].device)
         inputs_mb = microbatch.split(inputs, self.chunks, name="inputs") if first else None
         losses: list[LossSpec | None] = [None] * self.chunks
         if last:
             targets_mb = microbatch.split(targets, self.chunks, name="targets")
+            nothing_counts = None
+            if count is None and reduction == "mean":
+                ignored, nothing_counts = ignored_targets(targets_mb)
+                if ignored and not self._warned_uncounted:
+                    self._warned_uncounted = True
+                    warnings.warn(_UNCOUNTED, stacklevel=2)
             losses = loss_specs(
                 loss_fn, targets_mb, inputs_mb, reduction=reduction, count=count,
-                device=self.stages[-1].device,
+                device=self.stages[-1].device, scale=scale, nothing_counts=nothing_counts,
             )  # fmt: skip
-        result = self._run(inputs_mb, losses, seed, trace)
+        result = self._run(inputs_mb, losses, seed, trace, scale=scale)
         return result.loss
 
     def forward(self, inputs: Any) -> Any:
@@ -300,7 +336,9 @@ class Pipe(ModelNames, nn.Module):
             return None
         return microbatch.join([result.outputs[m] for m in range(self.chunks)])
 
-    def _run(self, inputs_mb, losses, seed: int | None, trace: bool) -> StepResult:
+    def _run(
+        self, inputs_mb, losses, seed: int | None, trace: bool, scale: torch.Tensor | None = None
+    ) -> StepResult:
         if self._ranks.broken is not None:
             raise PipelineError(
                 f"this pipeline failed in an earlier step ({self._ranks.broken}); "
@@ -328,9 +366,10 @@ class Pipe(ModelNames, nn.Module):
             result = self._runtime.run(step, trace=trace, clock_origin=self._ranks.clock_origin)
             if self._reducer is not None and losses is not None:
                 self._reducer.finish()
-            add_earlier_gradients(earlier)
             if self._tied is not None and losses is not None:
+                # this step's gradients only: every holder already carries the earlier sum
                 self._tied.sync_gradients(self._ranks.exchange)
+            add_earlier_gradients(earlier)
         except BaseException as error:
             self._abandon_step(earlier)
             explained = self._sharded.explain(error) if self._sharded is not None else error
@@ -342,16 +381,30 @@ class Pipe(ModelNames, nn.Module):
         if losses is not None and self._holds(self.num_stages - 1):
             losses_mb = [result.losses[m].to(torch.float64) for m in range(self.chunks)]
             local_loss = torch.stack(losses_mb).sum()
-        trouble = first_nonfinite_grad(self.named_parameters()) if losses is not None else None
+        training = losses is not None
+        with_grads = [(n, p) for n, p in self.named_parameters() if p.grad is not None]
+        norms = gradient_norms([p.grad for _, p in with_grads]) if training and with_grads else None
+        local_trouble = first_nonfinite([n for n, _ in with_grads], norms)
+        trouble = local_trouble
         try:
-            if self._sharded is not None and losses is not None:
+            if self._sharded is not None and training:
                 trouble = self._sharded.nonfinite_anywhere(trouble, doing="ending a step")
-            result.loss = self._ranks.agree(local_loss, trouble)
+            edit = self._watch.take() if self._watch is not None and training else None
+            agreed = self._ranks.agree(
+                local_loss, trouble, refuse_nonfinite=scale is None, edit=edit
+            )
             # Every rank has received all of its messages: no send can be waiting.
             self._transport.finish()
         except BaseException:  # refused here or elsewhere: this step counts nowhere
             self._abandon_step(earlier)
             raise
+        result.loss = agreed.loss
+        if scale is not None and agreed.nonfinite_grads and local_trouble is None:
+            # Every rank's scaler must find what one rank's found, and skip the step alike.
+            for _, p in with_grads:
+                poison(p.grad)
+        if self._watch is not None and training:
+            self._watch.note([p for _, p in with_grads], norms, scale)
         batchnorm.commit_all(self)
         self.last_trace = result.trace
         return result
@@ -368,7 +421,19 @@ class Pipe(ModelNames, nn.Module):
             self._reducer.reset()
         restore_gradients(self.parameters(), earlier)
 
-    # -- gradients ------------------------------------------------------------------------
+    # -- parameters and gradients ------------------------------------------------------------
+
+    def named_parameters(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Parameter]]:
+        """The model's parameters, each once: a tied tensor is one parameter, as in the
+        un-split model, though a stage on another device holds a copy of it (gpipe's, kept
+        equal; listed with ``remove_duplicate=False``)."""
+        tied = getattr(self, "_tied", None)
+        hidden = tied.extra_copies() if tied is not None and remove_duplicate else set()
+        for name, p in super().named_parameters(prefix, recurse, remove_duplicate):
+            if id(p) not in hidden:
+                yield name, p
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the gradients of the whole model (every stage, every replica) by their norm.
@@ -377,9 +442,11 @@ class Pipe(ModelNames, nn.Module):
         returned on every rank.
         """
         grads = [p.grad for p in self.parameters() if p.grad is not None]
-        # A tied tensor counts once, as in the un-split model, though every holder has a copy.
-        extra = self._tied.extra_copies() if self._tied is not None else set()
-        counted = [p.grad for p in self.parameters() if p.grad is not None and id(p) not in extra]
+        # A tied tensor counts once, as in the un-split model, though each holder has a copy.
+        elsewhere = self._tied.counted_elsewhere() if self._tied is not None else set()
+        counted = [
+            p.grad for p in self.parameters() if p.grad is not None and id(p) not in elsewhere
+        ]
         p = float(norm_type)
         local = norm_part(counted, p, self.stages[0].device)
         if self._sharded is not None:  # each replica holds a shard of every gradient
@@ -391,6 +458,8 @@ class Pipe(ModelNames, nn.Module):
         scale = (max_norm / (total + 1e-6)).clamp(max=1.0)
         for g in grads:
             local_value(g).mul_(scale.to(g.device, g.dtype))
+        if self._watch is not None:
+            self._watch.rebase()  # gpipe's own clip: not the script's
         return total.float()
 
     # -- state of a sharded Pipe -------------------------------------------------------------
@@ -434,3 +503,16 @@ class Pipe(ModelNames, nn.Module):
             f"chunks={self.chunks}, checkpoint={self.checkpoint!r}, "
             f"schedule={self.schedule.name!r}, virtual_stages={self.virtual_stages}, {self._ranks}"
         )
+
+
+def _scale_of(scaler: Any, device: torch.device) -> torch.Tensor | None:
+    """A GradScaler's scale as a tensor on ``device`` (None without an enabled scaler); the
+    call also gives the scaler its scale on a rank that computes no loss, so that its
+    ``unscale_``, ``step`` and ``update`` work there."""
+    if scaler is None:
+        return None
+    if not callable(getattr(scaler, "scale", None)) or not hasattr(scaler, "is_enabled"):
+        raise TypeError(f"scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}")
+    if not scaler.is_enabled():
+        return None
+    return scaler.scale(torch.ones((), device=device))

@@ -15,8 +15,14 @@ training state only. The modes:
 ============== =========================================================
 
 :func:`recomputes` is that table; everything else (the engine, the memory model, the
-planner) asks it. Layers with side effects (running statistics, counters, caches) must
-not apply them twice; they ask :func:`is_recomputing`.
+planner) asks it.
+
+Module state a forward reads and writes (buffers: spectral norm's vectors, a moving average,
+a counter) needs nothing from the layer: the stage restores the buffers its first forward
+found before recomputing, replays that layer as its first forward (:func:`replaying`:
+:func:`is_recomputing` is False inside it) and puts the later buffers back
+(``gpipe.engine.state``). Side effects outside module buffers (a Python counter, a log)
+must not be applied twice; such layers ask :func:`is_recomputing`.
 
 The first forward of a recomputed micro-batch runs without autograd, the recomputation
 with it. A few kernels choose another algorithm without autograd (scaled dot-product
@@ -40,6 +46,8 @@ __all__ = [
     "recompute_fraction",
     "recomputes",
     "recomputing",
+    "rematerializing",
+    "replaying",
 ]
 
 Remat = Literal["always", "except_last", "never"]
@@ -71,25 +79,47 @@ _state = threading.local()
 
 
 def is_recomputing() -> bool:
-    """True while gpipe re-runs a forward to rebuild activations for backward.
+    """True while gpipe re-runs a forward to rebuild activations for backward, except in a
+    layer whose buffers gpipe restored for it (that layer runs as its first forward did).
 
-    Example::
+    For side effects outside module buffers, which must happen once per micro-batch::
 
-        class Counter(nn.Module):
+        class Logged(nn.Module):
             def forward(self, x):
                 if not gpipe.is_recomputing():
-                    self.calls += 1
+                    self.seen.append(x.shape[0])  # a Python list: gpipe cannot restore it
                 return x
+
+    Buffers need no check: a buffer the forward updates (``self.calls += 1``) is restored
+    before the recomputation and updated once per micro-batch.
     """
+    return getattr(_state, "recomputing", False) and not getattr(_state, "replaying", False)
+
+
+def rematerializing() -> bool:
+    """True during any recomputation, replayed layers included: for state that gpipe does
+    not restore (``DeferredBatchNorm``'s accumulators are Python attributes)."""
     return getattr(_state, "recomputing", False)
 
 
 @contextmanager
 def recomputing() -> Iterator[None]:
     """Mark the enclosed code (in this thread) as a recomputation."""
-    previous = is_recomputing()
+    previous = getattr(_state, "recomputing", False)
     _state.recomputing = True
     try:
         yield
     finally:
         _state.recomputing = previous
+
+
+@contextmanager
+def replaying() -> Iterator[None]:
+    """Mark the enclosed layer as replayed: its buffers are as its first forward found
+    them, so it runs as that forward did (:func:`is_recomputing` is False inside)."""
+    previous = getattr(_state, "replaying", False)
+    _state.replaying = True
+    try:
+        yield
+    finally:
+        _state.replaying = previous

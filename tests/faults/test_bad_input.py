@@ -34,7 +34,15 @@ def test_a_timeout_must_be_a_finite_number_of_seconds(timeout):
             "--balance 1,1 sums to 2 layers, but the model has 4; e.g. --balance 2,2",
         ),
         (["--resume", "/nonexistent/run"], "--resume /nonexistent/run: /nonexistent/run does not"),
-        (["--model", "resnet", "--seq", "8"], "--seq applies to --model gpt only"),
+        (["--model", "resnet", "--seq", "8"], "--seq applies to language models, not --model"),
+        (
+            ["--model", "vit"],
+            "--model vit: not a built-in model (gpt, resnet, hf-llama), nor a folder or a "
+            "config.json of a Hugging Face model",
+        ),
+        (["--model", "gpt", "--data", "/nonexistent.txt"], "--data /nonexistent.txt: no such"),
+        (["--model", "gpt", "--init", "pretrained"], "--init pretrained: --model gpt starts from"),
+        (["--model-config", "depth=3"], "--model-config depth: not a field of --model gpt"),
         (["--timeout", "inf"], "--timeout must be positive (finite)"),
         (["--timeout", "-1"], "--timeout must be positive (finite)"),
         (
@@ -65,8 +73,8 @@ def test_problems_are_reported_together(capsys):
     assert "--chunks must be a positive int" in err and "--steps must be >= 1" in err
 
 
-def test_unknown_schedule_and_model_are_rejected_by_the_parser(capsys):
-    for argv in (["--schedule", "fifo"], ["--model", "vit"]):
+def test_an_unknown_schedule_is_rejected_by_the_parser(capsys):
+    for argv in (["--schedule", "fifo"], ["--packing", "tight"]):
         with pytest.raises(SystemExit) as exit_info:
             main(["train", *argv])
         assert exit_info.value.code == 2

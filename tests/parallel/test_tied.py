@@ -26,11 +26,12 @@ def case(seed=0):
 
 def check_gradients(pipe, reference):
     ours = dict(pipe.named_parameters())
-    theirs = dict(reference.named_parameters())  # the tied tensor appears once here
-    assert set(ours) == set(theirs) | {TIED[1]}
+    theirs = dict(reference.named_parameters())  # the tied tensor appears once, as in ours
+    assert set(ours) == set(theirs)
     for name, param in theirs.items():
         assert relative_error(ours[name].grad, param.grad) <= 1e-10, name
-    assert torch.equal(ours[TIED[0]].grad, ours[TIED[1]].grad)
+    every = dict(pipe.named_parameters(remove_duplicate=False))
+    assert every[TIED[0]] is every[TIED[1]]  # stages on one device share the tensor
 
 
 @pytest.mark.parametrize("checkpoint", ["always", "never"])
@@ -66,8 +67,8 @@ def test_copies_stay_identical_through_ten_adamw_steps():
     model, x, y = case()
     reference = twin(model)
     pipe = gpipe.Pipe(model, balance=[2, 1, 2], devices=["cpu"] * 3, chunks=2, tied=[TIED])
-    ours, theirs = dict(pipe.named_parameters()), dict(reference.named_parameters())
-    assert ours[TIED[0]] is not ours[TIED[1]], "each stage holds its own copy"
+    ours = dict(pipe.named_parameters(remove_duplicate=False))
+    theirs = dict(reference.named_parameters())
     opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
     for step in range(10):
@@ -130,3 +131,40 @@ def test_clip_grad_norm_counts_a_tied_tensor_once():
     ours = dict(pipe.named_parameters())
     for name, param in reference.named_parameters():
         assert relative_error(ours[name].grad, param.grad) <= 1e-9, name
+
+
+def test_a_copy_on_another_device_is_gpipes_and_follows_every_optimizer_step(monkeypatch):
+    """Stages on two devices in one process (here 'cpu' and 'cpu:0', told apart): the second
+    holds gpipe's copy, which is no parameter of the Pipe, gives its gradient to the
+    caller's, is equal to it after every optimizer step and keeps no gradient when frozen."""
+    from gpipe.parallel import tied
+
+    monkeypatch.setattr(tied, "_placed", torch.device)  # "cpu:0" is not "cpu" here
+    model, x, y = case()
+    reference = twin(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)  # first
+    pipe = gpipe.Pipe(model, balance=[2, 1, 2], devices=["cpu", "cpu", "cpu:0"], chunks=2,
+                      tied=[TIED])  # fmt: skip
+    every = dict(pipe.named_parameters(remove_duplicate=False))
+    assert every[TIED[0]] is not every[TIED[1]]
+    assert set(dict(pipe.named_parameters())) == {n for n, _ in reference.named_parameters()}
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1)
+    for step in range(3):
+        if step == 2:  # frozen from here on, in both
+            for m in (model, reference):
+                m[0].token.weight.requires_grad_(False)
+        pipe.step(x, y, lm_loss, seed=step)
+        reference_step(reference, x, y, lm_loss, chunks=2, seed=step)
+        norm = torch.nn.utils.clip_grad_norm_(pipe.parameters(), 0.5)
+        expected = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.5)
+        assert relative_error(norm, expected) <= 1e-10
+        assert every[TIED[1]].grad is None
+        assert (every[TIED[0]].grad is None) == (step == 2)
+        optimizer.step()
+        ref_opt.step()
+        optimizer.zero_grad()
+        ref_opt.zero_grad()
+        assert torch.equal(every[TIED[0]], every[TIED[1]])  # no forward since the step
+    theirs = reference.state_dict()
+    for name, value in pipe.state_dict().items():
+        assert relative_error(value, theirs[name]) <= 1e-10, name

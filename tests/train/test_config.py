@@ -11,7 +11,7 @@ import pytest
 
 from gpipe import checkpoint as ckpt
 from gpipe.cli import train as train_cli
-from gpipe.train import TASKS, TrainConfig, resolve
+from gpipe.train import RECIPES, TrainConfig, resolve
 from gpipe.train.config import flag, option
 
 # A value other than the default for every option, as typed and as it lands in the config;
@@ -50,9 +50,20 @@ GIVEN = {
     "threads": (["--threads", "1"], 1),
     "cpu_allocator": (["--cpu-allocator", "cache"], "cache"),
     "timeout": (["--timeout", "30"], 30.0),
+    "init": (["--init", "random"], "random"),
+    "model_config": (["--model-config", "n_layers=8"], "n_layers=8"),
+    "family": (["--family", "causal-lm"], "causal-lm"),
+    "text_field": (["--text-field", "body"], "body"),
+    "target_field": (["--target-field", "summary"], "summary"),
+    "val_fraction": (["--val-fraction", "0.1"], 0.1),
+    "tokenizer": (["--tokenizer", "bytes"], "bytes"),
+    "packing": (["--packing", "pad"], "pad"),
+    "mask_prob": (["--mask-prob", "0.2"], 0.2),
 }
-# Tested on their own below: --model (one run per task), --out and --resume (a checkpoint).
-APART = {"model", "out", "resume"}
+# Tested on their own: --model (one run per built-in model; Hugging Face folders in
+# test_your_model.py), --split (a Hugging Face model's), --data and --val-data (files), --out
+# and --resume (a checkpoint).
+APART = {"model", "split", "data", "val_data", "out", "resume"}
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -90,7 +101,7 @@ def test_each_option_lands_in_the_config(tmp_path):
     assert config.out == str(tmp_path / "run")
 
 
-@pytest.mark.parametrize("model", sorted(TASKS))
+@pytest.mark.parametrize("model", sorted(RECIPES))
 def test_each_model_is_a_choice(model, tmp_path):
     config = resolve(vars(parse("--model", model, "--size", "tiny", "--out", str(tmp_path))))
     assert (config.model, config.size) == (model, "tiny")

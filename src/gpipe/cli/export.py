@@ -11,6 +11,12 @@ model built without gpipe::
     model.load_state_dict(torch.load("gpt.pt"))
 
 A ``.json`` file beside it records the model's kind and constructor arguments.
+
+A Hugging Face model (``gpipe train --model DIR``) is exported as its own kind of folder:
+``save_pretrained``'s (its configuration, safetensors and tokenizer), which
+``AutoModelFor...from_pretrained(folder)`` loads::
+
+    gpipe export runs/my-qwen-small-...            # -> runs/my-qwen-small-.../model-step-NNNNNN/
 """
 
 from __future__ import annotations
@@ -32,7 +38,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.add_argument("checkpoint", help="checkpoint folder, its checkpoints/ or its run folder")
     parser.add_argument(
-        "-o", "--out", help="output file (default: RUN/model-step-NNNNNN.pt beside checkpoints/)"
+        "-o",
+        "--out",
+        help="output file (default: RUN/model-step-NNNNNN.pt beside checkpoints/; "
+        "a Hugging Face model: the folder RUN/model-step-NNNNNN/)",
     )
     parser.add_argument(
         "--dtype", choices=["float32", "bfloat16", "float16"], help="cast floating tensors"
@@ -40,13 +49,26 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def export(checkpoint: str | Path, out: str | Path | None = None, dtype: str | None = None) -> Path:
-    """Write the merged state dict of ``checkpoint`` to ``out`` (and its ``.json``); return it."""
+    """Write the merged state dict of ``checkpoint`` to ``out`` (and its ``.json``), or a
+    Hugging Face model's ``save_pretrained`` folder; return it."""
     manifest = ckpt.read_manifest(checkpoint)
     folder = manifest.path
+    pretrained = (manifest.model or {}).get("kind") == "hf"
     if out is None:
         run_folder = folder.parent.parent if folder.parent.name == "checkpoints" else Path(".")
-        out = run_folder / f"model-{ckpt.step_folder(manifest.step)}.pt"
+        name = f"model-{ckpt.step_folder(manifest.step)}"
+        out = run_folder / (name if pretrained else f"{name}.pt")
     out = Path(out)
+    if pretrained:
+        from gpipe.train.hf import save_pretrained
+
+        state = ckpt.export_state_dict(folder)
+        if dtype is not None:
+            cast = getattr(torch, dtype)
+            state = {k: v.to(cast) if v.is_floating_point() else v for k, v in state.items()}
+        tokenizer = manifest.config.get("tokenizer")
+        tokenizer = tokenizer if tokenizer and Path(tokenizer).is_dir() else None
+        return save_pretrained(manifest.model, state, out, tokenizer=tokenizer)
     if out.suffix == ".json":
         raise ckpt.CheckpointError(
             f"-o {out}: the weights need another name than the .json file written beside "
@@ -72,13 +94,21 @@ def run(args: argparse.Namespace) -> int:
         print(f"gpipe export: error: {error}", file=sys.stderr)
         return 2
     manifest = ckpt.read_manifest(args.checkpoint)
+    spec = manifest.model
+    if out.is_dir():  # a Hugging Face model's save_pretrained folder
+        from gpipe.train.hf import FAMILIES
+
+        auto = FAMILIES[spec["args"]["family"]]
+        print(f"gpipe export: step {manifest.step} of {manifest.path} -> {out}/ (save_pretrained)")
+        print("load it as any Hugging Face model:")
+        print(f"    model = transformers.{auto}.from_pretrained({str(out)!r})")
+        return 0
     state = torch.load(out, weights_only=True, mmap=True)
     count = sum(t.numel() for t in state.values())
     print(
         f"gpipe export: step {manifest.step} of {manifest.path}: {len(state)} tensors, "
         f"{count:,} numbers -> {out}"
     )
-    spec = manifest.model
     if spec:
         from gpipe.train import constructor
 

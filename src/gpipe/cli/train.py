@@ -10,11 +10,23 @@
     gpipe train --resume runs/gpt-small-...       # continue from the newest checkpoint
     torchrun --nproc-per-node 2 -m gpipe train    # the same, launched by torchrun
 
+Your model and your data (docs/your-model.md):
+
+    gpipe train --model ./my-qwen --data train.jsonl       # fine-tune its weights
+    gpipe train --model ./config.json --data book.txt      # from scratch, the config's size
+    gpipe train --model ./my-qwen --init random --model-config num_hidden_layers=4
+    gpipe train --model ./my-bart --data pairs.jsonl --text-field source --packing pad
+    gpipe train --model gpt --data notes/                  # the built-in GPT on your files
+    gpipe export runs/my-qwen-small-...                    # -> a save_pretrained folder
+
 The language model (``--model gpt``) is a byte-level GPT trained on the Python standard
 library's own ``.py`` files (``gpipe.data``); ``--model resnet`` trains a small ResNet with
 deferred batch norm on scikit-learn's digits (``pip install 'gpipe[digits]'``);
 ``--model hf-llama`` trains a random byte-level Hugging Face ``LlamaForCausalLM`` on the same
 text, captured and cut between its decoder layers by ``Pipe.from_model`` (``gpipe[hf]``).
+``--model DIR`` takes any causal LM, masked LM or sequence-to-sequence model that
+transformers builds from the folder's ``config.json``, its tokenizer, and its weights
+(``gpipe[hf]``; a ``--data`` folder saved by ``datasets`` needs ``gpipe[datasets]``).
 
 The command spawns K x R local processes (``gpipe.launch``), or, when ``RANK`` and
 ``WORLD_SIZE`` are set (``torchrun``), runs as one of them; the job itself is the library

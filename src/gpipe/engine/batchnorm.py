@@ -12,7 +12,7 @@ from a full-batch pass (measured in ``docs/equivalence.md``).
 
 Statistics are merged with Chan et al.'s parallel algorithm in float64, so that inputs with a large
 mean (``1e4 + randn``) do not lose the variance to cancellation as ``E[x^2] - E[x]^2`` would.
-Forwards replayed by re-materialization (:func:`gpipe.remat.is_recomputing`) add nothing.
+Forwards replayed by re-materialization (:func:`gpipe.remat.rematerializing`) add nothing.
 
 Example::
 
@@ -31,7 +31,7 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.lazy import LazyModuleMixin
 
-from gpipe.remat import is_recomputing
+from gpipe.remat import rematerializing
 
 __all__ = ["DeferredBatchNorm", "commit_all", "reset_all"]
 
@@ -101,7 +101,7 @@ class DeferredBatchNorm(_BatchNorm):
         self._check_input_dim(input)
         # Running buffers are not passed, so F.batch_norm leaves them alone.
         output = F.batch_norm(input, None, None, self.weight, self.bias, True, 0.0, self.eps)
-        if not is_recomputing():
+        if not rematerializing():  # its accumulators are not buffers: never twice
             self._accumulate(input.detach())
         return output
 

@@ -22,7 +22,7 @@ the gradient of a stage's inputs is what its backward hands to the previous stag
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -32,17 +32,25 @@ from torch.utils._pytree import tree_map
 
 from gpipe import microbatch, rng
 from gpipe._utils import tensors_of, to_device
-from gpipe.engine.batchnorm import DeferredBatchNorm
 from gpipe.engine.skip import SkipError, StageSkips, tracking
 from gpipe.engine.split_backward import WeightWork, backward_input, backward_weight
-from gpipe.remat import recomputing
+from gpipe.engine.state import ModuleState, SavedState, running_stats_frozen
+from gpipe.losses import IGNORE_INDEX
+from gpipe.remat import recomputing, replaying
 
 if TYPE_CHECKING:
     from gpipe.engine.memory import ActivationMeter
 
-__all__ = ["LossSpec", "Stage", "check_batch", "loss_specs"]
+__all__ = ["LossSpec", "Stage", "check_batch", "ignored_targets", "loss_specs"]
 
 LossFn = Callable[[Any, Any], torch.Tensor]
+_NOTHING_COUNTS = (
+    "micro-batch {microbatch}'s targets are all -100 (labels that do not count), so its mean "
+    "loss is {loss:g} (0/0): a token mean needs step(..., count=...) to weigh each "
+    "micro-batch by its tokens, e.g. count=lambda y: (y != -100).sum() (for Hugging Face-style "
+    "labels, shifted inside the loss: (y[:, 1:] != -100).sum()); or use a loss of "
+    "gpipe.losses (causal_lm(), masked_lm()), which counts for you"
+)
 
 
 @dataclass
@@ -52,6 +60,8 @@ class LossSpec:
     loss_fn: LossFn
     target: Any
     weight: float  # this micro-batch's share of the mini-batch loss
+    scale: torch.Tensor | None = None  # a GradScaler's: backward runs from loss * scale
+    nothing_counts: bool = False  # every target is the ignore index, and no count= was given
 
 
 def loss_specs(
@@ -62,9 +72,12 @@ def loss_specs(
     reduction: str,
     count: Callable[[Any], Any] | None,
     device: torch.device,
+    scale: torch.Tensor | None = None,
+    nothing_counts: list[bool] | None = None,
 ) -> list[LossSpec]:
     """The last stage's loss for each micro-batch, weighted so that the gradients add up
-    to the mini-batch loss's (see ``Pipe.step`` for ``reduction`` and ``count``)."""
+    to the mini-batch loss's (see ``Pipe.step`` for ``reduction`` and ``count``).
+    ``nothing_counts``: the micro-batches whose targets are all the ignore index."""
     if reduction not in ("mean", "sum"):
         raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
     if count is not None and reduction != "mean":
@@ -85,9 +98,31 @@ def loss_specs(
         )
     total = sum(shares)
     return [
-        LossSpec(loss_fn, to_device(y, device), n / total if reduction == "mean" else 1.0)
-        for y, n in zip(targets_mb, shares, strict=True)
+        LossSpec(
+            loss_fn,
+            to_device(y, device),
+            n / total if reduction == "mean" else 1.0,
+            scale=scale,
+            nothing_counts=bool(nothing_counts and nothing_counts[m]),
+        )
+        for m, (y, n) in enumerate(zip(targets_mb, shares, strict=True))
     ]
+
+
+def ignored_targets(targets_mb: list[Any]) -> tuple[bool, list[bool]]:
+    """Whether any integer target holds the ignore index (-100), and for each micro-batch
+    whether all of its targets do (a mean over them is 0/0); one transfer to the host."""
+    flags = []
+    for y in targets_mb:
+        labels = [t for t in tensors_of(y) if not t.is_floating_point() and t.numel()]
+        if not labels:
+            return False, [False] * len(targets_mb)
+        ignored = [t == IGNORE_INDEX for t in labels]
+        device = labels[0].device
+        flags.append(torch.stack([m.any().to(device) for m in ignored]).any())
+        flags.append(torch.stack([m.all().to(device) for m in ignored]).all())
+    found = torch.stack([f.to(flags[0].device) for f in flags]).tolist()
+    return any(found[0::2]), found[1::2]
 
 
 def check_batch(losses: list[LossSpec], inputs: int) -> None:
@@ -111,29 +146,7 @@ class _Stored:
     outputs: Any = None  # with autograd graph; None until recomputed under remat
     loss_value: torch.Tensor | None = None  # weighted, with graph (last stage)
     held: list[Any] = field(default_factory=list)  # memory-meter tokens
-
-
-@contextmanager
-def _running_stats_frozen(layers: Sequence[nn.Module]) -> Iterator[None]:
-    # A plain BatchNorm updates its running statistics on every forward; a recomputation
-    # must not update them a second time. With track_running_stats off it still
-    # normalizes by batch statistics (training mode) but leaves the buffers alone.
-    # DeferredBatchNorm checks gpipe.is_recomputing() itself.
-    frozen = [
-        m
-        for layer in layers
-        for m in layer.modules()
-        if isinstance(m, nn.modules.batchnorm._BatchNorm)
-        and not isinstance(m, DeferredBatchNorm)
-        and m.track_running_stats
-    ]
-    for module in frozen:
-        module.track_running_stats = False
-    try:
-        yield
-    finally:
-        for module in frozen:
-            module.track_running_stats = True
+    state: SavedState | None = None  # buffers the forward wrote, as it found them (remat)
 
 
 class Stage:
@@ -165,6 +178,7 @@ class Stage:
         self._stored: dict[int, _Stored] = {}
         self._weight_work: dict[int, WeightWork] = {}
         self._writes_input: bool | None = None  # do the layers write to their input?
+        self.state = ModuleState(self.layers, first_layer)  # buffers the forward writes
         # Set when the stage's parameters are sharded (gpipe.parallel.sharded): the tensors
         # autograd differentiates (the gathered parameters), and a context that gathers
         # them all (for W, whose autograd call the sharding's own hooks do not see).
@@ -181,12 +195,12 @@ class Stage:
 
     # -- running layers -------------------------------------------------------------------
 
-    def _run(self, inputs: Any, microbatch: int, seed: int) -> Any:
+    def _run(self, inputs: Any, microbatch: int, seed: int, replay: frozenset[int]) -> Any:
         if self.skips is None:
-            return self._run_layers(inputs, microbatch, seed)
+            return self._run_layers(inputs, microbatch, seed, replay)
         value, skip_inputs = inputs
         with tracking(self.skips.local, skip_inputs) as tracker:
-            value = self._run_layers(value, microbatch, seed)
+            value = self._run_layers(value, microbatch, seed, replay)
         missing = [name for name in self.skips.outputs if name not in tracker.outputs]
         if missing:
             raise SkipError(
@@ -195,11 +209,17 @@ class Stage:
             )
         return value, {name: tracker.outputs[name] for name in self.skips.outputs}
 
-    def _run_layers(self, x: Any, microbatch: int, seed: int) -> Any:
+    def _run_layers(self, x: Any, microbatch: int, seed: int, replay: frozenset[int]) -> Any:
+        # ``replay``: layers whose buffers were restored for this recomputation run as
+        # their first forward did (gpipe.engine.state).
         with rng.preserved(self.device) as generator:
             for offset, layer in enumerate(self.layers):
                 generator.manual_seed(rng.layer_seed(seed, self.first_layer + offset, microbatch))
-                x = layer(x)
+                if offset in replay:
+                    with replaying():
+                        x = layer(x)
+                else:
+                    x = layer(x)
         return x
 
     def value_of(self, packet: Any) -> Any:
@@ -209,20 +229,22 @@ class Stage:
     def _metered(self):
         return self.meter.saved_tensors(self.index) if self.meter is not None else nullcontext()
 
-    def _outputs_and_loss(self, stored: _Stored, microbatch: int) -> None:
+    def _outputs_and_loss(
+        self, stored: _Stored, microbatch: int, replay: frozenset[int] = frozenset()
+    ) -> None:
         # A layer that changes its input in place (``x.sub_(m)``, ``ReLU(inplace=True)``)
         # must not change what the stage keeps: a recomputation would see the changed value,
         # the caller's batch (micro-batches are views of it) would change, and autograd
         # forbids writing to a leaf that requires grad. Such a stage's layers get a copy.
         inputs = stored.inputs
         if self._writes_input is False:
-            stored.outputs = self._run(inputs, microbatch, stored.seed)
+            stored.outputs = self._run(inputs, microbatch, stored.seed, replay)
         elif self._writes_input:
-            stored.outputs = self._run(_copied(inputs), microbatch, stored.seed)
+            stored.outputs = self._run(_copied(inputs), microbatch, stored.seed, replay)
         else:  # the first forward learns it from the copy's version counters
             copy = _copied(inputs)
             versions = [t._version for t in tensors_of(copy)]
-            stored.outputs = self._run(copy, microbatch, stored.seed)
+            stored.outputs = self._run(copy, microbatch, stored.seed, replay)
             self._writes_input = [t._version for t in tensors_of(copy)] != versions
             if not self._writes_input and torch.is_grad_enabled():
                 # Autograd may have saved the copy: the input shares its memory from now
@@ -234,7 +256,10 @@ class Stage:
             stored.loss_value = torch.zeros((), device=self.device)
         elif stored.loss is not None:
             outputs = self.value_of(stored.outputs)
-            stored.loss_value = _compute_loss(stored.loss, outputs) * stored.loss.weight
+            loss = _compute_loss(stored.loss, outputs)
+            if stored.loss.nothing_counts and not bool(torch.isfinite(loss)):
+                raise ValueError(_NOTHING_COUNTS.format(microbatch=microbatch, loss=float(loss)))
+            stored.loss_value = loss * stored.loss.weight
             needs_grad = any(t.requires_grad for t in tensors_of(stored.inputs)) or any(
                 p.requires_grad for p in self.parameters()
             )
@@ -268,8 +293,11 @@ class Stage:
             raise RuntimeError(f"stage {self.index} is not the last stage; it computes no loss")
         stored = _Stored(inputs=inputs, remat=remat, seed=seed, loss=loss)
         grad_mode = torch.enable_grad() if keep and not remat else torch.no_grad()
+        # A re-materialized forward keeps the buffers it writes as it found them.
+        saved = self.state.save() if keep and remat else None
         with grad_mode, self._metered():
             self._outputs_and_loss(stored, microbatch)
+        stored.state = self.state.learned(saved)
         outputs, loss_value = stored.outputs, stored.loss_value
         if keep:
             if remat:
@@ -306,8 +334,13 @@ class Stage:
         stored = self._take(self._stored, microbatch, "stored forward", "F before B")
         with torch.enable_grad():
             if stored.remat:
-                with recomputing(), _running_stats_frozen(self.layers), self._metered():
-                    self._outputs_and_loss(stored, microbatch)
+                with (
+                    recomputing(),
+                    running_stats_frozen(self.layers),
+                    self._metered(),
+                    ModuleState.restored(stored.state) as replay,
+                ):
+                    self._outputs_and_loss(stored, microbatch, replay)
             roots, grads = self._roots(stored, grad_outputs, microbatch)
             inputs = tensors_of(stored.inputs)
             if split:
@@ -344,7 +377,9 @@ class Stage:
         """The tensors backward starts from, with their gradients (None: a scalar loss)."""
         if self.is_last:
             loss = stored.loss_value
-            return ([loss], [None]) if loss is not None and loss.requires_grad else ([], [])
+            if loss is None or not loss.requires_grad:
+                return [], []
+            return [loss if stored.loss.scale is None else loss * stored.loss.scale], [None]
         outputs = tensors_of(stored.outputs)
         grads = list(grad_outputs or [])
         if len(grads) != len(outputs):

@@ -10,6 +10,7 @@ reads, under the model's own names (a parameter two units read is reported as ti
 
 from __future__ import annotations
 
+import hashlib
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -166,6 +167,8 @@ def cut_graph(
             if n.op == "call_module":
                 piece.modules[n.target] = model.get_submodule(n.target)
             env[n] = g.node_copy(n, env.__getitem__)
+            if n.op == "get_attr":  # a subgraph of a higher-order op (a no_grad region)
+                env[n].target = _subgraph(piece, gm.get_submodule(n.target))
             if n.name in mutations:
                 target = _name_for_buffer(mutations[n.name], piece, model, g, env)
                 g.call_function(torch.Tensor.copy_, (target, env[n]))
@@ -287,6 +290,14 @@ def _name_for(spec, user: fx.Node, aliases: dict[str, list[str]]) -> str:
         if owner and (path == owner or path.startswith(owner + ".")):
             return name
     return spec.target
+
+
+def _subgraph(piece: Piece, module: fx.GraphModule) -> str:
+    """The unit's name for a subgraph: named by its code, so that the train and eval graphs'
+    subgraphs (each export numbers its own from 1) never take each other's place."""
+    name = "_subgraph_" + hashlib.sha256(module.code.encode()).hexdigest()[:16]
+    piece.modules[name] = module
+    return name
 
 
 def _name_for_buffer(target: str, piece: Piece, model: nn.Module, g: fx.Graph, env) -> fx.Node:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 import torch
@@ -31,6 +32,7 @@ from gpipe._utils import DeviceLike
 from gpipe.engine.runtime import Transport
 from gpipe.engine.stage import Stage
 from gpipe.errors import NonFiniteError, PartitionError, PipelineError
+from gpipe.parallel.clipping import Edit, check_edits
 from gpipe.parallel.collectives import Collectives
 from gpipe.parallel.tied import TiedParameters
 from gpipe.schedule.ir import Schedule
@@ -38,10 +40,18 @@ from gpipe.schedule.routes import Routes
 from gpipe.transport.distributed import DistributedTransport
 from gpipe.transport.local import LocalTransport
 
-__all__ = ["MultiProcess", "PipelineGroup", "SingleProcess", "pipeline_group"]
+__all__ = ["Agreement", "MultiProcess", "PipelineGroup", "SingleProcess", "pipeline_group"]
 
 T = TypeVar("T")
 ByStage = dict[int, torch.Tensor]  # a tensor per stage
+
+
+@dataclass
+class Agreement:
+    """What every rank agreed on at the end of a step."""
+
+    loss: torch.Tensor | None  # the step's loss (float64), on every rank; None: inference
+    nonfinite_grads: bool  # a gradient of some rank holds a NaN or an infinity
 
 
 class PipelineGroup(Protocol):
@@ -82,8 +92,18 @@ class PipelineGroup(Protocol):
     ) -> dict[int, torch.Tensor]:
         """Every holder stage's tensor of a tie, from this process's (``mine``)."""
 
-    def agree(self, local_loss: torch.Tensor | None, trouble: str | None) -> torch.Tensor | None:
-        """The step's loss on every rank; a failure or non-finite value anywhere raises."""
+    def agree(
+        self,
+        local_loss: torch.Tensor | None,
+        trouble: str | None,
+        *,
+        refuse_nonfinite: bool = True,
+        edit: Edit | None = None,
+    ) -> Agreement:
+        """The step's loss on every rank. A failure anywhere raises; so does a non-finite
+        loss or gradient anywhere unless ``refuse_nonfinite`` is False (a GradScaler skips
+        such steps), and a per-stage clip of the last step's gradients (``edit``: what this
+        rank's script did to them, ``gpipe.parallel.clipping``)."""
 
     def fail(self, error: BaseException, stages: list[Stage]) -> None:
         """This process's step failed with ``error``: tell whoever must know."""
@@ -131,11 +151,19 @@ class SingleProcess:
     def check_same(self, configuration: dict[str, Any]) -> None:
         pass  # one process: one configuration
 
-    def agree(self, local_loss: torch.Tensor | None, trouble: str | None) -> torch.Tensor | None:
+    def agree(
+        self,
+        local_loss: torch.Tensor | None,
+        trouble: str | None,
+        *,
+        refuse_nonfinite: bool = True,
+        edit: Edit | None = None,
+    ) -> Agreement:
         loss = None if local_loss is None else local_loss.detach().to(torch.float64)
-        found = f"a non-finite gradient of {trouble!r}" if trouble else ""
-        _refuse_nonfinite(float(loss) if loss is not None else 0.0, [found])
-        return loss
+        if refuse_nonfinite:  # one process: torch's own clip sees the whole model, no edit check
+            found = f"a non-finite gradient of {trouble!r}" if trouble else ""
+            _refuse_nonfinite(float(loss) if loss is not None else 0.0, [found])
+        return Agreement(loss, trouble is not None)
 
     def fail(self, error: BaseException, stages: list[Stage]) -> None:
         pass  # nobody else to tell
@@ -275,29 +303,44 @@ class MultiProcess:
                 "same script with the same model and Pipe arguments:\n" + "\n".join(differences)
             )
 
-    def _gather(self, value: float, failed: int, troubled: bool = False) -> torch.Tensor:
-        """Every rank's (value, failed rank + 1 or 0, non-finite gradient), one row per
-        pipeline rank."""
-        rows = torch.zeros(self.num_ranks, 3, dtype=torch.float64)
-        rows[self.rank] = torch.tensor([value, failed + 1, troubled], dtype=torch.float64)
+    def _gather(
+        self, value: float, failed: int, troubled: bool = False, edit: Edit | None = None
+    ) -> torch.Tensor:
+        """Every rank's (value, failed rank + 1 or 0, non-finite gradient, then its
+        :class:`Edit` of the last step's gradients), one row per pipeline rank."""
+        rows = torch.zeros(self.num_ranks, 7, dtype=torch.float64)
+        row = [value, failed + 1, troubled, *(edit or Edit()).row()]
+        rows[self.rank] = torch.tensor(row, dtype=torch.float64)
         # each row is set by one rank only: a sum gathers them
         doing = f"ending step {self.steps} of this Pipe"
         return self.ops.all_reduce(rows, "the end-of-step agreement (all-reduce)", doing=doing)
 
-    def agree(self, local_loss: torch.Tensor | None, trouble: str | None) -> torch.Tensor:
+    def agree(
+        self,
+        local_loss: torch.Tensor | None,
+        trouble: str | None,
+        *,
+        refuse_nonfinite: bool = True,
+        edit: Edit | None = None,
+    ) -> Agreement:
         """The loss on every rank (it lives on the last stage's), and a last health check:
-        a failure, or a non-finite loss or gradient (``trouble``) anywhere, refuses the
-        step on every rank."""
+        a failure, a non-finite loss or gradient (``trouble``) anywhere (unless
+        ``refuse_nonfinite`` is False), or a per-stage clip of the last step's gradients
+        (every rank's ``edit``), refuses the step on every rank."""
         value = float(local_loss) if local_loss is not None else 0.0
-        rows = self._collective(lambda: self._gather(value, -1, troubled=trouble is not None))
+        rows = self._collective(
+            lambda: self._gather(value, -1, troubled=trouble is not None, edit=edit)
+        )
         if rows[:, 1].any():
             self._raise_remote(rows)
+        check_edits(rows[:, 3:], describe=lambda rank: f"rank {rank}")
         loss = float(rows[self.schedule.stage_to_rank[-1], 0])
-        if rows[:, 2].any() or not math.isfinite(loss):
+        nonfinite_grads = bool(rows[:, 2].any())
+        if refuse_nonfinite and (nonfinite_grads or not math.isfinite(loss)):
             found = f"rank {self.rank}: a non-finite gradient of {trouble!r}" if trouble else ""
             _refuse_nonfinite(loss, self._share_failures(found))
         # The same on every rank; float64 holds a float32 or float64 loss exactly.
-        return torch.tensor(loss, dtype=torch.float64)
+        return Agreement(torch.tensor(loss, dtype=torch.float64), nonfinite_grads)
 
     def fail(self, error: BaseException, stages: list[Stage]) -> None:
         """Tell the other ranks this step failed here (or upstream), then agree on who."""
@@ -401,5 +444,7 @@ def _refuse_nonfinite(loss: float, troubles: list[str]) -> None:
             f"the step was refused (the loss is {loss:g}"
             + (f"; {'; '.join(found)}" if found else "")
             + "): its gradients were dropped, so the weights stay as they were; lower the "
-            "learning rate, clip gradients, or look for the layer or input that overflows"
+            "learning rate, clip gradients, or look for the layer or input that overflows "
+            "(mixed precision with a torch.amp.GradScaler: pass step(..., scaler=scaler), "
+            "which skips such steps and lowers the scale instead)"
         )

@@ -8,7 +8,8 @@ with validation, checkpoints, resume, metrics, a measured timeline and a summary
 usable alone:
 
 * ``config``: :class:`TrainConfig` and :func:`resolve` (options, checkpoint, presets);
-* ``tasks``: one :class:`Task` per model (presets, model, data, loss), in :data:`TASKS`;
+* ``tasks``: :class:`Task`, a run's model source, objective and data (``networks``, ``hf``,
+  ``objectives``, ``sources``, ``tokenizers``), the built-in models' :data:`RECIPES`;
 * ``trainer``: :class:`Trainer`, one rank's loop;
 * ``report``: progress, metrics file, loss plot, summary;
 * ``job``: starting the processes (locally or under torchrun) and finding a failure's cause.
@@ -16,11 +17,11 @@ usable alone:
 
 from gpipe.train.config import ConfigError, TrainConfig, model_spec, resolve
 from gpipe.train.job import TrainingError, run, run_under_torchrun, train
-from gpipe.train.tasks import TASKS, Task, build_model, constructor
+from gpipe.train.tasks import RECIPES, Task, build_model, constructor, task_of
 from gpipe.train.trainer import Trainer
 
 __all__ = [
-    "TASKS",
+    "RECIPES",
     "ConfigError",
     "Task",
     "TrainConfig",
@@ -32,5 +33,6 @@ __all__ = [
     "resolve",
     "run",
     "run_under_torchrun",
+    "task_of",
     "train",
 ]

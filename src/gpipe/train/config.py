@@ -16,7 +16,18 @@ from gpipe.allocator import POLICIES
 from gpipe.layout import FLAGS, Layout
 from gpipe.remat import REMAT_MODES
 from gpipe.schedule import SCHEDULES
-from gpipe.train.tasks import TASKS, Task
+from gpipe.train.hf import (
+    FAMILIES,
+    families_of,
+    family_of,
+    has_weights,
+    parse_overrides,
+    read_config,
+    transformers_module,
+)
+from gpipe.train.objectives import PACKINGS
+from gpipe.train.tasks import HF_FOLDER, RECIPES, Task, recipe_of, source_of, task_of, tokenizer_of
+from gpipe.train.tokenizers import BYTES
 
 __all__ = [
     "SIZES",
@@ -33,10 +44,15 @@ __all__ = [
 
 SIZES = ("tiny", "small", "base")
 LR_SCHEDULES = ("cosine", "linear", "constant")
-DTYPES = ("float32", "bfloat16")
+DTYPES = ("float32", "bfloat16", "float64")
+INITS = ("auto", "pretrained", "random")
 PROGRESS = ("auto", "bar", "lines")
-# What a checkpoint's weights depend on: these cannot change on resume.
-_FIXED_ON_RESUME = ("model", "size", "seq", "seed")
+# What a checkpoint's weights and data position depend on: these cannot change on resume.
+_FIXED_ON_RESUME = (
+    "model", "size", "seq", "seed", "model_config", "family", "split", "tokenizer", "data",
+    "text_field", "target_field", "val_data", "val_fraction", "packing", "mask_prob",
+)  # fmt: skip
+_PATHS = ("model", "data", "val_data", "tokenizer")  # made absolute: a run resumes anywhere
 
 
 @dataclass(frozen=True)
@@ -70,14 +86,14 @@ def preset_fields() -> set[str]:
     """The fields a task's presets set: their default depends on --model and --size."""
     return {
         key
-        for task in TASKS.values()
-        for preset in task.presets.values()
+        for recipe in (*RECIPES.values(), HF_FOLDER)
+        for preset in (*recipe.presets.values(), *recipe.fine_tune_presets.values())
         for key in preset
-        if key not in task.model_keys
+        if key not in recipe.model_keys
     }
 
 
-_MODEL, _PIPELINE, _OPTIMIZATION = "model and data", "pipeline", "optimization"
+_MODEL, _DATA, _PIPELINE, _OPTIMIZATION = "model", "data", "pipeline", "optimization"
 _CHECKPOINTS, _OUTPUT, _PROCESSES = "checkpoints and resuming", "output", "processes"
 _MULTI_STAGE = ", ".join(n for n, s in SCHEDULES.items() if s.default_virtual_stages > 1)
 
@@ -90,10 +106,61 @@ class TrainConfig:
     """
 
     model: str = _option(
-        "gpt", "the model: a task of gpipe.train.tasks", _MODEL, choices=tuple(sorted(TASKS))
-    )
-    size: str = _option("small", "the model's preset size", _MODEL, choices=SIZES)
-    seq: int = _option(64, "tokens per sample, language models only", _MODEL)
+        "gpt", f"a built-in model ({', '.join(RECIPES)}), or a Hugging Face model: a folder "
+        "that save_pretrained wrote (fine-tuned from its weights, see --init) or a config.json "
+        "(trained from scratch); a causal LM, masked LM or sequence-to-sequence model",
+        _MODEL, metavar="NAME|DIR",
+    )  # fmt: skip
+    size: str = _option(
+        "small", "preset: a built-in model's shape; for every model, the training's length, "
+        "batch and learning rate", _MODEL, choices=SIZES,
+    )  # fmt: skip
+    init: str = _option(
+        "auto", "the initial weights: the --model folder's (pretrained), or random; auto: its "
+        "weights where it has them", _MODEL, choices=INITS,
+    )  # fmt: skip
+    model_config: str | None = _option(
+        None, "fields of the model's configuration to override, e.g. num_hidden_layers=4,"
+        "hidden_size=256 (a built-in's: n_layers=6,d_model=192): the size, from scratch",
+        _MODEL, metavar="FIELD=VALUE,...", default_text="the folder's, or the preset's",
+    )  # fmt: skip
+    family: str = _option(
+        "auto", "what a Hugging Face model learns (auto: by its configuration's architectures)",
+        _MODEL, choices=("auto", *FAMILIES),
+    )  # fmt: skip
+    split: str | None = _option(
+        None, "module paths to cut the model before, comma-separated", _MODEL,
+        metavar="PATH,...", default_text="every block of its lists of blocks",
+    )  # fmt: skip
+    data: str | None = _option(
+        None, "text to learn from: a text file, a JSONL file (see --text-field), a folder of "
+        "them, or a dataset folder saved by datasets' save_to_disk", _DATA, metavar="PATH",
+        default_text="the built-in model's data: the stdlib's source, or digits",
+    )  # fmt: skip
+    text_field: str = _option("text", "the JSONL field or dataset column of the text", _DATA)
+    target_field: str = _option(
+        "target", "sequence-to-sequence models: the field of the target text (--text-field "
+        "holds the source)", _DATA,
+    )  # fmt: skip
+    val_data: str | None = _option(
+        None, "the validation text, as --data", _DATA, metavar="PATH",
+        default_text="the data's own split, else --val-fraction of it",
+    )  # fmt: skip
+    val_fraction: float = _option(
+        0.05, "the share of the documents held out for validation (one document: its end)",
+        _DATA,
+    )  # fmt: skip
+    tokenizer: str = _option(
+        "auto", "bytes, or a folder holding a Hugging Face tokenizer; auto: the --model "
+        "folder's tokenizer, else bytes", _DATA, metavar="auto|bytes|DIR",
+    )  # fmt: skip
+    packing: str = _option(
+        "pack", "pack: documents joined (end-of-text between them) and cut into samples of "
+        "--seq; pad: each document cut on its own, its last sample padded (the loss a mean "
+        "over the real tokens either way)", _DATA, choices=PACKINGS,
+    )  # fmt: skip
+    mask_prob: float = _option(0.15, "masked LMs: the share of tokens masked", _DATA)
+    seq: int = _option(64, "tokens per sample, language models only", _DATA)
     stages: int = _option(
         2, "K: pipeline stages, one process each; under torchrun, WORLD_SIZE / --replicas",
         _PIPELINE, flags=("-K",),
@@ -137,7 +204,10 @@ class TrainConfig:
         _OPTIMIZATION, metavar="N",
     )  # fmt: skip
     seed: int = _option(0, "initial weights, data order, dropout", _OPTIMIZATION)
-    dtype: str = _option("float32", "bfloat16: autocast", _OPTIMIZATION, choices=DTYPES)
+    dtype: str = _option(
+        "float32", "bfloat16: autocast; float64: the weights in float64 (for exact comparisons)",
+        _OPTIMIZATION, choices=DTYPES,
+    )  # fmt: skip
     save_every: int = _option(100, "checkpoint every N steps, 0: at the end", _CHECKPOINTS)
     keep: int = _option(3, "checkpoints to keep, 0: all", _CHECKPOINTS)
     save_on_exit: bool = _option(
@@ -152,7 +222,10 @@ class TrainConfig:
     )
     eval_every: int = _option(50, "validate every N steps, 0: at the end", _OUTPUT)
     eval_batches: int = _option(8, "validation batches", _OUTPUT)
-    sample_tokens: int = _option(200, "bytes of text to generate, language models only", _OUTPUT)
+    sample_tokens: int = _option(
+        200, "tokens of text to generate (bytes, byte-level), causal language models only",
+        _OUTPUT,
+    )  # fmt: skip
     prompt: str = _option("def ", "start of the generated text", _OUTPUT)
     temperature: float = _option(0.8, "sampling temperature", _OUTPUT)
     progress: str = _option(
@@ -166,7 +239,8 @@ class TrainConfig:
         "(memory-bound runs); see gpipe.allocator", _PROCESSES, choices=POLICIES,
     )  # fmt: skip
     timeout: float = _option(120.0, "seconds a rank waits for another", _PROCESSES)
-    # The model's own arguments (width, depth): from the preset, or the checkpoint on resume.
+    # The model's own arguments (width, depth; a Hugging Face model's whole configuration):
+    # from the preset or the --model folder, or the checkpoint on resume.
     model_args: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -187,16 +261,21 @@ class TrainConfig:
 
     @property
     def task(self) -> Task:
-        return TASKS[self.model]
+        return task_of(self)
+
+    @property
+    def model_name(self) -> str:
+        """The built-in model's name, or the Hugging Face folder's (or file's) name."""
+        return self.model if self.model in RECIPES else Path(self.model).stem
 
 
 def model_spec(config: TrainConfig) -> dict[str, Any]:
     """What builds the model: ``{"kind": "gpt", "args": {...}}`` (saved with checkpoints)."""
-    return {"kind": config.model, "args": config.task.spec_args(config.seq, config.model_args)}
+    return config.task.model.spec
 
 
 def num_layers(spec: dict[str, Any]) -> int:
-    return TASKS[spec["kind"]].units(spec["args"])
+    return source_of(spec).units()
 
 
 class ConfigError(ValueError):
@@ -223,6 +302,11 @@ def resolve(options: dict[str, Any], *, world_size: int | None = None) -> TrainC
             problems.append(f"--balance must be comma-separated ints, got {given['balance']!r}")
             del given["balance"]
 
+    for key in _PATHS:  # paths as the ranks and a resumed run see them, wherever they start
+        value = given.get(key)
+        if value not in (None, *RECIPES, "auto", BYTES) and Path(value).expanduser().exists():
+            given[key] = str(Path(value).expanduser().resolve())
+
     manifest = None
     if given.get("resume"):
         try:
@@ -242,11 +326,10 @@ def resolve(options: dict[str, Any], *, world_size: int | None = None) -> TrainC
                 given["out"] = str(folder.parent.parent)
         values = {**saved, **given, "resume": str(manifest.path)}
     else:
-        task = TASKS[given.get("model", TrainConfig.model)]
-        preset = dict(task.presets[given.get("size", TrainConfig.size)])
-        model_args = {k: preset.pop(k) for k in task.model_keys}
-        values = {**preset, **given, "model": task.name, "model_args": model_args}
-    problems += TASKS[values["model"]].problems(given)
+        chosen, found = _model(given)
+        problems += found
+        values = {**chosen.pop("preset"), **given, **chosen, "model": given.get("model", "gpt")}
+    problems += _data_problems(values, given)
     default_layout = Layout(schedule=values.get("schedule", "gpipe"))
     values.setdefault("virtual_stages", default_layout.virtual_stages)
     if world_size is not None and "stages" not in given:
@@ -254,12 +337,134 @@ def resolve(options: dict[str, Any], *, world_size: int | None = None) -> TrainC
     config = TrainConfig(**{k: v for k, v in values.items() if k in names})
     if not config.out:
         stamp = time.strftime("%Y%m%d-%H%M%S")
-        config.out = str(Path("runs") / f"{config.model}-{config.size}-{stamp}")
+        config.out = str(Path("runs") / f"{config.model_name}-{config.size}-{stamp}")
+    if not problems:
+        try:
+            problems += config.task.problems()
+        except (ValueError, OSError) as error:  # e.g. a tokenizer folder that holds none
+            problems.append(f"{type(error).__name__}: {error}")
     start = manifest.step if manifest else 0
     problems += _problems(config, start, world_size, fresh=manifest is None)
     if problems:
         raise ConfigError(problems)
     return config
+
+
+def _model(given: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """The model of a new run: its preset, arguments, initial weights and tokenizer."""
+    model = given.get("model", TrainConfig.model)
+    recipe, problems = recipe_of(model), []
+    size = given.get("size", TrainConfig.size)
+    try:
+        overrides = parse_overrides(given.get("model_config"))
+    except ValueError as error:
+        problems.append(str(error))
+        overrides = {}
+    init = given.get("init", "auto")
+    if recipe is not HF_FOLDER:
+        preset = recipe.preset(size)
+        model_args = {k: preset.pop(k) for k in recipe.model_keys}
+        unknown = sorted(set(overrides) - set(model_args))
+        if unknown:
+            problems.append(
+                f"--model-config {', '.join(unknown)}: not a field of --model {model}; its "
+                f"fields: {', '.join(model_args)}"
+            )
+        model_args.update((k, v) for k, v in overrides.items() if k in model_args)
+        family = recipe.model(model_args, 1, 256).family if recipe.name != "hf-llama" else None
+        if init == "pretrained":
+            problems.append(
+                f"--init pretrained: --model {model} starts from random weights; name a Hugging "
+                "Face folder that holds weights to fine-tune it"
+            )
+        for name in ("family", "split"):
+            if name in given and (name, given[name]) != ("family", family):
+                problems.append(f"{flag(name)} applies to a Hugging Face folder (--model DIR)")
+        problems += _needs(recipe.name)
+        tokenizer = given.get("tokenizer", "auto")
+        chosen = {"model_args": model_args, "init": "random",
+                  "tokenizer": BYTES if tokenizer == "auto" else tokenizer}  # fmt: skip
+        return {"preset": preset, **chosen}, problems
+
+    if not Path(model).exists():
+        raise ConfigError([
+            f"--model {model}: not a built-in model ({', '.join(RECIPES)}), nor a folder or a "
+            "config.json of a Hugging Face model"
+        ])  # fmt: skip
+    try:
+        transformers_module()
+    except ImportError as error:
+        raise ConfigError([f"--model {model}: {error}"]) from None
+    weights = has_weights(model)
+    if init == "auto":
+        init = "pretrained" if weights else "random"
+    if init == "pretrained" and not weights:
+        problems.append(
+            f"--init pretrained: {model} holds no model.safetensors (nor its index): save it "
+            "with save_pretrained (safetensors), or train from scratch with --init random"
+        )
+    try:
+        config = read_config(model, overrides)
+    except ValueError as error:
+        raise ConfigError([*problems, str(error)]) from None
+    family = given.get("family", "auto")
+    known = families_of(config["model_type"])
+    if family != "auto" and family not in known:
+        problems.append(
+            f"--family {family}: transformers builds model type {config['model_type']} as "
+            f"{', '.join(known) or 'none of ' + ', '.join(FAMILIES)}"
+        )
+    if family == "auto":
+        family = family_of(config)
+        if family is None:
+            problems.append(
+                f"--model {model}: {config.get('architectures') or config['model_type']} is not "
+                f"a causal LM, masked LM or sequence-to-sequence model that transformers "
+                f"knows; name its family with --family {{{','.join(FAMILIES)}}}"
+            )
+    split = given.get("split")
+    model_args = {"config": config, "family": family,
+                  "split": [p.strip() for p in split.split(",")] if split else None}  # fmt: skip
+    tokenizer = given.get("tokenizer", "auto")
+    chosen = {
+        "preset": HF_FOLDER.preset(size, pretrained=init == "pretrained"),
+        "model_args": model_args, "init": init,
+        "tokenizer": tokenizer_of(model) if tokenizer == "auto" else tokenizer,
+    }  # fmt: skip
+    return chosen, problems
+
+
+def _needs(recipe: str) -> list[str]:
+    """The optional libraries a built-in model needs, where missing."""
+    library, extra = {"resnet": ("sklearn", "digits"), "hf-llama": ("transformers", "hf")}.get(
+        recipe, (None, None)
+    )
+    if library is None:
+        return []
+    try:
+        __import__(library)
+    except ImportError:
+        return [f"--model {recipe} needs {library}: pip install 'gpipe[{extra}]'"]
+    return []
+
+
+def _data_problems(values: dict[str, Any], given: dict[str, Any]) -> list[str]:
+    problems = []
+    if recipe_of(values["model"]).data == "digits":
+        for name in ("seq", "data", "val_data", "tokenizer", "packing"):
+            if name in given:
+                problems.append(f"{flag(name)} applies to language models, not --model resnet")
+    for name in ("data", "val_data"):
+        if values.get(name) and not Path(values[name]).exists():
+            problems.append(f"{flag(name)} {values[name]}: no such file or folder")
+    if not 0 < values.get("val_fraction", TrainConfig.val_fraction) < 1:
+        problems.append(f"--val-fraction must be in (0, 1), got {values['val_fraction']}")
+    if not 0 < values.get("mask_prob", TrainConfig.mask_prob) < 1:
+        problems.append(f"--mask-prob must be in (0, 1), got {values['mask_prob']}")
+    tokenizer = values.get("tokenizer")
+    if tokenizer not in (None, "auto", BYTES) and not Path(tokenizer).is_dir():
+        problems.append(f"--tokenizer {tokenizer}: give bytes, or a folder holding a tokenizer")
+    return problems
 
 
 def _problems(c: TrainConfig, start: int, world_size: int | None, *, fresh: bool) -> list[str]:
@@ -291,7 +496,12 @@ def _problems(c: TrainConfig, start: int, world_size: int | None, *, fresh: bool
         existing = next(p for p in (out, *out.parents) if p.exists())
         if not _writable(existing):
             problems.append(f"--out {c.out}: {existing} is not writable; choose another --out")
-    layers = num_layers(model_spec(c)) if not problems else None
+    layers = None
+    if not problems:
+        try:
+            layers = num_layers(model_spec(c))
+        except (ValueError, OSError) as error:  # a model its configuration cannot build
+            problems.append(f"--model {c.model}: {error}")
     batch = c.batch if c.batch >= 1 else None
     problems += c.layout.problems(layers=layers, balance=c.balance, batch=batch, spelling=FLAGS)
     if problems:
@@ -336,7 +546,7 @@ def _memory_problems(c: TrainConfig, *, spawns: bool) -> list[str]:
         return []
     problems = []
     micro = -(-c.batch // (c.replicas * c.chunks))  # samples of the largest micro-batch
-    floor, terms = c.task.activation_floor(model_spec(c)["args"], micro)
+    floor, terms = c.task.activation_floor(micro)
     if floor > memory:
         given = ", ".join(f"--{name} {getattr(c, name)}" for name in c.task.size_options)
         lower = " or ".join(f"--{name}" for name in c.task.size_options)

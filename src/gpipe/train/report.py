@@ -71,7 +71,7 @@ class Reporter:
         self.config, self.enabled = config, enabled
         self.unit = config.task.unit
         self.title = (
-            f"{config.model} {config.size}, K={config.stages} M={config.chunks} "
+            f"{config.model_name} {config.size}, K={config.stages} M={config.chunks} "
             f"{config.schedule}"
             + (f" R={config.replicas}" if config.replicas > 1 else "")
             + (" bf16" if config.dtype == "bfloat16" else "")
@@ -103,7 +103,7 @@ class Reporter:
         self, *, parameters: int, layers: int, balance: list[int], data: str, start: int
     ) -> None:
         c = self.config
-        per_sample = c.task.samples(c.seq)
+        per_sample = c.task.samples()
         resumed = f", resumed from step {start}" if start else ""
         self.print(
             f"gpipe train: {self.title}: {parameters:,} parameters in {layers} layers, "
@@ -203,7 +203,7 @@ class Reporter:
         produced = [name for name in OUTPUT_FILES if (out / name).exists()]
         lines.append(f"  files        {out}/: {', '.join(produced)}, checkpoints/")
         if s.get("sample"):
-            lines.append(f"  sample ({c.sample_tokens} bytes after {c.prompt!r}):")
+            lines.append(f"  sample ({c.sample_tokens} tokens after {c.prompt!r}):")
             lines += ["    | " + line for line in s["sample"].splitlines()]
         for line in lines:
             self.print(line)

@@ -1,39 +1,52 @@
-"""The models ``gpipe train`` knows, one :class:`Task` each: presets, model, data, loss.
+"""What one run trains: a :class:`Task` is a model source, an objective and a data source.
 
-A task is everything the training loop must not branch on: how to build the model from its
-spec, which data it reads, its loss and its unit of throughput. Adding a model to the main
-job is adding a task to :data:`TASKS`; nothing else changes.
+Every run takes the same path: the model from a :class:`~gpipe.train.networks.ModelSource`
+(gpipe's GPT or CNN, or any Hugging Face model: :class:`~gpipe.train.hf.HFModel`), its
+objective by the model's family (:mod:`gpipe.train.objectives`), its data from
+:mod:`gpipe.train.sources` (the user's files, or the built-in data). The built-in models are
+recipes (:data:`RECIPES`): presets, and which source of each kind they take by default; any
+other ``--model`` is a Hugging Face folder or ``config.json`` (:data:`HF_FOLDER`).
+
+    gpipe train --model gpt                            # GPT on the stdlib's source, bytes
+    gpipe train --model gpt --data notes.txt           # the same GPT on your text
+    gpipe train --model ./my-qwen --data train.jsonl   # fine-tune your checkpoint
 """
 
 from __future__ import annotations
 
-import functools
-from dataclasses import dataclass
-from typing import Any, ClassVar
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
-from gpipe.data import TokenWindows, digits, stdlib_corpus
-from gpipe.models import GPTConfig, convnet, gpt
 from gpipe.pipe import Pipe
+from gpipe.train.hf import HFModel, decoder_start
+from gpipe.train.networks import GPT, ConvNet, ModelSource
+from gpipe.train.objectives import OBJECTIVES, MaskedLM, Objective, Seq2Seq
+from gpipe.train.sources import DigitsData, Files, Stdlib, TextData
+from gpipe.train.tokenizers import BYTES, has_tokenizer
 
 __all__ = [
-    "TASKS",
+    "HF_FOLDER",
+    "RECIPES",
+    "SOURCES",
     "Data",
-    "Digits",
-    "HFLlama",
-    "LanguageModel",
+    "Recipe",
     "Task",
     "build_model",
     "constructor",
+    "recipe_of",
+    "source_of",
+    "task_of",
 ]
 
 
 @dataclass
 class Data:
-    """What one rank reads: indexable sets giving ``(inputs, targets)`` for index tensors."""
+    """What one rank reads: indexable sets of samples, for :meth:`Task.batch`."""
 
     train: Any
     val: Any
@@ -41,287 +54,301 @@ class Data:
     description: str
 
 
-class Task:
-    """One model of the main job. Subclasses fill in the class attributes and methods."""
+@dataclass(frozen=True)
+class Recipe:
+    """A kind of ``--model``: its presets (by ``--size``: the model's shape, ``model_keys``,
+    and the training defaults that suit it), how its source is made from the resolved model
+    arguments, and its data when no ``--data`` is given."""
 
-    name: ClassVar[str]
-    unit: ClassVar[str]  # what throughput counts: "tokens", "images"
-    # size -> the model's shape (``model_keys``) and the training defaults that suit it
-    presets: ClassVar[dict[str, dict[str, Any]]]
-    model_keys: ClassVar[tuple[str, ...]]
-    deferred_batch_norm: ClassVar[bool] = False
-    writes_text: ClassVar[bool] = False  # the job samples text from it at the end
-    classifies: ClassVar[bool] = False  # validation reports accuracy (see ``correct``)
+    name: str
+    presets: dict[str, dict[str, Any]]
+    model_keys: tuple[str, ...]
+    model: Callable[[dict[str, Any], int, int], ModelSource]  # (model_args, seq, vocab)
+    data: str = "stdlib"  # "stdlib" or "digits"
+    fine_tune_presets: dict[str, dict[str, Any]] = field(default_factory=dict)
 
-    def spec_args(self, seq: int, model_args: dict[str, Any]) -> dict[str, Any]:
-        """The constructor arguments of the model (saved with every checkpoint)."""
-        raise NotImplementedError
-
-    def build(self, args: dict[str, Any]) -> nn.Sequential:
-        raise NotImplementedError
-
-    def units(self, args: dict[str, Any]) -> int:
-        """What ``--balance`` counts: the layers of the Sequential ``build`` returns."""
-        with torch.device("meta"):
-            return len(self.build(args))
-
-    def pipe(self, args: dict[str, Any], **options: Any) -> Pipe:
-        """The model as a Pipe, each rank building only its own layers."""
-        return Pipe(functools.partial(self.build, args), **options)
-
-    def logits(self, output: Any) -> torch.Tensor:
-        """The tensor of scores in the model's output (for sampling text)."""
-        return output
-
-    def constructor(self, args: dict[str, Any]) -> str:
-        """Python code that builds the plain model, for ``gpipe export``."""
-        raise NotImplementedError
-
-    def problems(self, given: dict[str, Any]) -> list[str]:
-        """What cannot run with these command-line options (before any process starts)."""
-        return []
-
-    def prepare(self) -> Any:
-        """Once, before the ranks start: returns what they are handed (or None)."""
-        return None
-
-    def data(self, *, seq: int, batch: int, eval_batches: int, prepared: Any) -> Data:
-        raise NotImplementedError
-
-    def samples(self, seq: int) -> int:
-        """Units of throughput per sample."""
-        return 1
-
-    # The options that size a micro-batch's activations, named when they cannot fit.
-    size_options: ClassVar[tuple[str, ...]] = ("batch",)
-
-    def activation_floor(self, args: dict[str, Any], micro_batch: int) -> tuple[int, str]:
-        """A lower bound of the bytes that one micro-batch of ``micro_batch`` samples needs
-        in the model's largest layer, and what they are: no cut, schedule or
-        re-materialization brings a rank below it."""
-        raise NotImplementedError
-
-    def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(output.float(), target)
-
-    def count(self, target: torch.Tensor) -> float:
-        """What ``loss`` averages over in a micro-batch (``Pipe.step(count=...)``)."""
-        return len(target)
-
-    def correct(self, output: torch.Tensor, target: torch.Tensor) -> int:
-        """Correctly classified samples (a task that ``classifies``)."""
-        return 0
+    def preset(self, size: str, *, pretrained: bool = False) -> dict[str, Any]:
+        base = self.presets[size]
+        return {**base, **(self.fine_tune_presets.get(size, {}) if pretrained else {})}
 
 
-class LanguageModel(Task):
-    """A byte-level GPT on the Python standard library's source (``gpipe.data``)."""
+_LM_TRAINING = {  # a language model's training by --size
+    "tiny": dict(seq=32, batch=8, steps=40, lr=3e-3, warmup=5, eval_every=20, save_every=20),
+    # the default run: a few minutes on 2 CPU cores, the loss falling from ~5.5 to ~2
+    "small": dict(seq=64, batch=16, steps=500, lr=3e-3, warmup=20, eval_every=50, save_every=100),
+    "base": dict(seq=128, batch=32, steps=2000, lr=1e-3, warmup=100, eval_every=200,
+                 save_every=500),
+}  # fmt: skip
+_GPT_SHAPES = {
+    "tiny": dict(d_model=32, n_heads=2, n_layers=2, dropout=0.1),
+    "small": dict(d_model=128, n_heads=4, n_layers=4, dropout=0.0),
+    "base": dict(d_model=256, n_heads=8, n_layers=8, dropout=0.1),
+}
 
-    name, unit = "gpt", "tokens"
-    presets: ClassVar[dict[str, dict[str, Any]]] = {
-        "tiny": dict(
-            d_model=32, n_heads=2, n_layers=2, dropout=0.1,
-            seq=32, batch=8, steps=40, lr=3e-3, warmup=5, eval_every=20, save_every=20,
+
+def _llama(args: dict[str, Any], seq: int, vocab: int) -> ModelSource:
+    h, heads = args["hidden_size"], args["heads"]
+    config = dict(
+        model_type="llama", vocab_size=vocab, max_position_embeddings=seq, hidden_size=h,
+        intermediate_size=8 * h // 3 // 16 * 16 or 16, num_hidden_layers=args["n_layers"],
+        num_attention_heads=heads, num_key_value_heads=max(1, heads // 2),
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    return HFModel({"config": config, "family": "causal-lm"})
+
+
+_RESNET_PRESETS = {
+    "tiny": dict(channels=8, blocks=2, batch=32, steps=40, lr=3e-3, warmup=5, eval_every=20,
+                 save_every=20),
+    "small": dict(channels=16, blocks=4, batch=64, steps=300, lr=3e-3, warmup=20,
+                  eval_every=50, save_every=100),
+    "base": dict(channels=32, blocks=8, batch=128, steps=1000, lr=2e-3, warmup=50,
+                 eval_every=100, save_every=250),
+}  # fmt: skip
+_LLAMA_PRESETS = {
+    size: {"hidden_size": g["d_model"], "heads": g["n_heads"], "n_layers": g["n_layers"],
+           **_LM_TRAINING[size]}
+    for size, g in _GPT_SHAPES.items()
+}  # fmt: skip
+
+
+def _gpt(args: dict[str, Any], seq: int, vocab: int) -> ModelSource:
+    return GPT(dict(vocab_size=vocab, context=seq, **args))
+
+
+def _convnet(args: dict[str, Any], seq: int, vocab: int) -> ModelSource:
+    return ConvNet(dict(in_channels=1, classes=10, **args))
+
+
+RECIPES: dict[str, Recipe] = {
+    r.name: r
+    for r in (
+        Recipe(
+            "gpt",
+            {s: {**_GPT_SHAPES[s], **_LM_TRAINING[s]} for s in _LM_TRAINING},
+            ("d_model", "n_heads", "n_layers", "dropout"),
+            _gpt,
         ),
-        # the default run: a few minutes on 2 CPU cores, the loss falling from ~5.5 to ~2
-        "small": dict(
-            d_model=128, n_heads=4, n_layers=4, dropout=0.0,
-            seq=64, batch=16, steps=500, lr=3e-3, warmup=20, eval_every=50, save_every=100,
-        ),
-        "base": dict(
-            d_model=256, n_heads=8, n_layers=8, dropout=0.1,
-            seq=128, batch=32, steps=2000, lr=1e-3, warmup=100, eval_every=200, save_every=500,
-        ),
-    }  # fmt: skip
-    model_keys = ("d_model", "n_heads", "n_layers", "dropout")
-    writes_text = True
-
-    def spec_args(self, seq: int, model_args: dict[str, Any]) -> dict[str, Any]:
-        return dict(vocab_size=256, context=seq, **model_args)
-
-    def build(self, args: dict[str, Any]) -> nn.Sequential:
-        return gpt(GPTConfig(**args))
-
-    def units(self, args: dict[str, Any]) -> int:
-        # gpt(): the embedding, n_layers blocks, the head. Not built (even on the meta
-        # device, the first build loads torch's meta kernels: seconds before any refusal).
-        return args["n_layers"] + 2
-
-    def constructor(self, args: dict[str, Any]) -> str:
-        return f"gpipe.models.gpt(gpipe.models.GPTConfig({_call_args(args)}))"
-
-    def prepare(self) -> None:
-        stdlib_corpus()  # built and cached once here, so that the ranks only read it
-
-    def data(self, *, seq: int, batch: int, eval_batches: int, prepared: Any) -> Data:
-        corpus = stdlib_corpus()
-        val = TokenWindows(corpus.val, seq=seq)
-        return Data(
-            train=TokenWindows(corpus.train, seq=seq),
-            val=val,
-            val_indices=val.evenly_spaced(eval_batches * batch),
-            description=corpus.describe(),
-        )
-
-    def samples(self, seq: int) -> int:
-        return seq
-
-    size_options = ("seq", "batch")
-
-    def activation_floor(self, args: dict[str, Any], micro_batch: int) -> tuple[int, str]:
-        # Attention holds its scores and their softmax, (B, heads, T, T) each, in float32.
-        seq, heads = args["context"], args["n_heads"]
-        scores = micro_batch * heads * seq * seq * 4 * 2
-        return scores, f"{micro_batch} x {heads} heads x {seq}^2 attention scores and softmax"
-
-    def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(output.float().flatten(0, 1), target.flatten(), ignore_index=-100)
-
-    def count(self, target: torch.Tensor) -> torch.Tensor:
-        return (target != -100).sum()  # a token mean: exact also where targets are padded
+        Recipe("resnet", _RESNET_PRESETS, ("channels", "blocks"), _convnet, data="digits"),
+        # A random byte-level Llama: the path of any Hugging Face configuration.
+        Recipe("hf-llama", _LLAMA_PRESETS, ("hidden_size", "heads", "n_layers"), _llama),
+    )
+}
+# Any other --model: a Hugging Face folder or config.json; its shape is its configuration's
+# (model_args: {"config", "family", "split"}, see resolve), the presets are training only.
+HF_FOLDER = Recipe(
+    "hf",
+    {s: {**t, "seq": 2 * t["seq"], "lr": 1e-3} for s, t in _LM_TRAINING.items()},
+    (),
+    lambda args, seq, vocab: HFModel(args),
+    fine_tune_presets={"tiny": {"lr": 3e-4}, "small": {"lr": 1e-4}, "base": {"lr": 5e-5}},
+)
 
 
-class Digits(Task):
-    """A small ResNet with deferred batch norm on scikit-learn's 8x8 digits."""
-
-    name, unit = "resnet", "images"
-    presets: ClassVar[dict[str, dict[str, Any]]] = {
-        "tiny": dict(
-            channels=8, blocks=2, batch=32, steps=40, lr=3e-3, warmup=5, eval_every=20,
-            save_every=20,
-        ),
-        "small": dict(
-            channels=16, blocks=4, batch=64, steps=300, lr=3e-3, warmup=20, eval_every=50,
-            save_every=100,
-        ),
-        "base": dict(
-            channels=32, blocks=8, batch=128, steps=1000, lr=2e-3, warmup=50, eval_every=100,
-            save_every=250,
-        ),
-    }  # fmt: skip
-    model_keys = ("channels", "blocks")
-    deferred_batch_norm = classifies = True
-
-    def spec_args(self, seq: int, model_args: dict[str, Any]) -> dict[str, Any]:
-        return dict(in_channels=1, classes=10, **model_args)
-
-    def build(self, args: dict[str, Any]) -> nn.Sequential:
-        return convnet(**args)
-
-    def constructor(self, args: dict[str, Any]) -> str:
-        return f"gpipe.models.convnet({_call_args(args)})"
-
-    def problems(self, given: dict[str, Any]) -> list[str]:
-        found = []
-        if "seq" in given:
-            found.append("--seq applies to --model gpt only")
-        try:
-            import sklearn  # noqa: F401
-        except ImportError:
-            found.append(
-                "--model resnet trains on scikit-learn's digits: pip install 'gpipe[digits]'"
-            )
-        return found
-
-    def prepare(self) -> Any:
-        return digits()  # small: handed to the ranks, which then need not import scikit-learn
-
-    def data(self, *, seq: int, batch: int, eval_batches: int, prepared: Any) -> Data:
-        images = prepared if prepared is not None else digits()
-        return Data(
-            train=_Pairs(images.train_images, images.train_labels),
-            val=_Pairs(images.val_images, images.val_labels),
-            val_indices=torch.arange(len(images.val_labels)),
-            description=images.describe(),
-        )
-
-    def correct(self, output: torch.Tensor, target: torch.Tensor) -> int:
-        return int((output.argmax(-1) == target).sum())
-
-    def activation_floor(self, args: dict[str, Any], micro_batch: int) -> tuple[int, str]:
-        # A convolution's output: (B, channels, 8, 8) float32, its input as large.
-        channels = args["channels"]
-        return micro_batch * channels * 64 * 4 * 2, (
-            f"{micro_batch} x {channels} channels x 8 x 8 of a convolution's input and output"
-        )
+def recipe_of(model: str) -> Recipe:
+    return RECIPES.get(model, HF_FOLDER)
 
 
-class HFLlama(LanguageModel):
-    """A Hugging Face Llama (random, byte-level) on the same corpus, pipelined as it is:
-    ``Pipe.from_model`` captures its own forward and cuts it between its decoder layers."""
-
-    name = "hf-llama"
-    presets: ClassVar[dict[str, dict[str, Any]]] = {
-        size: {
-            **{k: v for k, v in preset.items() if k not in LanguageModel.model_keys},
-            "hidden_size": preset["d_model"], "heads": preset["n_heads"],
-            "n_layers": preset["n_layers"],
-        }
-        for size, preset in LanguageModel.presets.items()
-    }  # fmt: skip
-    model_keys = ("hidden_size", "heads", "n_layers")
-
-    def spec_args(self, seq: int, model_args: dict[str, Any]) -> dict[str, Any]:
-        h, heads = model_args["hidden_size"], model_args["heads"]
-        return dict(
-            vocab_size=256, max_position_embeddings=seq, hidden_size=h,
-            intermediate_size=8 * h // 3 // 16 * 16 or 16, num_hidden_layers=model_args["n_layers"],
-            num_attention_heads=heads, num_key_value_heads=max(1, heads // 2),
-            tie_word_embeddings=False,
-        )  # fmt: skip
-
-    def build(self, args: dict[str, Any]) -> nn.Module:
-        import transformers
-
-        return transformers.LlamaForCausalLM(transformers.LlamaConfig(**args))
-
-    def units(self, args: dict[str, Any]) -> int:
-        return args["num_hidden_layers"] + 2  # embedding (and rotary, mask), blocks, head
-
-    def activation_floor(self, args: dict[str, Any], micro_batch: int) -> tuple[int, str]:
-        shape = {"context": args["max_position_embeddings"], "n_heads": args["num_attention_heads"]}
-        return super().activation_floor(shape, micro_batch)
-
-    def pipe(self, args: dict[str, Any], **options: Any) -> Pipe:
-        example = torch.zeros(2, args["max_position_embeddings"], dtype=torch.int64)
-        return Pipe.from_model(
-            functools.partial(self.build, args), (example,), split="model.layers",
-            **options,
-        )  # fmt: skip
-
-    def constructor(self, args: dict[str, Any]) -> str:
-        return f"transformers.LlamaForCausalLM(transformers.LlamaConfig({_call_args(args)}))"
-
-    def problems(self, given: dict[str, Any]) -> list[str]:
-        try:
-            import transformers  # noqa: F401
-        except ImportError:
-            return ["--model hf-llama needs Hugging Face transformers: pip install 'gpipe[hf]'"]
-        return []
-
-    def loss(self, output: Any, target: torch.Tensor) -> torch.Tensor:
-        return super().loss(output.logits, target)
-
-    def logits(self, output: Any) -> torch.Tensor:
-        return output.logits
+def _saved_llama(args: dict[str, Any]) -> ModelSource:
+    """A checkpoint of --model hf-llama written before the sources (LlamaConfig's arguments)."""
+    shape = {"hidden_size": args["hidden_size"], "heads": args["num_attention_heads"],
+             "n_layers": args["num_hidden_layers"]}  # fmt: skip
+    return _llama(shape, args["max_position_embeddings"], args["vocab_size"])
 
 
-TASKS: dict[str, Task] = {task.name: task for task in (LanguageModel(), Digits(), HFLlama())}
+SOURCES: dict[str, Callable[[dict[str, Any]], ModelSource]] = {
+    "gpt": GPT,
+    "convnet": ConvNet,
+    "hf": HFModel,
+    # kinds of checkpoints written before the sources: the same models
+    "resnet": ConvNet,
+    "hf-llama": _saved_llama,
+}
+
+
+def source_of(spec: dict[str, Any]) -> ModelSource:
+    """The model source of a checkpoint's spec ``{"kind": ..., "args": {...}}``."""
+    if spec["kind"] not in SOURCES:
+        raise ValueError(f"unknown model kind {spec['kind']!r}; known: {sorted(SOURCES)}")
+    return SOURCES[spec["kind"]](spec["args"])
 
 
 def build_model(spec: dict[str, Any]) -> nn.Module:
-    """The plain (un-split) model of a checkpoint's spec ``{"kind": ..., "args": {...}}``."""
-    if spec["kind"] not in TASKS:
-        raise ValueError(f"unknown model kind {spec['kind']!r}; known: {sorted(TASKS)}")
-    return TASKS[spec["kind"]].build(spec["args"])
+    """The plain (un-split) model of a checkpoint's spec."""
+    return source_of(spec).build()
 
 
 def constructor(spec: dict[str, Any]) -> str:
     """Python code that builds the plain model of ``spec``."""
-    return TASKS[spec["kind"]].constructor(spec["args"])
+    return source_of(spec).constructor()
 
 
-def _call_args(args: dict[str, Any]) -> str:
-    return ", ".join(f"{k}={v!r}" for k, v in args.items())
+class Task:
+    """One run's model, objective and data (see the module doc); made by :func:`task_of`."""
+
+    def __init__(
+        self, *, model: ModelSource, objective: Objective, data: TextData | DigitsData,
+        seq: int, packing: str, weights: str | None, dtype: str,
+    ) -> None:  # fmt: skip
+        self.model, self.objective, self.source = model, objective, data
+        self.seq, self.packing, self.weights = seq, packing, weights
+        self.dtype = torch.float64 if dtype == "float64" else torch.float32
+        self.unit, self.writes_text = objective.unit, objective.writes_text
+        self.classifies = objective.classifies
+        self.deferred_batch_norm = model.deferred_batch_norm
+        self.size_options = ("seq", "batch") if isinstance(data, TextData) else ("batch",)
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.source.tokenizer if isinstance(self.source, TextData) else None
+
+    # -- the model -------------------------------------------------------------------------
+
+    def units(self) -> int:
+        return self.model.units()
+
+    def pipe(self, *, resume: bool = False, **options: Any) -> Pipe:
+        """The model as a Pipe in this run's dtype; from the weights unless ``resume`` (the
+        checkpoint's are loaded next)."""
+        weights = None if resume else self.weights
+        example = self.objective.example(self.seq) if isinstance(self.source, TextData) else None
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+        try:
+            return self.model.pipe(example, weights=weights, **options)
+        finally:
+            torch.set_default_dtype(previous)
+
+    def logits(self, output: Any) -> torch.Tensor:
+        return self.model.logits(output)
+
+    def activation_floor(self, micro_batch: int) -> tuple[int, str]:
+        return self.model.activation_floor(micro_batch, self.seq)
+
+    # -- the data --------------------------------------------------------------------------
+
+    def prepare(self) -> Any:
+        """Once, before the ranks start: returns what they are handed (or None)."""
+        return self.source.prepare()
+
+    def data(self, *, batch: int, eval_batches: int, prepared: Any, chunks: int = 1) -> Data:
+        """The train and validation samples; ``chunks``: the fewest a forward takes."""
+        if isinstance(self.source, DigitsData):
+            images = self.source.load(prepared)
+            val = _Pairs(images.val_images, images.val_labels)
+            train = _Pairs(images.train_images, images.train_labels)
+            return Data(train, val, torch.arange(len(val)), images.describe())
+        split = self.source.load()
+        made = {}
+        for side, documents in (("train", split.train), ("validation", split.val)):
+            try:
+                made[side] = self.objective.samples(
+                    documents, seq=self.seq, packing=self.packing, tokenizer=self.tokenizer
+                )
+            except ValueError as error:
+                raise ValueError(f"the {side} set: {error}") from None
+        val = made["validation"]
+        if len(val) < chunks:
+            raise ValueError(
+                f"the validation set holds {len(val)} sample(s), fewer than --chunks {chunks}: "
+                "hold out more (--val-fraction), or name a larger --val-data"
+            )
+        return Data(made["train"], val, val.evenly_spaced(eval_batches * batch),
+                    split.description)  # fmt: skip
+
+    def batch(self, samples: Any, indices: torch.Tensor, *, seed: int) -> tuple[Any, Any]:
+        """(inputs, targets) of the samples at ``indices``; ``seed``: their randomness (the
+        masked LM's masks), the same on every rank."""
+        generator = torch.Generator().manual_seed(seed)
+        inputs, targets = self.objective.batch(
+            samples[indices], generator=generator, tokenizer=self.tokenizer
+        )
+        if isinstance(inputs, torch.Tensor) and inputs.is_floating_point():
+            inputs = inputs.to(self.dtype)
+        return inputs, targets
+
+    def samples(self) -> int:
+        """Units of throughput per sample."""
+        return self.seq if self.unit == "tokens" else 1
+
+    def loss(self, output: Any, target: torch.Tensor) -> torch.Tensor:
+        return self.objective.loss(self.model.logits(output), target)
+
+    def count(self, target: torch.Tensor) -> torch.Tensor:
+        return self.objective.count(target)
+
+    def correct(self, output: Any, target: torch.Tensor) -> int:
+        return self.objective.correct(self.model.logits(output), target)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text.encode())
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids)
+
+    def problems(self) -> list[str]:
+        """What cannot run (before any process starts)."""
+        found = []
+        tokenizer = self.tokenizer
+        if tokenizer is not None:
+            found += self.model.problems(seq=self.seq, vocab=tokenizer.vocab_size)
+            if isinstance(self.objective, MaskedLM) and tokenizer.mask is None:
+                found.append(
+                    f"a masked LM needs a tokenizer with a mask token; {tokenizer.name} has "
+                    "none: --tokenizer a folder whose tokenizer has one"
+                )
+        if self.packing == "pack" and not self.objective.packs and tokenizer is not None:
+            found.append(
+                "--packing pack joins documents into one stream; a sequence-to-sequence model "
+                "learns each (source, target) pair on its own: --packing pad"
+            )
+        return found
+
+
+def task_of(config: Any) -> Task:
+    """The task of a resolved :class:`~gpipe.train.TrainConfig`."""
+    recipe = recipe_of(config.model)
+    is_text = recipe.data != "digits"
+    tokenizer = config.tokenizer if is_text else None
+    vocab = 256 if tokenizer in (None, BYTES) else _vocab(tokenizer)
+    model = recipe.model(config.model_args, config.seq, vocab)
+    objective = _objective(model, config)
+    if is_text:
+        train = Stdlib() if config.data is None else Files(
+            config.data, config.text_field, config.target_field if objective.pairs else None
+        )  # fmt: skip
+        val = None if config.val_data is None else Files(
+            config.val_data, config.text_field, config.target_field if objective.pairs else None
+        )  # fmt: skip
+        data: TextData | DigitsData = TextData(
+            train, val, config.val_fraction, tokenizer, pairs=objective.pairs
+        )
+    else:
+        data = DigitsData()
+    weights = config.model if config.init == "pretrained" else None
+    return Task(model=model, objective=objective, data=data, seq=config.seq,
+                packing=config.packing, weights=weights, dtype=config.dtype)  # fmt: skip
+
+
+def _objective(model: ModelSource, config: Any) -> Objective:
+    if model.family == "masked-lm":
+        return MaskedLM(config.mask_prob)
+    if model.family == "seq2seq":
+        start = decoder_start(model.args["config"])
+        return Seq2Seq(start)
+    return OBJECTIVES[model.family]()
+
+
+def _vocab(folder: str) -> int:
+    from gpipe.train.tokenizers import load
+
+    return load(folder).vocab_size
+
+
+def tokenizer_of(model: str) -> str:
+    """``--tokenizer auto``: the model folder's own tokenizer, else bytes."""
+    folder = Path(model)
+    return str(folder.resolve()) if has_tokenizer(folder) else BYTES
 
 
 class _Pairs:

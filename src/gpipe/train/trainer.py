@@ -23,12 +23,13 @@ from typing import Any
 
 import torch
 from torch.nn import functional as F
+from torch.utils import _pytree as pytree
 
 from gpipe import checkpoint as ckpt
 from gpipe import timeline
 from gpipe._utils import local_value
 from gpipe.allocator import cpu_allocator
-from gpipe.data import EpochSampler, hash_seed, readable
+from gpipe.data import EpochSampler, hash_seed
 from gpipe.engine.memory import measure_activations
 from gpipe.errors import NonFiniteError
 from gpipe.layout import even_balance
@@ -60,7 +61,7 @@ class Trainer:
         self.layers = num_layers(self.spec)
         self.balance = c.balance or even_balance(self.layers, c.stages * c.virtual_stages)
         self.pipe = self.task.pipe(
-            self.spec["args"],
+            resume=bool(c.resume),  # then the checkpoint's weights, not the model folder's
             balance=self.balance,
             chunks=c.chunks,
             checkpoint=c.checkpoint,
@@ -76,7 +77,7 @@ class Trainer:
         self.names = {p: n for n, p in self.pipe.named_parameters()}
         self.optimizer = self._optimizer()
         self.data = self.task.data(
-            seq=c.seq, batch=c.batch, eval_batches=c.eval_batches, prepared=prepared
+            batch=c.batch, eval_batches=c.eval_batches, prepared=prepared, chunks=c.chunks
         )
         self.sampler = EpochSampler(len(self.data.train), seed=c.seed)
         self.start = 0
@@ -175,9 +176,13 @@ class Trainer:
         if self.optimizer is not None:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
+        # The whole mini-batch, then this replica's share: its samples (and their masks, for
+        # a masked LM) are those of a run with any other number of replicas.
         share = c.batch // c.replicas
-        indices = self.sampler.take(c.batch)[self.replica * share : (self.replica + 1) * share]
-        x, y = self.data.train[indices]
+        rows = slice(self.replica * share, (self.replica + 1) * share)
+        drawn = hash_seed(c.seed, step, -1)
+        batch = self.task.batch(self.data.train, self.sampler.take(c.batch), seed=drawn)
+        x, y = pytree.tree_map(lambda t: t[rows], batch)
         tick = time.perf_counter()
         with contextlib.ExitStack() as stack:
             meter = stack.enter_context(measure_activations(self.pipe)) if traced else None
@@ -203,7 +208,7 @@ class Trainer:
             "lr": lr,
             "grad_norm": None if norm is None else float(norm),
             "step_time": seconds,
-            f"{self.task.unit}_per_s": c.batch * self.task.samples(c.seq) / seconds,
+            f"{self.task.unit}_per_s": c.batch * self.task.samples() / seconds,
         }
 
     def _summarize(self, metrics: Metrics, sample: str | None, seconds: float) -> dict[str, Any]:
@@ -220,7 +225,7 @@ class Trainer:
             "last_losses_mean": metrics.mean_loss(10),
             "last_losses_count": min(10, len(metrics.records())),
             **{k: v for k, v in validation[-1].items() if k.startswith("val_")},
-            f"{self.task.unit}_per_s": c.batch * self.task.samples(c.seq) * len(warm) / sum(warm),
+            f"{self.task.unit}_per_s": c.batch * self.task.samples() * len(warm) / sum(warm),
             "seconds": seconds,
             "bubble": None,
             **self.measured,
@@ -241,36 +246,38 @@ class Trainer:
         # shortest share.
         shortest = len(self.data.val_indices) // c.replicas
         batches = max(1, shortest // max(c.batch // c.replicas, c.chunks))
-        totals = torch.zeros(3, dtype=torch.float64)  # loss sum, samples, correct
+        totals = torch.zeros(3, dtype=torch.float64)  # loss sum, targets, correct
         self.pipe.eval()
         try:
             with torch.no_grad(), self.autocast():
                 for part in torch.tensor_split(mine, batches):
-                    x, y = self.data.val[part]
+                    # the same masks at every validation (a masked LM's)
+                    x, y = self.task.batch(self.data.val, part, seed=hash_seed(c.seed, -3))
                     out = self.pipe(x)
                     if out is not None:  # on the last stage's ranks only
-                        loss, correct = self.task.loss(out, y), self.task.correct(out, y)
+                        loss, count = self.task.loss(out, y), float(self.task.count(y))
+                        correct = self.task.correct(out, y)
                         totals += torch.tensor(
-                            [float(loss) * len(y), len(y), correct], dtype=torch.float64
+                            [float(loss) * count, count, correct], dtype=torch.float64
                         )
         finally:
             self.pipe.train()
         totals = self.mesh.everyone.all_reduce(totals, "the validation loss sum (all-reduce)")
-        result = {"val_loss": float(totals[0] / totals[1])}
+        result = {"val_loss": float(totals[0] / totals[1].clamp(min=1))}
         if self.task.classifies:
             result["val_accuracy"] = float(totals[2] / totals[1])
         return result
 
     def generate(self) -> str | None:
-        """Text written by the model through the pipeline, one byte per pipelined forward.
+        """Text written by the model through the pipeline, one token per pipelined forward.
 
-        The M micro-batches carry M samples; the last stage picks each next byte and
+        The M micro-batches carry M samples; the last stage picks each next token and
         broadcasts it to the pipeline, whose first stage feeds it back in.
         """
         c = self.config
         if self.replica != 0 and not c.shard:  # sharded: every replica holds part of a layer
             return None
-        prompt = torch.tensor(list(c.prompt.encode()) or [10], dtype=torch.int64)
+        prompt = torch.tensor(self.task.encode(c.prompt) or [0], dtype=torch.int64)
         tokens = prompt.repeat(c.chunks, 1)  # (M, T)
         generator = torch.Generator().manual_seed(hash_seed(c.seed, -1))
         last_rank = self.pipe.schedule.stage_to_rank[-1]
@@ -278,19 +285,19 @@ class Trainer:
         try:
             with torch.no_grad(), self.autocast():
                 for _ in range(c.sample_tokens):
-                    out = self.pipe(tokens[:, -c.seq :])  # (M, T, 256) on the last stage
+                    out = self.pipe(tokens[:, -c.seq :])  # (M, T, vocab) on the last stage
                     chosen = torch.zeros(c.chunks, 1, dtype=torch.int64)
                     if out is not None:
                         logits = self.task.logits(out)
                         probs = F.softmax(logits[:, -1, :].float() / c.temperature, dim=-1)
                         chosen = torch.multinomial(probs, 1, generator=generator)
                     chosen = self.mesh.pipeline.broadcast(
-                        chosen, "the broadcast of a sampled byte", src=last_rank
+                        chosen, "the broadcast of a sampled token", src=last_rank
                     )
                     tokens = torch.cat([tokens, chosen], dim=1)
         finally:
             self.pipe.train()
-        texts = [readable(bytes(row.tolist())) for row in tokens]
+        texts = [self.task.decode(row.tolist()) for row in tokens]
         if self.rank == 0:
             (self.out / "sample.txt").write_text(
                 "\n\n".join(f"--- sample {i} ---\n{t}" for i, t in enumerate(texts)) + "\n"
