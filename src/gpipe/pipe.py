@@ -385,7 +385,6 @@ class Pipe(ModelNames, nn.Module):
                 losses=losses,
             )
             result = self._runtime.run(step, trace=trace, clock_origin=self._ranks.clock_origin)
-            self._transport.finish()
             if self._reducer is not None and losses is not None:
                 self._reducer.finish()
             if self._tied is not None and losses is not None:
@@ -415,6 +414,8 @@ class Pipe(ModelNames, nn.Module):
             agreed = self._ranks.agree(
                 local_loss, trouble, refuse_nonfinite=scale is None, edit=edit
             )
+            # Every rank has received all of its messages: no send can be waiting.
+            self._transport.finish()
         except BaseException:  # refused here or elsewhere: this step counts nowhere
             self._abandon_step(earlier)
             raise

@@ -45,7 +45,8 @@ class Transport(Protocol):
     def recv(self, message: Message) -> Any: ...
 
     def finish(self) -> None:
-        """End a step: every send has completed."""
+        """End a step, once every rank has received all of its messages: complete every
+        send."""
 
     def announce_failure(self, description: dict) -> None:
         """Tell the peers still waiting on this rank that it failed."""

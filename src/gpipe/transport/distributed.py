@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import pickle
 import threading
-import weakref
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -22,8 +21,15 @@ from gpipe._utils import to_device
 from gpipe.errors import PipelineError
 from gpipe.schedule.comm_plan import receive_points, wire_order
 from gpipe.schedule.routes import Message, Routes
-from gpipe.transport.framing import History, TensorMeta, bytes_tensor, spec_text, tensors
-from gpipe.transport.sender import SendReaper
+from gpipe.transport.framing import (
+    HEADER,
+    History,
+    TensorMeta,
+    bytes_tensor,
+    spec_text,
+    tensors,
+)
+from gpipe.transport.sender import Outbox
 
 __all__ = ["DistributedTransport"]
 
@@ -42,7 +48,7 @@ class _Posted:
     message: Message
     history: History
     tag: int  # its position in the peer's sequence: every frame of it carries that tag
-    header: Any = None  # int64 tensor of one element
+    header: Any = None  # int64 tensor of HEADER elements
     header_work: Any = None
     packed: torch.Tensor | None = None  # header and tensors in one buffer (stable message)
     leaves: list[Any] | None = None
@@ -52,7 +58,7 @@ class _Posted:
 class DistributedTransport:
     """Point-to-point transport between processes through ``torch.distributed``.
 
-    Every message to another rank is framed as a one-element ``int64`` header, the
+    Every message to another rank is framed as an ``int64`` header (``framing.HEADER``), the
     pickled description of the value (its structure, and each tensor's dtype, shape and
     ``requires_grad``) when it differs from the last time this message was sent, then the
     tensors themselves. Shapes may therefore change from step to step.
@@ -83,8 +89,10 @@ class DistributedTransport:
       point of :func:`receive_points`, where the sender's send falls in one global order
       of all the pipeline's transfers.
 
-    Sends never block the runtime. A background thread waits for each send to complete
-    and then drops its tensors, so sent buffers are freed as soon as the peer has them.
+    Sends never block the runtime, and no thread waits for them: each header also says how
+    many of the peer's messages of the step this rank has posted receives for, and the
+    sends those cover are then complete, their buffers freed (``gpipe.transport.sender``);
+    the rest are waited for once the step's agreement shows every rank received all.
     A negative header announces a failure: the description that follows it says what
     failed, and the receiver raises :class:`PipelineError` and passes the news on.
     """
@@ -147,13 +155,8 @@ class DistributedTransport:
         members = tuple(dist.get_process_group_ranks(group))
         self._notice_tag = _NOTICE_TAG + _transports_built.get(members, 0)
         _transports_built[members] = self._notice_tag - _NOTICE_TAG + 1
-        self._reaper = SendReaper(timeout)
-        # The reaper's thread ends with this transport (or at close()).
-        self._finalizer = weakref.finalize(self, self._reaper.close)
-
-    def close(self) -> None:
-        """Stop the background send thread; the transport cannot send afterwards."""
-        self._finalizer()
+        self._outbox = Outbox(timeout)
+        self._posted: dict[int, int] = {}  # from each peer: messages of the step fully posted
 
     # -- the order of messages on each wire ------------------------------------------------
 
@@ -163,6 +166,7 @@ class DistributedTransport:
         self._training = training
         self._incoming, self._outgoing = self._plans[training]
         self._cursor = dict.fromkeys(self._incoming, 0)
+        self._posted = dict.fromkeys(self._incoming, 0)
         self._sent = dict.fromkeys(self._outgoing, 0)
         self._mailbox.clear()
         self._pending = {src: deque() for src in self._incoming}
@@ -187,13 +191,9 @@ class DistributedTransport:
             self._take_headers(src, until=message)
 
     def finish(self) -> None:
-        """End a step: wait until every send has completed, unless a peer failed.
-
-        A peer that failed receives nothing more, so a send to it would wait the whole
-        timeout (gloo completes a send only once its receive is posted): its notice ends
-        the wait at once.
-        """
-        self._reaper.drain(check=self.check_notices)
+        """End a step once every rank has received all of its messages (after the step's
+        agreement): complete the sends no message acknowledged."""
+        self._outbox.settle()
 
     def _listen_for_notices(self) -> None:
         """Start, once, a thread that waits for a failure notice from any peer.
@@ -244,33 +244,40 @@ class DistributedTransport:
             else leaf
             for leaf in leaves
         ]
-        meta = pickle.dumps((spec_text(spec), described))
         payload = [leaf.detach().contiguous() for leaf in leaves if isinstance(leaf, torch.Tensor)]
         history = self._sent_meta.setdefault(self._key(dst, message), History())
+        meta = history.describe(spec_text(spec), described)  # pickled only when it changed
         header = 0 if meta == history.last else len(meta)
         tag = self._sent[dst]
         if self.receive_ahead:
-            self._post(dst, self._frames(history, header, meta, payload), self.group, tag)
+            self._post(dst, self._frames(dst, history, header, meta, payload), self.group, tag)
         else:
-            self._post(dst, self._frames(None, header, meta, []), self._meta_group, tag)
+            self._post(dst, self._frames(dst, None, header, meta, []), self._meta_group, tag)
             self._post(dst, payload, self.group, tag)
         history.update(meta)
         self._sent[dst] += 1
 
     def _frames(
-        self, history: History | None, header: int, meta: bytes, payload: list[torch.Tensor]
+        self,
+        dst: int,
+        history: History | None,
+        header: int,
+        meta: bytes,
+        payload: list[torch.Tensor],
     ) -> list[torch.Tensor]:
-        """A message on the wire: header (0: described as last time), description, tensors.
+        """A message on the wire: header (0: described as last time; and the receives this
+        rank has posted of the peer's messages), description, tensors.
 
         For a stable message the receiver has posted one packed buffer: header and
         tensors go in it, or the header alone when the message changed or failed.
         """
+        head = torch.tensor([header, self._posted.get(dst, 0)], dtype=torch.int64)
         if history is not None and history.stable:
             if header == 0:
-                return [history.pack(0, payload, self._local_device)]
-            frames = [history.pack(header, None, self._local_device)]
+                return [history.pack(head, payload, self._local_device)]
+            frames = [history.pack(head, None, self._local_device)]
         else:
-            frames = [torch.tensor([header], dtype=torch.int64, device=self._meta_device)]
+            frames = [head.to(self._meta_device)]
         if header != 0:
             frames.append(bytes_tensor(meta, self._meta_device))
         return frames + payload
@@ -282,7 +289,7 @@ class DistributedTransport:
         peer = self._global(dst)
         ops = [dist.P2POp(dist.isend, t, peer, group, tag) for t in frames]
         works = dist.batch_isend_irecv(ops)
-        self._reaper.add(works, frames, dst)
+        self._outbox.add(dst, tag, works, frames)
 
     # -- receiving --------------------------------------------------------------------------
 
@@ -311,10 +318,10 @@ class DistributedTransport:
         if self.receive_ahead and history.stable:
             device = self._devices[message.stage]
             posted.packed = torch.empty(history.layout[1], dtype=torch.uint8, device=device)
-            posted.header = posted.packed[:8].view(torch.int64)
+            posted.header = posted.packed[: 8 * HEADER].view(torch.int64)
             (posted.header_work,) = self._irecv([(posted.packed, self.group)], src, position)
         else:
-            posted.header = torch.empty(1, dtype=torch.int64, device=self._meta_device)
+            posted.header = torch.empty(HEADER, dtype=torch.int64, device=self._meta_device)
             (posted.header_work,) = self._irecv([(posted.header, self._meta_group)], src, position)
         self._pending[src].append(posted)
 
@@ -348,7 +355,8 @@ class DistributedTransport:
         """Wait for a message's header; post the receives of whatever else of it comes."""
         message, history = posted.message, posted.history
         self._wait([posted.header_work], src, message)
-        size = int(posted.header.item())
+        size, acknowledged = posted.header.tolist()
+        self._outbox.acknowledged(src, acknowledged)
         if size == 0 and posted.packed is not None:
             history.update(history.last)  # as posted: nothing else of it is on the wire
             posted.leaves = history.unpack(posted.packed)
@@ -369,6 +377,7 @@ class DistributedTransport:
             posted.leaves = self._allocate(history, message)
             frames = [(t, self.group) for t in tensors(posted.leaves)]
             posted.works = self._irecv(frames, src, posted.tag)
+        self._posted[src] += 1  # every receive of this message is posted
         if not self._pending[src]:
             self._post_next(src)  # keep the next message's receive posted
         return posted
@@ -447,7 +456,8 @@ class DistributedTransport:
                 continue
             # In place of the next message: what the peer posted for it gets the header.
             history = self._sent_meta.get(self._key(dst, sequence[position]))
-            frames = self._frames(history if self.receive_ahead else None, -len(meta), meta, [])
+            history = history if self.receive_ahead else None
+            frames = self._frames(dst, history, -len(meta), meta, [])
             with contextlib.suppress(Exception):
                 self._post(dst, frames, self._meta_group, position)
         # And every peer, which may be waiting for its sends to this rank to complete.
@@ -459,11 +469,12 @@ class DistributedTransport:
             if peer != self.rank:
                 with contextlib.suppress(Exception):
                     self._post(peer, [frame], self._notice_group, self._notice_tag)
-        self._reaper.abandon()
+        self._outbox.abandon()
 
     def clear(self) -> None:
         self._mailbox.clear()
         self._arriving.clear()
+        self._outbox.abandon()
 
 
 def _wait_for_notice(work: Any, frame: torch.Tensor, notices: dict[str, Any]) -> None:

@@ -11,9 +11,13 @@ from typing import Any
 import torch
 from torch.utils._pytree import treespec_dumps, treespec_loads
 
-__all__ = ["ALIGN", "History", "TensorMeta", "bytes_tensor", "spec_text", "tensors"]
+__all__ = ["ALIGN", "HEADER", "History", "TensorMeta", "bytes_tensor", "spec_text", "tensors"]
 
 ALIGN = 64  # bytes: a cache line, so that vectorized kernels see aligned tensors
+# A message's header, in int64s: the size of its description (0: as last time; negative: a
+# failure), and how many of the peer's messages of the step this rank has posted receives
+# for (``gpipe.transport.sender``).
+HEADER = 2
 
 
 @dataclass(frozen=True)
@@ -31,13 +35,22 @@ class History:
     description the last two times).
     """
 
-    __slots__ = ("_decoded", "_layout", "last", "stable")
+    __slots__ = ("_decoded", "_described", "_layout", "last", "stable")
 
     def __init__(self) -> None:
         self.last: bytes | None = None
         self.stable = False
         self._decoded: Any = None
         self._layout: Any = None
+        self._described: tuple[Any, bytes] | None = None  # sender: (description, pickled)
+
+    def describe(self, spec: str, described: list[Any]) -> bytes:
+        """A message's description (its tree spec's text, its leaves with a ``TensorMeta``
+        for each tensor), pickled; not pickled again while it stays the same."""
+        key = (spec, described)
+        if self._described is None or self._described[0] != key:
+            self._described = (key, pickle.dumps(key))
+        return self._described[1]
 
     def update(self, meta: bytes) -> None:
         self.stable = meta == self.last
@@ -56,8 +69,8 @@ class History:
     def layout(self) -> tuple[list[tuple[int, int]], int]:
         """Where a packed message puts each tensor: (offset, bytes) each, and the total.
 
-        The int64 header comes first; every part starts on an ``ALIGN``-byte boundary, so each
-        tensor can be a view of the packed bytes.
+        The int64 header comes first, within the first ``ALIGN`` bytes; every part starts on
+        an ``ALIGN``-byte boundary, so each tensor can be a view of the packed bytes.
         """
         if self._layout is None:
             spans, offset = [], ALIGN
@@ -70,12 +83,13 @@ class History:
         return self._layout
 
     def pack(
-        self, header: int, tensors: list[torch.Tensor] | None, device: torch.device
+        self, header: torch.Tensor, tensors: list[torch.Tensor] | None, device: torch.device
     ) -> torch.Tensor:
-        """Header and tensors (contiguous, as described last time) in one byte buffer."""
+        """Header (``HEADER`` int64s) and tensors (contiguous, as described last time) in one
+        byte buffer."""
         spans, total = self.layout
         packed = torch.empty(total, dtype=torch.uint8, device=device)
-        packed[:8].view(torch.int64).fill_(header)
+        packed[: 8 * HEADER].view(torch.int64).copy_(header)
         if tensors is not None:
             for tensor, (offset, size) in zip(tensors, spans, strict=True):
                 packed[offset : offset + size].copy_(tensor.reshape(-1).view(torch.uint8))

@@ -1,82 +1,62 @@
-"""Sends that never block the runtime: a thread waits for each and then frees its buffers."""
+"""Sends in flight: kept until the receiver has posted their receives, then waited for at no
+cost, so that no thread has to wait for them.
+
+A gloo send completes only once its receive is posted, and its ``Work`` tells so only to
+``wait()``, which blocks until then. Waiting at once would stall the sender; waiting on a
+thread costs a hand-off per message. So the receiver says, in the header of each message
+it sends back, how many of this rank's messages of the step it has posted receives for
+(:class:`Outbox` ``acknowledged``): those sends complete without waiting on anyone, and
+their buffers are freed then. What no message acknowledges (the step's last ones) is waited
+for after the step's agreement, an all-reduce that no rank enters before it has received
+every message of the step (:meth:`Outbox.settle`).
+"""
 
 from __future__ import annotations
 
-import queue
-import threading
-from collections.abc import Callable
+from collections import deque
 from datetime import timedelta
+from typing import Any
 
 import torch
 
-from gpipe.errors import PipelineError
-
-__all__ = ["SendReaper"]
+__all__ = ["Outbox"]
 
 
-class SendReaper:
-    """Waits for sends in a background thread and drops their buffers once complete."""
+class Outbox:
+    """Each peer's sends of this step, in wire order, with their buffers."""
 
     def __init__(self, timeout: float) -> None:
-        self._timeout = timeout
-        self._queue: queue.Queue = queue.Queue()
-        self._errors: list[str] = []
-        self._thread = threading.Thread(target=self._run, name="gpipe-send-reaper", daemon=True)
-        self._thread.start()
+        self._timeout = timedelta(seconds=timeout)
+        self._pending: dict[int, deque[tuple[int, list[Any], list[torch.Tensor]]]] = {}
+        # Sends of a failed step, never waited for: kept (a gloo buffer must not be freed
+        # while its transfer may still run) until the transport goes.
+        self._abandoned: list[Any] = []
 
-    def add(self, works: list, tensors: list[torch.Tensor], dst: int) -> None:
-        self._queue.put((works, tensors, dst))
+    def add(self, dst: int, position: int, works: list[Any], buffers: list[torch.Tensor]) -> None:
+        self._pending.setdefault(dst, deque()).append((position, works, buffers))
 
-    def _run(self) -> None:
-        while True:
-            item = self._queue.get()
-            try:
-                if item is None:  # close()
-                    return
-                self._reap(*item)
-            finally:
-                # Nothing of a send may outlive it here: a Work object this frame still
-                # held at interpreter exit would be freed by a thread Python is shutting
-                # down, and its C++ destructor then aborts the process ("terminate called
-                # without an active exception").
-                del item
-                self._queue.task_done()
-
-    def _reap(self, works: list, tensors: list[torch.Tensor], dst: int) -> None:
-        """Wait for one message's sends; its buffers go with this frame, once complete."""
-        try:
+    def acknowledged(self, dst: int, posted: int) -> None:
+        """``dst`` has posted the receives of this rank's first ``posted`` messages of the
+        step: their sends complete without waiting on it; free their buffers."""
+        pending = self._pending.get(dst)
+        while pending and pending[0][0] < posted:
+            _, works, _ = pending.popleft()
             for work in works:
-                work.wait(timeout=timedelta(seconds=self._timeout))
-        except Exception as error:
-            self._errors.append(f"send to rank {dst} failed: {error}")
+                work.wait(timeout=self._timeout)
 
-    def drain(self, check: Callable[[], None] | None = None, poll: float = 0.05) -> None:
-        """Wait until every queued send has completed; ``check`` runs every ``poll``
-        seconds meanwhile and may raise to stop waiting (a peer announced a failure)."""
-        while True:
-            with self._queue.all_tasks_done:
-                if not self._queue.unfinished_tasks:
-                    break
-                self._queue.all_tasks_done.wait(timeout=poll if check is not None else None)
-            if check is not None:
-                check()
-        if self._errors:
-            errors, self._errors = self._errors, []
-            raise PipelineError("; ".join(errors))
+    def settle(self) -> None:
+        """Wait for every send of the step: call once every rank has received all of its
+        messages (after the step's agreement), when none can block."""
+        for dst in list(self._pending):
+            self.acknowledged(dst, posted=1 << 62)
+        self._pending.clear()
 
     def abandon(self) -> None:
-        """After a failure: stop caring about sends the peers will never receive."""
-        self._errors.clear()
+        """After a failure: drop the step's sends without waiting (a peer may never take
+        them), keeping their works alive."""
+        for pending in self._pending.values():
+            self._abandoned += [(works, buffers) for _, works, buffers in pending]
+        self._pending.clear()
 
-    def close(self) -> None:
-        """End the thread once the sends queued so far are done (or timed out).
-
-        Joined, so that at interpreter exit (``weakref.finalize`` runs then) the thread
-        has finished before Python tears threads down. A send that cannot complete (its
-        peer died) is not waited for past a few seconds: the process is failing anyway.
-        """
-        if self._thread.is_alive():
-            self._queue.put(None)
-            # The garbage collector may run this finalizer in the thread itself.
-            if threading.current_thread() is not self._thread:
-                self._thread.join(timeout=min(self._timeout, 5.0))
+    def __len__(self) -> int:
+        return sum(len(p) for p in self._pending.values())
