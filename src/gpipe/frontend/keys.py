@@ -95,15 +95,15 @@ class KeyMap:
                 patterns = by_pattern[pattern].target_patterns
                 targets = [target.replace(patterns[0], p) for p in patterns]
             self.targets[key] = targets
-        rules = LoadStateDictInfo(
+        info = LoadStateDictInfo(
             missing_keys=set(), unexpected_keys=unexpected, mismatched_keys=set(),
             error_msgs=[], conversion_errors={}, skipped_pp_keys=set(),
         )  # fmt: skip
-        model._adjust_missing_and_unexpected_keys(rules)
+        model._adjust_missing_and_unexpected_keys(info)  # the model's own "ignore" rules
         if model._keys_to_ignore_on_load_missing:
-            rules = model._keys_to_ignore_on_load_missing
-            self._ignored = re.compile("|".join(f"({p})" for p in rules))
-        return sorted(rules.unexpected_keys)
+            patterns = model._keys_to_ignore_on_load_missing
+            self._ignored = re.compile("|".join(f"({p})" for p in patterns))
+        return sorted(info.unexpected_keys)
 
 
 def _named_tensors(model: nn.Module):
