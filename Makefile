@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: train demo test lint format
+.PHONY: train demo test test-fast lint format
 
 $(VENV)/.installed: requirements-dev.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,6 +20,10 @@ demo: $(VENV)/.installed
 test: $(VENV)/.installed
 	$(PY) -m ruff check src tests benchmarks examples
 	$(PY) -m pytest -q
+
+# The inner loop: everything that runs in this process (no ranks, no torchrun), about a minute.
+test-fast: $(VENV)/.installed
+	$(PY) -m pytest -q -m "not slow"
 
 lint: $(VENV)/.installed
 	$(PY) -m ruff check src tests benchmarks examples

@@ -1,5 +1,9 @@
 """Test-wide settings, and the fixtures of ``gpipe train`` runs (one tiny run per session)."""
 
+import contextlib
+import fcntl
+import json
+import multiprocessing.process
 import subprocess
 from pathlib import Path
 
@@ -14,15 +18,51 @@ from train_runs import TINY, gpipe_command
 torch.set_num_threads(1)
 
 
+@pytest.fixture(autouse=True)
+def _processes_only_in_slow_tests(request, monkeypatch):
+    """A test that starts a process is marked ``slow``, so ``make test-fast`` stays fast:
+    an unmarked one that tries fails here, saying so."""
+    if request.node.get_closest_marker("slow"):
+        return
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError(f"{request.node.nodeid} starts a process: mark it @pytest.mark.slow")
+
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse)
+    monkeypatch.setattr(subprocess.Popen, "__init__", refuse)
+
+
 @pytest.fixture(scope="session")
 def cache(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("cache")
 
 
 @pytest.fixture(scope="session")
-def tiny_run(tmp_path_factory, cache) -> tuple[Path, subprocess.CompletedProcess]:
-    out = tmp_path_factory.mktemp("runs") / "a"
-    done = gpipe_command("train", *TINY, "--sample-tokens", "12", "--out", str(out), cache=cache)
+def shared_dir(tmp_path_factory) -> Path:
+    """A folder every test worker of this session sees (pytest-xdist's workers share the
+    parent of their base temporary folders)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if base.name.startswith("popen-gw") else base
+
+
+@contextlib.contextmanager
+def _locked(path: Path):
+    with path.open("w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
+
+
+@pytest.fixture(scope="session")
+def tiny_run(shared_dir) -> tuple[Path, subprocess.CompletedProcess]:
+    """One ``gpipe train`` run (K=2) for the whole session, made by the first worker that
+    asks; its files are read, never written, by the tests."""
+    out, record = shared_dir / "tiny_run", shared_dir / "tiny_run.json"
+    with _locked(shared_dir / "tiny_run.lock"):
+        if not record.exists():
+            args = ["train", *TINY, "--sample-tokens", "12", "--out", str(out)]
+            done = gpipe_command(*args, cache=shared_dir / "tiny_run_cache")
+            record.write_text(json.dumps([done.args, done.returncode, done.stdout, done.stderr]))
+    done = subprocess.CompletedProcess(*json.loads(record.read_text()))
     assert done.returncode == 0, done.stderr
     return out, done
 
@@ -38,3 +78,9 @@ def in_process(cache, monkeypatch, capfd):
         return subprocess.CompletedProcess(args, code, captured.out, captured.err)
 
     return command
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:  # the session's tiny run starts processes for whoever asks first
+        if "tiny_run" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.slow)

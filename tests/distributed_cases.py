@@ -6,7 +6,6 @@ Every function returns plain data; the references are computed by the tests.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import time
@@ -275,6 +274,9 @@ def _outcome(call, start: float | None = None) -> dict:
     return {"type": None, "seconds": time.monotonic() - start}
 
 
+DISAGREEMENT_TIMEOUT = 20.0
+
+
 def disagreeing(rank, setting):
     """Two ranks that were given different Pipe arguments (or batches); what each raised."""
     torch.set_num_threads(1)
@@ -289,7 +291,7 @@ def disagreeing(rank, setting):
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU())
     start = time.monotonic()
     try:
-        pipe = gpipe.Pipe(model, group=dist.group.WORLD, timeout=20.0, **kwargs)
+        pipe = gpipe.Pipe(model, group=dist.group.WORLD, timeout=DISAGREEMENT_TIMEOUT, **kwargs)
         rows = 6 if setting == "batch" and rank == 1 else 8
         pipe.step(torch.randn(8, 8), torch.randn(rows, 8), F.mse_loss)
     except BaseException as error:
@@ -363,68 +365,6 @@ def stalled(rank, before, how, timeout, out=None):
             lambda: pipe.clip_grad_norm_(1.0)
         )  # fmt: skip
     return _outcome(call, start=_stall_or_die(how, timeout) if rank == 1 else None)
-
-
-def carries_on(rank, timeout):
-    """Rank 1's stage raises in step 2; every rank catches its error and carries on as a
-    careless script would: ``clip_grad_norm_``, then another step. What each later call
-    raised, and the longest it took."""
-    torch.set_num_threads(1)
-
-    def factory():
-        return nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), Fault(0, "raise", 1, 2))
-
-    pipe = gpipe.Pipe(factory, balance=[2, 2], chunks=2, group=dist.group.WORLD, timeout=timeout)
-    x, y = torch.randn(4, 8), torch.randn(4, 8)
-    pipe.step(x, y, F.mse_loss)
-    with contextlib.suppress(KeyError, PipelineError):
-        pipe.step(x, y, F.mse_loss)
-    raised, longest, message = [], 0.0, ""
-    for call in (lambda: pipe.clip_grad_norm_(1.0), lambda: pipe.step(x, y, F.mse_loss)):
-        start = time.monotonic()
-        try:
-            call()
-            raised.append("None")
-        except BaseException as error:
-            raised.append(type(error).__name__)
-            message = str(error)
-        longest = max(longest, time.monotonic() - start)
-    return {"type": "+".join(raised), "seconds": longest, "message": message}
-
-
-def faulty_in(rank, stages, where, fault_rank, schedule, timeout):
-    """Under ``schedule``, rank ``fault_rank`` fails in a forward (its third micro-batch),
-    a backward (the first) or, on the last rank, the loss (the second call); what each rank
-    raised, and when. interleaved-1f1b: two stages a rank, the fault in the first rank's
-    first stage or the last rank's last one."""
-    torch.set_num_threads(1)
-    virtual = 2 if schedule == "interleaved-1f1b" else 1
-    count = stages * virtual
-    fault_stage = count - 1 if fault_rank == stages - 1 else fault_rank
-
-    def factory():
-        layers = []
-        for s in range(count):
-            fault = nn.ReLU()
-            if s == fault_stage and where == "forward":
-                fault = Fault(2, "raise")
-            elif s == fault_stage and where == "backward":
-                fault = BackwardFault(1)
-            layers += [nn.Linear(8, 8), fault]
-        return nn.Sequential(*layers)
-
-    calls = [0]
-
-    def loss(output, target):
-        calls[0] += 1
-        if calls[0] == 2:
-            raise KeyError("injected fault in the loss")
-        return F.mse_loss(output, target)
-
-    pipe = gpipe.Pipe(factory, balance=[2] * count, chunks=4, group=dist.group.WORLD,
-                      timeout=timeout, schedule=schedule, virtual_stages=virtual)  # fmt: skip
-    x, y = torch.randn(8, 8), torch.randn(8, 8)
-    return _outcome(lambda: pipe.step(x, y, loss if where == "loss" else F.mse_loss))
 
 
 def data_parallel_stalled(rank, timeout):
@@ -519,3 +459,9 @@ def sharded_reuse(rank):
 def thread_count(rank):
     """The threads ``launch`` left this process to compute with."""
     return torch.get_num_threads()
+
+
+def environment_and_output(rank, name):
+    """The variable ``name`` as this process sees it, after printing a line to fd 1."""
+    print(f"rank {rank} says hello", flush=True)
+    return os.environ.get(name)

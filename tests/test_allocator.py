@@ -47,6 +47,7 @@ def _resident_after_free(policy: str, env: dict[str, str] | None = None) -> tupl
 
 
 @needs_glibc
+@pytest.mark.slow
 def test_cache_keeps_freed_tensors_and_return_gives_them_back():
     filled, kept = _resident_after_free("cache")
     assert filled > 200 and kept > 200  # reused by the next tensors, not given back
@@ -55,6 +56,7 @@ def test_cache_keeps_freed_tensors_and_return_gives_them_back():
 
 
 @needs_glibc
+@pytest.mark.slow
 def test_the_environment_gives_a_starting_process_the_same_policy():
     filled, kept = _resident_after_free("default", environment("cache"))
     assert filled > 200 and kept > 200

@@ -104,15 +104,20 @@ def test_a_model_too_big_to_build_builds_its_slice():
     # a later slice replays every earlier draw, as eager construction makes them (seconds on a
     # CPU; see test_a_late_slice_allocates_its_layers_and_one_scratch_tensor).
     widths = [2048] * 401
+    build(lambda: mlp([8] * 3), seed=0, layers=range(0, 1))  # the recorder's first-use cost
+    start = time.perf_counter()
+    mlp([2048] * 51)  # the baseline, at this machine's load: an eighth of the model, eagerly
+    eighth = time.perf_counter() - start
     start = time.perf_counter()
     model = build(lambda: mlp(widths), seed=0, layers=range(0, 3))  # Linear, GELU, Linear
-    assert time.perf_counter() - start < 5
+    assert time.perf_counter() - start < eighth  # neither the whole model nor its draws
     assert materialized_bytes(model) == 2 * (2048 * 2048 + 2048) * 4
     assert sum(p.numel() for p in model.parameters()) * 4 > 6e9  # the whole model, on meta
     x = torch.randn(2, 2048)
     assert torch.isfinite(model[0:3](x)).all()
 
 
+@pytest.mark.slow
 def test_a_late_slice_allocates_its_layers_and_one_scratch_tensor():
     # 40 linear layers of 2048 x 2048 (640 MB). The last one is built after every draw of the
     # others, each made into a scratch tensor (16 MB) freed at once; the peak resident memory

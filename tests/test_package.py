@@ -16,6 +16,7 @@ MODULES = sorted(m.name for m in pkgutil.iter_modules(gpipe.__path__) if not m.n
 LAZY = ["checkpoint", "data", "models", "timeline", "train"]
 
 
+@pytest.mark.slow
 def test_the_lazy_modules_are_not_imported_by_import_gpipe():
     # A fresh interpreter: this one has imported them already through the other tests.
     script = f"import gpipe, sys; print([m for m in {LAZY} if 'gpipe.' + m in sys.modules])"

@@ -205,6 +205,7 @@ def test_cli_prints_a_ranked_table(capsys):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow
 def test_verify_runs_the_top_candidate_on_processes():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU())

@@ -27,6 +27,7 @@ MODES = ["always", "except_last", "never"]
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow
 def test_a_shuffled_dataloader_feeds_every_rank_the_same_batch():
     """Rank 0 (inputs) and rank 1 (targets) draw their batches from their own global
     generators: with step(seed=None) those must advance alike, or the last stage scores
@@ -99,6 +100,7 @@ def test_tied_weights_train_the_same_model_whenever_the_optimizer_is_built(
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow
 def test_tied_weights_with_the_optimizer_built_first_across_processes():
     steps = 4
     ranks = gpipe.launch(
@@ -240,6 +242,7 @@ def test_a_factory_builds_what_the_factory_builds(balance):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow
 def test_each_process_builds_its_layers_as_the_factory_does():
     ranks = gpipe.launch(user_scripts.factory_script, nprocs=2, timeout=60)
     theirs = _eager(11).state_dict()
@@ -415,6 +418,7 @@ def _tied_adamw_ranks(processes: int, steps: int, *, freeze: bool, accumulate: i
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("processes", [1, 2])
+@pytest.mark.slow
 def test_a_frozen_tied_weight_keeps_no_gradient(processes):
     """AdamW's weight decay must not move a frozen tied weight (a zero .grad would)."""
     steps = 3
@@ -459,6 +463,7 @@ def test_a_frozen_hugging_face_tied_embedding_keeps_no_gradient():
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("processes", [1, 2])
+@pytest.mark.slow
 def test_tied_copies_are_equal_right_after_the_optimizer_step(processes):
     """Optimizer built before the Pipe, gradients accumulated over two steps: after the
     last optimizer step (no forward since) the state dict and the caller's model are the
@@ -531,6 +536,7 @@ def test_torch_clip_grad_norm_in_one_process_with_tied_weights_clips_the_whole_m
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.slow
 def test_torch_clip_grad_norm_across_processes_is_refused_and_the_pipes_clips_exactly():
     """Per-stage clipping (each rank by its own norm) is refused at the next step, also when
     no stage reaches max_norm but the whole model does; pipe.clip_grad_norm_ and a rescale
@@ -554,6 +560,7 @@ def test_torch_clip_grad_norm_across_processes_is_refused_and_the_pipes_clips_ex
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.slow
 def test_torch_clip_grad_norm_with_replicas_is_refused():
     variants = [("torch", 0.3, "replicas"), ("torch", 0.3, "sharded")]
     outcomes = gpipe.launch(user_scripts.clipping_script, nprocs=4, args=(variants,), timeout=120)
@@ -663,6 +670,7 @@ def _train_plain_scaled() -> tuple[dict, list, list]:
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("processes", [1, 2])
+@pytest.mark.slow
 def test_a_grad_scaler_skips_an_overflowing_step_on_every_rank_as_in_the_plain_model(processes):
     """The step's gradients overflow on the last stage's rank only: every rank's scaler
     skips it and lowers its scale, as the plain model's does; step returns the unscaled

@@ -135,6 +135,7 @@ THREE_PROCESS_CASES = [
 @pytest.mark.parametrize(
     ("processes", "cases"), [(2, TWO_PROCESS_CASES), (3, THREE_PROCESS_CASES)], ids=["2", "3"]
 )
+@pytest.mark.slow
 def test_processes_equal_unsplit_model(processes, cases):
     results = launch(train_steps, processes, args=(cases,), timeout=120)
     for index, case in enumerate(cases):

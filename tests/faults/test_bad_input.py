@@ -105,6 +105,7 @@ def test_an_output_on_a_read_only_file_system_is_a_clear_error(capsys):
 
 
 @pytest.mark.timeout(200)
+@pytest.mark.slow
 def test_two_runs_into_one_folder_are_refused(cache, tmp_path):
     out = tmp_path / "shared"
     first = subprocess.Popen(

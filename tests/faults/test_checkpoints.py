@@ -104,6 +104,7 @@ def test_resume_folder_without_a_checkpoint_or_with_a_damaged_one(tmp_path, caps
 
 
 @pytest.mark.timeout(200)
+@pytest.mark.slow
 def test_resume_falls_back_from_a_damaged_checkpoint_with_a_warning(tiny_run, in_process, tmp_path):
     import shutil
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from distributed_cases import disagreeing
+from distributed_cases import DISAGREEMENT_TIMEOUT, disagreeing
 from gpipe.parallel.launch import launch
 
 pytestmark = pytest.mark.timeout(120)  # multi-process: a hang fails
@@ -19,8 +19,9 @@ pytestmark = pytest.mark.timeout(120)  # multi-process: a hang fails
         ("batch", "the targets hold 6 samples but the inputs on the first stage's rank 8"),
     ],
 )
+@pytest.mark.slow
 def test_ranks_that_disagree_refuse_to_train(setting, expected):
     outcomes = launch(disagreeing, 2, args=(setting,), timeout=30)
     for outcome in outcomes:
         assert outcome["type"] is not None and expected in outcome["message"], outcome
-        assert outcome["seconds"] < 5, outcome
+        assert outcome["seconds"] < DISAGREEMENT_TIMEOUT / 2, outcome  # not waiting it out

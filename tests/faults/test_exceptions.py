@@ -59,12 +59,14 @@ def test_a_loss_that_does_not_require_grad_is_an_error(checkpoint):
     [(2, 1, 0, False), (2, 0, 0, False), (3, 1, 0, False), (3, 1, 2, False), (3, 2, 2, True)],
     ids=["last", "first", "middle", "middle-after-steady-steps", "last-nccl-order"],
 )
+@pytest.mark.slow
 def test_exception_in_one_stage_reaches_every_rank(stages, fault_stage, after_steps, ordered):
-    args = (stages, fault_stage, 2, "raise", 20.0, after_steps, ordered)
+    timeout = 20.0
+    args = (stages, fault_stage, 2, "raise", timeout, after_steps, ordered)
     outcomes = launch(faulty, stages, args=args, timeout=30)
     for rank, outcome in enumerate(outcomes):
         assert "injected fault at micro-batch 2" in outcome["message"]
-        assert outcome["seconds"] < 20
+        assert outcome["seconds"] < timeout
         if rank == fault_stage:
             assert outcome["type"] == "KeyError"  # the original exception, unchanged
         else:
@@ -86,6 +88,7 @@ def test_exception_in_one_stage_reaches_every_rank(stages, fault_stage, after_st
         (2, 0, 1, "gpipe", "except_last", 2),  # after two other pipelines in the processes
     ],
 )
+@pytest.mark.slow
 def test_exception_in_a_backward_reaches_every_rank_at_once(
     stages, fault_stage, at, schedule, checkpoint, before
 ):
@@ -94,7 +97,7 @@ def test_exception_in_a_backward_reaches_every_rank_at_once(
     outcomes = launch(faulty_backward, stages, args=args, timeout=30)
     for rank, outcome in enumerate(outcomes):
         assert "injected fault in backward" in outcome["message"], outcome
-        assert outcome["seconds"] < 5, outcome  # not the timeout
+        assert outcome["seconds"] < timeout / 2, outcome  # not waiting the timeout out
         if rank == fault_stage:
             assert outcome["type"] == "KeyError"
         else:
@@ -102,18 +105,21 @@ def test_exception_in_a_backward_reaches_every_rank_at_once(
     assert not multiprocessing.active_children()
 
 
+@pytest.mark.slow
 def test_killed_rank_makes_the_others_fail_within_the_timeout():
+    timeout = 10.0
     with pytest.raises(LaunchError) as info:
-        launch(faulty, 2, args=(2, 1, 1, "kill", 10.0), timeout=30, grace=40)
+        launch(faulty, 2, args=(2, 1, 1, "kill", timeout), timeout=30, grace=40)
     error = info.value
     assert error.failures[1] == "killed by signal 9"
     survivor = error.results[0]
     assert survivor["pipeline_error"], survivor
     assert "rank 1" in survivor["message"]
-    assert survivor["seconds"] < 10 + 5
+    assert survivor["seconds"] < 2 * timeout
     assert not multiprocessing.active_children()
 
 
+@pytest.mark.slow
 def test_launch_reports_the_failing_rank_and_leaves_no_process():
     with pytest.raises(LaunchError, match=r"rank 1: ZeroDivisionError"):
         launch(_divide_on_rank_one, 2, timeout=10)

@@ -39,6 +39,7 @@ def test_a_non_finite_step_is_refused_and_changes_no_gradient(where):
 
 
 @pytest.mark.parametrize("where", ["input", "gradient"])
+@pytest.mark.slow
 def test_a_non_finite_step_is_refused_on_every_rank(where):
     outcomes = launch(nonfinite, 2, args=(where,), timeout=30)
     for outcome in outcomes:
@@ -51,6 +52,7 @@ def test_a_non_finite_step_is_refused_on_every_rank(where):
 
 
 @pytest.mark.timeout(200)
+@pytest.mark.slow
 def test_non_finite_steps_are_refused_and_the_last_checkpoint_stays_good(in_process, tmp_path):
     out = tmp_path / "nf"
     done = in_process(

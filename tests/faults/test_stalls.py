@@ -1,5 +1,7 @@
 """A rank that stalls (alive, silent) or dies before a collective outside the schedule:
-every other rank raises within the pipeline's timeout (+ 5 s), naming the operation."""
+every other rank raises once the pipeline's timeout has passed — not the process group's far
+longer one — naming the operation. Bounds are multiples of the timeout, so load cannot break
+them: ``LATE`` (a loaded machine adds seconds) is still far below any other timeout."""
 
 from __future__ import annotations
 
@@ -9,6 +11,8 @@ from distributed_cases import data_parallel_stalled, stalled
 from gpipe.parallel.launch import LaunchError, launch
 
 TIMEOUT = 4.0  # the pipeline's; the process group's is far longer, as torchrun's 30 minutes
+LATE = 4 * TIMEOUT  # the latest a waiting rank may raise
+AT_ONCE = TIMEOUT / 2  # a woken rank learns what happened without waiting a timeout in turn
 
 
 @pytest.mark.timeout(120)
@@ -16,10 +20,11 @@ TIMEOUT = 4.0  # the pipeline's; the process group's is far longer, as torchrun'
     ("before", "operation"),
     [("clip", "the clip_grad_norm_ all-reduce"), ("step", "the step-seed broadcast")],
 )
+@pytest.mark.slow
 def test_a_stalled_rank_makes_the_other_raise_within_the_timeout(before, operation):
     waiting, woken = launch(stalled, 2, args=(before, "stall", TIMEOUT), timeout=600)
     assert waiting["type"] == "PipelineError", waiting
-    assert TIMEOUT - 0.5 <= waiting["seconds"] <= TIMEOUT + 5, waiting
+    assert TIMEOUT - 0.5 <= waiting["seconds"] <= LATE, waiting
     message = waiting["message"]
     assert message.startswith(
         f"rank 0, {'clip_grad_norm_ after step 1' if before == 'clip' else 'starting step 2'}"
@@ -27,42 +32,45 @@ def test_a_stalled_rank_makes_the_other_raise_within_the_timeout(before, operati
     assert operation in message and f"timeout of {TIMEOUT:g} s" in message
     assert "rank 1 did not arrive" in message and "raise the timeout" in message
     # Awake, the stalled rank learns at once what happened instead of waiting in turn.
-    assert woken["type"] == "PipelineError" and woken["seconds"] < 2, woken
+    assert woken["type"] == "PipelineError" and woken["seconds"] < AT_ONCE, woken
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow
 def test_a_rank_that_dies_before_clip_grad_norm_is_named():
     with pytest.raises(LaunchError) as raised:
         launch(stalled, 2, args=("clip", "die", TIMEOUT), timeout=600, grace=TIMEOUT + 10)
     assert list(raised.value.failures) == [1]  # exited with code 3
     survivor = raised.value.results[0]
-    assert survivor["type"] == "PipelineError" and survivor["seconds"] <= TIMEOUT + 5, survivor
+    assert survivor["type"] == "PipelineError" and survivor["seconds"] <= LATE, survivor
     message = survivor["message"]
     assert "the clip_grad_norm_ all-reduce" in message and "rank 1" in message, message
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.slow
 def test_a_rank_stalled_before_the_checkpoint_barrier_of_gpipe_train(tmp_path, monkeypatch):
     monkeypatch.setenv("GPIPE_CACHE_DIR", str(tmp_path / "cache"))
     out = str(tmp_path / "run")
     waiting, woken = launch(stalled, 2, args=("save", "stall", TIMEOUT, out), timeout=600)
     assert waiting["type"] == "PipelineError", waiting
-    assert waiting["seconds"] <= TIMEOUT + 5, waiting
+    assert waiting["seconds"] <= LATE, waiting
     assert "the checkpoint barrier before writing" in waiting["message"]
     assert "saving the checkpoint of step 1" in waiting["message"]
     assert woken["type"] is not None  # the stalled rank does not wait forever either
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.slow
 def test_a_rank_stalled_before_the_data_parallel_all_reduce_is_named_by_its_global_rank():
     # 2 replicas x 2 stages: rank 3 (replica 1, stage 1) sleeps before its step; rank 1
     # (replica 0, stage 1) waits for it in the data-parallel gradient all-reduce.
     outcomes = launch(data_parallel_stalled, 4, args=(TIMEOUT,), timeout=600)
     for rank in (0, 1, 2):
         assert outcomes[rank]["type"] == "PipelineError", outcomes[rank]
-        assert outcomes[rank]["seconds"] <= TIMEOUT + 5, outcomes[rank]
+        assert outcomes[rank]["seconds"] <= LATE, outcomes[rank]
     message = outcomes[1]["message"]
     assert message.startswith("rank 1 (rank 0 of this group)"), message
     assert "the data-parallel gradient all-reduce" in message, message
     assert "rank 3 (rank 1 of this group) did not arrive" in message, message
-    assert outcomes[3]["type"] == "PipelineError" and outcomes[3]["seconds"] < 2, outcomes[3]
+    assert outcomes[3]["type"] == "PipelineError" and outcomes[3]["seconds"] < AT_ONCE, outcomes[3]

@@ -280,6 +280,7 @@ def _save_in_two_shards(state: dict, path, second: tuple[str, ...]):
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.slow
 def test_a_problem_on_one_rank_stops_every_rank(tmp_path):
     """Rank 1 holds the last units (no balance: 5 units split [3, 2] over the 2 ranks, dec2
     and dec1) and alone reads the shard that holds them: a tensor of another shape in it, or

@@ -20,6 +20,7 @@ from distributed_cases import (
     INIT_SEED,
     batch,
     data_and_pipeline,
+    environment_and_output,
     loss_of,
     thread_count,
     train_steps,
@@ -118,6 +119,7 @@ TWO_STAGE_CASES += [
 ]
 
 
+@pytest.mark.slow
 def test_two_processes_every_schedule_and_remat_mode():
     results = launch(train_steps, 2, args=(TWO_STAGE_CASES,), timeout=60)
     for index, case in enumerate(TWO_STAGE_CASES):
@@ -171,12 +173,14 @@ FOUR_STAGE_CASES += [
 ]
 
 
+@pytest.mark.slow
 def test_four_processes():
     results = launch(train_steps, 4, args=(FOUR_STAGE_CASES,), timeout=60)
     for index, case in enumerate(FOUR_STAGE_CASES):
         check(case, [r[index] for r in results])
 
 
+@pytest.mark.slow
 def test_data_parallel_times_pipeline_parallel():
     cases = [
         {
@@ -240,6 +244,7 @@ def test_data_parallel_times_pipeline_parallel():
         assert len(grads) == 2 and torch.equal(grads[0], grads[1])
 
 
+@pytest.mark.slow
 def test_clip_grad_norm_uses_the_global_norm():
     case = {
         "model": "gpt",
@@ -261,6 +266,7 @@ def test_clip_grad_norm_uses_the_global_norm():
         assert abs(result[0]["norm"] - total.item()) <= 1e-6 * total.item()
 
 
+@pytest.mark.slow
 def test_two_machines_with_torchrun(tmp_path):
     """Two torchrun launches ("nodes") on 127.0.0.1 rendezvous into one 2-stage pipeline."""
     port = free_port()
@@ -305,6 +311,7 @@ def test_two_machines_with_torchrun(tmp_path):
     check(CASE, [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)])
 
 
+@pytest.mark.slow
 def test_tied_copies_in_two_processes_stay_identical_through_training():
     case = {
         "model": "gpt-tied",
@@ -324,6 +331,7 @@ def test_tied_copies_in_two_processes_stay_identical_through_training():
     assert relative_error(first[0]["params"][embedding], initial[embedding].detach()) > 1e-3
 
 
+@pytest.mark.slow
 def test_launch_shares_the_cores_unless_told(monkeypatch):
     """Each process computes with its share of the cores (torch's default, all of them in
     every process, oversubscribes them); OMP_NUM_THREADS, when set, decides."""
@@ -332,3 +340,18 @@ def test_launch_shares_the_cores_unless_told(monkeypatch):
     if threads_per_process(1) >= 2:  # torch takes no more threads than there are cores
         monkeypatch.setenv("OMP_NUM_THREADS", "2")
         assert launch(thread_count, 2, timeout=60) == [2, 2]
+
+
+@pytest.mark.slow
+def test_each_launch_gives_its_processes_the_environment_and_outputs_of_the_call(
+    monkeypatch, capfd
+):
+    """Forked from a server started at the first launch, the processes still get what a
+    fresh interpreter would: the variables and the standard output as they are now."""
+    monkeypatch.setenv("GPIPE_TEST_VALUE", "first")
+    assert launch(environment_and_output, 2, args=("GPIPE_TEST_VALUE",)) == ["first"] * 2
+    capfd.readouterr()
+    monkeypatch.setenv("GPIPE_TEST_VALUE", "second")
+    assert launch(environment_and_output, 2, args=("GPIPE_TEST_VALUE",)) == ["second"] * 2
+    printed = capfd.readouterr().out
+    assert "rank 0 says hello" in printed and "rank 1 says hello" in printed

@@ -91,6 +91,7 @@ def _reference(case):
     return losses, grads, {n: p.detach() for n, p in model.named_parameters()}
 
 
+@pytest.mark.slow
 def test_sharded_replicas_give_the_unsplit_models_gradients_for_every_schedule_and_remat():
     outcomes = launch(data_and_pipeline, 4, args=(CASES,), timeout=240)
     assert sorted(o["replica"] for o in outcomes) == [0, 0, 1, 1]
@@ -117,18 +118,20 @@ def test_sharded_replicas_give_the_unsplit_models_gradients_for_every_schedule_a
 
 
 @pytest.mark.parametrize(("fault_rank", "schedule"), [(3, "1f1b"), (0, "zb-h1")])
+@pytest.mark.slow
 def test_a_failure_in_one_rank_of_a_sharded_run_ends_every_rank_within_the_timeout(
     fault_rank, schedule
 ):
     timeout = 6.0
     outcomes = launch(sharded_faulty, 4, args=(fault_rank, 2, schedule, timeout), timeout=60)
     for rank, outcome in enumerate(outcomes):
-        assert outcome["seconds"] < timeout + 5, (rank, outcome)  # the faulty rank lives on
+        assert outcome["seconds"] < 3 * timeout, (rank, outcome)  # the faulty rank lives on
         expected = "KeyError" if rank == fault_rank else "PipelineError"
         assert outcome["type"] == expected, (rank, outcome)
     assert not multiprocessing.active_children()
 
 
+@pytest.mark.slow
 def test_a_module_used_twice_in_a_stage_shards_and_modules_sharing_a_weight_are_refused():
     outcomes = launch(sharded_reuse, 4, timeout=60)
     model = build_full(reused_factory(False), seed=2)

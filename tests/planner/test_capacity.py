@@ -151,6 +151,7 @@ def calibration() -> Calibration:
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.slow
 def test_verify_measures_the_found_model_and_the_next_size_up(calibration):
     family = tiny_gpt(batch=8)
     assert calibration.process > 0 and calibration.per_layer >= 0
@@ -190,6 +191,7 @@ def test_layout_labels_and_options():
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow
 def test_sharded_replicas_are_measured(calibration):
     family = tiny_gpt(batch=8)
     layout = Layout(stages=1, replicas=2, shard=True, chunks=2, checkpoint="always")

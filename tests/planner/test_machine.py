@@ -72,6 +72,7 @@ def test_a_plan_predicts_with_the_machine():
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.slow
 def test_measuring_the_machine_runs_the_model_in_processes():
     torch.manual_seed(0)
     model = nn.Sequential(*(nn.Sequential(nn.Linear(32, 32), nn.ReLU()) for _ in range(4)))
@@ -94,6 +95,7 @@ def test_measuring_the_machine_runs_the_model_in_processes():
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.slow
 def test_cli_calibrates_before_it_ranks(capsys):
     code = main(["plan", "--model", "gpt", "--layers", "1", "--d-model", "16", "--heads", "2",
                  "--seq", "8", "--vocab", "64", "--batch", "4", "--devices", "2", "--chunks",
@@ -143,6 +145,7 @@ def test_zb_auto_is_built_from_the_best_candidates_costs_and_runs():
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.slow
 def test_a_zb_auto_candidate_verifies_and_trains_the_unsplit_models_gradients():
     from gpipe.planner import verify
 

@@ -55,6 +55,7 @@ def test_a_tiny_run_trains_and_leaves_its_files(tiny_run):
 
 
 @pytest.mark.timeout(200)
+@pytest.mark.slow
 def test_resuming_reproduces_the_uninterrupted_run_bitwise(tiny_run, in_process, tmp_path):
     out, _ = tiny_run
     resumed = tmp_path / "b"
@@ -83,6 +84,7 @@ def _outputs_at(rank: int, config: TrainConfig, x: torch.Tensor):
 
 
 @pytest.mark.timeout(200)
+@pytest.mark.slow
 def test_a_k2_checkpoint_loads_at_k1_and_k4_and_exports_to_the_plain_model(
     tiny_run, cache, tmp_path, monkeypatch
 ):
@@ -130,6 +132,7 @@ def test_a_k2_checkpoint_loads_at_k1_and_k4_and_exports_to_the_plain_model(
 
 
 @pytest.mark.timeout(200)
+@pytest.mark.slow
 def test_resnet_with_replicas_and_bfloat16(in_process, tmp_path):
     """The CNN preset (deferred batch norm) as 2 replicas x 2 stages under bf16 autocast."""
     pytest.importorskip("sklearn")
@@ -150,6 +153,7 @@ def test_resnet_with_replicas_and_bfloat16(in_process, tmp_path):
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.slow
 def test_sharded_replicas_train_as_plain_ones_and_their_checkpoints_load_at_other_layouts(
     in_process, tmp_path
 ):
@@ -173,6 +177,7 @@ def test_sharded_replicas_train_as_plain_ones_and_their_checkpoints_load_at_othe
     plain_model.load_state_dict(state, strict=True)
 
 
+@pytest.mark.slow
 def test_a_hugging_face_llama_trains_as_it_is_and_exports_to_the_plain_model(in_process, tmp_path):
     """--model hf-llama: the Hugging Face model captured and cut (gpipe.frontend), 2 processes,
     checkpoints under the model's own names, text sampled through the pipeline."""

@@ -90,6 +90,7 @@ def compare(run, history, model) -> dict[str, float]:
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_a_saved_mixtral_fine_tunes_in_2_processes_as_plain_gradient_accumulation(
     in_process, tmp_path
 ):
@@ -120,6 +121,7 @@ def test_a_saved_mixtral_fine_tunes_in_2_processes_as_plain_gradient_accumulatio
 
 
 @pytest.mark.timeout(400)
+@pytest.mark.slow
 def test_a_saved_bart_fine_tunes_in_2_processes_as_plain_gradient_accumulation_and_resumes(
     in_process, tmp_path
 ):

@@ -25,7 +25,14 @@ When a process fails, the others are given ``grace`` seconds to notice and raise
 error (the pipeline's ``timeout`` bounds that), then any still alive are killed: no process
 outlives :func:`launch`. The error raised names each failed rank and its message. SIGTERM to
 the launcher stops it as Ctrl-C does (exit code 143), and a launcher killed outright takes
-its processes with it (Linux: each asks the kernel for a signal when its parent dies).
+its processes with it (each watches its launcher through a Linux pidfd, or asks the kernel
+for a signal when its parent dies).
+
+On Linux the processes are forked from a server that imported torch and gpipe once
+(multiprocessing's "forkserver"): a rank starts in a fraction of a second, not the seconds
+a fresh interpreter takes to import torch. Each gets the launcher's environment as it is at
+the call. Where glibc or the loader must read the environment at start (``MALLOC_*``,
+``LD_*``), or without pidfds, each rank is a fresh interpreter ("spawn").
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ import contextlib
 import ctypes
 import os
 import pickle
+import select
 import signal
 import socket
 import sys
@@ -92,12 +100,64 @@ def _end(processes: list[Any], wait: float) -> None:
             process.join()
 
 
-def _die_with(parent: int) -> None:
-    """A launched process ends when its launcher does, even killed outright (Linux)."""
+def _context() -> Any:
+    """Forked from a server that imported torch once, where that is as good as a fresh
+    interpreter (see the module's docstring); else spawned."""
+    read_at_start = any(name.startswith(("MALLOC_", "LD_")) for name in os.environ)
+    if hasattr(os, "pidfd_open") and not read_at_start:
+        context = mp.get_context("forkserver")
+        context.set_forkserver_preload(["torch", "torch.distributed", "gpipe.pipe"])
+        return context
+    return mp.get_context("spawn")
+
+
+class _Outputs:
+    """The launcher's standard output and error as they are at the call (a fork server's
+    are those of its start): sent to each process as file descriptors."""
+
+    def __reduce__(self) -> tuple:  # runs while a process starts: its fds go along
+        from multiprocessing.reduction import DupFd
+
+        return _Outputs._received, tuple(DupFd(fd) if _is_open(fd) else None for fd in (1, 2))
+
+    @staticmethod
+    def _received(out: Any, err: Any) -> tuple[Any, Any]:
+        return out, err
+
+
+def _is_open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError:
+        return False
+    return True
+
+
+def _write_to(outputs: tuple[Any, Any] | None) -> None:
+    for received, fd in zip(outputs or (None, None), (1, 2), strict=True):
+        if received is not None:
+            os.dup2(received.detach(), fd)
+
+
+def _die_with(launcher: int) -> None:
+    """A launched process ends (SIGTERM, as on a stop) when its launcher does, even killed
+    outright. A forked one's parent is the fork server, so it watches the launcher itself."""
+    if hasattr(os, "pidfd_open"):
+        try:
+            launched_by = os.pidfd_open(launcher)
+        except ProcessLookupError:  # the launcher died before this process started
+            os._exit(1)
+
+        def watch() -> None:  # blocked in select: holds no GIL
+            select.select([launched_by], [], [])
+            os.kill(os.getpid(), signal.SIGTERM)
+
+        threading.Thread(target=watch, name="gpipe-launcher-watch", daemon=True).start()
+        return
     with contextlib.suppress(OSError, AttributeError):
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    if os.getppid() != parent:  # the launcher died before prctl took effect
+    if os.getppid() != launcher:  # the launcher died before prctl took effect
         os._exit(1)
 
 
@@ -125,12 +185,17 @@ def _worker(
     backend: str,
     timeout: float,
     results: Any,
-    parent: int,
+    launcher: int,
+    environment: dict[str, str],
+    outputs: tuple[Any, Any] | None,
 ) -> None:
     import torch.distributed as dist
 
-    _die_with(parent)
+    _write_to(outputs)
+    _die_with(launcher)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the launcher's: it sends SIGTERM
+    os.environ.clear()  # the launcher's, as it is now (a fork server's is from its start)
+    os.environ.update(environment)
     os.environ.update(
         RANK=str(rank),
         LOCAL_RANK=str(rank),
@@ -141,8 +206,9 @@ def _worker(
     )
     if backend == "nccl":
         torch.cuda.set_device(rank)
-    if "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(threads_per_process(world_size))
+    threads = os.environ.get("OMP_NUM_THREADS", "")  # read here: a fork's torch is running
+    torch.set_num_threads(int(threads) if threads.isdigit() and int(threads) > 0
+                          else threads_per_process(world_size))  # fmt: skip
     try:
         dist.init_process_group(
             backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout)
@@ -183,13 +249,26 @@ def launch(
         cuda = torch.cuda.is_available() and torch.cuda.device_count() >= nprocs
         backend = "nccl" if cuda else "gloo"
     grace = timeout + 10.0 if grace is None else grace
-    context = mp.get_context("spawn")
+    context = _context()
+    forked = context.get_start_method() == "forkserver"
     results = context.SimpleQueue()
     port = free_port()
     processes = [
         context.Process(
             target=_worker,
-            args=(rank, fn, args, nprocs, port, backend, timeout, results, os.getpid()),
+            args=(
+                rank,
+                fn,
+                args,
+                nprocs,
+                port,
+                backend,
+                timeout,
+                results,
+                os.getpid(),
+                dict(os.environ),
+                _Outputs() if forked else None,
+            ),
             name=f"gpipe-rank-{rank}",
             daemon=False,
         )
