@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -388,7 +389,16 @@ def data_parallel_stalled(rank, timeout):
     return _outcome(lambda: pipe.step(x, y, F.mse_loss), start=start)
 
 
-def sharded_faulty(rank, fault_rank, at, schedule, timeout):
+def _alive_until_all_have_raised(folder: str, rank: int, ranks: int, longest: float) -> None:
+    """No rank exits (its closed sockets would wake the others) before every rank has its
+    outcome, or ``longest`` seconds have passed: a file per rank in ``folder`` says so."""
+    (Path(folder) / str(rank)).touch()
+    deadline = time.monotonic() + longest
+    while len(list(Path(folder).iterdir())) < ranks and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def sharded_faulty(rank, fault_rank, at, schedule, timeout, folder):
     """2 sharded replicas × 2 stages; rank ``fault_rank`` fails in its ``at``-th backward
     of the second step, then stays alive (it must not be the one that ends the others'
     waits). What each rank raised, and when."""
@@ -410,7 +420,7 @@ def sharded_faulty(rank, fault_rank, at, schedule, timeout):
     pipe.step(x, y, F.mse_loss)
     fault.calls, fault.at = 0, at
     outcome = _outcome(lambda: pipe.step(x, y, F.mse_loss))
-    time.sleep(max(0.0, 2 * timeout + 5 - outcome["seconds"]))  # alive: no closed socket tells
+    _alive_until_all_have_raised(folder, rank, 4, longest=2 * timeout + 5)
     return outcome
 
 

@@ -120,10 +120,11 @@ def test_sharded_replicas_give_the_unsplit_models_gradients_for_every_schedule_a
 @pytest.mark.parametrize(("fault_rank", "schedule"), [(3, "1f1b"), (0, "zb-h1")])
 @pytest.mark.slow
 def test_a_failure_in_one_rank_of_a_sharded_run_ends_every_rank_within_the_timeout(
-    fault_rank, schedule
+    fault_rank, schedule, tmp_path
 ):
     timeout = 6.0
-    outcomes = launch(sharded_faulty, 4, args=(fault_rank, 2, schedule, timeout), timeout=60)
+    args = (fault_rank, 2, schedule, timeout, str(tmp_path))
+    outcomes = launch(sharded_faulty, 4, args=args, timeout=60)
     for rank, outcome in enumerate(outcomes):
         assert outcome["seconds"] < 3 * timeout, (rank, outcome)  # the faulty rank lives on
         expected = "KeyError" if rank == fault_rank else "PipelineError"

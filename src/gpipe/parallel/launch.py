@@ -106,7 +106,10 @@ def _context() -> Any:
     read_at_start = any(name.startswith(("MALLOC_", "LD_")) for name in os.environ)
     if hasattr(os, "pidfd_open") and not read_at_start:
         context = mp.get_context("forkserver")
-        context.set_forkserver_preload(["torch", "torch.distributed", "gpipe.pipe"])
+        preload = ["torch", "torch.distributed", "gpipe.pipe"]
+        if "transformers" in sys.modules:  # the launcher's model is one: 3 s a rank saved
+            preload.append("transformers.modeling_utils")
+        context.set_forkserver_preload(preload)
         return context
     return mp.get_context("spawn")
 
