@@ -241,7 +241,7 @@ def one_stage(rounds: int) -> list[dict]:
 def report(pipeline: Sequence[dict], micro: dict, single: Sequence[dict], rounds: int) -> str:
     ms = 1e3
     lines = [
-        f"Measured by `python benchmarks/runtime_cost.py` on {machine()}, commit {source()}, "
+        f"Measured by `python benchmarks/runtime_cost.py` on {machine()}, {source()}, "
         f"load {os.getloadavg()[0]:.1f} at the end; {rounds} rounds per row, the two sides "
         "alternating; medians, 95% bootstrap intervals of the paired ratios.",
         "",
