@@ -126,4 +126,5 @@ def test_help_shows_each_default_of_the_field(capsys):
     text = " ".join(capsys.readouterr().out.split())  # unwrapped
     assert "--timeout TIMEOUT seconds a rank waits for another (default: 120)" in text
     assert "--shard, --no-shard shard each stage's" in text and "(default: off)" in text
-    assert "--steps STEPS optimizer steps in all (default: preset)" in text
+    assert "--steps STEPS optimizer steps in all; on --resume" in text
+    assert "at the new last step (default: preset)" in text

@@ -72,6 +72,24 @@ def test_resuming_reproduces_the_uninterrupted_run_bitwise(tiny_run, in_process,
     assert [after[s] for s in range(6, 11)] == [before[s] for s in range(6, 11)]
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_resuming_with_more_steps_goes_on_from_the_rate_where_it_stood(
+    tiny_run, in_process, tmp_path
+):
+    out, _ = tiny_run
+    longer = tmp_path / "longer"
+    done = in_process(
+        "train", "--resume", str(out), "--steps", "13", "--out", str(longer),
+        "--sample-tokens", "0", "--eval-every", "0", "--save-every", "0",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    rates = {r["step"]: r["lr"] for r in map(json.loads, (longer / "metrics.jsonl").open())}
+    # Step 10 ended the cosine at lr/10: the 3 steps more stay there (they jumped up before).
+    assert rates[10] == pytest.approx(3e-4) and rates[11] == rates[12] == rates[13] == rates[10]
+    assert ckpt.read_manifest(longer).scheduler["_schedulers"][1]["T_max"] == 13 - 5
+
+
 def _outputs_at(rank: int, config: TrainConfig, x: torch.Tensor):
     """In each of K launched processes: load the checkpoint as ``gpipe train`` does, run x."""
     trainer = Trainer(rank, config)
@@ -199,6 +217,10 @@ def test_resume_rules(tiny_run, capsys, tmp_path):
     assert "nothing to train; pass --steps > 10" in capsys.readouterr().err
     assert main(["train", "--resume", str(out), "--seq", "16", "--steps", "20"]) == 2
     assert "--seq 16 differs from the checkpoint's 32" in capsys.readouterr().err
+    assert main(["train", "--resume", str(out), "--warmup", "2", "--steps", "20"]) == 2
+    assert "--warmup 2 differs from the checkpoint's 5: a resumed run continues its" in (
+        capsys.readouterr().err
+    )
     assert main(["train", "--size", "tiny", "--out", str(out)]) == 2
     assert f"already holds a run's checkpoints: continue it with --resume {out}" in (
         capsys.readouterr().err

@@ -25,6 +25,7 @@ from gpipe.train.hf import (
     read_config,
     transformers_module,
 )
+from gpipe.train.lr_schedule import LR_SCHEDULES
 from gpipe.train.objectives import PACKINGS
 from gpipe.train.tasks import HF_FOLDER, RECIPES, Task, recipe_of, source_of, task_of, tokenizer_of
 from gpipe.train.tokenizers import BYTES
@@ -43,7 +44,6 @@ __all__ = [
 ]
 
 SIZES = ("tiny", "small", "base")
-LR_SCHEDULES = ("cosine", "linear", "constant")
 DTYPES = ("float32", "bfloat16", "float64")
 INITS = ("auto", "pretrained", "random")
 PROGRESS = ("auto", "bar", "lines")
@@ -52,6 +52,8 @@ _FIXED_ON_RESUME = (
     "model", "size", "seq", "seed", "model_config", "family", "split", "tokenizer", "data",
     "text_field", "target_field", "val_data", "val_fraction", "packing", "mask_prob",
 )  # fmt: skip
+# The schedule a checkpoint's rate follows; --steps alone may change (it moves the horizon).
+_SCHEDULE_ON_RESUME = ("lr", "lr_schedule", "warmup")
 _PATHS = ("model", "data", "val_data", "tokenizer")  # made absolute: a run resumes anywhere
 
 
@@ -190,10 +192,15 @@ class TrainConfig:
         "(FSDP2): about 1/R of the memory for weights", _PIPELINE,
     )  # fmt: skip
     batch: int = _option(16, "global mini-batch size, all replicas together", _OPTIMIZATION)
-    steps: int = _option(500, "optimizer steps in all", _OPTIMIZATION)
+    steps: int = _option(
+        500, "optimizer steps in all; on --resume, another number moves the end of the decay "
+        "there: the rate goes on from where it stood and reaches its end (lr/10, or 0) at the "
+        "new last step", _OPTIMIZATION,
+    )  # fmt: skip
     lr: float = _option(3e-3, "peak learning rate", _OPTIMIZATION)
     lr_schedule: str = _option(
-        "cosine", "after warm-up: cosine (to lr/10), linear (to 0), constant", _OPTIMIZATION,
+        "cosine", "after warm-up: cosine (to lr/10 at the last step), linear (to 0), "
+        "constant; torch.optim.lr_scheduler's, see gpipe.train.lr_schedule", _OPTIMIZATION,
         choices=LR_SCHEDULES,
     )  # fmt: skip
     warmup: int = _option(20, "linear warm-up steps", _OPTIMIZATION)
@@ -319,6 +326,13 @@ def resolve(options: dict[str, Any], *, world_size: int | None = None) -> TrainC
                 problems.append(
                     f"--{key} {given[key]} differs from the checkpoint's {saved[key]!r}: a "
                     f"resumed run keeps the model, data and seed; drop --{key}"
+                )
+        for key in _SCHEDULE_ON_RESUME:
+            if key in given and given[key] != saved[key]:
+                problems.append(
+                    f"{flag(key)} {given[key]} differs from the checkpoint's {saved[key]!r}: a "
+                    f"resumed run continues its learning-rate schedule (--steps may change); "
+                    f"drop {flag(key)}"
                 )
         if "out" not in given:
             folder = manifest.path
