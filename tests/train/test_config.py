@@ -89,7 +89,11 @@ def test_every_field_is_an_option_but_the_model_arguments():
         assert action.default is None, f"{f.name}: None is 'not given', for presets and resume"
         assert "(default: " in action.help or f.name == "resume", f.name
     assert {f.name for f in options()} == set(GIVEN) | APART  # each one tested below
-    assert parse().__dict__ == {**{f.name: None for f in options()}, "strict_resume": False}
+    assert parse().__dict__ == {
+        **{f.name: None for f in options()},
+        "strict_resume": False,
+        "config": None,
+    }
 
 
 def test_each_option_lands_in_the_config(tmp_path):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import asdict
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ from gpipe import checkpoint as ckpt
 from gpipe.__main__ import main
 from gpipe.cli import train as train_cli
 from gpipe.cli.export import export
-from gpipe.train import TrainConfig, Trainer, build_model, resolve
+from gpipe.train import TrainConfig, Trainer, build_model, config_file, resolve
 from train_runs import losses
 
 
@@ -26,7 +27,8 @@ from train_runs import losses
 def test_a_tiny_run_trains_and_leaves_its_files(tiny_run):
     out, done = tiny_run
     files = {p.name for p in out.iterdir()}
-    expected = {"config.json", "metrics.jsonl", "summary.json", "loss.png", "sample.txt"}
+    expected = {"config.json", "config.toml", "metrics.jsonl", "summary.json", "loss.png"}
+    expected |= {"sample.txt"}
     assert expected | {"timeline.png", "timeline.json", "checkpoints"} <= files
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [
         "latest",
@@ -52,6 +54,11 @@ def test_a_tiny_run_trains_and_leaves_its_files(tiny_run):
     assert "eta" in stdout and "step 5: val loss" in stdout
     assert "train loss" in stdout and "bubble" in stdout and "rank 1 (stage 1)" in stdout
     assert stdout.count("done: 10 steps") == 1
+
+    # Its config.toml, given back with --config, is the same run (in another folder).
+    again = resolve(config_file.merge(out / "config.toml", {"out": str(out.parent / "again")}))
+    ran = json.loads((out / "config.json").read_text())
+    assert {**asdict(again), "out": ran["out"]} == ran
 
 
 @pytest.mark.timeout(200)

@@ -13,6 +13,7 @@ from typing import Any
 from gpipe.errors import COMMUNICATION_FAILURES
 from gpipe.parallel.launch import LaunchError, launch
 from gpipe.parallel.mesh import ensure_world, leave_world, world_collectives
+from gpipe.train import config_file
 from gpipe.train.config import ConfigError, TrainConfig
 from gpipe.train.report import write_json
 from gpipe.train.trainer import Trainer
@@ -48,6 +49,7 @@ def prepare(config: TrainConfig) -> Any:
     """Once, before the ranks start: the output folder and the data (or its cache)."""
     Path(config.out).mkdir(parents=True, exist_ok=True)
     write_json(Path(config.out) / "config.json", asdict(config))
+    config_file.write(Path(config.out) / config_file.FILE, config)
     return config.task.prepare()
 
 

@@ -25,6 +25,7 @@ OUTPUT_FILES = (
     "sample.txt",
     "summary.json",
     "config.json",
+    "config.toml",
 )
 
 
