@@ -32,7 +32,11 @@ GIVEN = {
     "lr": (["--lr", "0.01"], 0.01),
     "lr_schedule": (["--lr-schedule", "linear"], "linear"),
     "warmup": (["--warmup", "2"], 2),
+    "optimizer": (["--optimizer", "adam"], "adam"),
     "weight_decay": (["--weight-decay", "0.2"], 0.2),
+    "beta1": (["--beta1", "0.8"], 0.8),
+    "beta2": (["--beta2", "0.99"], 0.99),
+    "eps": (["--eps", "1e-6"], 1e-6),
     "grad_clip": (["--grad-clip", "0.5"], 0.5),
     "skip_nonfinite": (["--skip-nonfinite", "2"], 2),
     "seed": (["--seed", "3"], 3),
@@ -62,8 +66,8 @@ GIVEN = {
 }
 # Tested on their own: --model (one run per built-in model; Hugging Face folders in
 # test_your_model.py), --split (a Hugging Face model's), --data and --val-data (files), --out
-# and --resume (a checkpoint).
-APART = {"model", "split", "data", "val_data", "out", "resume"}
+# and --resume (a checkpoint), --momentum (SGD's, in test_optimizers.py).
+APART = {"model", "split", "data", "val_data", "out", "resume", "momentum"}
 
 
 def parse(*argv: str) -> argparse.Namespace:

@@ -228,6 +228,8 @@ def test_resume_rules(tiny_run, capsys, tmp_path):
     assert "--warmup 2 differs from the checkpoint's 5: a resumed run continues its" in (
         capsys.readouterr().err
     )
+    assert main(["train", "--resume", str(out), "--optimizer", "sgd", "--steps", "20"]) == 2
+    assert "--optimizer sgd differs from the checkpoint's 'adamw'" in capsys.readouterr().err
     assert main(["train", "--size", "tiny", "--out", str(out)]) == 2
     assert f"already holds a run's checkpoints: continue it with --resume {out}" in (
         capsys.readouterr().err

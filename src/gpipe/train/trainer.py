@@ -34,7 +34,7 @@ from gpipe.errors import NonFiniteError
 from gpipe.parallel.launch import threads_per_process
 from gpipe.parallel.mesh import Mesh
 from gpipe.parallel.sharded import full_value, sharded_optimizer_state
-from gpipe.train import lr_schedule
+from gpipe.train import lr_schedule, optimizers
 from gpipe.train.config import TrainConfig, model_spec, num_layers
 from gpipe.train.report import Metrics, Reporter, plot_losses, write_json
 
@@ -95,19 +95,7 @@ class Trainer:
         self.measured: dict[str, Any] = {}  # of the traced step: bubble, memory per rank
 
     def _optimizer(self) -> torch.optim.Optimizer | None:
-        # Weight decay on matrices (dim >= 2) only, as in nanoGPT; groups are named so that a
-        # checkpoint's optimizer state loads into any cut (gpipe.checkpoint).
-        params = list(self.pipe.parameters())
-        groups = [
-            {"name": "decay", "params": [p for p in params if p.dim() >= 2]},
-            {"name": "no_decay", "params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-        ]
-        groups = [g for g in groups if g["params"]]
-        if not groups:
-            return None  # this rank's layers have no parameters (e.g. pooling only)
-        return torch.optim.AdamW(
-            groups, lr=self.config.lr, weight_decay=self.config.weight_decay, betas=(0.9, 0.95)
-        )
+        return optimizers.build(list(self.pipe.parameters()), self.config)
 
     def _scheduler(self, steps: int) -> torch.optim.lr_scheduler.LRScheduler | None:
         c = self.config
