@@ -30,6 +30,7 @@ def test_a_tiny_run_trains_and_leaves_its_files(tiny_run):
     expected = {"config.json", "config.toml", "metrics.jsonl", "summary.json", "loss.png"}
     expected |= {"sample.txt"}
     assert expected | {"timeline.png", "timeline.json", "checkpoints"} <= files
+    assert not [name for name in files if name.startswith(".")]  # no lock file left
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [
         "latest",
         "step-000005",
@@ -168,6 +169,11 @@ def test_resnet_with_replicas_and_bfloat16(in_process, tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert all(torch.isfinite(torch.tensor(v)) for v in losses(out).values())
     assert 0 <= summary["val_accuracy"] <= 1
+    # Every rank's memory, replica 1's too, and no lock file left in the folder.
+    assert [m["rank"] for m in summary["memory_per_rank"]] == [0, 1, 2, 3]
+    for rank, stage, replica in [(0, 0, 0), (1, 1, 0), (2, 0, 1), (3, 1, 1)]:
+        assert f"rank {rank} (stage {stage}, replica {replica}): activations" in done.stdout
+    assert not [p.name for p in out.iterdir() if p.name.startswith(".")]
     state = ckpt.export_state_dict(out)
     assert any("running_mean" in name for name in state)  # batch norm statistics are saved
     plain = build_model(ckpt.read_manifest(out).model)

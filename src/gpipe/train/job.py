@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import os
 from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
@@ -55,16 +56,20 @@ def prepare(config: TrainConfig) -> Any:
 
 @contextlib.contextmanager
 def _claimed(out: str) -> Iterator[None]:
-    """Hold the output folder for one run at a time (an advisory lock on a file in it)."""
+    """Hold the output folder for one run at a time: an advisory lock on the folder itself,
+    so that nothing is left in it (the lock goes with the process, however it ends)."""
     Path(out).mkdir(parents=True, exist_ok=True)
-    with open(Path(out) / ".run.lock", "w") as lock:
+    folder = os.open(out, os.O_RDONLY | os.O_DIRECTORY)
+    try:
         try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(folder, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             raise ConfigError(
                 [f"--out {out} is in use by another run right now: choose another --out"]
             ) from None
         yield
+    finally:
+        os.close(folder)
 
 
 def run(config: TrainConfig) -> dict[str, Any]:

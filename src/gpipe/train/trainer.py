@@ -292,19 +292,22 @@ class Trainer:
     # -- measurements ----------------------------------------------------------------------
 
     def _memory(self, meter: Any) -> dict[str, Any]:
-        """Per pipeline rank: measured activation peak, weights + optimizer, process peak RSS."""
+        """Per rank: measured activation peak, weights + optimizer, process peak RSS."""
         optimizer_state = self.optimizer.state.values() if self.optimizer else []
         state = [*self.pipe.parameters(), *self.pipe.buffers()] + [
             v for s in optimizer_state for v in s.values() if isinstance(v, torch.Tensor)
         ]
         local = {
+            "rank": self.rank,
+            "replica": self.replica,
             "stages": [s.index for s in self.pipe.stages],
             "activation_bytes": sum(meter.peak_bytes[s.index] for s in self.pipe.stages),
             "state_bytes": sum(local_value(t).numel() * t.element_size() for t in state),
             # ru_maxrss is in KiB on Linux
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         }
-        gathered = self.mesh.pipeline.all_gather_object(local, "the memory report gather")
+        # Every rank's, replicas' too: a sharded replica holds its own part of the weights.
+        gathered = self.mesh.everyone.all_gather_object(local, "the memory report gather")
         return {"memory_per_rank": gathered}
 
     def _save_timeline(self) -> float | None:
