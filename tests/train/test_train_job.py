@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 from dataclasses import asdict
 
 import pytest
@@ -96,6 +97,25 @@ def test_resuming_with_more_steps_goes_on_from_the_rate_where_it_stood(
     # Step 10 ended the cosine at lr/10: the 3 steps more stay there (they jumped up before).
     assert rates[10] == pytest.approx(3e-4) and rates[11] == rates[12] == rates[13] == rates[10]
     assert ckpt.read_manifest(longer).scheduler["_schedulers"][1]["T_max"] == 13 - 5
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_a_checkpoint_without_the_schedulers_state_resumes_bitwise(tiny_run, in_process, tmp_path):
+    """Saved before the scheduler was: its rates are replayed from step 1 to its step."""
+    out, _ = tiny_run
+    old = tmp_path / "old" / "step-000005"
+    shutil.copytree(out / "checkpoints" / "step-000005", old)
+    record = json.loads((old / ckpt.MANIFEST).read_text())
+    del record["scheduler"]
+    (old / ckpt.MANIFEST).write_text(json.dumps(record))
+    resumed = tmp_path / "b"
+    done = in_process("train", "--resume", str(old), "--out", str(resumed), "--sample-tokens", "0")
+    assert done.returncode == 0, done.stderr
+    rates = {r["step"]: r["lr"] for r in map(json.loads, (resumed / "metrics.jsonl").open())}
+    before = {r["step"]: r for r in map(json.loads, (out / "metrics.jsonl").open())}
+    assert all(rates[s] == before[s]["lr"] for s in range(6, 11))
+    assert all(losses(resumed)[s] == before[s]["loss"] for s in range(6, 11))
 
 
 def _outputs_at(rank: int, config: TrainConfig, x: torch.Tensor):
