@@ -65,6 +65,7 @@ def advance(scheduler: lr_scheduler.LRScheduler, step: int) -> None:
 
 def stretch(scheduler: lr_scheduler.LRScheduler, *, warmup: int, steps: int) -> None:
     """Make the decay end at step ``steps`` from here on, starting from the current rate."""
+    # SequentialLR keeps its parts in _schedulers (torch has no public name for them).
     decay = (
         scheduler._schedulers[-1] if isinstance(scheduler, lr_scheduler.SequentialLR) else scheduler
     )
