@@ -89,7 +89,7 @@ class CheckpointError(RuntimeError):
 class Manifest:
     """A checkpoint's ``manifest.json``: written by :func:`write_manifest` (through
     :func:`commit`), read by :func:`read_manifest`. The run's own records (``config``,
-    ``model``, ``data``, ``layout``) are kept as given."""
+    ``model``, ``data``, ``layout``, ``scheduler``) are kept as given."""
 
     step: int
     # shard file -> its entry, as :func:`write_shard` returns it (names, stages, SHA-256)
@@ -98,6 +98,7 @@ class Manifest:
     model: dict[str, Any] | None = None  # what builds the model
     data: dict[str, Any] | None = None  # the data position
     layout: dict[str, Any] | None = None  # how the saving run was cut (stages, replicas, ...)
+    scheduler: dict[str, Any] | None = None  # the learning-rate scheduler's state
     saved_at: str = ""  # stamped when written
     index: dict[str, str] = field(default_factory=dict)  # name -> its shard file (derived)
     path: Path | None = None  # the checkpoint's folder, once read (not saved)

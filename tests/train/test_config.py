@@ -32,7 +32,11 @@ GIVEN = {
     "lr": (["--lr", "0.01"], 0.01),
     "lr_schedule": (["--lr-schedule", "linear"], "linear"),
     "warmup": (["--warmup", "2"], 2),
+    "optimizer": (["--optimizer", "adam"], "adam"),
     "weight_decay": (["--weight-decay", "0.2"], 0.2),
+    "beta1": (["--beta1", "0.8"], 0.8),
+    "beta2": (["--beta2", "0.99"], 0.99),
+    "eps": (["--eps", "1e-6"], 1e-6),
     "grad_clip": (["--grad-clip", "0.5"], 0.5),
     "skip_nonfinite": (["--skip-nonfinite", "2"], 2),
     "seed": (["--seed", "3"], 3),
@@ -62,8 +66,8 @@ GIVEN = {
 }
 # Tested on their own: --model (one run per built-in model; Hugging Face folders in
 # test_your_model.py), --split (a Hugging Face model's), --data and --val-data (files), --out
-# and --resume (a checkpoint).
-APART = {"model", "split", "data", "val_data", "out", "resume"}
+# and --resume (a checkpoint), --momentum (SGD's, in test_optimizers.py).
+APART = {"model", "split", "data", "val_data", "out", "resume", "momentum"}
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -89,7 +93,11 @@ def test_every_field_is_an_option_but_the_model_arguments():
         assert action.default is None, f"{f.name}: None is 'not given', for presets and resume"
         assert "(default: " in action.help or f.name == "resume", f.name
     assert {f.name for f in options()} == set(GIVEN) | APART  # each one tested below
-    assert parse().__dict__ == {**{f.name: None for f in options()}, "strict_resume": False}
+    assert parse().__dict__ == {
+        **{f.name: None for f in options()},
+        "strict_resume": False,
+        "config": None,
+    }
 
 
 def test_each_option_lands_in_the_config(tmp_path):
@@ -126,4 +134,5 @@ def test_help_shows_each_default_of_the_field(capsys):
     text = " ".join(capsys.readouterr().out.split())  # unwrapped
     assert "--timeout TIMEOUT seconds a rank waits for another (default: 120)" in text
     assert "--shard, --no-shard shard each stage's" in text and "(default: off)" in text
-    assert "--steps STEPS optimizer steps in all (default: preset)" in text
+    assert "--steps STEPS optimizer steps in all; on --resume" in text
+    assert "at the new last step (default: preset)" in text

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
+from dataclasses import asdict
 
 import pytest
 import torch
@@ -18,7 +20,7 @@ from gpipe import checkpoint as ckpt
 from gpipe.__main__ import main
 from gpipe.cli import train as train_cli
 from gpipe.cli.export import export
-from gpipe.train import TrainConfig, Trainer, build_model, resolve
+from gpipe.train import TrainConfig, Trainer, build_model, config_file, resolve
 from train_runs import losses
 
 
@@ -26,8 +28,10 @@ from train_runs import losses
 def test_a_tiny_run_trains_and_leaves_its_files(tiny_run):
     out, done = tiny_run
     files = {p.name for p in out.iterdir()}
-    expected = {"config.json", "metrics.jsonl", "summary.json", "loss.png", "sample.txt"}
+    expected = {"config.json", "config.toml", "metrics.jsonl", "summary.json", "loss.png"}
+    expected |= {"sample.txt"}
     assert expected | {"timeline.png", "timeline.json", "checkpoints"} <= files
+    assert not [name for name in files if name.startswith(".")]  # no lock file left
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [
         "latest",
         "step-000005",
@@ -53,6 +57,11 @@ def test_a_tiny_run_trains_and_leaves_its_files(tiny_run):
     assert "train loss" in stdout and "bubble" in stdout and "rank 1 (stage 1)" in stdout
     assert stdout.count("done: 10 steps") == 1
 
+    # Its config.toml, given back with --config, is the same run (in another folder).
+    again = resolve(config_file.merge(out / "config.toml", {"out": str(out.parent / "again")}))
+    ran = json.loads((out / "config.json").read_text())
+    assert {**asdict(again), "out": ran["out"]} == ran
+
 
 @pytest.mark.timeout(200)
 @pytest.mark.slow
@@ -71,6 +80,43 @@ def test_resuming_reproduces_the_uninterrupted_run_bitwise(tiny_run, in_process,
     assert list(after) == list(range(1, 11))  # steps 1-5 carried over from the first run
     # Same K, M and schedule on CPU: the same floating-point operations in the same order.
     assert [after[s] for s in range(6, 11)] == [before[s] for s in range(6, 11)]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_resuming_with_more_steps_goes_on_from_the_rate_where_it_stood(
+    tiny_run, in_process, tmp_path
+):
+    out, _ = tiny_run
+    longer = tmp_path / "longer"
+    done = in_process(
+        "train", "--resume", str(out), "--steps", "13", "--out", str(longer),
+        "--sample-tokens", "0", "--eval-every", "0", "--save-every", "0",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    rates = {r["step"]: r["lr"] for r in map(json.loads, (longer / "metrics.jsonl").open())}
+    # Step 10 ended the cosine at lr/10: the 3 steps more stay there (they jumped up before).
+    assert rates[10] == pytest.approx(3e-4) and rates[11] == rates[12] == rates[13] == rates[10]
+    assert ckpt.read_manifest(longer).scheduler["_schedulers"][1]["T_max"] == 13 - 5
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_a_checkpoint_without_the_schedulers_state_resumes_bitwise(tiny_run, in_process, tmp_path):
+    """Saved before the scheduler was: its rates are replayed from step 1 to its step."""
+    out, _ = tiny_run
+    old = tmp_path / "old" / "step-000005"
+    shutil.copytree(out / "checkpoints" / "step-000005", old)
+    record = json.loads((old / ckpt.MANIFEST).read_text())
+    del record["scheduler"]
+    (old / ckpt.MANIFEST).write_text(json.dumps(record))
+    resumed = tmp_path / "b"
+    done = in_process("train", "--resume", str(old), "--out", str(resumed), "--sample-tokens", "0")
+    assert done.returncode == 0, done.stderr
+    rates = {r["step"]: r["lr"] for r in map(json.loads, (resumed / "metrics.jsonl").open())}
+    before = {r["step"]: r for r in map(json.loads, (out / "metrics.jsonl").open())}
+    assert all(rates[s] == before[s]["lr"] for s in range(6, 11))
+    assert all(losses(resumed)[s] == before[s]["loss"] for s in range(6, 11))
 
 
 def _outputs_at(rank: int, config: TrainConfig, x: torch.Tensor):
@@ -146,6 +192,11 @@ def test_resnet_with_replicas_and_bfloat16(in_process, tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert all(torch.isfinite(torch.tensor(v)) for v in losses(out).values())
     assert 0 <= summary["val_accuracy"] <= 1
+    # Every rank's memory, replica 1's too, and no lock file left in the folder.
+    assert [m["rank"] for m in summary["memory_per_rank"]] == [0, 1, 2, 3]
+    for rank, stage, replica in [(0, 0, 0), (1, 1, 0), (2, 0, 1), (3, 1, 1)]:
+        assert f"rank {rank} (stage {stage}, replica {replica}): activations" in done.stdout
+    assert not [p.name for p in out.iterdir() if p.name.startswith(".")]
     state = ckpt.export_state_dict(out)
     assert any("running_mean" in name for name in state)  # batch norm statistics are saved
     plain = build_model(ckpt.read_manifest(out).model)
@@ -204,6 +255,12 @@ def test_resume_rules(tiny_run, capsys, tmp_path):
     assert "nothing to train; pass --steps > 10" in capsys.readouterr().err
     assert main(["train", "--resume", str(out), "--seq", "16", "--steps", "20"]) == 2
     assert "--seq 16 differs from the checkpoint's 32" in capsys.readouterr().err
+    assert main(["train", "--resume", str(out), "--warmup", "2", "--steps", "20"]) == 2
+    assert "--warmup 2 differs from the checkpoint's 5: a resumed run continues its" in (
+        capsys.readouterr().err
+    )
+    assert main(["train", "--resume", str(out), "--optimizer", "sgd", "--steps", "20"]) == 2
+    assert "--optimizer sgd differs from the checkpoint's 'adamw'" in capsys.readouterr().err
     assert main(["train", "--size", "tiny", "--out", str(out)]) == 2
     assert f"already holds a run's checkpoints: continue it with --resume {out}" in (
         capsys.readouterr().err

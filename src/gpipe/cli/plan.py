@@ -147,6 +147,10 @@ def configure(p: argparse.ArgumentParser) -> None:
     g.add_argument("--repeats", type=int, default=5, help="timed runs per layer (median)")
     g.add_argument("--warmup", type=int, default=2)
     g.add_argument("--top", type=int, default=10, help="rows to print")
+    g.add_argument(
+        "--write-config", metavar="FILE",
+        help="write the first choice as options of gpipe train (TOML): gpipe train --config FILE",
+    )  # fmt: skip
     g.add_argument("--verify", type=int, default=0, metavar="N", help="run the top N for real")
     g.add_argument("--steps", type=int, default=10, help="timed steps per verified run")
     g.add_argument("--seed", type=int, default=0)
@@ -224,6 +228,11 @@ def run_capacity(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.write_config and (args.capacity or args.model != "gpt"):
+        raise SystemExit(
+            "gpipe plan --write-config writes the plan of --model gpt (gpipe train's GPT); "
+            "the ResNet here and --capacity's rows are other models: drop --write-config"
+        )
     if args.capacity:
         return run_capacity(args)
     from gpipe.estimate.memory_model import MemoryModel
@@ -264,4 +273,27 @@ def run(args: argparse.Namespace) -> int:
         result.verified = verify(result, model, x, y, loss_fn, top=args.verify, steps=args.steps)
         print()
         print(result.verify_table())
+    if args.write_config and result.candidates:
+        write_train_config(args.write_config, args, result.best)
+        print(f"wrote the first choice to {args.write_config}: gpipe train --config "
+              f"{args.write_config}")  # fmt: skip
     return 0 if result.candidates else 1
+
+
+def write_train_config(path: str, args: argparse.Namespace, best) -> None:
+    """The GPT and the ``best`` candidate's layout, as ``gpipe train --config`` reads them."""
+    from gpipe.train.config_file import write_options
+
+    shape = f"n_layers={args.layers},d_model={args.d_model},n_heads={args.heads}"
+    options = {
+        "model": "gpt", "model_config": shape, "seq": args.seq, "batch": args.batch,
+        "stages": best.stages, "chunks": best.chunks, "schedule": best.schedule,
+        "virtual_stages": best.virtual_stages, "checkpoint": best.checkpoint,
+        "balance": list(best.balance),
+    }  # fmt: skip
+    header = (
+        f"gpipe plan's first choice for GPT {shape}, vocab {args.vocab}, on {args.devices} "
+        f"devices (predicted {best.throughput:,.1f} samples/s).\n"
+        "gpipe train --config THIS; flags on the command line override these."
+    )
+    write_options(path, options, header=header)

@@ -8,6 +8,7 @@
     gpipe train --stages 2 --replicas 2           # 2 replicas x 2 stages = 4 processes
     gpipe train --stages 2 --replicas 2 --shard   # the same, each stage sharded over its 2
     gpipe train --resume runs/gpt-small-...       # continue from the newest checkpoint
+    gpipe train --config run.toml --steps 100     # options from a TOML file, flags win
     torchrun --nproc-per-node 2 -m gpipe train    # the same, launched by torchrun
 
 Your model and your data (docs/your-model.md):
@@ -49,7 +50,14 @@ from typing import Any
 
 from gpipe.checkpoint import CheckpointError
 from gpipe.checkpoint_integrity import choose
-from gpipe.train import ConfigError, TrainConfig, TrainingError, resolve, run_under_torchrun
+from gpipe.train import (
+    ConfigError,
+    TrainConfig,
+    TrainingError,
+    config_file,
+    resolve,
+    run_under_torchrun,
+)
 from gpipe.train import run as run_job
 from gpipe.train.config import flag, option, preset_fields
 
@@ -58,6 +66,12 @@ __all__ = ["configure", "run"]
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.add_argument(
+        "--config", metavar="FILE",
+        help="a TOML file of options, keyed by the names below with _ for - (virtual_stages = "
+        "2); flags here override it. Each run writes its own as config.toml (see "
+        "gpipe.train.config_file); gpipe plan --write-config writes one",
+    )  # fmt: skip
     groups = add_config_options(parser)
     groups["checkpoints and resuming"].add_argument(
         "--strict-resume", action="store_true",
@@ -119,19 +133,19 @@ def run(args: argparse.Namespace) -> int:
     torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     world_size = int(os.environ["WORLD_SIZE"]) if torchrun else None
     speaks = int(os.environ.get("RANK", "0")) == 0
-    options = vars(args)
+    resume = args.resume
     try:
-        if args.resume:
-            folder, notes = choose(args.resume, strict=args.strict_resume)
+        options = config_file.merge(args.config, vars(args))
+        resume = options.get("resume")
+        if resume:
+            folder, notes = choose(resume, strict=args.strict_resume)
             options = {**options, "resume": str(folder)}
             for note in notes if speaks else []:
                 print(f"gpipe train: warning: {note}", file=sys.stderr)
         config = resolve(options, world_size=world_size)
     except (ConfigError, CheckpointError) as error:
         if speaks:
-            text = (
-                f"--resume {args.resume}: {error}" if isinstance(error, CheckpointError) else error
-            )
+            text = f"--resume {resume}: {error}" if isinstance(error, CheckpointError) else error
             print(f"gpipe train: error:\n{text}", file=sys.stderr)
         return 2
     if torchrun:

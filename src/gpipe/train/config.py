@@ -25,7 +25,10 @@ from gpipe.train.hf import (
     read_config,
     transformers_module,
 )
+from gpipe.train.lr_schedule import LR_SCHEDULES
 from gpipe.train.objectives import PACKINGS
+from gpipe.train.optimizers import OPTIMIZERS
+from gpipe.train.optimizers import problems as optimizer_problems
 from gpipe.train.tasks import HF_FOLDER, RECIPES, Task, recipe_of, source_of, task_of, tokenizer_of
 from gpipe.train.tokenizers import BYTES
 
@@ -43,7 +46,6 @@ __all__ = [
 ]
 
 SIZES = ("tiny", "small", "base")
-LR_SCHEDULES = ("cosine", "linear", "constant")
 DTYPES = ("float32", "bfloat16", "float64")
 INITS = ("auto", "pretrained", "random")
 PROGRESS = ("auto", "bar", "lines")
@@ -51,6 +53,12 @@ PROGRESS = ("auto", "bar", "lines")
 _FIXED_ON_RESUME = (
     "model", "size", "seq", "seed", "model_config", "family", "split", "tokenizer", "data",
     "text_field", "target_field", "val_data", "val_fraction", "packing", "mask_prob",
+)  # fmt: skip
+# The optimizer and the schedule a checkpoint's state follows; --steps alone may change (it
+# moves the horizon).
+_OPTIMIZER_ON_RESUME = (
+    "optimizer", "lr", "lr_schedule", "warmup", "weight_decay", "beta1", "beta2", "eps",
+    "momentum",
 )  # fmt: skip
 _PATHS = ("model", "data", "val_data", "tokenizer")  # made absolute: a run resumes anywhere
 
@@ -190,14 +198,30 @@ class TrainConfig:
         "(FSDP2): about 1/R of the memory for weights", _PIPELINE,
     )  # fmt: skip
     batch: int = _option(16, "global mini-batch size, all replicas together", _OPTIMIZATION)
-    steps: int = _option(500, "optimizer steps in all", _OPTIMIZATION)
+    steps: int = _option(
+        500, "optimizer steps in all; on --resume, another number moves the end of the decay "
+        "there: the rate goes on from where it stood and reaches its end (lr/10, or 0) at the "
+        "new last step", _OPTIMIZATION,
+    )  # fmt: skip
     lr: float = _option(3e-3, "peak learning rate", _OPTIMIZATION)
     lr_schedule: str = _option(
-        "cosine", "after warm-up: cosine (to lr/10), linear (to 0), constant", _OPTIMIZATION,
+        "cosine", "after warm-up: cosine (to lr/10 at the last step), linear (to 0), "
+        "constant; torch.optim.lr_scheduler's, see gpipe.train.lr_schedule", _OPTIMIZATION,
         choices=LR_SCHEDULES,
     )  # fmt: skip
     warmup: int = _option(20, "linear warm-up steps", _OPTIMIZATION)
-    weight_decay: float = _option(0.1, "AdamW weight decay, of matrices", _OPTIMIZATION)
+    optimizer: str = _option(
+        "adamw", "torch.optim's AdamW, Adam or SGD (see gpipe.train.optimizers)", _OPTIMIZATION,
+        choices=tuple(OPTIMIZERS),
+    )  # fmt: skip
+    weight_decay: float = _option(
+        0.1, "weight decay of matrices: AdamW's apart from the gradient; Adam's and SGD's "
+        "added to it (L2)", _OPTIMIZATION,
+    )  # fmt: skip
+    beta1: float = _option(0.9, "AdamW's and Adam's first beta", _OPTIMIZATION)
+    beta2: float = _option(0.95, "AdamW's and Adam's second beta", _OPTIMIZATION)
+    eps: float = _option(1e-8, "AdamW's and Adam's epsilon", _OPTIMIZATION)
+    momentum: float = _option(0.0, "SGD's momentum", _OPTIMIZATION)
     grad_clip: float = _option(1.0, "global gradient-norm clip, 0: off", _OPTIMIZATION)
     skip_nonfinite: int = _option(
         0, "skip up to N steps whose loss or gradients are not finite, 0: stop at the first",
@@ -319,6 +343,14 @@ def resolve(options: dict[str, Any], *, world_size: int | None = None) -> TrainC
                 problems.append(
                     f"--{key} {given[key]} differs from the checkpoint's {saved[key]!r}: a "
                     f"resumed run keeps the model, data and seed; drop --{key}"
+                )
+        for key in _OPTIMIZER_ON_RESUME:
+            was = saved.get(key, getattr(TrainConfig, key))  # a checkpoint older than the key
+            if key in given and given[key] != was:
+                problems.append(
+                    f"{flag(key)} {given[key]} differs from the checkpoint's {was!r}: a "
+                    f"resumed run continues its optimizer and learning-rate schedule (--steps "
+                    f"may change); drop {flag(key)}"
                 )
         if "out" not in given:
             folder = manifest.path
@@ -487,6 +519,7 @@ def _problems(c: TrainConfig, start: int, world_size: int | None, *, fresh: bool
         problems.append(f"--cpu-allocator {c.cpu_allocator!r}: choose one of {', '.join(POLICIES)}")
     if c.lr <= 0 or c.grad_clip < 0 or c.weight_decay < 0 or c.temperature <= 0:
         problems.append("--lr and --temperature must be > 0, --grad-clip and --weight-decay >= 0")
+    problems += optimizer_problems(c, TrainConfig())
     if c.eval_batches < 1 or c.log_every < 1 or not 0 < c.timeout < 1e9:
         problems.append("--eval-batches, --log-every and --timeout must be positive (finite)")
     out = Path(c.out)

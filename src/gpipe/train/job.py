@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import os
 from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
@@ -13,6 +14,7 @@ from typing import Any
 from gpipe.errors import COMMUNICATION_FAILURES
 from gpipe.parallel.launch import LaunchError, launch
 from gpipe.parallel.mesh import ensure_world, leave_world, world_collectives
+from gpipe.train import config_file
 from gpipe.train.config import ConfigError, TrainConfig
 from gpipe.train.report import write_json
 from gpipe.train.trainer import Trainer
@@ -48,21 +50,26 @@ def prepare(config: TrainConfig) -> Any:
     """Once, before the ranks start: the output folder and the data (or its cache)."""
     Path(config.out).mkdir(parents=True, exist_ok=True)
     write_json(Path(config.out) / "config.json", asdict(config))
+    config_file.write(Path(config.out) / config_file.FILE, config)
     return config.task.prepare()
 
 
 @contextlib.contextmanager
 def _claimed(out: str) -> Iterator[None]:
-    """Hold the output folder for one run at a time (an advisory lock on a file in it)."""
+    """Hold the output folder for one run at a time: an advisory lock on the folder itself,
+    so that nothing is left in it (the lock goes with the process, however it ends)."""
     Path(out).mkdir(parents=True, exist_ok=True)
-    with open(Path(out) / ".run.lock", "w") as lock:
+    folder = os.open(out, os.O_RDONLY | os.O_DIRECTORY)
+    try:
         try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(folder, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             raise ConfigError(
                 [f"--out {out} is in use by another run right now: choose another --out"]
             ) from None
         yield
+    finally:
+        os.close(folder)
 
 
 def run(config: TrainConfig) -> dict[str, Any]:

@@ -25,6 +25,7 @@ OUTPUT_FILES = (
     "sample.txt",
     "summary.json",
     "config.json",
+    "config.toml",
 )
 
 
@@ -195,8 +196,10 @@ class Reporter:
                 f"with equal action costs: {ideal:.1%})"
             )
         for r, m in enumerate(s.get("memory_per_rank", [])):
+            replica = f", replica {m['replica']}" if c.replicas > 1 else ""
             lines.append(
-                f"  rank {r} (stage {','.join(map(str, m['stages']))}): activations "
+                f"  rank {m.get('rank', r)} (stage {','.join(map(str, m['stages']))}{replica}): "
+                "activations "
                 f"{_mib(m['activation_bytes'])} measured, weights+optimizer "
                 f"{_mib(m['state_bytes'])}, process peak {_mib(m['peak_rss_bytes'])}"
             )

@@ -3,15 +3,14 @@ its data, then runs the loop of :meth:`Trainer.run`, which validates, saves chec
 writes the metrics as it goes.
 
 Resuming reproduces the uninterrupted run exactly (bitwise on CPU with the same K, M and
-schedule): step t's dropout seed is a function of (seed, t), the learning rate a function
-of t, and the checkpoint holds the weights, the optimizer state and the data position.
+schedule): step t's dropout seed is a function of (seed, t), and the checkpoint holds the
+weights, the optimizer state, the learning-rate scheduler's state and the data position.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import math
 import os
 import resource
 import signal
@@ -35,6 +34,7 @@ from gpipe.errors import NonFiniteError
 from gpipe.parallel.launch import threads_per_process
 from gpipe.parallel.mesh import Mesh
 from gpipe.parallel.sharded import full_value, sharded_optimizer_state
+from gpipe.train import lr_schedule, optimizers
 from gpipe.train.config import TrainConfig, model_spec, num_layers
 from gpipe.train.report import Metrics, Reporter, plot_losses, write_json
 
@@ -75,6 +75,7 @@ class Trainer:
         )
         self.names = {p: n for n, p in self.pipe.named_parameters()}
         self.optimizer = self._optimizer()
+        self.scheduler = self._scheduler(c.steps)
         self.data = self.task.data(
             batch=c.batch, eval_batches=c.eval_batches, prepared=prepared, chunks=c.chunks
         )
@@ -94,30 +95,15 @@ class Trainer:
         self.measured: dict[str, Any] = {}  # of the traced step: bubble, memory per rank
 
     def _optimizer(self) -> torch.optim.Optimizer | None:
-        # Weight decay on matrices (dim >= 2) only, as in nanoGPT; groups are named so that a
-        # checkpoint's optimizer state loads into any cut (gpipe.checkpoint).
-        params = list(self.pipe.parameters())
-        groups = [
-            {"name": "decay", "params": [p for p in params if p.dim() >= 2]},
-            {"name": "no_decay", "params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-        ]
-        groups = [g for g in groups if g["params"]]
-        if not groups:
-            return None  # this rank's layers have no parameters (e.g. pooling only)
-        return torch.optim.AdamW(
-            groups, lr=self.config.lr, weight_decay=self.config.weight_decay, betas=(0.9, 0.95)
-        )
+        return optimizers.build(list(self.pipe.parameters()), self.config)
 
-    def lr_at(self, step: int) -> float:
+    def _scheduler(self, steps: int) -> torch.optim.lr_scheduler.LRScheduler | None:
         c = self.config
-        if c.warmup and step <= c.warmup:
-            return c.lr * step / c.warmup
-        if c.lr_schedule == "constant":
-            return c.lr
-        progress = (step - c.warmup) / max(1, c.steps - c.warmup)
-        if c.lr_schedule == "linear":
-            return c.lr * (1 - progress)
-        return c.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+        if self.optimizer is None:
+            return None
+        return lr_schedule.build(
+            self.optimizer, kind=c.lr_schedule, lr=c.lr, warmup=c.warmup, steps=steps
+        )
 
     # -- the loop --------------------------------------------------------------------------
 
@@ -171,10 +157,10 @@ class Trainer:
         """One optimizer step on mini-batch ``step``; ``traced``: measure its timeline and
         activation memory too. Returns the step's metrics record."""
         c = self.config
-        lr = self.lr_at(step)
-        if self.optimizer is not None:
-            for group in self.optimizer.param_groups:
-                group["lr"] = lr
+        lr = None
+        if self.scheduler is not None:
+            lr_schedule.advance(self.scheduler, step)
+            lr = self.optimizer.param_groups[0]["lr"]
         # The whole mini-batch, then this replica's share: its samples (and their masks, for
         # a masked LM) are those of a run with any other number of replicas.
         share = c.batch // c.replicas
@@ -306,19 +292,22 @@ class Trainer:
     # -- measurements ----------------------------------------------------------------------
 
     def _memory(self, meter: Any) -> dict[str, Any]:
-        """Per pipeline rank: measured activation peak, weights + optimizer, process peak RSS."""
+        """Per rank: measured activation peak, weights + optimizer, process peak RSS."""
         optimizer_state = self.optimizer.state.values() if self.optimizer else []
         state = [*self.pipe.parameters(), *self.pipe.buffers()] + [
             v for s in optimizer_state for v in s.values() if isinstance(v, torch.Tensor)
         ]
         local = {
+            "rank": self.rank,
+            "replica": self.replica,
             "stages": [s.index for s in self.pipe.stages],
             "activation_bytes": sum(meter.peak_bytes[s.index] for s in self.pipe.stages),
             "state_bytes": sum(local_value(t).numel() * t.element_size() for t in state),
             # ru_maxrss is in KiB on Linux
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         }
-        gathered = self.mesh.pipeline.all_gather_object(local, "the memory report gather")
+        # Every rank's, replicas' too: a sharded replica holds its own part of the weights.
+        gathered = self.mesh.everyone.all_gather_object(local, "the memory report gather")
         return {"memory_per_rank": gathered}
 
     def _save_timeline(self) -> float | None:
@@ -369,6 +358,7 @@ class Trainer:
             manifest = ckpt.Manifest(
                 step=step, shards={k: v for e in gathered if e for k, v in e.items()},
                 config=asdict(c), model=self.spec, data=self.sampler.state_dict(), layout=layout,
+                scheduler=self.scheduler and lr_schedule.state(self.scheduler),
             )  # fmt: skip
             final = ckpt.commit(root, folder, manifest, keep=c.keep)
         everyone.barrier("the checkpoint barrier after the commit", doing=doing)
@@ -383,12 +373,28 @@ class Trainer:
             state = ckpt.load_optimizer_state(manifest, params)
             state = sharded_optimizer_state(state, {n: p for p, n in self.names.items()})
             ckpt.load_optimizer_state_by_name(self.optimizer, self.names, state)
+            self._load_schedule(manifest)
         self.sampler.load_state_dict(manifest.data)
         if manifest.layout["stages"] == self.config.stages:  # the same ranks' random state
             rng = ckpt.rng_state(manifest, self.mesh.pp_rank)
             if "torch" in rng:
                 torch.set_rng_state(rng["torch"].clone())  # cloned: the shard is memory-mapped
         self.start = manifest.step
+
+    def _load_schedule(self, manifest: ckpt.Manifest) -> None:
+        """The scheduler as saved (with the optimizer's rates), its decay then made to end at
+        this run's --steps, from the current rate on (see gpipe.train.lr_schedule)."""
+        c, saved_steps = self.config, manifest.config["steps"]
+        if manifest.scheduler is None:  # saved before schedulers, or by a rank without one
+            for group in self.optimizer.param_groups:  # replayed from step 1 to its step
+                group["lr"] = c.lr
+                group.pop("initial_lr", None)
+            self.scheduler = self._scheduler(saved_steps)
+            lr_schedule.advance(self.scheduler, manifest.step)
+        else:
+            lr_schedule.load_state(self.scheduler, manifest.scheduler)
+        if saved_steps != c.steps:
+            lr_schedule.stretch(self.scheduler, warmup=c.warmup, steps=c.steps)
 
 
 class _Signals:
