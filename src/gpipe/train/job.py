@@ -11,10 +11,10 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+import gpipe.train.config_file as config_file
 from gpipe.errors import COMMUNICATION_FAILURES
 from gpipe.parallel.launch import LaunchError, launch
 from gpipe.parallel.mesh import ensure_world, leave_world, world_collectives
-from gpipe.train import config_file
 from gpipe.train.config import ConfigError, TrainConfig
 from gpipe.train.report import write_json
 from gpipe.train.trainer import Trainer

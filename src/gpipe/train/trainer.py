@@ -24,6 +24,8 @@ import torch
 from torch.nn import functional as F
 from torch.utils import _pytree as pytree
 
+import gpipe.train.lr_schedule as lr_schedule
+import gpipe.train.optimizers as optimizers
 from gpipe import checkpoint as ckpt
 from gpipe import timeline
 from gpipe._utils import local_value
@@ -34,7 +36,6 @@ from gpipe.errors import NonFiniteError
 from gpipe.parallel.launch import threads_per_process
 from gpipe.parallel.mesh import Mesh
 from gpipe.parallel.sharded import full_value, sharded_optimizer_state
-from gpipe.train import lr_schedule, optimizers
 from gpipe.train.config import TrainConfig, model_spec, num_layers
 from gpipe.train.report import Metrics, Reporter, plot_losses, write_json
 
