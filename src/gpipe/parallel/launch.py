@@ -116,16 +116,12 @@ def _context() -> Any:
 
 class _Outputs:
     """The launcher's standard output and error as they are at the call (a fork server's
-    are those of its start): sent to each process as file descriptors."""
+    are those of its start): unpickled in a process as a tuple of its received fds."""
 
     def __reduce__(self) -> tuple:  # runs while a process starts: its fds go along
         from multiprocessing.reduction import DupFd
 
-        return _Outputs._received, tuple(DupFd(fd) if _is_open(fd) else None for fd in (1, 2))
-
-    @staticmethod
-    def _received(out: Any, err: Any) -> tuple[Any, Any]:
-        return out, err
+        return tuple, (tuple(DupFd(fd) if _is_open(fd) else None for fd in (1, 2)),)
 
 
 def _is_open(fd: int) -> bool:
@@ -136,8 +132,8 @@ def _is_open(fd: int) -> bool:
     return True
 
 
-def _write_to(outputs: tuple[Any, Any] | None) -> None:
-    for received, fd in zip(outputs or (None, None), (1, 2), strict=True):
+def _write_to(outputs: tuple[Any, Any]) -> None:
+    for received, fd in zip(outputs, (1, 2), strict=True):
         if received is not None:
             os.dup2(received.detach(), fd)
 
@@ -190,7 +186,7 @@ def _worker(
     results: Any,
     launcher: int,
     environment: dict[str, str],
-    outputs: tuple[Any, Any] | None,
+    outputs: tuple[Any, Any],
 ) -> None:
     import torch.distributed as dist
 
@@ -253,7 +249,6 @@ def launch(
         backend = "nccl" if cuda else "gloo"
     grace = timeout + 10.0 if grace is None else grace
     context = _context()
-    forked = context.get_start_method() == "forkserver"
     results = context.SimpleQueue()
     port = free_port()
     processes = [
@@ -270,7 +265,7 @@ def launch(
                 results,
                 os.getpid(),
                 dict(os.environ),
-                _Outputs() if forked else None,
+                _Outputs(),
             ),
             name=f"gpipe-rank-{rank}",
             daemon=False,
