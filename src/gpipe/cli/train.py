@@ -44,7 +44,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import typing
 from dataclasses import MISSING, fields
 from typing import Any
 
@@ -59,7 +58,7 @@ from gpipe.train import (
     run_under_torchrun,
 )
 from gpipe.train import run as run_job
-from gpipe.train.config import flag, option, preset_fields
+from gpipe.train.config import flag, option, option_kinds, preset_fields
 
 __all__ = ["configure", "run"]
 
@@ -87,7 +86,7 @@ def add_config_options(parser: argparse.ArgumentParser) -> dict[str, Any]:
     checkpoint's configuration fill it in; --help shows the default of the field.
     """
     groups: dict[str, Any] = {}
-    kinds = typing.get_type_hints(TrainConfig)
+    kinds = option_kinds()
     presets = preset_fields()
     for f in fields(TrainConfig):
         how = option(f)
@@ -100,20 +99,14 @@ def add_config_options(parser: argparse.ArgumentParser) -> dict[str, Any]:
         details: dict[str, Any] = dict(
             dest=f.name, help=f"{how.help} (default: {default})" if default else how.help
         )
-        kind = _kind(kinds[f.name])
+        kind = kinds[f.name]
         if kind is bool:
             details["action"] = argparse.BooleanOptionalAction
-        else:
+        else:  # a list, like --balance 3,3, is read as text by gpipe.train.resolve
+            kind = kind if kind in (int, float) else str
             details.update(type=kind, choices=how.choices, metavar=how.metavar)
         group.add_argument(*how.flags, flag(f.name), default=None, **details)
     return groups
-
-
-def _kind(annotation: Any) -> type:
-    """How a flag's text is read: int, float, bool or str (``X | None`` as X; a list, like
-    --balance 3,3, as the text, which :func:`~gpipe.train.resolve` reads)."""
-    kinds = [k for k in typing.get_args(annotation) if k is not type(None)] or [annotation]
-    return kinds[0] if kinds[0] in (int, float, bool) else str
 
 
 def _shown(default: Any) -> str:

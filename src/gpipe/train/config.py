@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import tempfile
 import time
+import typing
 from dataclasses import Field, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -88,6 +89,18 @@ def option(f: Field) -> Option | None:
 def flag(name: str) -> str:
     """The command-line flag of field ``name``: ``--virtual-stages`` for ``virtual_stages``."""
     return "--" + name.replace("_", "-")
+
+
+def option_kinds() -> dict[str, type]:
+    """Each option's type, by field name: bool, int, float, str or list (``X | None`` as X)."""
+    hints = typing.get_type_hints(TrainConfig)
+    kinds = {}
+    for f in fields(TrainConfig):
+        if option(f) is not None:
+            hint = hints[f.name]
+            kind = next(k for k in (*typing.get_args(hint), hint) if k is not type(None))
+            kinds[f.name] = typing.get_origin(kind) or kind
+    return kinds
 
 
 def preset_fields() -> set[str]:

@@ -20,12 +20,11 @@ from __future__ import annotations
 import difflib
 import json
 import tomllib
-import typing
-from dataclasses import asdict, fields
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from gpipe.train.config import ConfigError, TrainConfig, option
+from gpipe.train.config import ConfigError, TrainConfig, option_kinds
 from gpipe.train.tasks import RECIPES, recipe_of
 from gpipe.train.tokenizers import BYTES
 
@@ -47,7 +46,7 @@ def read(path: str | Path) -> dict[str, Any]:
         raise ConfigError([f"--config {path}: {error.strerror}; give a TOML file"]) from None
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as error:
         raise ConfigError([f"--config {path}: not TOML ({error}); fix the file"]) from None
-    kinds = _kinds()
+    kinds = option_kinds()
     problems = []
     for key, value in values.items():
         if key not in kinds:
@@ -79,7 +78,7 @@ def write(path: str | Path, config: TrainConfig) -> None:
     )
     chosen = {
         name: values[name]
-        for name in _kinds()
+        for name in option_kinds()
         if name not in _PER_RUN and (values[name] != defaults[name] or name in preset)
     }
     if config.model in RECIPES and chosen.get("tokenizer") == BYTES:
@@ -94,26 +93,12 @@ def write(path: str | Path, config: TrainConfig) -> None:
 def write_options(path: str | Path, options: dict[str, Any], *, header: str = "") -> None:
     """Write ``options`` (by field name; None: left out) as a TOML file for ``--config``,
     after the comment ``header``."""
-    unknown = sorted(set(options) - set(_kinds()))
+    unknown = sorted(set(options) - set(option_kinds()))
     if unknown:
         raise ValueError(f"{unknown} are not options of gpipe train; give field names")
     lines = [f"# {line}" for line in header.splitlines()]
     lines += [f"{k} = {_toml(v)}" for k, v in options.items() if v is not None]
     Path(path).write_text("\n".join(lines) + "\n")
-
-
-def _kinds() -> dict[str, Any]:
-    """Each option's type: bool, int, float, str, or list (of ints); ``X | None`` as X."""
-    hints = typing.get_type_hints(TrainConfig)
-    kinds = {}
-    for f in fields(TrainConfig):
-        if option(f) is None:
-            continue
-        kind = next(
-            k for k in (*typing.get_args(hints[f.name]), hints[f.name]) if k is not type(None)
-        )
-        kinds[f.name] = typing.get_origin(kind) or kind
-    return kinds
 
 
 def _wanted(kind: Any, value: Any) -> str | None:
