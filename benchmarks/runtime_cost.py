@@ -46,6 +46,10 @@ from measured_timeline import machine, source, write_section  # a sibling script
 from pipeline_throughput import median_interval  # a sibling script
 
 SECTION = "runtime-cost"
+# One process's rows are timed in the process's CPU time: one thread does all the work
+# (torch.set_num_threads(1); autograd runs CPU backward on the caller's thread), so what
+# other processes of a shared machine do changes the wall clock much more than this.
+CLOCK = time.process_time
 WIDTH, LAYERS = 16, 4
 PEERS = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
 
@@ -159,9 +163,9 @@ def _alternate(steps: dict[str, Callable[[], None]], rounds: int) -> dict[str, l
             step()
     for _ in range(rounds):
         for name, step in steps.items():
-            start = time.perf_counter()
+            start = CLOCK()
             step()
-            times[name].append(time.perf_counter() - start)
+            times[name].append(CLOCK() - start)
     return times
 
 

@@ -63,6 +63,8 @@ def batch_size(batch: Any, *, name: str = "batch") -> int:
         ValueError: if the batch holds no tensor, holds a 0-dim tensor, or its tensors disagree
             on dim 0.
     """
+    if isinstance(batch, torch.Tensor) and batch.dim() > 0:  # the common case, at once
+        return batch.shape[0]
     return _batch_size(_tensor_leaves(batch, name), name)
 
 

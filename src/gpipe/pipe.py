@@ -404,8 +404,10 @@ class Pipe(ModelNames, nn.Module):
             local_loss = torch.stack(losses_mb).sum()
         training = losses is not None
         with_grads = [(n, p) for n, p in self.named_parameters() if p.grad is not None]
-        norms = gradient_norms([p.grad for _, p in with_grads]) if training and with_grads else None
-        local_trouble = first_nonfinite([n for n, _ in with_grads], norms)
+        grads = [p.grad for _, p in with_grads] if training else []
+        # The watch compares norms before and after the script's edits: those need float64.
+        norms = gradient_norms(grads, precise=self._watch is not None) if grads else None
+        local_trouble = first_nonfinite([n for n, _ in with_grads], norms, grads)
         trouble = local_trouble
         try:
             if self._sharded is not None and training:

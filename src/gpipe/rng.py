@@ -5,7 +5,8 @@ which (layer, micro-batch) pairs run depends on K, the schedule and the process 
 so drawing from one shared stream would give different masks for every configuration,
 and a recomputed forward would draw new ones. gpipe instead seeds the device generator
 before every layer of every micro-batch with :func:`layer_seed` of (step seed, layer
-index, micro-batch), so masks are the same for any cut and schedule, and re-running a
+index, micro-batch) — every layer that may draw: :func:`draws_nothing` spares the torch.nn
+layers known not to — so masks are the same for any cut and schedule, and re-running a
 forward (re-materialization) replays them exactly. The caller's generator state is
 restored afterwards: a step consumes one draw of the global generator (its seed), on every
 rank alike when multi-process (rank 0's draw is the seed), so that what a script draws next
@@ -29,8 +30,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
+from torch import nn
 
-__all__ = ["draw_step_seed", "layer_seed", "seeded", "device_generator"]
+__all__ = ["device_generator", "draw_step_seed", "draws_nothing", "layer_seed", "seeded"]
 
 _MASK64 = (1 << 64) - 1
 
@@ -48,6 +50,36 @@ def layer_seed(step_seed: int, layer: int, microbatch: int) -> int:
     """The seed for one layer (index in the whole model) on one micro-batch."""
     mixed = _splitmix64(_splitmix64(_splitmix64(step_seed) ^ layer) ^ microbatch)
     return mixed >> 1  # torch seeds must fit a signed 64-bit integer
+
+
+# Layers whose forward never draws a random number, by exact type: a subclass may
+# override forward, and a module not listed (any custom one) is assumed to draw. Seeding
+# a layer costs a few microseconds, which is most of a tiny layer's time.
+_DRAW_NOTHING = tuple(
+    getattr(nn, name)
+    for name in (
+        "Sequential ModuleList ModuleDict Identity Flatten Unflatten Linear Bilinear "
+        "LazyLinear Conv1d Conv2d Conv3d ConvTranspose1d ConvTranspose2d ConvTranspose3d "
+        "Embedding EmbeddingBag LayerNorm GroupNorm RMSNorm LocalResponseNorm BatchNorm1d "
+        "BatchNorm2d BatchNorm3d SyncBatchNorm InstanceNorm1d InstanceNorm2d InstanceNorm3d "
+        "ReLU ReLU6 LeakyReLU PReLU ELU SELU CELU GELU SiLU Mish Sigmoid Tanh Hardtanh "
+        "Hardsigmoid Hardswish Hardshrink Softshrink Tanhshrink Softplus Softsign LogSigmoid "
+        "Threshold GLU Softmax Softmax2d LogSoftmax Softmin MaxPool1d MaxPool2d MaxPool3d "
+        "AvgPool1d AvgPool2d AvgPool3d AdaptiveAvgPool1d AdaptiveAvgPool2d AdaptiveAvgPool3d "
+        "AdaptiveMaxPool1d AdaptiveMaxPool2d AdaptiveMaxPool3d LPPool1d LPPool2d Upsample "
+        "UpsamplingNearest2d UpsamplingBilinear2d PixelShuffle PixelUnshuffle ZeroPad1d "
+        "ZeroPad2d ZeroPad3d ConstantPad1d ConstantPad2d ConstantPad3d ReflectionPad1d "
+        "ReflectionPad2d ReplicationPad1d ReplicationPad2d ReplicationPad3d CosineSimilarity "
+        "PairwiseDistance ChannelShuffle"
+    ).split()
+    if hasattr(nn, name)
+)
+
+
+def draws_nothing(module: nn.Module) -> bool:
+    """Whether ``module``'s forward surely draws no random numbers: it and everything in
+    it are torch.nn layers known not to (dropout, ``RReLU`` and any other module may)."""
+    return all(type(m) in _DRAW_NOTHING for m in module.modules())
 
 
 def draw_step_seed() -> int:

@@ -38,6 +38,27 @@ def test_a_non_finite_step_is_refused_and_changes_no_gradient(where):
         assert (p.grad is None and before[name] is None) or torch.equal(p.grad, before[name])
 
 
+class Huge(nn.Module):
+    """Scales the gradient passing back through it by 1e20: finite, but its square is not."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 1e20 + (x - x * 1e20).detach()  # the value of x, the gradient 1e20 x
+
+
+def test_a_finite_gradient_whose_norm_passes_float32_is_not_refused():
+    # The per-step check sums squares in float32 (fast); such a norm reads as infinite and
+    # must be summed again in float64 before it refuses anything.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), Huge(), nn.Linear(4, 3))
+    pipe = gpipe.Pipe(model, balance=[2, 1], chunks=2)
+    x, y = torch.randn(4, 4), torch.randn(4, 3)
+    loss = pipe.step(x, y, F.mse_loss)
+    assert torch.isfinite(loss)
+    grad = dict(pipe.named_parameters())["0.weight"].grad
+    assert torch.isfinite(grad).all() and not torch.isfinite(grad.float().pow(2).sum())
+    assert torch.isfinite(grad.double().norm())
+
+
 @pytest.mark.parametrize("where", ["input", "gradient"])
 @pytest.mark.slow
 def test_a_non_finite_step_is_refused_on_every_rank(where):

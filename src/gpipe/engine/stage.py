@@ -179,6 +179,8 @@ class Stage:
         self._weight_work: dict[int, WeightWork] = {}
         self._writes_input: bool | None = None  # do the layers write to their input?
         self.state = ModuleState(self.layers, first_layer)  # buffers the forward writes
+        # The layers that may draw random numbers: only they are seeded (gpipe.rng).
+        self._draws = [not rng.draws_nothing(layer) for layer in self.layers]
         # Set when the stage's parameters are sharded (gpipe.parallel.sharded): the tensors
         # autograd differentiates (the gathered parameters), and a context that gathers
         # them all (for W, whose autograd call the sharding's own hooks do not see).
@@ -188,6 +190,12 @@ class Stage:
     def parameters(self) -> Iterator[nn.Parameter]:
         for layer in self.layers:
             yield from layer.parameters()
+
+    def _needs_grad(self, inputs: Any) -> bool:
+        """Whether anything upstream of this stage's outputs needs a gradient."""
+        return any(t.requires_grad for t in tensors_of(inputs)) or any(
+            p.requires_grad for p in self.parameters()
+        )
 
     def __repr__(self) -> str:
         last = self.first_layer + len(self.layers) - 1
@@ -212,9 +220,15 @@ class Stage:
     def _run_layers(self, x: Any, microbatch: int, seed: int, replay: frozenset[int]) -> Any:
         # ``replay``: layers whose buffers were restored for this recomputation run as
         # their first forward did (gpipe.engine.state).
+        if not replay and not any(self._draws):
+            for layer in self.layers:
+                x = layer(x)
+            return x
         with rng.preserved(self.device) as generator:
             for offset, layer in enumerate(self.layers):
-                generator.manual_seed(rng.layer_seed(seed, self.first_layer + offset, microbatch))
+                if self._draws[offset]:
+                    index = self.first_layer + offset
+                    generator.manual_seed(rng.layer_seed(seed, index, microbatch))
                 if offset in replay:
                     with replaying():
                         x = layer(x)
@@ -260,10 +274,11 @@ class Stage:
             if stored.loss.nothing_counts and not bool(torch.isfinite(loss)):
                 raise ValueError(_NOTHING_COUNTS.format(microbatch=microbatch, loss=float(loss)))
             stored.loss_value = loss * stored.loss.weight
-            needs_grad = any(t.requires_grad for t in tensors_of(stored.inputs)) or any(
-                p.requires_grad for p in self.parameters()
-            )
-            if torch.is_grad_enabled() and needs_grad and not stored.loss_value.requires_grad:
+            if (
+                torch.is_grad_enabled()
+                and not stored.loss_value.requires_grad
+                and self._needs_grad(stored.inputs)
+            ):
                 raise RuntimeError(
                     "loss_fn returned a loss that does not require grad (detached, or computed "
                     "under no_grad), so no gradient would reach the model; return the loss "
@@ -311,9 +326,7 @@ class Stage:
         if remat:
             # Computed without a graph: a float output will need a gradient whenever
             # anything upstream of it (an input or a parameter of this stage) does.
-            upstream = any(t.requires_grad for t in tensors_of(inputs)) or any(
-                p.requires_grad for p in self.parameters()
-            )
+            upstream = self._needs_grad(inputs)
             return _detached(outputs, lambda t: upstream and t.is_floating_point()), detached_loss
         return _detached(outputs, lambda t: t.requires_grad), detached_loss
 
@@ -426,4 +439,4 @@ def _detached(value: Any, needs_grad: Callable[[torch.Tensor], bool]) -> Any:
             return leaf
         return leaf.detach().requires_grad_(needs_grad(leaf))
 
-    return tree_map(detach, value)
+    return detach(value) if isinstance(value, torch.Tensor) else tree_map(detach, value)

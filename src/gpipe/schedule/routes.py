@@ -50,12 +50,27 @@ class Routes:
     def __init__(self, num_stages: int, skips: dict[int, Any] | None = None) -> None:
         self.last = num_stages - 1
         self.skips = skips or {}  # stage -> gpipe.engine.skip.StageSkips
+        # The runtime asks for every action of every step: each answer is worked out once.
+        self._incoming: dict[Any, tuple[Message, ...]] = {}
+        self._outgoing: dict[Any, tuple[Message, ...]] = {}
 
     def _skips(self, stage: int) -> tuple[dict[str, int], dict[str, int]]:
         view = self.skips.get(stage)
         return (view.inputs, view.outputs) if view is not None else ({}, {})
 
-    def incoming(self, action: Any) -> list[Message]:
+    def incoming(self, action: Any) -> tuple[Message, ...]:
+        found = self._incoming.get(action)
+        if found is None:
+            found = self._incoming[action] = tuple(self._find_incoming(action))
+        return found
+
+    def outgoing(self, action: Any) -> tuple[Message, ...]:
+        found = self._outgoing.get(action)
+        if found is None:
+            found = self._outgoing[action] = tuple(self._find_outgoing(action))
+        return found
+
+    def _find_incoming(self, action: Any) -> list[Message]:
         s, m = action.stage, action.microbatch
         popped, stashed = self._skips(s)
         if action.kind is Kind.FORWARD:
@@ -66,7 +81,7 @@ class Routes:
             return head + [Message(Channel.SKIP_GRADIENT, s, m, name) for name in stashed]
         return []
 
-    def outgoing(self, action: Any) -> list[Message]:
+    def _find_outgoing(self, action: Any) -> list[Message]:
         s, m = action.stage, action.microbatch
         popped, stashed = self._skips(s)
         if action.kind is Kind.FORWARD:
