@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from reference import reference_step, relative_error, twin, worst_gradient_error
 from torch import nn
 from torch.nn import functional as F
 
 import gpipe
 from gpipe import rng
+from reference import reference_step, relative_error, twin, worst_gradient_error
 
 
 class Noise(nn.Module):

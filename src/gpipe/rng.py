@@ -55,25 +55,26 @@ def layer_seed(step_seed: int, layer: int, microbatch: int) -> int:
 # Layers whose forward never draws a random number, by exact type: a subclass may
 # override forward, and a module not listed (any custom one) is assumed to draw. Seeding
 # a layer costs a few microseconds, which is most of a tiny layer's time.
-_DRAW_NOTHING = tuple(
-    getattr(nn, name)
-    for name in (
-        "Sequential ModuleList ModuleDict Identity Flatten Unflatten Linear Bilinear "
-        "LazyLinear Conv1d Conv2d Conv3d ConvTranspose1d ConvTranspose2d ConvTranspose3d "
-        "Embedding EmbeddingBag LayerNorm GroupNorm RMSNorm LocalResponseNorm BatchNorm1d "
-        "BatchNorm2d BatchNorm3d SyncBatchNorm InstanceNorm1d InstanceNorm2d InstanceNorm3d "
-        "ReLU ReLU6 LeakyReLU PReLU ELU SELU CELU GELU SiLU Mish Sigmoid Tanh Hardtanh "
-        "Hardsigmoid Hardswish Hardshrink Softshrink Tanhshrink Softplus Softsign LogSigmoid "
-        "Threshold GLU Softmax Softmax2d LogSoftmax Softmin MaxPool1d MaxPool2d MaxPool3d "
-        "AvgPool1d AvgPool2d AvgPool3d AdaptiveAvgPool1d AdaptiveAvgPool2d AdaptiveAvgPool3d "
-        "AdaptiveMaxPool1d AdaptiveMaxPool2d AdaptiveMaxPool3d LPPool1d LPPool2d Upsample "
-        "UpsamplingNearest2d UpsamplingBilinear2d PixelShuffle PixelUnshuffle ZeroPad1d "
-        "ZeroPad2d ZeroPad3d ConstantPad1d ConstantPad2d ConstantPad3d ReflectionPad1d "
-        "ReflectionPad2d ReplicationPad1d ReplicationPad2d ReplicationPad3d CosineSimilarity "
-        "PairwiseDistance ChannelShuffle"
-    ).split()
-    if hasattr(nn, name)
-)
+# fmt: off
+_DRAW_NOTHING = frozenset({
+    nn.Sequential, nn.ModuleList, nn.ModuleDict, nn.Identity, nn.Flatten, nn.Unflatten,
+    nn.Linear, nn.Bilinear, nn.LazyLinear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d,
+    nn.ConvTranspose2d, nn.ConvTranspose3d, nn.Embedding, nn.EmbeddingBag, nn.LayerNorm,
+    nn.GroupNorm, nn.RMSNorm, nn.LocalResponseNorm, nn.BatchNorm1d, nn.BatchNorm2d,
+    nn.BatchNorm3d, nn.SyncBatchNorm, nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d,
+    nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.PReLU, nn.ELU, nn.SELU, nn.CELU, nn.GELU, nn.SiLU,
+    nn.Mish, nn.Sigmoid, nn.Tanh, nn.Hardtanh, nn.Hardsigmoid, nn.Hardswish, nn.Hardshrink,
+    nn.Softshrink, nn.Tanhshrink, nn.Softplus, nn.Softsign, nn.LogSigmoid, nn.Threshold, nn.GLU,
+    nn.Softmax, nn.Softmax2d, nn.LogSoftmax, nn.Softmin, nn.MaxPool1d, nn.MaxPool2d,
+    nn.MaxPool3d, nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d, nn.AdaptiveAvgPool1d,
+    nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d, nn.AdaptiveMaxPool1d, nn.AdaptiveMaxPool2d,
+    nn.AdaptiveMaxPool3d, nn.LPPool1d, nn.LPPool2d, nn.Upsample, nn.UpsamplingNearest2d,
+    nn.UpsamplingBilinear2d, nn.PixelShuffle, nn.PixelUnshuffle, nn.ZeroPad1d, nn.ZeroPad2d,
+    nn.ZeroPad3d, nn.ConstantPad1d, nn.ConstantPad2d, nn.ConstantPad3d, nn.ReflectionPad1d,
+    nn.ReflectionPad2d, nn.ReplicationPad1d, nn.ReplicationPad2d, nn.ReplicationPad3d,
+    nn.CosineSimilarity, nn.PairwiseDistance, nn.ChannelShuffle,
+})
+# fmt: on
 
 
 def draws_nothing(module: nn.Module) -> bool:
