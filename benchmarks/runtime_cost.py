@@ -97,20 +97,24 @@ def _pipeline_rank(rank: int, cases: list[tuple[str, int]], rounds: int, profile
                 peer.step(target=y)
             mine.zero_grad(set_to_none=True)
 
-        def timed(step: Callable[[], None]) -> float:
+        def timed(step: Callable[[], None]) -> tuple[float, float]:
+            """The step's wall time (to the slower rank) and this process's CPU time."""
             dist.barrier()
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             step()
+            cpu = time.process_time() - cpu
             dist.barrier()
-            return time.perf_counter() - start
+            return time.perf_counter() - start, cpu
 
         for _ in range(3):  # warm-up
             timed(ours)
             timed(theirs)
-        times: dict[str, list[float]] = {"gpipe": [], "peer": []}
+        times: dict[str, list[float]] = {"gpipe": [], "peer": [], "gpipe_cpu": [], "peer_cpu": []}
         for _ in range(rounds):
-            times["gpipe"].append(timed(ours))
-            times["peer"].append(timed(theirs))
+            for name, step in (("gpipe", ours), ("peer", theirs)):
+                wall, cpu = timed(step)
+                times[name].append(wall)
+                times[f"{name}_cpu"].append(cpu)
         results.append({"schedule": schedule, "chunks": m, **times})
         if profile is not None and (schedule, m) == ("1f1b", 8):
             profiler = cProfile.Profile()
@@ -140,6 +144,11 @@ def pipeline_rows(rounds: int, profile: str | None) -> list[dict]:
         ours = [max(a, b) for a, b in zip(r0["gpipe"], r1["gpipe"], strict=True)]
         theirs = [max(a, b) for a, b in zip(r0["peer"], r1["peer"], strict=True)]
         ratios = [b / a for a, b in zip(ours, theirs, strict=True)]
+        # CPU time of both ranks together: the work each runtime does per step, which a
+        # busy machine changes far less than the wall clock (waiting costs no CPU time).
+        ours_cpu = [a + b for a, b in zip(r0["gpipe_cpu"], r1["gpipe_cpu"], strict=True)]
+        theirs_cpu = [a + b for a, b in zip(r0["peer_cpu"], r1["peer_cpu"], strict=True)]
+        cpu_ratios = [b / a for a, b in zip(ours_cpu, theirs_cpu, strict=True)]
         rows.append(
             {
                 "schedule": r0["schedule"],
@@ -148,6 +157,10 @@ def pipeline_rows(rounds: int, profile: str | None) -> list[dict]:
                 "peer": statistics.median(theirs),
                 "ratio": statistics.median(ratios),
                 "interval": median_interval(ratios),
+                "gpipe_cpu": statistics.median(ours_cpu),
+                "peer_cpu": statistics.median(theirs_cpu),
+                "cpu_ratio": statistics.median(cpu_ratios),
+                "cpu_interval": median_interval(cpu_ratios),
             }
         )
     return rows
@@ -251,16 +264,21 @@ def report(pipeline: Sequence[dict], micro: dict, single: Sequence[dict], rounds
         "",
         f"Latency-bound pipeline: MLP of {LAYERS} × Linear({WIDTH}) + ReLU, batch = M (one "
         "sample per micro-batch), K=2 gloo processes, one thread each; a step is the slower "
-        "rank's, between barriers.",
+        "rank's, between barriers. CPU: both ranks' process CPU time in the step, added (gloo's "
+        "threads included); waiting costs none, so a busy machine changes it far less.",
         "",
-        "| schedule | M | gpipe step | peer step | peer / gpipe | 95% interval |",
-        "|---|---|---|---|---|---|",
+        "| schedule | M | gpipe step | peer step | peer / gpipe | 95% interval | gpipe CPU | "
+        "peer CPU | CPU peer / gpipe | 95% interval |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in pipeline:
         lo, hi = r["interval"]
+        clo, chi = r["cpu_interval"]
         lines.append(
             f"| {r['schedule']} | {r['chunks']} | {r['gpipe'] * ms:.2f} ms | "
-            f"{r['peer'] * ms:.2f} ms | {r['ratio']:.2f} | {lo:.2f}–{hi:.2f} |"
+            f"{r['peer'] * ms:.2f} ms | {r['ratio']:.2f} | {lo:.2f}–{hi:.2f} | "
+            f"{r['gpipe_cpu'] * ms:.2f} ms | {r['peer_cpu'] * ms:.2f} ms | "
+            f"{r['cpu_ratio']:.2f} | {clo:.2f}–{chi:.2f} |"
         )
     lo, hi = micro["interval"]
     lines += [

@@ -342,3 +342,84 @@ def test_without_a_balance_the_layers_are_split_evenly_over_the_devices(devices,
 def test_without_a_balance_fewer_layers_than_stages_is_refused():
     with pytest.raises(gpipe.PartitionError, match=r"2 devices needs at least 2 layers"):
         gpipe.Pipe(nn.Sequential(nn.Linear(2, 2)), devices=["cpu", "cpu"])
+
+
+# -- reads of the host: one per step ---------------------------------------------------------
+
+_READS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "numpy")
+
+
+class HostReads:
+    """Counts the reads of tensor values into Python during ``pipe.step`` (on an
+    accelerator each one waits for the device), leaving out the step seed's draw from
+    torch's CPU generator, which never waits for a device."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.count = 0
+        self.where: list[str] = []
+        self._drawing = False
+        for name in _READS:
+            original = getattr(torch.Tensor, name)
+            monkeypatch.setattr(torch.Tensor, name, self._counted(name, original))
+        draw = gpipe.rng.draw_step_seed
+
+        def drawing() -> int:
+            self._drawing = True
+            try:
+                return draw()
+            finally:
+                self._drawing = False
+
+        monkeypatch.setattr(gpipe.rng, "draw_step_seed", drawing)
+
+    def _counted(self, name, original):
+        def read(tensor, *args, **kwargs):
+            if not self._drawing:
+                self.count += 1
+                self.where.append(name)
+            return original(tensor, *args, **kwargs)
+
+        return read
+
+
+def _token_batch():
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randint(0, 32, (8, 8), generator=generator)
+    labels = x.clone()
+    labels[:, 6:] = -100
+    return x, labels
+
+
+@pytest.mark.parametrize(
+    ("loss", "schedule", "checkpoint", "balance"),
+    [
+        ("mse", "gpipe", "except_last", [7]),
+        ("mse", "1f1b", "never", [4, 3]),
+        ("cross_entropy", "zb-h1", "always", [2, 2]),
+        ("causal_lm", "gpipe", "always", [1, 2, 1]),
+        ("causal_lm", "interleaved-1f1b", "never", [1, 1, 1, 1]),
+    ],
+)
+def test_a_step_reads_the_host_once(monkeypatch, loss, schedule, checkpoint, balance):
+    # The loss, the non-finite check and the -100 warning's check share one read.
+    torch.manual_seed(0)
+    if loss == "mse":
+        model = mlp([8, 16, 16, 16, 4])
+        x, y = torch.randn(8, 8), torch.randn(8, 4)
+        loss_fn = F.mse_loss
+    else:
+        model = gpt(GPTConfig(vocab_size=32, context=8, d_model=16, n_heads=2, n_layers=2))
+        x, y = _token_batch()
+        loss_fn = gpipe.losses.causal_lm() if loss == "causal_lm" else lm_loss
+    virtual = 2 if schedule == "interleaved-1f1b" else 1
+    pipe = gpipe.Pipe(
+        model, balance=balance, devices=["cpu"] * (len(balance) // virtual), chunks=4,
+        schedule=schedule, checkpoint=checkpoint, virtual_stages=virtual,
+    )  # fmt: skip
+    pipe.step(x, y, loss_fn)  # the first step learns what it learns once
+    reads = HostReads(monkeypatch)
+    for _ in range(3):
+        loss_value = pipe.step(x, y, loss_fn)
+        pipe.zero_grad()
+    assert reads.count <= 3, reads.where
+    assert torch.isfinite(loss_value)

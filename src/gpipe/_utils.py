@@ -4,6 +4,7 @@ gradients set aside during a step."""
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -13,7 +14,9 @@ __all__ = [
     "MiB",
     "DeviceLike",
     "add_earlier_gradients",
+    "Verdict",
     "first_nonfinite",
+    "read_verdict",
     "gradient_norms",
     "local_value",
     "norm_part",
@@ -137,23 +140,54 @@ def _at_least_float32(dtype: torch.dtype) -> torch.dtype | None:
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else None
 
 
-def first_nonfinite(
-    names: list[str], norms: torch.Tensor | None, grads: list[torch.Tensor] | None = None
-) -> str | None:
-    """The first of ``names`` whose gradient norm (:func:`gradient_norms`) is not finite.
+@dataclass
+class Verdict:
+    """What the host learns of a step once it ran, in one read (:func:`read_verdict`)."""
 
-    One read of the host. With ``grads`` (norms summed with ``precise=False``), a norm that
-    is not finite is summed again in float64 before it counts: a finite gradient whose
-    norm passes float32's range holds no NaN or infinity."""
-    if norms is None:
+    loss: float | None  # this process's part of the loss; None: it holds no last stage
+    finite: list[bool] | None  # each gradient norm finite?
+    ignored: bool  # integer targets hold the ignore index
+
+
+def read_verdict(
+    loss: torch.Tensor | None, norms: torch.Tensor | None, ignored: torch.Tensor | None
+) -> Verdict:
+    """The loss, which gradient norms are finite and whether targets hold -100
+    (``ignored``'s first flag), read from the device together: on an accelerator each read
+    waits for all queued work, so a step reads once."""
+    parts = []
+    if loss is not None:
+        parts.append(loss.detach().reshape(1).to(torch.float64))
+    if norms is not None:
+        parts.append(torch.isfinite(norms).to(torch.float64))
+    if ignored is not None:
+        parts.append(ignored[:1].to(torch.float64))
+    values = torch.cat([p.to(parts[0].device) for p in parts]).tolist() if parts else []
+    value = values.pop(0) if loss is not None else None
+    finite = [bool(v) for v in values[: len(norms)]] if norms is not None else None
+    return Verdict(value, finite, bool(ignored is not None and values[-1]))
+
+
+def first_nonfinite(
+    names: list[str],
+    finite: list[bool] | None,
+    grads: list[torch.Tensor],
+    norms: torch.Tensor | None = None,
+) -> str | None:
+    """The first of ``names`` whose gradient is not finite, from ``finite`` (each norm's,
+    :func:`read_verdict`). A norm summed in float32 (``gradient_norms(precise=False)``)
+    that is not finite is summed again in float64 first, and put into ``norms``: a finite
+    gradient whose norm passes float32's range holds no NaN or infinity."""
+    if finite is None or all(finite):
         return None
-    finite = torch.isfinite(norms)
-    if bool(finite.all()):
-        return None
-    for i in (~finite).nonzero().flatten().tolist():
-        if grads is None or not torch.isfinite(gradient_norms([grads[i]])[0]):
+    for i, ok in enumerate(finite):
+        if ok:
+            continue
+        precise = gradient_norms([grads[i]])[0]
+        if not torch.isfinite(precise):
             return names[i]
-        norms[i] = gradient_norms([grads[i]])[0].to(norms.device)
+        if norms is not None:
+            norms[i] = precise.to(norms.device)
     return None
 
 

@@ -58,6 +58,14 @@ class TokenCrossEntropy:
         return (self.targets(labels) != self.ignore_index).sum()
 
     def __call__(self, output: Any, labels: torch.Tensor) -> torch.Tensor:
+        return self._cross_entropy(output, labels, "mean")
+
+    def summed(self, output: Any, labels: torch.Tensor) -> torch.Tensor:
+        """The sum over the counted tokens (``Pipe.step`` divides it by the mini-batch's
+        count: 0, not 0/0, where a micro-batch counts no token)."""
+        return self._cross_entropy(output, labels, "sum")
+
+    def _cross_entropy(self, output: Any, labels: torch.Tensor, reduction: str) -> torch.Tensor:
         logits = getattr(output, "logits", output)
         if logits.dtype in (torch.float16, torch.bfloat16):
             logits = logits.float()
@@ -66,6 +74,7 @@ class TokenCrossEntropy:
             self.targets(labels).reshape(-1),
             ignore_index=self.ignore_index,
             label_smoothing=self.label_smoothing,
+            reduction=reduction,
         )
 
     def __repr__(self) -> str:

@@ -10,6 +10,7 @@ a pipeline spread over processes and machines; what differs between the two is
 
 from __future__ import annotations
 
+import math
 import os
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -21,12 +22,14 @@ from torch import nn
 from gpipe import assembly, microbatch, remat
 from gpipe._utils import (
     DeviceLike,
+    Verdict,
     add_earlier_gradients,
     first_nonfinite,
     gradient_norms,
     local_value,
     norm_part,
     poison,
+    read_verdict,
     restore_gradients,
     seconds,
     set_aside_gradients,
@@ -53,6 +56,17 @@ _UNCOUNTED = (
     "are not the un-split model's. Pass count=lambda y: (y != -100).sum() (for Hugging "
     "Face-style labels, shifted inside the loss: count=lambda y: (y[:, 1:] != -100).sum()), or "
     "use gpipe.losses.causal_lm() or masked_lm(), which count for themselves"
+)
+_NOTHING_COUNTS = (
+    "micro-batch {microbatch}'s targets are all -100 (labels that do not count), so its mean "
+    "loss is 0/0: a token mean needs step(..., count=...) to weigh each micro-batch by its "
+    "tokens, e.g. count=lambda y: (y != -100).sum() (for Hugging Face-style labels, shifted "
+    "inside the loss: (y[:, 1:] != -100).sum()); or use a loss of gpipe.losses (causal_lm(), "
+    "masked_lm()), which counts for you"
+)
+_NO_TOKEN = (
+    "no target of the mini-batch counts (every label is the loss's ignore_index), so its "
+    "token mean is 0/0; give batches with at least one label that is not -100"
 )
 _FIXED = "a Pipe cannot be moved with {}: each stage lives on its own device; build the Pipe \
 with devices=[{}] instead"
@@ -328,19 +342,16 @@ class Pipe(ModelNames, nn.Module):
         scale = _scale_of(scaler, self.stages[-1].device)
         inputs_mb = microbatch.split(inputs, self.chunks, name="inputs") if first else None
         losses: list[LossSpec | None] = [None] * self.chunks
+        ignored = None  # -100 in targets with no count=: read with the step's verdict
         if last:
             targets_mb = microbatch.split(targets, self.chunks, name="targets")
-            nothing_counts = None
             if count is None and reduction == "mean":
-                ignored, nothing_counts = ignored_targets(targets_mb)
-                if ignored and not self._warned_uncounted:
-                    self._warned_uncounted = True
-                    warnings.warn(_UNCOUNTED, stacklevel=2)
+                ignored = ignored_targets(targets_mb)
             losses = loss_specs(
                 loss_fn, targets_mb, inputs_mb, reduction=reduction, count=count,
-                device=self.stages[-1].device, scale=scale, nothing_counts=nothing_counts,
+                device=self.stages[-1].device, scale=scale,
             )  # fmt: skip
-        result = self._run(inputs_mb, losses, seed, trace, scale=scale)
+        result = self._run(inputs_mb, losses, seed, trace, scale=scale, ignored=ignored)
         return result.loss
 
     def forward(self, inputs: Any) -> Any:
@@ -358,7 +369,13 @@ class Pipe(ModelNames, nn.Module):
         return microbatch.join([result.outputs[m] for m in range(self.chunks)])
 
     def _run(
-        self, inputs_mb, losses, seed: int | None, trace: bool, scale: torch.Tensor | None = None
+        self,
+        inputs_mb,
+        losses,
+        seed: int | None,
+        trace: bool,
+        scale: torch.Tensor | None = None,
+        ignored: torch.Tensor | None = None,
     ) -> StepResult:
         if self._ranks.broken is not None:
             raise PipelineError(
@@ -407,15 +424,24 @@ class Pipe(ModelNames, nn.Module):
         grads = [p.grad for _, p in with_grads] if training else []
         # The watch compares norms before and after the script's edits: those need float64.
         norms = gradient_norms(grads, precise=self._watch is not None) if grads else None
-        local_trouble = first_nonfinite([n for n, _ in with_grads], norms, grads)
-        trouble = local_trouble
         try:
+            verdict = read_verdict(
+                local_loss, norms, ignored if not self._warned_uncounted else None
+            )
+            local_trouble = first_nonfinite(
+                [n for n, _ in with_grads], verdict.finite, grads, norms
+            )
+            if verdict.ignored and not self._warned_uncounted:
+                self._warned_uncounted = True
+                warnings.warn(_UNCOUNTED, stacklevel=3)
+            trouble = local_trouble
             if self._sharded is not None and training:
                 trouble = self._sharded.nonfinite_anywhere(trouble, doing="ending a step")
             edit = self._watch.take() if self._watch is not None and training else None
             agreed = self._ranks.agree(
-                local_loss, trouble, refuse_nonfinite=scale is None, edit=edit
-            )
+                local_loss, verdict.loss, trouble, refuse_nonfinite=scale is None, edit=edit,
+                why=_why_not_finite(verdict, ignored, losses),
+            )  # fmt: skip
             # Every rank has received all of its messages: no send can be waiting.
             self._transport.finish()
         except BaseException:  # refused here or elsewhere: this step counts nowhere
@@ -539,3 +565,19 @@ def _scale_of(scaler: Any, device: torch.device) -> torch.Tensor | None:
     if not scaler.is_enabled():
         return None
     return scaler.scale(torch.ones((), device=device))
+
+
+def _why_not_finite(
+    verdict: Verdict, ignored: torch.Tensor | None, losses: list[LossSpec | None] | None
+) -> str:
+    """Why the loss is not finite, when the targets say (read only then: a refused step)."""
+    if verdict.loss is None or math.isfinite(verdict.loss):
+        return ""
+    if ignored is not None:
+        empty = [m for m, flag in enumerate(ignored[1:].tolist()) if flag]
+        if empty:
+            return _NOTHING_COUNTS.format(microbatch=empty[0])
+    divisor = losses[0].divisor if losses and losses[0] is not None else None
+    if divisor is not None and int(divisor) == 0:
+        return _NO_TOKEN
+    return ""

@@ -35,7 +35,7 @@ from gpipe._utils import tensors_of, to_device
 from gpipe.engine.skip import SkipError, StageSkips, tracking
 from gpipe.engine.split_backward import WeightWork, backward_input, backward_weight
 from gpipe.engine.state import ModuleState, SavedState, running_stats_frozen
-from gpipe.losses import IGNORE_INDEX
+from gpipe.losses import IGNORE_INDEX, TokenCrossEntropy
 from gpipe.remat import recomputing, replaying
 
 if TYPE_CHECKING:
@@ -44,24 +44,24 @@ if TYPE_CHECKING:
 __all__ = ["LossSpec", "Stage", "check_batch", "ignored_targets", "loss_specs"]
 
 LossFn = Callable[[Any, Any], torch.Tensor]
-_NOTHING_COUNTS = (
-    "micro-batch {microbatch}'s targets are all -100 (labels that do not count), so its mean "
-    "loss is {loss:g} (0/0): a token mean needs step(..., count=...) to weigh each "
-    "micro-batch by its tokens, e.g. count=lambda y: (y != -100).sum() (for Hugging Face-style "
-    "labels, shifted inside the loss: (y[:, 1:] != -100).sum()); or use a loss of "
-    "gpipe.losses (causal_lm(), masked_lm()), which counts for you"
-)
 
 
 @dataclass
 class LossSpec:
-    """What the last stage needs to turn a micro-batch's output into its loss."""
+    """What the last stage needs to turn a micro-batch's output into its loss.
+
+    ``weight`` is this micro-batch's share of the mini-batch loss, known on the host. A
+    token loss of ``gpipe.losses`` comes with ``divisor`` instead: its sum over the
+    micro-batch is divided by the mini-batch's count, a tensor on the last stage's device,
+    so that no count is read before the step, and a micro-batch where no token counts
+    adds an exact zero.
+    """
 
     loss_fn: LossFn
     target: Any
-    weight: float  # this micro-batch's share of the mini-batch loss
+    weight: float = 1.0
     scale: torch.Tensor | None = None  # a GradScaler's: backward runs from loss * scale
-    nothing_counts: bool = False  # every target is the ignore index, and no count= was given
+    divisor: torch.Tensor | None = None
 
 
 def loss_specs(
@@ -73,11 +73,9 @@ def loss_specs(
     count: Callable[[Any], Any] | None,
     device: torch.device,
     scale: torch.Tensor | None = None,
-    nothing_counts: list[bool] | None = None,
 ) -> list[LossSpec]:
     """The last stage's loss for each micro-batch, weighted so that the gradients add up
-    to the mini-batch loss's (see ``Pipe.step`` for ``reduction`` and ``count``).
-    ``nothing_counts``: the micro-batches whose targets are all the ignore index."""
+    to the mini-batch loss's (see ``Pipe.step`` for ``reduction`` and ``count``)."""
     if reduction not in ("mean", "sum"):
         raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
     if count is not None and reduction != "mean":
@@ -90,7 +88,17 @@ def loss_specs(
                 f"inputs and targets have different batch sizes "
                 f"({sum(input_sizes)} and {sum(sizes)}); give one target per sample"
             )
-    shares = sizes if count is None else [float(count(y)) for y in targets_mb]
+    targets_mb = [to_device(y, device) for y in targets_mb]
+    if isinstance(loss_fn, TokenCrossEntropy) and count == loss_fn.count:
+        # Nothing counts in the whole mini-batch: 0/0, a NaN loss, and the step is refused.
+        total = torch.stack([loss_fn.count(y) for y in targets_mb]).sum()
+        return [LossSpec(loss_fn.summed, y, scale=scale, divisor=total) for y in targets_mb]
+    if count is None:
+        shares = [float(n) for n in sizes]
+    else:  # one read of the host for all the counts
+        shares = torch.stack(
+            [torch.as_tensor(count(y)).to(device, torch.float64) for y in targets_mb]
+        ).tolist()
     if any(not c >= 0 for c in shares) or not sum(shares) > 0:
         raise ValueError(
             f"count(target) must be >= 0 for each micro-batch and > 0 in all, got {shares}: "
@@ -98,31 +106,26 @@ def loss_specs(
         )
     total = sum(shares)
     return [
-        LossSpec(
-            loss_fn,
-            to_device(y, device),
-            n / total if reduction == "mean" else 1.0,
-            scale=scale,
-            nothing_counts=bool(nothing_counts and nothing_counts[m]),
-        )
-        for m, (y, n) in enumerate(zip(targets_mb, shares, strict=True))
+        LossSpec(loss_fn, y, n / total if reduction == "mean" else 1.0, scale=scale)
+        for y, n in zip(targets_mb, shares, strict=True)
     ]
 
 
-def ignored_targets(targets_mb: list[Any]) -> tuple[bool, list[bool]]:
-    """Whether any integer target holds the ignore index (-100), and for each micro-batch
-    whether all of its targets do (a mean over them is 0/0); one transfer to the host."""
+def ignored_targets(targets_mb: list[Any]) -> torch.Tensor | None:
+    """For integer targets: whether any holds the ignore index (-100), then for each
+    micro-batch whether all of its targets do (a mean over them is 0/0), as a bool tensor
+    on the first target's device (not read here); None for targets with no integer label."""
     flags = []
     for y in targets_mb:
         labels = [t for t in tensors_of(y) if not t.is_floating_point() and t.numel()]
         if not labels:
-            return False, [False] * len(targets_mb)
+            return None
         ignored = [t == IGNORE_INDEX for t in labels]
         device = labels[0].device
         flags.append(torch.stack([m.any().to(device) for m in ignored]).any())
         flags.append(torch.stack([m.all().to(device) for m in ignored]).all())
-    found = torch.stack([f.to(flags[0].device) for f in flags]).tolist()
-    return any(found[0::2]), found[1::2]
+    flags = torch.stack([f.to(flags[0].device) for f in flags]).view(-1, 2)
+    return torch.cat([flags[:, 0].any().reshape(1), flags[:, 1]])
 
 
 def check_batch(losses: list[LossSpec], inputs: int) -> None:
@@ -265,15 +268,14 @@ class Stage:
                 # on (the two are equal), so that the copy costs nothing.
                 for original, same in zip(tensors_of(inputs), tensors_of(copy), strict=True):
                     original.data = same.detach()
-        if stored.loss is not None and stored.loss.weight == 0:
+        spec = stored.loss
+        if spec is not None and spec.divisor is None and spec.weight == 0:
             # Nothing of this micro-batch counts (e.g. all padding): its mean may be NaN.
             stored.loss_value = torch.zeros((), device=self.device)
-        elif stored.loss is not None:
-            outputs = self.value_of(stored.outputs)
-            loss = _compute_loss(stored.loss, outputs)
-            if stored.loss.nothing_counts and not bool(torch.isfinite(loss)):
-                raise ValueError(_NOTHING_COUNTS.format(microbatch=microbatch, loss=float(loss)))
-            stored.loss_value = loss * stored.loss.weight
+        elif spec is not None:
+            loss = _compute_loss(spec, self.value_of(stored.outputs))
+            divisor = spec.divisor
+            stored.loss_value = loss / divisor if divisor is not None else loss * spec.weight
             if (
                 torch.is_grad_enabled()
                 and not stored.loss_value.requires_grad

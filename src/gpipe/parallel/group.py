@@ -106,15 +106,19 @@ class PipelineGroup(Protocol):
     def agree(
         self,
         local_loss: torch.Tensor | None,
+        loss_value: float | None,
         trouble: str | None,
         *,
         refuse_nonfinite: bool = True,
         edit: Edit | None = None,
+        why: str = "",
     ) -> Agreement:
-        """The step's loss on every rank. A failure anywhere raises; so does a non-finite
-        loss or gradient anywhere unless ``refuse_nonfinite`` is False (a GradScaler skips
-        such steps), and a per-stage clip of the last step's gradients (``edit``: what this
-        rank's script did to them, ``gpipe.parallel.clipping``)."""
+        """The step's loss on every rank (``loss_value``: this rank's ``local_loss``, read
+        already). A failure anywhere raises; so does a non-finite loss or gradient anywhere
+        unless ``refuse_nonfinite`` is False (a GradScaler skips such steps; ``why`` says
+        what made the loss non-finite, when known), and a per-stage clip of the last step's
+        gradients (``edit``: what this rank's script did to them,
+        ``gpipe.parallel.clipping``)."""
 
     def fail(self, error: BaseException, stages: list[Stage]) -> None:
         """This process's step failed with ``error``: tell whoever must know."""
@@ -177,15 +181,17 @@ class SingleProcess:
     def agree(
         self,
         local_loss: torch.Tensor | None,
+        loss_value: float | None,
         trouble: str | None,
         *,
         refuse_nonfinite: bool = True,
         edit: Edit | None = None,
+        why: str = "",
     ) -> Agreement:
         loss = None if local_loss is None else local_loss.detach().to(torch.float64)
         if refuse_nonfinite:  # one process: torch's own clip sees the whole model, no edit check
             found = f"a non-finite gradient of {trouble!r}" if trouble else ""
-            _refuse_nonfinite(float(loss) if loss is not None else 0.0, [found])
+            _refuse_nonfinite(loss_value if loss_value is not None else 0.0, [why, found])
         return Agreement(loss, trouble is not None)
 
     def fail(self, error: BaseException, stages: list[Stage]) -> None:
@@ -342,26 +348,31 @@ class MultiProcess:
     def agree(
         self,
         local_loss: torch.Tensor | None,
+        loss_value: float | None,
         trouble: str | None,
         *,
         refuse_nonfinite: bool = True,
         edit: Edit | None = None,
+        why: str = "",
     ) -> Agreement:
         """The loss on every rank (it lives on the last stage's), and a last health check:
         a failure, a non-finite loss or gradient (``trouble``) anywhere (unless
         ``refuse_nonfinite`` is False), or a per-stage clip of the last step's gradients
         (every rank's ``edit``), refuses the step on every rank."""
-        value = float(local_loss) if local_loss is not None else 0.0
+        value = loss_value if loss_value is not None else 0.0
         rows = self._collective(
             lambda: self._gather(value, -1, troubled=trouble is not None, edit=edit)
         )
-        if rows[:, 1].any():
+        table = rows.tolist()  # one read of the agreement
+        if any(row[1] for row in table):
             self._raise_remote(rows)
         check_edits(rows[:, 3:], describe=lambda rank: f"rank {rank}")
-        loss = float(rows[self.schedule.stage_to_rank[-1], 0])
-        nonfinite_grads = bool(rows[:, 2].any())
+        loss = table[self.schedule.stage_to_rank[-1]][0]
+        nonfinite_grads = any(row[2] for row in table)
         if refuse_nonfinite and (nonfinite_grads or not math.isfinite(loss)):
             found = f"rank {self.rank}: a non-finite gradient of {trouble!r}" if trouble else ""
+            if why:
+                found = f"rank {self.rank}: {why}" + (f"; {found}" if found else "")
             _refuse_nonfinite(loss, self._share_failures(found))
         # The same on every rank; float64 holds a float32 or float64 loss exactly.
         return Agreement(torch.tensor(loss, dtype=torch.float64), nonfinite_grads)
