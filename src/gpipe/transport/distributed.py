@@ -122,6 +122,7 @@ class DistributedTransport:
         # Collectives of the front end (loss, health check) use a device the backend supports.
         self.wire_device = self._local_device if backend == "nccl" else torch.device("cpu")
         self.receive_ahead = receive_ahead if receive_ahead is not None else backend == "gloo"
+        self._direct = backend == "gloo"  # no coalescing: every operation posted by itself
         # Headers and descriptions: on the group itself where receiving ahead is safe,
         # otherwise on a gloo side group of the same processes.
         self._meta_group = group if self.receive_ahead else _gloo_twin(group)
@@ -285,11 +286,22 @@ class DistributedTransport:
     def _post(self, dst: int, frames: list[torch.Tensor], group: Any, tag: int) -> None:
         if not frames:
             return
-        dist = self._dist
-        peer = self._global(dst)
-        ops = [dist.P2POp(dist.isend, t, peer, group, tag) for t in frames]
-        works = dist.batch_isend_irecv(ops)
+        works = self._p2p([(self._dist.isend, t, group) for t in frames], dst, tag)
         self._outbox.add(dst, tag, works, frames)
+
+    def _p2p(self, ops: list[tuple[Callable, torch.Tensor, Any]], peer: int, tag: int) -> list:
+        """Post sends or receives (``dist.isend``/``dist.irecv``, tensor, group) with group
+        rank ``peer``. One operation, or any number on gloo, goes straight to the process
+        group (``torch.distributed``'s wrappers cost more than gloo's own posting for small
+        messages); several on NCCL are coalesced into one group call."""
+        dist = self._dist
+        if len(ops) == 1 or self._direct:
+            return [
+                group.send([t], peer, tag) if op is dist.isend else group.recv([t], peer, tag)
+                for op, t, group in ops
+            ]
+        glob = self._global(peer)
+        return dist.batch_isend_irecv([dist.P2POp(op, t, glob, g, tag) for op, t, g in ops])
 
     # -- receiving --------------------------------------------------------------------------
 
@@ -397,9 +409,7 @@ class DistributedTransport:
     def _irecv(self, ops: list[tuple[torch.Tensor, Any]], src: int, tag: int) -> list[Any]:
         if not ops:
             return []
-        dist = self._dist
-        peer = self._global(src)
-        return dist.batch_isend_irecv([dist.P2POp(dist.irecv, t, peer, g, tag) for t, g in ops])
+        return self._p2p([(self._dist.irecv, t, g) for t, g in ops], src, tag)
 
     def _wait(self, works: list, src: int, message: Message) -> None:
         try:
