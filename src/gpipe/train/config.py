@@ -284,6 +284,7 @@ class TrainConfig:
     metrics_hook: str | None = _option(
         None, "a function rank 0 calls with each step's metrics (a dict), e.g. to log to W&B "
         "or MLflow (see gpipe.train.hooks)", _OUTPUT, metavar="MODULE:FUNCTION",
+        default_text="none",
     )  # fmt: skip
     threads: int = _option(0, "torch threads per process, 0: cores / processes", _PROCESSES)
     cpu_allocator: str = _option(

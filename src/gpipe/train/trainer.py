@@ -37,6 +37,7 @@ from gpipe.errors import NonFiniteError
 from gpipe.parallel.launch import threads_per_process
 from gpipe.parallel.mesh import Mesh
 from gpipe.parallel.sharded import full_value, sharded_optimizer_state
+from gpipe.train.compiling import compile_stages, split_backward_note
 from gpipe.train.config import TrainConfig, model_spec, num_layers
 from gpipe.train.report import Metrics, Reporter, TensorBoard, plot_losses, write_json
 
@@ -75,6 +76,8 @@ class Trainer:
             init_seed=c.seed,
             timeout=c.timeout,
         )
+        if c.compile:
+            compile_stages(self.pipe.stages)
         self.names = {p: n for n, p in self.pipe.named_parameters()}
         self.optimizer = self._optimizer()
         self.scheduler = self._scheduler(c.steps)
@@ -120,6 +123,8 @@ class Trainer:
             parameters=int(parameters), layers=self.layers, balance=self.balance,
             data=self.data.description, start=self.start,
         )  # fmt: skip
+        if c.compile and (note := split_backward_note(self.pipe.schedule)):
+            self.show.note(note)
         history = None  # the resumed run's metrics, when it wrote them elsewhere
         if c.resume and Path(c.resume).parent.name == "checkpoints":
             history = Path(c.resume).parent.parent / "metrics.jsonl"
