@@ -48,6 +48,21 @@ def test_a_tiny_run_trains_and_leaves_its_files(tiny_run):
     assert summary["val_loss"] < 5.0 and summary["tokens_per_s"] > 0
     assert 0 <= summary["bubble"] < 1 and len(summary["memory_per_rank"]) == 2
     assert summary["sample"].startswith("def ")
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert {r["layout"] for r in records} == {"K=2 M=4 gpipe"}
+
+    # TensorBoard's files in the run folder: the curves of metrics.jsonl and the measurements.
+    tensorboard = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    events = tensorboard.EventAccumulator(str(out), size_guidance={"scalars": 0, "images": 0})
+    events.Reload()
+    assert [e.step for e in events.Scalars("train/loss")] == list(range(1, 11))
+    assert [e.value for e in events.Scalars("train/loss")] == pytest.approx(list(loss.values()))
+    assert [e.step for e in events.Scalars("val/loss")] == [5, 10]
+    assert {"train/lr", "train/grad_norm", "train/tokens_per_s", "pipeline/bubble"} <= set(
+        events.Tags()["scalars"]
+    )
+    assert "memory_MiB/activations/rank1_stage1" in events.Tags()["scalars"]
+    assert events.Tags()["images"] == ["timeline/measured"]
 
     # What the user sees: rank 0's progress lines, validation, the summary; nothing twice.
     stdout = done.stdout
