@@ -315,10 +315,11 @@ class Reporter:
 
 
 def layout_of(config: TrainConfig) -> str:
-    """How a run's steps were computed, in short: ``K=2 M=4 1f1b R=2 bf16 compiled``."""
+    """How a run's steps were computed, in short: ``K=2 M=4 1f1b R=2 sharded bf16 compiled``."""
     return (
         f"K={config.stages} M={config.chunks} {config.schedule}"
         + (f" R={config.replicas}" if config.replicas > 1 else "")
+        + (" sharded" if config.shard else "")
         + (" bf16" if config.dtype == "bfloat16" else "")
         + (" compiled" if config.compile else "")
     )
