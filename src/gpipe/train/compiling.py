@@ -43,7 +43,9 @@ def compile_stages(stages: list, *, backend: str = "inductor") -> int:
     # Each layer's forward is its own code to compile, once per layer shape and mode: more
     # than dynamo's default of 8 for a model of layers of several widths, past which it runs
     # the layer eagerly (exact, but not compiled).
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    dynamo = torch._dynamo.config
+    limit = "recompile_limit" if hasattr(dynamo, "recompile_limit") else "cache_size_limit"
+    setattr(dynamo, limit, max(getattr(dynamo, limit), 64))  # the second: torch < 2.7
     layers = [layer for stage in stages for layer in stage.layers]
     for layer in layers:
         layer.forward = torch.compile(layer.forward, backend=backend)

@@ -33,9 +33,7 @@ def load(spec: str) -> MetricsHook:
     the remedy when it cannot be found."""
     module_name, _, name = spec.partition(":")
     if not module_name or not name:
-        raise ValueError(
-            f"--metrics-hook {spec!r}: give MODULE:FUNCTION, e.g. my_hooks:to_wandb"
-        )
+        raise ValueError(f"--metrics-hook {spec!r}: give MODULE:FUNCTION, e.g. my_hooks:to_mlflow")
     try:
         module = importlib.import_module(module_name)
     except ImportError as error:

@@ -109,9 +109,7 @@ class TensorBoard:
         self.writer = writer
 
     @classmethod
-    def open(
-        cls, folder: Path, *, start: int, history: list[dict[str, Any]]
-    ) -> TensorBoard | None:
+    def open(cls, folder: Path, *, start: int, history: list[dict[str, Any]]) -> TensorBoard | None:
         """The writer for ``folder``; None when the ``tensorboard`` package is missing."""
         try:
             from torch.utils.tensorboard import SummaryWriter
