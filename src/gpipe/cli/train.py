@@ -32,10 +32,11 @@ transformers builds from the folder's ``config.json``, its tokenizer, and its we
 
 The command spawns K x R local processes (``gpipe.launch``), or, when ``RANK`` and
 ``WORLD_SIZE`` are set (``torchrun``), runs as one of them; the job itself is the library
-``gpipe.train``. Every rank builds only its own
-stage; rank 0 alone prints. The output folder receives ``metrics.jsonl`` (one record per
-step), TensorBoard's event files (``tensorboard --logdir runs``), ``loss.png``, ``timeline.png``/``timeline.json`` (the measured last step),
-``sample.txt`` (text the language model wrote through the pipeline), ``summary.json`` and
+``gpipe.train``. Every rank builds only its own stage; rank 0 alone prints. The output
+folder receives ``metrics.jsonl`` (one record per step), TensorBoard's event files
+(``tensorboard --logdir runs``), ``loss.png``, ``timeline.png``/``timeline.json`` (the
+measured last step), ``sample.txt`` (text the language model wrote through the pipeline),
+``summary.json`` and
 ``checkpoints/step-NNNNNN/`` (one shard per pipeline rank, see ``gpipe.checkpoint``).
 Resuming reproduces the uninterrupted run exactly (see ``gpipe.train.trainer``).
 """
