@@ -21,7 +21,7 @@ from gpipe.__main__ import main
 from gpipe.cli import train as train_cli
 from gpipe.cli.export import export
 from gpipe.train import TrainConfig, Trainer, build_model, config_file, resolve
-from train_runs import losses
+from train_runs import gpipe_command, losses
 
 
 @pytest.mark.timeout(200)
@@ -48,6 +48,21 @@ def test_a_tiny_run_trains_and_leaves_its_files(tiny_run):
     assert summary["val_loss"] < 5.0 and summary["tokens_per_s"] > 0
     assert 0 <= summary["bubble"] < 1 and len(summary["memory_per_rank"]) == 2
     assert summary["sample"].startswith("def ")
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert {r["layout"] for r in records} == {"K=2 M=4 gpipe"}
+
+    # TensorBoard's files in the run folder: the curves of metrics.jsonl and the measurements.
+    tensorboard = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    events = tensorboard.EventAccumulator(str(out), size_guidance={"scalars": 0, "images": 0})
+    events.Reload()
+    assert [e.step for e in events.Scalars("train/loss")] == list(range(1, 11))
+    assert [e.value for e in events.Scalars("train/loss")] == pytest.approx(list(loss.values()))
+    assert [e.step for e in events.Scalars("val/loss")] == [5, 10]
+    assert {"train/lr", "train/grad_norm", "train/tokens_per_s", "pipeline/bubble"} <= set(
+        events.Tags()["scalars"]
+    )
+    assert "memory_MiB/activations/rank1_stage1" in events.Tags()["scalars"]
+    assert events.Tags()["images"] == ["timeline/measured"]
 
     # What the user sees: rank 0's progress lines, validation, the summary; nothing twice.
     stdout = done.stdout
@@ -117,6 +132,35 @@ def test_a_checkpoint_without_the_schedulers_state_resumes_bitwise(tiny_run, in_
     before = {r["step"]: r for r in map(json.loads, (out / "metrics.jsonl").open())}
     assert all(rates[s] == before[s]["lr"] for s in range(6, 11))
     assert all(losses(resumed)[s] == before[s]["loss"] for s in range(6, 11))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_without_tensorboard_a_run_says_so_once_and_its_hook_gets_every_step(cache, tmp_path):
+    site = tmp_path / "site"  # importable first: a tensorboard that is not there, a hook
+    (site / "tensorboard").mkdir(parents=True)
+    (site / "tensorboard" / "__init__.py").write_text("raise ImportError('not installed')\n")
+    (site / "step_hook.py").write_text(
+        "import json, os\n"
+        "def record(metrics):\n"
+        "    with open(os.environ['GPIPE_TEST_HOOK_FILE'], 'a') as f:\n"
+        "        f.write(json.dumps(metrics) + '\\n')\n"
+    )
+    out, seen = tmp_path / "run", tmp_path / "hook.jsonl"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("GPIPE_TEST_HOOK_FILE", str(seen))
+        done = gpipe_command(
+            "train", "--size", "tiny", "--steps", "3", "--eval-every", "0", "--save-every",
+            "0", "--sample-tokens", "0", "--metrics-hook", "step_hook:record", "--out", str(out),
+            cache=cache, path=(site,),
+        )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count("TensorBoard logging is off") == 1
+    assert "pip install 'gpipe[tensorboard]'" in done.stdout
+    assert not list(out.glob("events.out.tfevents.*")) and (out / "metrics.jsonl").exists()
+    hooked = [json.loads(line) for line in seen.read_text().splitlines()]
+    written = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert hooked == written and [r["step"] for r in hooked] == [1, 2, 3]  # rank 0's, once
 
 
 def _outputs_at(rank: int, config: TrainConfig, x: torch.Tensor):

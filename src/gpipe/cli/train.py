@@ -9,6 +9,7 @@
     gpipe train --stages 2 --replicas 2 --shard   # the same, each stage sharded over its 2
     gpipe train --resume runs/gpt-small-...       # continue from the newest checkpoint
     gpipe train --config run.toml --steps 100     # options from a TOML file, flags win
+    gpipe train --compile                         # each stage's layers through torch.compile
     torchrun --nproc-per-node 2 -m gpipe train    # the same, launched by torchrun
 
 Your model and your data (docs/your-model.md):
@@ -31,10 +32,11 @@ transformers builds from the folder's ``config.json``, its tokenizer, and its we
 
 The command spawns K x R local processes (``gpipe.launch``), or, when ``RANK`` and
 ``WORLD_SIZE`` are set (``torchrun``), runs as one of them; the job itself is the library
-``gpipe.train``. Every rank builds only its own
-stage; rank 0 alone prints. The output folder receives ``metrics.jsonl`` (one record per
-step), ``loss.png``, ``timeline.png``/``timeline.json`` (the measured last step),
-``sample.txt`` (text the language model wrote through the pipeline), ``summary.json`` and
+``gpipe.train``. Every rank builds only its own stage; rank 0 alone prints. The output
+folder receives ``metrics.jsonl`` (one record per step), TensorBoard's event files
+(``tensorboard --logdir runs``), ``loss.png``, ``timeline.png``/``timeline.json`` (the
+measured last step), ``sample.txt`` (text the language model wrote through the pipeline),
+``summary.json`` and
 ``checkpoints/step-NNNNNN/`` (one shard per pipeline rank, see ``gpipe.checkpoint``).
 Resuming reproduces the uninterrupted run exactly (see ``gpipe.train.trainer``).
 """

@@ -4,6 +4,7 @@ every problem at once (:class:`ConfigError`) before any process starts."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import tempfile
 import time
@@ -12,6 +13,7 @@ from dataclasses import Field, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+import gpipe.train.hooks as hooks
 from gpipe import checkpoint as ckpt
 from gpipe.allocator import POLICIES
 from gpipe.layout import FLAGS, Layout
@@ -210,6 +212,11 @@ class TrainConfig:
         False, "shard each stage's parameters, gradients and optimizer state over its replicas "
         "(FSDP2): about 1/R of the memory for weights", _PIPELINE,
     )  # fmt: skip
+    compile: bool = _option(
+        False, "compile each layer of every stage with torch.compile (inductor): the same "
+        "gradients as eager, to rounding; the first steps spend time compiling "
+        "(see gpipe.train.compiling)", _PIPELINE,
+    )  # fmt: skip
     batch: int = _option(16, "global mini-batch size, all replicas together", _OPTIMIZATION)
     steps: int = _option(
         500, "optimizer steps in all; on --resume, another number moves the end of the decay "
@@ -269,6 +276,16 @@ class TrainConfig:
         "auto", "a bar (rich), lines, or auto: a bar on a terminal", _OUTPUT, choices=PROGRESS
     )
     log_every: int = _option(10, "steps between progress lines", _OUTPUT)
+    tensorboard: bool = _option(
+        True, "TensorBoard event files in the output folder (torch.utils.tensorboard; needs "
+        "pip install 'gpipe[tensorboard]'; without it the run says so once and goes on)",
+        _OUTPUT,
+    )  # fmt: skip
+    metrics_hook: str | None = _option(
+        None, "a function rank 0 calls with each step's metrics (a dict), e.g. to log to W&B "
+        "or MLflow (see gpipe.train.hooks)", _OUTPUT, metavar="MODULE:FUNCTION",
+        default_text="none",
+    )  # fmt: skip
     threads: int = _option(0, "torch threads per process, 0: cores / processes", _PROCESSES)
     cpu_allocator: str = _option(
         "default", "freed CPU tensors: 'default' as the C library does, 'cache' keeps them for "
@@ -374,7 +391,7 @@ def resolve(options: dict[str, Any], *, world_size: int | None = None) -> TrainC
         chosen, found = _model(given)
         problems += found
         values = {**chosen.pop("preset"), **given, **chosen, "model": given.get("model", "gpt")}
-    problems += _data_problems(values, given)
+    problems += _data_problems(values, given) + _output_problems(values, given)
     default_layout = Layout(schedule=values.get("schedule", "gpipe"))
     values.setdefault("virtual_stages", default_layout.virtual_stages)
     if world_size is not None and "stages" not in given:
@@ -477,6 +494,23 @@ def _model(given: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
         "tokenizer": tokenizer_of(model) if tokenizer == "auto" else tokenizer,
     }  # fmt: skip
     return chosen, problems
+
+
+def _output_problems(values: dict[str, Any], given: dict[str, Any]) -> list[str]:
+    problems = []
+    # Asked for by name, TensorBoard must be there; by default a run without it says so and
+    # goes on (gpipe.train.trainer).
+    if given.get("tensorboard") and importlib.util.find_spec("tensorboard") is None:
+        problems.append(
+            "--tensorboard: the tensorboard package is not installed: pip install "
+            "'gpipe[tensorboard]', or pass --no-tensorboard"
+        )
+    if values.get("metrics_hook"):
+        try:
+            hooks.load(values["metrics_hook"])
+        except ValueError as error:
+            problems.append(str(error))
+    return problems
 
 
 def _needs(recipe: str) -> list[str]:

@@ -1,12 +1,14 @@
-"""What the main job shows and leaves behind: progress on rank 0, ``metrics.jsonl``, the loss
-plot, the summary. Nothing here touches the model or the other ranks."""
+"""What the main job shows and leaves behind: progress on rank 0, ``metrics.jsonl``, TensorBoard
+event files, the loss plot, the summary. Nothing here touches the model or the other ranks."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import os
+import textwrap
 import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +17,16 @@ from gpipe.schedule import build_schedule
 from gpipe.schedule.simulate import simulate
 from gpipe.train.config import TrainConfig
 
-__all__ = ["OUTPUT_FILES", "Metrics", "Reporter", "plot_losses", "write_json"]
+__all__ = [
+    "OUTPUT_FILES",
+    "Metrics",
+    "Reporter",
+    "TensorBoard",
+    "layout_of",
+    "loss_title",
+    "plot_losses",
+    "write_json",
+]
 
 OUTPUT_FILES = (
     "metrics.jsonl",
@@ -30,12 +41,23 @@ OUTPUT_FILES = (
 
 
 class Metrics:
-    """``metrics.jsonl``: one JSON record per step. On resume it starts with the records up
-    to the checkpoint's step (from ``history``, the resumed run's file, or this folder's own),
-    so that the file and the loss curve cover the whole run."""
+    """``metrics.jsonl``: one JSON record per step, each also handed to ``sinks`` (TensorBoard,
+    the user's hook). On resume it starts with the records up to the checkpoint's step (from
+    ``history``, the resumed run's file, or this folder's own), so that the file and the loss
+    curve cover the whole run. Each record names the ``layout`` that trained its step."""
 
-    def __init__(self, path: Path, start: int, *, history: Path | None, enabled: bool) -> None:
-        self.path, self.enabled = path, enabled
+    def __init__(
+        self,
+        path: Path,
+        start: int,
+        *,
+        history: Path | None,
+        enabled: bool,
+        layout: str = "",
+        sinks: Iterable[Callable[[dict[str, Any]], Any]] = (),
+    ) -> None:
+        self.path, self.enabled, self.layout = path, enabled, layout
+        self.sinks = list(sinks)
         self._records: list[dict[str, Any]] = []
         if not enabled:
             return
@@ -53,9 +75,12 @@ class Metrics:
     def write(self, record: dict[str, Any]) -> None:
         if not self.enabled:
             return
+        record = {**record, "layout": self.layout} if self.layout else dict(record)
         self._records.append(record)
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
+        for sink in self.sinks:
+            sink(dict(record))  # a copy: a hook may change what it is given
 
     def records(self) -> list[dict[str, Any]]:
         return list(self._records)
@@ -65,18 +90,91 @@ class Metrics:
         return sum(losses) / len(losses)
 
 
+class TensorBoard:
+    """Rank 0's TensorBoard event files, in the run folder itself, written by
+    ``torch.utils.tensorboard``'s ``SummaryWriter`` (so ``tensorboard --logdir runs`` lists
+    every run by its folder): each number of a metrics record under ``train/`` or ``val/`` by
+    step, and at the end the measured bubble, the memory of each rank, the timeline image,
+    the summary and the configuration.
+
+    Resumed in the same folder, the old files' steps after the checkpoint are purged (the
+    writer's ``purge_step``); in a new folder, the steps up to the checkpoint are written
+    again from ``history``, so that either way the curves cover the whole run once.
+    """
+
+    # Not a curve: the step itself, the time since the start, the layout's name.
+    _NOT_PLOTTED = ("step", "elapsed", "layout")
+
+    def __init__(self, writer: Any) -> None:
+        self.writer = writer
+
+    @classmethod
+    def open(cls, folder: Path, *, start: int, history: list[dict[str, Any]]) -> TensorBoard | None:
+        """The writer for ``folder``; None when the ``tensorboard`` package is missing."""
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:  # torch's module needs the tensorboard package
+            return None
+        earlier = any(folder.glob("events.out.tfevents.*"))
+        writer = SummaryWriter(str(folder), purge_step=start + 1 if earlier else None)
+        board = cls(writer)
+        if not earlier:
+            for record in history:
+                board(record)
+        return board
+
+    def __call__(self, record: dict[str, Any]) -> None:
+        """One step's metrics record."""
+        for key, value in record.items():
+            if key in self._NOT_PLOTTED or isinstance(value, bool):
+                continue
+            if isinstance(value, int | float):
+                tag = f"val/{key[4:]}" if key.startswith("val_") else f"train/{key}"
+                self.writer.add_scalar(tag, value, record["step"])
+
+    def end(self, summary: dict[str, Any], out: Path, *, step: int) -> None:
+        """The run's measurements (at ``step``, the measured one) and its files' contents."""
+        add = self.writer.add_scalar
+        if summary.get("bubble") is not None:
+            add("pipeline/bubble", summary["bubble"], step)
+        for m in summary.get("memory_per_rank", []):
+            who = f"rank{m['rank']}_stage{'-'.join(map(str, m['stages']))}"
+            add(f"memory_MiB/activations/{who}", m["activation_bytes"] / MiB, step)
+            add(f"memory_MiB/weights_and_optimizer/{who}", m["state_bytes"] / MiB, step)
+            add(f"memory_MiB/process_peak/{who}", m["peak_rss_bytes"] / MiB, step)
+        picture = out / "timeline.png"
+        if picture.exists():
+            import numpy as np
+            from PIL import Image  # there whenever matplotlib drew the PNG
+
+            with Image.open(picture) as image:
+                pixels = np.asarray(image.convert("RGB"))
+            self.writer.add_image("timeline/measured", pixels, step, dataformats="HWC")
+        numbers = [
+            (k, v) for k, v in summary.items()
+            if isinstance(v, int | float) and not isinstance(v, bool)
+        ]  # fmt: skip
+        table = "| | |\n|---|---|\n" + "".join(f"| {k} | {v:.6g} |\n" for k, v in numbers)
+        self.writer.add_text("summary", table, step)
+        config = out / "config.toml"
+        if config.exists():  # indented: a code block in TensorBoard's markdown
+            text = "".join(f"    {line}\n" for line in config.read_text().splitlines())
+            self.writer.add_text("config", text, step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
 class Reporter:
     """What rank 0 shows: a rich progress bar on a terminal, else one line every few steps."""
 
     def __init__(self, config: TrainConfig, enabled: bool) -> None:
         self.config, self.enabled = config, enabled
         self.unit = config.task.unit
-        self.title = (
-            f"{config.model_name} {config.size}, K={config.stages} M={config.chunks} "
-            f"{config.schedule}"
-            + (f" R={config.replicas}" if config.replicas > 1 else "")
-            + (" bf16" if config.dtype == "bfloat16" else "")
-        )
+        self.name = f"{config.model_name} {config.size}"
+        self.layout = layout_of(config)
+        self.title = f"{self.name}, {self.layout}"
         self._bar: Any = None
         mode = config.progress
         if enabled and mode != "lines":
@@ -204,12 +302,47 @@ class Reporter:
                 f"{_mib(m['state_bytes'])}, process peak {_mib(m['peak_rss_bytes'])}"
             )
         produced = [name for name in OUTPUT_FILES if (out / name).exists()]
+        if any(out.glob("events.out.tfevents.*")):
+            produced.append("TensorBoard's events.out.tfevents.*")
         lines.append(f"  files        {out}/: {', '.join(produced)}, checkpoints/")
         if s.get("sample"):
             lines.append(f"  sample ({c.sample_tokens} tokens after {c.prompt!r}):")
             lines += ["    | " + line for line in s["sample"].splitlines()]
         for line in lines:
             self.print(line)
+
+
+def layout_of(config: TrainConfig) -> str:
+    """How a run's steps were computed, in short: ``K=2 M=4 1f1b R=2 sharded bf16 compiled``."""
+    return (
+        f"K={config.stages} M={config.chunks} {config.schedule}"
+        + (f" R={config.replicas}" if config.replicas > 1 else "")
+        + (" sharded" if config.shard else "")
+        + (" bf16" if config.dtype == "bfloat16" else "")
+        + (" compiled" if config.compile else "")
+    )
+
+
+def _segments(records: list[dict[str, Any]]) -> list[tuple[str, int, int]]:
+    """(layout, first step, last step) of each run of steps trained under one layout; a
+    record written before records named their layout reads as "?"."""
+    segments: list[tuple[str, int, int]] = []
+    for r in records:
+        layout = r.get("layout", "?")
+        if segments and segments[-1][0] == layout:
+            segments[-1] = (layout, segments[-1][1], r["step"])
+        else:
+            segments.append((layout, r["step"], r["step"]))
+    return segments
+
+
+def loss_title(name: str, records: list[dict[str, Any]]) -> str:
+    """The loss plot's title: the model and every layout that trained it (a run resumed at
+    another K or schedule shows each, with its steps)."""
+    segments = _segments(records)
+    if len(segments) <= 1:
+        return f"{name}, {segments[0][0] if segments else ''}".rstrip(", ")
+    return f"{name}: " + "; ".join(f"{lay} (steps {a}-{b})" for lay, a, b in segments)
 
 
 def _duration(seconds: float) -> str:
@@ -229,9 +362,10 @@ def write_json(path: Path, value: Any) -> None:
     os.replace(tmp, path)
 
 
-def plot_losses(records: list[dict[str, Any]], path: Path, *, title: str) -> bool:
-    """Train loss per step (and its running mean) with validation points; False without
-    matplotlib."""
+def plot_losses(records: list[dict[str, Any]], path: Path, *, name: str) -> bool:
+    """Train loss per step (and its running mean) with validation points, titled by ``name``
+    (the model) and the layouts that trained it, each change of layout a dashed line; False
+    without matplotlib."""
     try:
         from matplotlib.figure import Figure
     except ImportError:
@@ -252,9 +386,12 @@ def plot_losses(records: list[dict[str, Any]], path: Path, *, title: str) -> boo
     val = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
     if val:
         ax.plot(*zip(*val, strict=True), "o-", color="#E69F00", label="validation")
+    for _, first, _ in _segments(records)[1:]:  # where a resumed run changed the layout
+        ax.axvline(first - 0.5, color="#888888", linestyle="--", linewidth=0.8)
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
-    ax.set_title(title, loc="left", fontsize=10)
+    title = loss_title(name, records)
+    ax.set_title(textwrap.fill(title, 90), loc="left", fontsize=10)
     ax.grid(color="#dddddd", linewidth=0.6)
     ax.legend(frameon=False)
     fig.savefig(path, dpi=120, facecolor="white")

@@ -24,6 +24,7 @@ import torch
 from torch.nn import functional as F
 from torch.utils import _pytree as pytree
 
+import gpipe.train.hooks as hooks
 import gpipe.train.lr_schedule as lr_schedule
 import gpipe.train.optimizers as optimizers
 from gpipe import checkpoint as ckpt
@@ -36,8 +37,9 @@ from gpipe.errors import NonFiniteError
 from gpipe.parallel.launch import threads_per_process
 from gpipe.parallel.mesh import Mesh
 from gpipe.parallel.sharded import full_value, sharded_optimizer_state
+from gpipe.train.compiling import compile_stages, split_backward_note
 from gpipe.train.config import TrainConfig, model_spec, num_layers
-from gpipe.train.report import Metrics, Reporter, plot_losses, write_json
+from gpipe.train.report import Metrics, Reporter, TensorBoard, plot_losses, write_json
 
 __all__ = ["Trainer"]
 
@@ -74,6 +76,8 @@ class Trainer:
             init_seed=c.seed,
             timeout=c.timeout,
         )
+        if c.compile:
+            compile_stages(self.pipe.stages)
         self.names = {p: n for n, p in self.pipe.named_parameters()}
         self.optimizer = self._optimizer()
         self.scheduler = self._scheduler(c.steps)
@@ -119,11 +123,41 @@ class Trainer:
             parameters=int(parameters), layers=self.layers, balance=self.balance,
             data=self.data.description, start=self.start,
         )  # fmt: skip
+        if c.compile and (note := split_backward_note(self.pipe.schedule)):
+            self.show.note(note)
         history = None  # the resumed run's metrics, when it wrote them elsewhere
         if c.resume and Path(c.resume).parent.name == "checkpoints":
             history = Path(c.resume).parent.parent / "metrics.jsonl"
         metrics = Metrics(self.out / "metrics.jsonl", self.start, history=history,
-                          enabled=self.rank == 0)  # fmt: skip
+                          enabled=self.rank == 0, layout=self.show.layout)  # fmt: skip
+        self.board = self._sinks(metrics)
+        try:
+            return self._loop(metrics)
+        finally:
+            if self.board is not None:
+                self.board.close()  # flushed, also when a signal or a failure ends the run
+
+    def _sinks(self, metrics: Metrics) -> TensorBoard | None:
+        """Rank 0 hands each record to TensorBoard and the user's hook too; returns the
+        TensorBoard writer (None: off)."""
+        c, board = self.config, None
+        if self.rank != 0:
+            return None
+        if c.tensorboard:
+            board = TensorBoard.open(self.out, start=self.start, history=metrics.records())
+            if board is None:
+                self.show.note(
+                    "TensorBoard logging is off: the tensorboard package is not installed "
+                    "(pip install 'gpipe[tensorboard]'; --no-tensorboard silences this)"
+                )
+            else:
+                metrics.sinks.append(board)
+        if c.metrics_hook:
+            metrics.sinks.append(hooks.load(c.metrics_hook))
+        return board
+
+    def _loop(self, metrics: Metrics) -> dict[str, Any] | None:
+        c = self.config
         started = time.perf_counter()
         self.show.start(self.start)
         for step in range(self.start + 1, c.steps + 1):
@@ -218,7 +252,9 @@ class Trainer:
             "sample": sample,
         }
         write_json(self.out / "summary.json", summary)
-        plot_losses(metrics.records(), self.out / "loss.png", title=self.show.title)
+        plot_losses(metrics.records(), self.out / "loss.png", name=self.show.name)
+        if self.board is not None:
+            self.board.end(summary, self.out, step=c.steps)
         self.show.summary(summary, self.out)
         return summary
 
