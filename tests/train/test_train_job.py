@@ -23,6 +23,8 @@ from gpipe.cli.export import export
 from gpipe.train import TrainConfig, Trainer, build_model, config_file, resolve
 from train_runs import losses
 
+RANK_FILES = ["__0_0.distcp", "__1_0.distcp"]
+
 
 @pytest.mark.timeout(200)
 def test_a_tiny_run_trains_and_leaves_its_files(tiny_run):
@@ -38,7 +40,8 @@ def test_a_tiny_run_trains_and_leaves_its_files(tiny_run):
         "step-000010",
     ]
     manifest = ckpt.read_manifest(out)
-    assert manifest.step == 10 and sorted(manifest.shards) == ["shard-000.pt", "shard-001.pt"]
+    # DCP's files: its metadata and one file per rank
+    assert manifest.step == 10 and sorted(manifest.files) == [".metadata", *RANK_FILES]
 
     loss = losses(out)
     assert list(loss) == list(range(1, 11))
@@ -103,13 +106,14 @@ def test_resuming_with_more_steps_goes_on_from_the_rate_where_it_stood(
 @pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_a_checkpoint_without_the_schedulers_state_resumes_bitwise(tiny_run, in_process, tmp_path):
-    """Saved before the scheduler was: its rates are replayed from step 1 to its step."""
+    """Saved by a rank 0 without a scheduler (a stage without parameters has no optimizer):
+    the rates are replayed from step 1 to its step."""
     out, _ = tiny_run
     old = tmp_path / "old" / "step-000005"
     shutil.copytree(out / "checkpoints" / "step-000005", old)
-    record = json.loads((old / ckpt.MANIFEST).read_text())
-    del record["scheduler"]
-    (old / ckpt.MANIFEST).write_text(json.dumps(record))
+    manifest = ckpt.read_manifest(old)
+    manifest.scheduler = None
+    ckpt.write_manifest(old, manifest)  # as written (an edited manifest would be refused)
     resumed = tmp_path / "b"
     done = in_process("train", "--resume", str(old), "--out", str(resumed), "--sample-tokens", "0")
     assert done.returncode == 0, done.stderr
@@ -146,14 +150,14 @@ def test_a_k2_checkpoint_loads_at_k1_and_k4_and_exports_to_the_plain_model(
     with torch.no_grad():
         expected = plain(x)
 
-    # K=1: one process holding every layer, loaded shard by shard by name.
+    # K=1: one process holding every layer, loaded by name.
     one = gpipe.Pipe(build_model(manifest.model), balance=[4], chunks=4)
     one.load_state_dict(ckpt.load_tensors(manifest, list(one.state_dict())), strict=True)
     one.eval()
     with torch.no_grad():
         torch.testing.assert_close(one(x), expected, rtol=1e-6, atol=1e-6)
 
-    # K=4: four processes, each reading only the shard that holds its layer.
+    # K=4: four processes, each reading only its layer's tensors.
     monkeypatch.setenv("GPIPE_CACHE_DIR", str(cache))
     parser = argparse.ArgumentParser()
     train_cli.configure(parser)
@@ -167,9 +171,8 @@ def test_a_k2_checkpoint_loads_at_k1_and_k4_and_exports_to_the_plain_model(
     assert all(r[2] == manifest.data for r in results)  # the data position
 
     # The optimizer state of every parameter, by name, is the saved one.
-    saved = {}
-    for file in manifest.shards:
-        saved.update(torch.load(manifest.path / file, weights_only=True)["optimizer"]["state"])
+    names = [n for n, _ in plain.named_parameters()]
+    saved = ckpt.load(manifest, model=[], optimizer=names).optimizer["state"]
     loaded = {name: state for r in results for name, state in r[1].items()}
     assert set(loaded) == set(saved) == {n for n, _ in plain.named_parameters()}
     for name, state in saved.items():
