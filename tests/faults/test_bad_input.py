@@ -131,3 +131,16 @@ def test_export_refuses_a_json_name_for_the_weights(tiny_run, tmp_path, capsys):
     assert main(["export", str(out), "-o", str(tmp_path / "weights.json")]) == 2
     assert "another name than the .json file" in capsys.readouterr().err
     assert not (tmp_path / "weights.json").exists()
+
+
+@pytest.mark.parametrize("where", ["/sys/x.pt", "{tmp}/a-file/x.pt"])
+def test_export_to_an_unwritable_path_is_one_line(tmp_path, capsys, where):
+    from test_checkpoint import make_model, save
+
+    save(tmp_path / "checkpoints", 3, make_model())
+    (tmp_path / "a-file").write_text("not a folder")
+    out = where.format(tmp=tmp_path)
+    assert main(["export", str(tmp_path), "-o", out]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"gpipe export: error: -o {out}: cannot write there (")
+    assert err.endswith("; choose a writable path\n") and err.count("\n") == 1
