@@ -229,8 +229,9 @@ def test_resnet_with_replicas_and_bfloat16(in_process, tmp_path):
 def test_sharded_replicas_train_as_plain_ones_and_their_checkpoints_load_at_other_layouts(
     in_process, tmp_path
 ):
-    """--replicas 2 --shard: the losses of plain replicas; a checkpoint (whole tensors,
-    gathered from the shards) resumes at K=1 with the same losses and exports."""
+    """--replicas 2 --shard: the losses of plain replicas; a checkpoint (each rank writes its
+    shards) resumes at K=1 with the same losses and exports; a plain replicas' checkpoint
+    resumes into sharded ones."""
     common = ["train", "--size", "tiny", "--steps", "6", "--save-every", "3", "--eval-every",
               "3", "--replicas", "2", "--sample-tokens", "4"]  # fmt: skip
     sharded, plain, resumed = tmp_path / "sharded", tmp_path / "plain", tmp_path / "resumed"
@@ -247,6 +248,17 @@ def test_sharded_replicas_train_as_plain_ones_and_their_checkpoints_load_at_othe
     state = ckpt.export_state_dict(sharded)
     plain_model = build_model(ckpt.read_manifest(sharded).model)
     plain_model.load_state_dict(state, strict=True)
+    # Every one of the 4 ranks wrote its own shards (DCP), none gathered whole tensors.
+    files = ckpt.read_manifest(middle).files
+    assert sorted(files) == [".metadata"] + [f"__{r}_0.distcp" for r in range(4)]
+
+    into_shards = tmp_path / "into-shards"
+    middle = plain / "checkpoints" / "step-000003"
+    done = in_process("train", "--resume", str(middle), "--stages", "1", "--shard",
+                      "--out", str(into_shards))  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    for step in (4, 5, 6):
+        assert abs(losses(into_shards)[step] - losses(plain)[step]) <= 1e-5 * losses(plain)[step]
 
 
 @pytest.mark.slow
