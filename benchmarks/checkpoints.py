@@ -16,7 +16,10 @@ the disk's.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import importlib.util
+import os
+import platform
 import shutil
 import statistics
 import subprocess
@@ -32,6 +35,19 @@ from gpipe.models import GPTConfig, gpt
 CONFIG = GPTConfig(vocab_size=256, context=256, d_model=512, n_heads=8, n_layers=8, dropout=0.0)
 ROOT = Path(__file__).resolve().parent.parent
 OLD_REV = "9de4e29"  # the last commit of the torch.save format
+
+
+NOTES = """\
+What the rows do. Both write the same tensors once (one file per rank; here one rank) and
+check every byte against the manifest's SHA-256 before loading. The former format hashed
+each file while `torch.save` wrote it and read its file back memory-mapped; DCP writes each
+tensor as its own record with its place in the global tensor (what lets any layout read
+it), the manifest's checksums take a second pass over the files once DCP is done, and a load
+allocates each tensor from DCP's metadata and copies it into the model. What DCP buys for
+that: the checkpoint is PyTorch's own format (`dcp.load`, torchtitan and DCP's tools read
+it), a sharded replica writes its own shards instead of gathering whole tensors first, and
+any number of stages, replicas and shards read it back, DCP's planner cutting each tensor
+from the chunks that hold it."""
 
 
 def trained() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -122,27 +138,39 @@ class Dcp:
         torch.set_rng_state(loaded.rng)
 
 
-def measure(fmt, work: Path, repeats: int) -> dict[str, float]:
+def measure(formats: list, work: Path, repeats: int) -> list[dict[str, float]]:
+    """Each format's median save and load, in alternating rounds (so that a machine that
+    gets slower or faster moves both alike), and its files."""
     model, optimizer = trained()
-    fresh_model, fresh_optimizer = trained()
-    saves, loads, folder = [], [], None
+    fresh = [trained() for _ in formats]
+    times = [{"save": [], "load": []} for _ in formats]
+    folders = [None] * len(formats)
     for i in range(repeats + 1):  # the first round warms the page cache
-        root = work / f"{type(fmt).__name__}-{i}"
+        for f, fmt in enumerate(formats):
+            root = work / f"{type(fmt).__name__}-{i}"
+            tick = time.perf_counter()
+            folders[f] = fmt.save(root, 100, model, optimizer)
+            times[f]["save"].append(time.perf_counter() - tick)
+            tick = time.perf_counter()
+            fmt.load(folders[f], *fresh[f])
+            times[f]["load"].append(time.perf_counter() - tick)
+    rows = []
+    for f, folder in enumerate(folders):
+        for name, tensor in model.state_dict().items():  # loaded whole and bitwise
+            assert torch.equal(tensor, fresh[f][0].state_dict()[name]), name
+        files = [p for p in folder.rglob("*") if p.is_file()]
         tick = time.perf_counter()
-        folder = fmt.save(root, 100, model, optimizer)
-        saves.append(time.perf_counter() - tick)
-        tick = time.perf_counter()
-        fmt.load(folder, fresh_model, fresh_optimizer)
-        loads.append(time.perf_counter() - tick)
-    for name, tensor in model.state_dict().items():  # loaded whole and bitwise
-        assert torch.equal(tensor, fresh_model.state_dict()[name]), name
-    files = [p for p in folder.rglob("*") if p.is_file()]
-    return {
-        "save": statistics.median(saves[1:]),
-        "load": statistics.median(loads[1:]),
-        "bytes": sum(p.stat().st_size for p in files),
-        "files": len(files),
-    }
+        for path in files:  # what both formats' SHA-256 of their files costs (part of each)
+            hashlib.sha256(path.read_bytes()).hexdigest()
+        checksums = time.perf_counter() - tick
+        rows.append({
+            "checksums": checksums,
+            "save": statistics.median(times[f]["save"][1:]),
+            "load": statistics.median(times[f]["load"][1:]),
+            "bytes": sum(p.stat().st_size for p in files),
+            "files": len(files),
+        })  # fmt: skip
+    return rows
 
 
 def main() -> None:
@@ -165,11 +193,10 @@ def main() -> None:
     ) + sum(t.numel() * t.element_size() for t in model.state_dict().values())
     formats = {"old": lambda: Old(args.old_rev), "dcp": Dcp}
     work = Path(tempfile.mkdtemp(dir=args.work))
-    rows = []
+    chosen = [formats[key]() for key in args.formats.split(",")]
+    load_before = os.getloadavg()[0]
     try:
-        for key in args.formats.split(","):
-            fmt = formats[key]()
-            rows.append((fmt.name, measure(fmt, work, args.repeats)))
+        rows = list(zip([f.name for f in chosen], measure(chosen, work, args.repeats), strict=True))
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -177,16 +204,22 @@ def main() -> None:
     lines = [
         f"GPT {CONFIG.n_layers} blocks, d_model {CONFIG.d_model}: {parameters:,} parameters, "
         f"float32, AdamW after one step: {state / mib:.1f} MiB of tensors. One process (K=1), "
-        f"one thread, median of {args.repeats} after a warm-up round, page cache warm.",
+        f"one thread; median of {args.repeats} rounds (each saves and loads with every format "
+        f"in turn) after a warm-up round, page cache warm. torch {torch.__version__}, "
+        f"{platform.machine()}, {os.cpu_count()} cores shared with other jobs (1-minute load "
+        f"average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after): figures move "
+        f"from run to run; compare rows of one run.",
         "",
-        "| format | save (s) | load (s) | on disk (MiB) | files |",
-        "|---|---|---|---|---|",
+        "| format | save (s) | load (s) | of each, SHA-256 of the files (s) | on disk (MiB) "
+        "| files |",
+        "|---|---|---|---|---|---|",
     ]
     for name, r in rows:
         lines.append(
-            f"| {name} | {r['save']:.3f} | {r['load']:.3f} | {r['bytes'] / mib:.1f} | "
-            f"{r['files']} |"
+            f"| {name} | {r['save']:.3f} | {r['load']:.3f} | {r['checksums']:.3f} | "
+            f"{r['bytes'] / mib:.1f} | {r['files']} |"
         )
+    lines += ["", NOTES]
     table = "\n".join(lines)
     print(table)
     if args.out:

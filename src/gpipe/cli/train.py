@@ -35,7 +35,7 @@ The command spawns K x R local processes (``gpipe.launch``), or, when ``RANK`` a
 stage; rank 0 alone prints. The output folder receives ``metrics.jsonl`` (one record per
 step), ``loss.png``, ``timeline.png``/``timeline.json`` (the measured last step),
 ``sample.txt`` (text the language model wrote through the pipeline), ``summary.json`` and
-``checkpoints/step-NNNNNN/`` (one shard per pipeline rank, see ``gpipe.checkpoint``).
+``checkpoints/step-NNNNNN/`` (a DCP checkpoint, see ``gpipe.checkpoint``).
 Resuming reproduces the uninterrupted run exactly (see ``gpipe.train.trainer``).
 """
 
