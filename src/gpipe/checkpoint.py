@@ -440,6 +440,9 @@ def _layer(name: str) -> float:
 
 
 # -- optimizer state by parameter name ------------------------------------------------------
+# DCP's own helper (``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict``) finds
+# a parameter's name by walking module attributes, which a captured model's names (the model's
+# own, without gpipe's unit index: ``model.layers.3...``) are not: it raises AttributeError.
 
 
 def optimizer_state_by_name(
