@@ -12,7 +12,7 @@ import torch
 
 from gpipe import checkpoint as ckpt
 from gpipe.cli import train as train_cli
-from gpipe.train import RECIPES, TrainConfig, resolve
+from gpipe.train import RECIPES, ConfigError, TrainConfig, resolve
 from gpipe.train.config import flag, option
 
 # A value other than the default for every option, as typed and as it lands in the config;
@@ -125,6 +125,14 @@ def test_resume_takes_the_checkpoints_configuration(tmp_path):
     config = resolve(vars(parse("--resume", str(folder), "--steps", "9")))
     assert config.resume == str(folder) and config.out == saved.out
     assert (config.size, config.seq, config.steps) == ("tiny", 16, 9)
+
+
+def test_resume_from_a_checkpoint_without_a_run_configuration_says_so(tmp_path):
+    staging = ckpt.begin(tmp_path, 4)
+    ckpt.write(staging, model={"0.weight": torch.zeros(1)})
+    folder = ckpt.commit(tmp_path, staging, ckpt.Manifest(step=4))  # the library's, no config
+    with pytest.raises(ConfigError, match=r"holds no run configuration .*load_tensors"):
+        resolve(vars(parse("--resume", str(folder), "--steps", "9")))
 
 
 def test_help_shows_each_default_of_the_field(capsys):

@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from gpipe import checkpoint as ckpt
+from gpipe.checkpoint_integrity import problems
 
 __all__ = ["configure", "export", "run"]
 
@@ -54,6 +55,9 @@ def export(checkpoint: str | Path, out: str | Path | None = None, dtype: str | N
     Hugging Face model's ``save_pretrained`` folder; return it."""
     manifest = ckpt.read_manifest(checkpoint)
     folder = manifest.path
+    damage = problems(folder)  # DCP itself checks no bytes: the manifest's SHA-256 do
+    if damage:
+        raise ckpt.CheckpointError(f"{folder} is damaged: {'; '.join(damage)}")
     pretrained = (manifest.model or {}).get("kind") == "hf"
     if out is None:
         run_folder = folder.parent.parent if folder.parent.name == "checkpoints" else Path(".")
