@@ -342,9 +342,9 @@ def read_manifest_file(folder: str | Path) -> Manifest:
         raise CheckpointError(f"{folder / MANIFEST} is incomplete: {error}") from error
 
 
-def _entries(manifest: Manifest) -> dict[str, Any]:
+def _reader(manifest: Manifest) -> dcp.Reader:
     try:
-        return dcp.read_entries(manifest.path)
+        return dcp.Reader(manifest.path)
     except Exception as error:  # DCP raises whatever its unpickling of .metadata does
         raise CheckpointError(
             f"cannot read {Path(manifest.path) / dcp.METADATA} (damaged?): {error}"
@@ -353,7 +353,8 @@ def _entries(manifest: Manifest) -> dict[str, Any]:
 
 def names(manifest: Manifest) -> list[str]:
     """The model's tensor names the checkpoint holds, in the order they were saved."""
-    return [k.removeprefix("model.") for k in _entries(manifest) if k.startswith("model.")]
+    entries = _reader(manifest).entries
+    return [k.removeprefix("model.") for k in entries if k.startswith("model.")]
 
 
 def load(
@@ -366,7 +367,8 @@ def load(
     """Read the whole tensors ``model`` (whole-model names), the optimizer state of the
     parameters ``optimizer`` (names) and pipeline rank ``rng``'s random state, from any
     layout's checkpoint; this process alone (no collective)."""
-    entries = _entries(manifest)
+    reader = _reader(manifest)
+    entries = reader.entries
     wanted = list(model)
     missing = [n for n in wanted if f"model.{n}" not in entries]
     if missing:
@@ -401,7 +403,7 @@ def load(
     if rng is not None and f"rng.{rng}" in entries:
         state["rng"] = {str(rng): empty(f"rng.{rng}")}
     try:
-        dcp.load(state, manifest.path)
+        reader.load(state)
     except Exception as error:
         raise CheckpointError(
             f"cannot read checkpoint {manifest.path} (damaged, or not written by gpipe?): {error}"

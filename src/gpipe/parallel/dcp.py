@@ -26,7 +26,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-__all__ = ["METADATA", "DcpFailure", "load", "read_entries", "save"]
+__all__ = ["METADATA", "DcpFailure", "Reader", "save"]
 
 METADATA = ".metadata"  # DCP's global metadata file, written last by the coordinator
 
@@ -56,23 +56,36 @@ def save(state: dict[str, Any], folder: str | Path) -> None:
         dcp.save(state, storage_writer=dcp.FileSystemWriter(str(folder)), no_dist=alone)
 
 
-def read_entries(folder: str | Path) -> dict[str, tuple[torch.Size, torch.dtype] | None]:
-    """Every (flattened, dotted) key of the checkpoint in ``folder``: a tensor's whole size
-    and dtype, or None for an object."""
-    metadata = dcp.FileSystemReader(str(folder)).read_metadata()
-    return {
-        key: (entry.size, entry.properties.dtype)
-        if isinstance(entry, TensorStorageMetadata)
-        else None
-        for key, entry in metadata.state_dict_metadata.items()
-    }
+class Reader:
+    """The checkpoint in ``folder``, for this process alone: its keys (:attr:`entries`) and
+    :meth:`load`, reading DCP's metadata once for both."""
+
+    def __init__(self, folder: str | Path) -> None:
+        self.folder = str(folder)
+        self._storage = _OnceReader(self.folder)
+        metadata = self._storage.read_metadata()
+        # Every (flattened, dotted) key: a tensor's whole size and dtype, or None (an object).
+        self.entries: dict[str, tuple[torch.Size, torch.dtype] | None] = {
+            key: (entry.size, entry.properties.dtype)
+            if isinstance(entry, TensorStorageMetadata)
+            else None
+            for key, entry in metadata.state_dict_metadata.items()
+        }
+
+    def load(self, state: dict[str, Any]) -> None:
+        """Fill ``state`` (tensors allocated with the saved sizes, None for objects) in
+        place, in this process alone."""
+        with _alone_is_meant(), _failures_named():
+            dcp.load(state, storage_reader=self._storage, no_dist=True)
 
 
-def load(state: dict[str, Any], folder: str | Path) -> None:
-    """Fill ``state`` (tensors allocated with the saved sizes, None for objects) in place
-    from the checkpoint in ``folder``, in this process alone."""
-    with _alone_is_meant(), _failures_named():
-        dcp.load(state, storage_reader=dcp.FileSystemReader(str(folder)), no_dist=True)
+class _OnceReader(dcp.FileSystemReader):
+    """DCP's reader, whose metadata (a pickle of every key's chunks) is read only once."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        if getattr(self, "_read_once", None) is None:
+            self._read_once = super().read_metadata(*args, **kwargs)
+        return self._read_once
 
 
 @contextlib.contextmanager
