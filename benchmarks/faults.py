@@ -446,12 +446,12 @@ def rows_checkpoints(work: Path) -> list[tuple]:
         shutil.copytree(out, copy)
         newest = copy / "checkpoints" / "step-000010"
         if damage == "flip":
-            shard = newest / "shard-001.pt"
+            shard = newest / "__1_0.distcp"  # rank 1's DCP file
             data = bytearray(shard.read_bytes())
             data[300] ^= 0xFF
             shard.write_bytes(bytes(data))
         elif damage == "truncate":
-            shard = newest / "shard-001.pt"
+            shard = newest / "__1_0.distcp"
             shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
         else:
             (newest / ckpt.MANIFEST).unlink()

@@ -1,39 +1,44 @@
-"""Sharded training checkpoints: one file per pipeline rank, loadable with any number of stages.
+"""Training checkpoints through PyTorch's Distributed Checkpoint (DCP), loadable with any cut.
 
-A pipelined model never exists in one place, so neither does its checkpoint. Each pipeline
-rank writes one *shard*: its layers' parameters and buffers under their **whole-model names**
-(``"3.qkv.weight"``, as ``Pipe.state_dict()`` gives them), its optimizer state keyed by the
-same names (torch optimizers key state by position, which changes with the cut), and its
-random-number state. A ``manifest.json`` beside the shards (:class:`Manifest`) records the
-step, the run's configuration, the data position and which shard holds each name; this module
-alone writes and reads both formats. Because everything is keyed by name, a checkpoint saved
-by K stages loads into any other K (each rank reads just the shards holding its names), and
-:func:`export_state_dict` merges the shards into one plain state dict for the un-split model.
+A pipelined model never exists in one place, so neither does its checkpoint. Every process
+writes its part with ``torch.distributed.checkpoint`` (through :mod:`gpipe.parallel.dcp`):
+its layers' parameters and buffers under their **whole-model names** (``model.3.qkv.weight``,
+as ``Pipe.state_dict()`` gives them), its optimizer state keyed by the same names (torch
+optimizers key state by position, which changes with the cut) and its random-number state.
+DCP stores each tensor once with its global shape and where each chunk lies, so a
+checkpoint saved by K stages, R replicas, sharded or not, loads into any other layout (each
+rank reads just its names, DCP's planner cutting what it needs), and DCP's own tools (and
+torchtitan's) read it. A ``manifest.json`` beside DCP's files (:class:`Manifest`) records
+the step, the run's configuration, the data position, the learning-rate scheduler and the
+SHA-256 of every file (and of itself); this module alone writes and reads it.
 
 Layout of a run's checkpoints::
 
     checkpoints/
       step-000200/            one complete checkpoint
         manifest.json
-        shard-000.pt          pipeline rank 0 (its stage, or its virtual stages)
-        shard-001.pt
+        .metadata             DCP's: every key's shape, dtype and chunks
+        __0_0.distcp          what rank 0 wrote (one file per rank)
+        __1_0.distcp
       step-000400/
       latest                  "step-000400": the newest complete checkpoint
 
-Writing is atomic at two levels. Every file is written under a temporary name, flushed to
-disk and renamed; a checkpoint is assembled in ``step-NNNNNN.tmp/`` and renamed to its final
-name only once every shard and the manifest are in place, after which ``latest`` is replaced.
-A process that dies mid-write leaves a ``.tmp`` folder that readers ignore (and the next
-save of that step removes); the previous checkpoint stays intact and ``latest`` still names it.
+Writing is atomic: a checkpoint is assembled in ``step-NNNNNN.tmp/`` and renamed to its
+final name only once DCP's files and the manifest are in place (each written under a
+temporary name, flushed and renamed), after which ``latest`` is replaced. A process that
+dies mid-write leaves a ``.tmp`` folder that readers ignore (and the next save of that step
+removes); the previous checkpoint stays intact and ``latest`` still names it.
 
 Multi-process protocol (see ``gpipe.train.trainer``)::
 
     if rank == 0: checkpoint.begin(root, step)                # then a barrier
     tmp = checkpoint.staging_folder(root, step)
-    entry = checkpoint.write_shard(tmp, pp_rank, model=...)  # one writer per pipeline rank
-    # gather every entry to rank 0, then:
-    if rank == 0:                                            # then a barrier
-        checkpoint.commit(root, tmp, Manifest(step=step, shards={**entry, ...}, ...))
+    checkpoint.write(tmp, model=..., optimizer=..., rng=...)  # collective: every rank
+    if rank == 0:                                             # then a barrier
+        checkpoint.commit(root, tmp, Manifest(step=step, ...))
+
+Checkpoints of gpipe's former format (version 1: one ``torch.save`` file per pipeline rank)
+are refused, naming the remedy.
 """
 
 from __future__ import annotations
@@ -51,33 +56,36 @@ from typing import Any
 import torch
 from torch import nn
 
+from gpipe.parallel import dcp
+
 __all__ = [
     "CheckpointError",
+    "LATEST",
     "MANIFEST",
+    "Loaded",
     "Manifest",
     "begin",
     "commit",
     "export_state_dict",
     "find",
-    "load_optimizer_state",
+    "load",
+    "load_optimizer_state_by_name",
     "load_tensors",
     "optimizer_state_by_name",
-    "sha256_of",
     "read_manifest",
     "read_manifest_file",
-    "load_optimizer_state_by_name",
-    "rng_state",
-    "shard_file",
+    "sha256_of",
     "staging_folder",
     "step_folder",
+    "write",
     "write_manifest",
-    "write_shard",
 ]
 
 MANIFEST = "manifest.json"
 LATEST = "latest"
 FORMAT = "gpipe-checkpoint"
-VERSION = 1
+VERSION = 2  # 1: torch.save shards (gpipe up to commit 9de4e29); 2: DCP
+FORMER = "9de4e29"  # the last commit that wrote (and reads) version 1
 _TMP = ".tmp"
 
 
@@ -92,24 +100,28 @@ class Manifest:
     ``model``, ``data``, ``layout``, ``scheduler``) are kept as given."""
 
     step: int
-    # shard file -> its entry, as :func:`write_shard` returns it (names, stages, SHA-256)
-    shards: dict[str, dict[str, Any]]
     config: dict[str, Any] | None = None  # the run's configuration
     model: dict[str, Any] | None = None  # what builds the model
     data: dict[str, Any] | None = None  # the data position
     layout: dict[str, Any] | None = None  # how the saving run was cut (stages, replicas, ...)
     scheduler: dict[str, Any] | None = None  # the learning-rate scheduler's state
     saved_at: str = ""  # stamped when written
-    index: dict[str, str] = field(default_factory=dict)  # name -> its shard file (derived)
+    files: dict[str, str] = field(default_factory=dict)  # DCP's file -> its SHA-256 (derived)
     path: Path | None = None  # the checkpoint's folder, once read (not saved)
+
+
+@dataclass
+class Loaded:
+    """What :func:`load` read: whole tensors by name, the optimizer state by name (as
+    :func:`optimizer_state_by_name` gives it), one pipeline rank's random-number state."""
+
+    model: dict[str, torch.Tensor]
+    optimizer: dict[str, Any] | None = None
+    rng: torch.Tensor | None = None
 
 
 def step_folder(step: int) -> str:
     return f"step-{step:06d}"
-
-
-def shard_file(pp_rank: int) -> str:
-    return f"shard-{pp_rank:03d}.pt"
 
 
 # -- writing ---------------------------------------------------------------------------------
@@ -129,36 +141,34 @@ def begin(root: str | Path, step: int) -> Path:
     return tmp
 
 
-def write_shard(
+def write(
     folder: str | Path,
-    pp_rank: int,
     *,
     model: Mapping[str, torch.Tensor],
     optimizer: Mapping[str, Any] | None = None,
-    stages: list[int] | None = None,
-    rng: Mapping[str, Any] | None = None,
-) -> dict[str, dict[str, Any]]:
-    """Write one pipeline rank's shard: its ``model`` tensors by whole-model name, its
-    ``optimizer`` state by name (:func:`optimizer_state_by_name`), the ``stages`` it holds
-    and its ``rng`` state (read back by :func:`rng_state`). Returns the shard's entry for
-    :attr:`Manifest.shards`: ``{file: {names, stages, SHA-256}}``."""
-    shard = {"model": dict(model), "optimizer": optimizer, "stages": stages, "rng": rng}
-    digest = hashlib.sha256()
-
-    def write(f: Any) -> None:
-        class Hashing:  # torch.save writes through it: the bytes are hashed on the way
-            def write(self, data: bytes) -> int:
-                digest.update(data)
-                return f.write(data)
-
-            def flush(self) -> None:
-                f.flush()
-
-        torch.save(dict(shard), Hashing())
-
-    _atomic_write(Path(folder) / shard_file(pp_rank), write)
-    entry = {"names": list(model), "stages": stages, "sha256": digest.hexdigest()}
-    return {shard_file(pp_rank): entry}
+    rng: Mapping[int, torch.Tensor] | None = None,
+) -> None:
+    """Write this process's part of a checkpoint into ``folder`` with DCP: its ``model``
+    tensors by whole-model name (``DTensor`` shards as such), its ``optimizer`` state by
+    name (:func:`optimizer_state_by_name`) and ``rng``, ``{pipeline rank: torch's random
+    state}``. Collective: every process of the job calls it (replicas with the same
+    tensors: DCP writes each once)."""
+    state: dict[str, Any] = {"model": dict(model)}
+    if optimizer is not None:
+        groups, group_of = {}, {}
+        for i, group in enumerate(optimizer["param_groups"]):
+            key = group.get("name", f"#{i}")
+            groups[key] = {k: v for k, v in group.items() if k != "params"}
+            group_of.update({name: key for name in group["params"]})
+        state["optimizer"] = {
+            "state": dict(optimizer["state"]), "param_groups": groups, "group_of": group_of,
+        }  # fmt: skip
+    if rng:
+        state["rng"] = {str(rank): value for rank, value in rng.items()}
+    try:
+        dcp.save(state, folder)
+    except dcp.DcpFailure as error:
+        raise CheckpointError(f"cannot write the checkpoint in {folder}: {error}") from None
 
 
 def sha256_of(path: Path) -> str:
@@ -195,26 +205,28 @@ def commit(root: str | Path, tmp: str | Path, manifest: Manifest, *, keep: int =
 
 
 def write_manifest(folder: str | Path, manifest: Manifest) -> None:
-    """Write ``manifest`` as ``folder/manifest.json``, with the index of names it derives
-    from the shards' entries (a shard without a SHA-256 is hashed here) and the time."""
+    """Write ``manifest`` as ``folder/manifest.json`` with the SHA-256 of every file DCP
+    wrote there, the time, and its own checksum (an edited manifest is a damaged one)."""
     folder = Path(folder)
-    missing = [name for name in manifest.shards if not (folder / name).is_file()]
-    if missing:
-        raise CheckpointError(f"cannot commit {folder}: shards {missing} were not written")
-    shards = {
-        file: {**info, "sha256": info.get("sha256") or sha256_of(folder / file)}
-        for file, info in manifest.shards.items()
+    if not (folder / dcp.METADATA).is_file():
+        raise CheckpointError(
+            f"cannot commit {folder}: its files were not written (no {dcp.METADATA})"
+        )
+    files = {
+        p.name: sha256_of(p)
+        for p in sorted(folder.iterdir())
+        if p.is_file() and p.name != MANIFEST and _TMP not in p.name
     }
-    index: dict[str, str] = {}
-    for file, info in sorted(shards.items()):
-        for name in info["names"]:
-            if name in index:
-                raise CheckpointError(f"{name!r} is in both {index[name]} and {file}")
-            index[name] = file
-    record = {**asdict(manifest), "shards": shards, "index": index}
+    record = {**asdict(manifest), "files": files}
     record.update(saved_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"), format=FORMAT, version=VERSION)
     del record["path"]
+    record["sha256"] = _digest(record)
     _atomic_write(folder / MANIFEST, lambda f: f.write(json.dumps(record, indent=1).encode()))
+
+
+def _digest(record: dict[str, Any]) -> str:
+    body = {k: v for k, v in record.items() if k != "sha256"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
 def _atomic_write(path: Path, write) -> None:
@@ -288,19 +300,20 @@ def find(path: str | Path) -> Path:
 
 
 def read_manifest(path: str | Path) -> Manifest:
-    """The manifest of the checkpoint ``path`` designates (see :func:`find`), whose shards
+    """The manifest of the checkpoint ``path`` designates (see :func:`find`), whose files
     must all be readable."""
     folder = find(path)
     manifest = read_manifest_file(folder)
-    unreadable = [file for file in manifest.shards if not os.access(folder / file, os.R_OK)]
+    unreadable = [file for file in manifest.files if not os.access(folder / file, os.R_OK)]
     if unreadable:
-        raise CheckpointError(f"{folder}: shard files missing or unreadable: {unreadable}")
+        raise CheckpointError(f"{folder}: files missing or unreadable: {unreadable}")
     return manifest
 
 
 def read_manifest_file(folder: str | Path) -> Manifest:
-    """The manifest in checkpoint ``folder`` as written (its shards unchecked); raises
-    ``CheckpointError`` if it cannot be read, is not one, or is of a newer format."""
+    """The manifest in checkpoint ``folder`` as written (its files unchecked); raises
+    ``CheckpointError`` if it cannot be read, is not one, was edited, or is of another
+    format version."""
     folder = Path(folder)
     try:
         record = json.loads((folder / MANIFEST).read_text())
@@ -308,90 +321,119 @@ def read_manifest_file(folder: str | Path) -> Manifest:
         raise CheckpointError(f"cannot read {folder / MANIFEST}: {error}") from error
     if not isinstance(record, dict) or record.get("format") != FORMAT:
         raise CheckpointError(f"{folder / MANIFEST} is not a gpipe checkpoint manifest")
-    if record.get("version", 0) > VERSION:
+    version = record.get("version", 0)
+    if version > VERSION:
         raise CheckpointError(
-            f"{folder} has checkpoint format version {record['version']}; this gpipe reads "
-            f"up to {VERSION}: upgrade gpipe"
+            f"{folder} has checkpoint format version {version}; this gpipe reads up to "
+            f"{VERSION}: upgrade gpipe"
         )
+    if version < VERSION:
+        raise CheckpointError(
+            f"{folder} is in gpipe's former checkpoint format (version {version}: torch.save "
+            f"shards), which this gpipe (DCP, version {VERSION}) does not read: resume or "
+            f"export it with gpipe at commit {FORMER}"
+        )
+    if record.get("sha256") != _digest(record):
+        raise CheckpointError(f"{folder / MANIFEST} was edited (its SHA-256 differs)")
     known = {f.name for f in fields(Manifest)} - {"path"}
     try:
         return Manifest(**{k: v for k, v in record.items() if k in known}, path=folder)
-    except TypeError as error:  # step or shards missing
+    except TypeError as error:  # step missing
         raise CheckpointError(f"{folder / MANIFEST} is incomplete: {error}") from error
 
 
-def _shards_for(manifest: Manifest, names: Iterable[str]) -> dict[str, list[str]]:
-    """{shard file: [names it provides]}; raises for names no shard holds."""
-    index, wanted = manifest.index, list(names)
-    missing = [n for n in wanted if n not in index]
+def _reader(manifest: Manifest) -> dcp.Reader:
+    try:
+        return dcp.Reader(manifest.path)
+    except Exception as error:  # DCP raises whatever its unpickling of .metadata does
+        raise CheckpointError(
+            f"cannot read {Path(manifest.path) / dcp.METADATA} (damaged?): {error}"
+        ) from error
+
+
+def names(manifest: Manifest) -> list[str]:
+    """The model's tensor names the checkpoint holds, in the order they were saved."""
+    entries = _reader(manifest).entries
+    return [k.removeprefix("model.") for k in entries if k.startswith("model.")]
+
+
+def load(
+    manifest: Manifest,
+    *,
+    model: Iterable[str],
+    optimizer: Iterable[str] | None = None,
+    rng: int | None = None,
+) -> Loaded:
+    """Read the whole tensors ``model`` (whole-model names), the optimizer state of the
+    parameters ``optimizer`` (names) and pipeline rank ``rng``'s random state, from any
+    layout's checkpoint; this process alone (no collective)."""
+    reader = _reader(manifest)
+    entries = reader.entries
+    wanted = list(model)
+    missing = [n for n in wanted if f"model.{n}" not in entries]
     if missing:
         shown = ", ".join(missing[:6]) + (", ..." if len(missing) > 6 else "")
         raise CheckpointError(
             f"checkpoint {manifest.path} has no {len(missing)} of the names this model "
             f"needs ({shown}): was it saved from another model or configuration?"
         )
-    by_file: dict[str, list[str]] = {}
-    for name in wanted:
-        by_file.setdefault(index[name], []).append(name)
-    return by_file
 
+    def empty(key: str) -> torch.Tensor | None:  # what DCP fills: a tensor, or an object
+        if entries[key] is None:
+            return None
+        size, dtype = entries[key]
+        return torch.empty(size, dtype=dtype)
 
-def _load_shard(manifest: Manifest, file: str) -> dict[str, Any]:
-    path = Path(manifest.path) / file
+    state: dict[str, Any] = {"model": {n: empty(f"model.{n}") for n in wanted}}
+    parameters = set(optimizer or ())
+    if parameters:
+        keys = [k for k in entries if k.startswith("optimizer.state.")]
+        saved: dict[str, dict[str, Any]] = {}
+        for key in keys:  # optimizer.state.{name}.{what}: a parameter's names hold no key
+            name, _, what = key.removeprefix("optimizer.state.").rpartition(".")
+            if name in parameters:
+                saved.setdefault(name, {})[what] = empty(key)
+        group_of = {n: None for n in parameters if f"optimizer.group_of.{n}" in entries}
+        groups: dict[str, dict[str, Any]] = {}
+        for key in entries:
+            if key.startswith("optimizer.param_groups."):
+                group, _, what = key.removeprefix("optimizer.param_groups.").rpartition(".")
+                groups.setdefault(group, {})[what] = empty(key)
+        state["optimizer"] = {"state": saved, "group_of": group_of, "param_groups": groups}
+    if rng is not None and f"rng.{rng}" in entries:
+        state["rng"] = {str(rng): empty(f"rng.{rng}")}
     try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        reader.load(state)
     except Exception as error:
         raise CheckpointError(
-            f"cannot read shard {path} (damaged, or not written by gpipe?): {error}"
+            f"cannot read checkpoint {manifest.path} (damaged, or not written by gpipe?): {error}"
         ) from error
+    loaded = Loaded(model=state["model"], rng=state.get("rng", {}).get(str(rng)))
+    if parameters:
+        saved = state["optimizer"]
+        members: dict[str, list[str]] = {g: [] for g in saved["param_groups"]}
+        for name, group in saved["group_of"].items():
+            members[group].append(name)
+        loaded.optimizer = {
+            "state": saved["state"],
+            "param_groups": [
+                {**hyper, "params": members[g]} for g, hyper in saved["param_groups"].items()
+            ],
+        }
+    return loaded
 
 
 def load_tensors(manifest: Manifest, names: Iterable[str]) -> dict[str, torch.Tensor]:
-    """The model tensors ``names`` (whole-model names), read from whichever shards hold them."""
-    tensors: dict[str, torch.Tensor] = {}
-    for file, wanted in _shards_for(manifest, names).items():
-        model = _load_shard(manifest, file)["model"]
-        tensors.update({name: model[name] for name in wanted})
-    return tensors
-
-
-def load_optimizer_state(manifest: Manifest, names: Iterable[str]) -> dict[str, Any]:
-    """The optimizer state of parameters ``names``, keyed by name (as saved by
-    :func:`optimizer_state_by_name`), merged from whichever shards hold them."""
-    state: dict[str, Any] = {}
-    groups: dict[str, dict[str, Any]] = {}
-    wanted = set(names)
-    for file in _shards_for(manifest, wanted):
-        saved = _load_shard(manifest, file).get("optimizer")
-        if saved is None:
-            continue
-        # Cloned: the shard is memory-mapped, and the optimizer keeps what it is given.
-        state.update(
-            {
-                n: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
-                for n, s in saved["state"].items()
-                if n in wanted
-            }
-        )
-        for position, group in enumerate(saved["param_groups"]):
-            key = group.get("name", f"#{position}")
-            merged = groups.setdefault(key, {**group, "params": []})
-            merged["params"] += [n for n in group["params"] if n in wanted]
-    return {"state": state, "param_groups": list(groups.values())}
-
-
-def rng_state(manifest: Manifest, pp_rank: int) -> dict[str, Any]:
-    """The random-number state pipeline rank ``pp_rank`` saved (empty if none)."""
-    file = shard_file(pp_rank)
-    return (_load_shard(manifest, file).get("rng") or {}) if file in manifest.shards else {}
+    """The model tensors ``names`` (whole-model names), whole."""
+    return load(manifest, model=names).model
 
 
 def export_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
-    """One plain state dict of the whole model (all shards merged), for the un-split model."""
+    """One plain state dict of the whole model, for the un-split model."""
     manifest = read_manifest(path)
-    tensors = load_tensors(manifest, manifest.index)
-    # Layer by layer; within a layer, in the order its shard's state dict had.
-    return {name: t.clone() for name, t in sorted(tensors.items(), key=lambda kv: _layer(kv[0]))}
+    tensors = load_tensors(manifest, names(manifest))
+    # Layer by layer; within a layer, in the order it was saved.
+    return dict(sorted(tensors.items(), key=lambda kv: _layer(kv[0])))
 
 
 def _layer(name: str) -> float:
@@ -400,6 +442,9 @@ def _layer(name: str) -> float:
 
 
 # -- optimizer state by parameter name ------------------------------------------------------
+# DCP's own helper (``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict``) finds
+# a parameter's name by walking module attributes, which a captured model's names (the model's
+# own, without gpipe's unit index: ``model.layers.3...``) are not: it raises AttributeError.
 
 
 def optimizer_state_by_name(

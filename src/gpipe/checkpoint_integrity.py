@@ -1,7 +1,8 @@
 """Is a checkpoint intact, and which one to resume from.
 
-``gpipe.checkpoint`` records each shard's SHA-256 in the manifest; :func:`problems` checks a
-checkpoint against it (and its step against its folder's name), :func:`listing` reports every
+``gpipe.checkpoint`` records the SHA-256 of each file DCP wrote in the manifest, and the
+manifest's own; :func:`problems` checks a checkpoint against them (and its step against its
+folder's name), :func:`listing` reports every
 checkpoint of a run (``gpipe checkpoints DIR``), and :func:`choose` picks the newest intact one
 to resume from, saying which newer ones it skipped and why.
 """
@@ -25,9 +26,9 @@ _UNFINISHED = (".tmp", ".old")
 
 
 def problems(folder: str | Path) -> list[str]:
-    """What is wrong with the checkpoint in ``folder`` (empty: intact): a missing or
-    unreadable manifest, a step that is not the folder's, shards missing or whose bytes
-    are not those saved (SHA-256 of the manifest; checkpoints older than that are trusted)."""
+    """What is wrong with the checkpoint in ``folder`` (empty: intact): a missing,
+    unreadable or edited manifest (or one of the former format), a step that is not the
+    folder's, files missing or whose bytes are not those saved (SHA-256 of the manifest)."""
     folder = Path(folder)
     try:
         manifest = read_manifest_file(folder)
@@ -37,10 +38,12 @@ def problems(folder: str | Path) -> list[str]:
     found = []
     if step_folder(manifest.step) != folder.name:
         found.append(f"its manifest says step {manifest.step}, not {folder.name}")
-    for file, info in manifest.shards.items():
+    if not manifest.files:
+        found.append(f"its {MANIFEST} lists no files")
+    for file, digest in manifest.files.items():
         if not (folder / file).is_file():
             found.append(f"{file} is missing")
-        elif info.get("sha256") and sha256_of(folder / file) != info["sha256"]:
+        elif sha256_of(folder / file) != digest:
             found.append(f"{file} is not the file saved (checksum differs)")
     return found
 

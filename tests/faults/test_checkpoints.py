@@ -15,13 +15,16 @@ from test_checkpoint import make_model, save
 
 @pytest.fixture
 def run(tmp_path):
-    """A run folder with checkpoints at steps 10 and 20 (two shards each)."""
+    """A run folder with checkpoints at steps 10 and 20."""
     root = tmp_path / "checkpoints"
     model = make_model()
     for step in (10, 20):
-        save(root, step, model, [[0, 1], [2, 3, 4]])
+        save(root, step, model, layout={"stages": 1})
         model[0].weight.data.add_(1.0)  # the two steps hold different weights
     return tmp_path
+
+
+DATA = "__0_0.distcp"  # what DCP wrote for rank 0
 
 
 def newest(run):
@@ -38,30 +41,46 @@ def test_an_intact_run_resumes_from_its_newest_checkpoint(run):
     assert listing(run) == [(run / "checkpoints" / "step-000010", []), (newest(run), [])]
     assert choose(run) == (newest(run), [])
     manifest = json.loads((newest(run) / ckpt.MANIFEST).read_text())
-    assert all(len(info["sha256"]) == 64 for info in manifest["shards"].values())
+    assert sorted(manifest["files"]) == [".metadata", DATA]
+    assert all(len(digest) == 64 for digest in manifest["files"].values())
 
 
 @pytest.mark.parametrize(
     ("damage", "found"),
     [
-        (lambda f: flip_a_byte(f / "shard-001.pt"), "shard-001.pt is not the file saved"),
+        (lambda f: flip_a_byte(f / DATA), f"{DATA} is not the file saved"),
         (
-            lambda f: (f / "shard-001.pt").write_bytes((f / "shard-001.pt").read_bytes()[:100]),
-            "shard-001.pt is not the file saved",
+            lambda f: (f / DATA).write_bytes((f / DATA).read_bytes()[:100]),
+            f"{DATA} is not the file saved",
         ),
         (
-            lambda f: shutil.copy(f.parent / "step-000010" / "shard-000.pt", f / "shard-000.pt"),
-            "shard-000.pt is not the file saved",
+            lambda f: shutil.copy(f.parent / "step-000010" / DATA, f / DATA),
+            f"{DATA} is not the file saved",
         ),
-        (lambda f: (f / "shard-000.pt").unlink(), "shard-000.pt is missing"),
+        (lambda f: (f / DATA).unlink(), f"{DATA} is missing"),
+        (lambda f: flip_a_byte(f / ".metadata", 50), ".metadata is not the file saved"),
         (
             lambda f: (f / ckpt.MANIFEST).write_text(
                 (f / ckpt.MANIFEST).read_text().replace('"step": 20', '"step": 30')
             ),
-            "its manifest says step 30, not step-000020",
+            "manifest.json was edited",
+        ),
+        (
+            lambda f: (f / ckpt.MANIFEST).write_text(
+                (f / ckpt.MANIFEST).read_text().replace('"stages": 1', '"pipes": 1')
+            ),
+            "manifest.json was edited",
         ),
     ],
-    ids=["flipped-byte", "truncated", "shard-of-another-step", "missing-shard", "edited-step"],
+    ids=[
+        "flipped-byte",
+        "truncated",
+        "file-of-another-step",
+        "missing-file",
+        "metadata",
+        "edited-step",
+        "edited-layout",
+    ],
 )
 def test_a_damaged_newest_checkpoint_is_named_and_skipped(run, damage, found):
     damage(newest(run))
@@ -83,12 +102,12 @@ def test_a_checkpoint_without_its_manifest_is_incomplete_not_silently_skipped(ru
 
 
 def test_gpipe_checkpoints_lists_each_state(run, capsys):
-    flip_a_byte(newest(run) / "shard-000.pt")
+    flip_a_byte(newest(run) / DATA)
     (run / "checkpoints" / "step-000030.tmp").mkdir()
     assert main(["checkpoints", str(run)]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("step-000010") and "intact" in lines[0]
-    assert lines[1].startswith("step-000020") and "shard-000.pt is not the file saved" in lines[1]
+    assert lines[1].startswith("step-000020") and f"{DATA} is not the file saved" in lines[1]
     assert "<- latest" in lines[1]
     assert lines[2].startswith("step-000030.tmp") and "incomplete" in lines[2]
 
@@ -110,7 +129,7 @@ def test_resume_falls_back_from_a_damaged_checkpoint_with_a_warning(tiny_run, in
 
     out = tmp_path / "copy"
     shutil.copytree(tiny_run[0], out)
-    shard = out / "checkpoints" / "step-000010" / "shard-001.pt"
+    shard = out / "checkpoints" / "step-000010" / "__1_0.distcp"  # rank 1's file
     data = bytearray(shard.read_bytes())
     data[300] ^= 0xFF
     shard.write_bytes(bytes(data))
@@ -118,5 +137,5 @@ def test_resume_falls_back_from_a_damaged_checkpoint_with_a_warning(tiny_run, in
     assert strict.returncode == 2 and "drop --strict-resume" in strict.stderr
     done = in_process("train", "--resume", str(out), "--steps", "11", "--sample-tokens", "0")
     assert done.returncode == 0, done.stderr
-    assert "warning:" in done.stderr and "shard-001.pt is not the file saved" in done.stderr
+    assert "warning:" in done.stderr and "__1_0.distcp is not the file saved" in done.stderr
     assert "resumed from step 5" in done.stdout

@@ -8,10 +8,11 @@ import dataclasses
 from pathlib import Path
 
 import pytest
+import torch
 
 from gpipe import checkpoint as ckpt
 from gpipe.cli import train as train_cli
-from gpipe.train import RECIPES, TrainConfig, resolve
+from gpipe.train import RECIPES, ConfigError, TrainConfig, resolve
 from gpipe.train.config import flag, option
 
 # A value other than the default for every option, as typed and as it lands in the config;
@@ -122,13 +123,19 @@ def test_resume_takes_the_checkpoints_configuration(tmp_path):
     saved = resolve({"size": "tiny", "seq": 16, "steps": 8, "out": str(tmp_path / "run")})
     root = Path(saved.out) / "checkpoints"
     staging = ckpt.begin(root, 4)
-    entry = ckpt.write_shard(staging, 0, model={})
-    folder = ckpt.commit(
-        root, staging, ckpt.Manifest(step=4, shards=entry, config=dataclasses.asdict(saved))
-    )
+    ckpt.write(staging, model={"0.weight": torch.zeros(1)})
+    folder = ckpt.commit(root, staging, ckpt.Manifest(step=4, config=dataclasses.asdict(saved)))
     config = resolve(vars(parse("--resume", str(folder), "--steps", "9")))
     assert config.resume == str(folder) and config.out == saved.out
     assert (config.size, config.seq, config.steps) == ("tiny", 16, 9)
+
+
+def test_resume_from_a_checkpoint_without_a_run_configuration_says_so(tmp_path):
+    staging = ckpt.begin(tmp_path, 4)
+    ckpt.write(staging, model={"0.weight": torch.zeros(1)})
+    folder = ckpt.commit(tmp_path, staging, ckpt.Manifest(step=4))  # the library's, no config
+    with pytest.raises(ConfigError, match=r"holds no run configuration .*load_tensors"):
+        resolve(vars(parse("--resume", str(folder), "--steps", "9")))
 
 
 def test_help_shows_each_default_of_the_field(capsys):

@@ -23,6 +23,8 @@ from gpipe.cli.export import export
 from gpipe.train import TrainConfig, Trainer, build_model, config_file, resolve
 from train_runs import gpipe_command, losses
 
+RANK_FILES = ["__0_0.distcp", "__1_0.distcp"]
+
 
 @pytest.mark.timeout(200)
 def test_a_tiny_run_trains_and_leaves_its_files(tiny_run):
@@ -38,7 +40,8 @@ def test_a_tiny_run_trains_and_leaves_its_files(tiny_run):
         "step-000010",
     ]
     manifest = ckpt.read_manifest(out)
-    assert manifest.step == 10 and sorted(manifest.shards) == ["shard-000.pt", "shard-001.pt"]
+    # DCP's files: its metadata and one file per rank
+    assert manifest.step == 10 and sorted(manifest.files) == [".metadata", *RANK_FILES]
 
     loss = losses(out)
     assert list(loss) == list(range(1, 11))
@@ -99,6 +102,24 @@ def test_resuming_reproduces_the_uninterrupted_run_bitwise(tiny_run, in_process,
 
 @pytest.mark.slow
 @pytest.mark.timeout(200)
+def test_one_process_resumes_bitwise(in_process, tmp_path):
+    """K=1: one rank writes the whole DCP checkpoint, and a resume repeats the run exactly."""
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    tiny = ["--size", "tiny", "--stages", "1", "--steps", "6", "--eval-every", "3",
+            "--sample-tokens", "0"]  # fmt: skip
+    done = in_process("train", *tiny, "--save-every", "3", "--out", str(whole))
+    assert done.returncode == 0, done.stderr
+    middle = whole / "checkpoints" / "step-000003"
+    assert sorted(ckpt.read_manifest(middle).files) == [".metadata", "__0_0.distcp"]
+    done = in_process("train", "--resume", str(middle), "--out", str(resumed))
+    assert done.returncode == 0, done.stderr
+    assert "resumed from step 3" in done.stdout
+    before, after = losses(whole), losses(resumed)
+    assert all(after[s] == before[s] for s in (4, 5, 6)), (before, after)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
 def test_resuming_with_more_steps_goes_on_from_the_rate_where_it_stood(
     tiny_run, in_process, tmp_path
 ):
@@ -118,13 +139,14 @@ def test_resuming_with_more_steps_goes_on_from_the_rate_where_it_stood(
 @pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_a_checkpoint_without_the_schedulers_state_resumes_bitwise(tiny_run, in_process, tmp_path):
-    """Saved before the scheduler was: its rates are replayed from step 1 to its step."""
+    """Saved by a rank 0 without a scheduler (a stage without parameters has no optimizer):
+    the rates are replayed from step 1 to its step."""
     out, _ = tiny_run
     old = tmp_path / "old" / "step-000005"
     shutil.copytree(out / "checkpoints" / "step-000005", old)
-    record = json.loads((old / ckpt.MANIFEST).read_text())
-    del record["scheduler"]
-    (old / ckpt.MANIFEST).write_text(json.dumps(record))
+    manifest = ckpt.read_manifest(old)
+    manifest.scheduler = None
+    ckpt.write_manifest(old, manifest)  # as written (an edited manifest would be refused)
     resumed = tmp_path / "b"
     done = in_process("train", "--resume", str(old), "--out", str(resumed), "--sample-tokens", "0")
     assert done.returncode == 0, done.stderr
@@ -190,14 +212,14 @@ def test_a_k2_checkpoint_loads_at_k1_and_k4_and_exports_to_the_plain_model(
     with torch.no_grad():
         expected = plain(x)
 
-    # K=1: one process holding every layer, loaded shard by shard by name.
+    # K=1: one process holding every layer, loaded by name.
     one = gpipe.Pipe(build_model(manifest.model), balance=[4], chunks=4)
     one.load_state_dict(ckpt.load_tensors(manifest, list(one.state_dict())), strict=True)
     one.eval()
     with torch.no_grad():
         torch.testing.assert_close(one(x), expected, rtol=1e-6, atol=1e-6)
 
-    # K=4: four processes, each reading only the shard that holds its layer.
+    # K=4: four processes, each reading only its layer's tensors.
     monkeypatch.setenv("GPIPE_CACHE_DIR", str(cache))
     parser = argparse.ArgumentParser()
     train_cli.configure(parser)
@@ -211,9 +233,8 @@ def test_a_k2_checkpoint_loads_at_k1_and_k4_and_exports_to_the_plain_model(
     assert all(r[2] == manifest.data for r in results)  # the data position
 
     # The optimizer state of every parameter, by name, is the saved one.
-    saved = {}
-    for file in manifest.shards:
-        saved.update(torch.load(manifest.path / file, weights_only=True)["optimizer"]["state"])
+    names = [n for n, _ in plain.named_parameters()]
+    saved = ckpt.load(manifest, model=[], optimizer=names).optimizer["state"]
     loaded = {name: state for r in results for name, state in r[1].items()}
     assert set(loaded) == set(saved) == {n for n, _ in plain.named_parameters()}
     for name, state in saved.items():
@@ -252,8 +273,9 @@ def test_resnet_with_replicas_and_bfloat16(in_process, tmp_path):
 def test_sharded_replicas_train_as_plain_ones_and_their_checkpoints_load_at_other_layouts(
     in_process, tmp_path
 ):
-    """--replicas 2 --shard: the losses of plain replicas; a checkpoint (whole tensors,
-    gathered from the shards) resumes at K=1 with the same losses and exports."""
+    """--replicas 2 --shard: the losses of plain replicas; a checkpoint (each rank writes its
+    shards) resumes at K=1 with the same losses and exports; a plain replicas' checkpoint
+    resumes into sharded ones."""
     common = ["train", "--size", "tiny", "--steps", "6", "--save-every", "3", "--eval-every",
               "3", "--replicas", "2", "--sample-tokens", "4"]  # fmt: skip
     sharded, plain, resumed = tmp_path / "sharded", tmp_path / "plain", tmp_path / "resumed"
@@ -270,6 +292,17 @@ def test_sharded_replicas_train_as_plain_ones_and_their_checkpoints_load_at_othe
     state = ckpt.export_state_dict(sharded)
     plain_model = build_model(ckpt.read_manifest(sharded).model)
     plain_model.load_state_dict(state, strict=True)
+    # Every one of the 4 ranks wrote its own shards (DCP), none gathered whole tensors.
+    files = ckpt.read_manifest(middle).files
+    assert sorted(files) == [".metadata"] + [f"__{r}_0.distcp" for r in range(4)]
+
+    into_shards = tmp_path / "into-shards"
+    middle = plain / "checkpoints" / "step-000003"
+    done = in_process("train", "--resume", str(middle), "--stages", "1", "--shard",
+                      "--out", str(into_shards))  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    for step in (4, 5, 6):
+        assert abs(losses(into_shards)[step] - losses(plain)[step]) <= 1e-5 * losses(plain)[step]
 
 
 @pytest.mark.slow

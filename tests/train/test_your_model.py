@@ -248,3 +248,29 @@ def test_a_mixtral_saved_by_save_pretrained_starts_from_its_own_experts(tmp_path
     state = model.state_dict()
     for name, value in pipe.state_dict().items():
         assert torch.equal(value, state[name]), name
+
+
+def test_a_checkpoint_exports_to_a_folder_from_pretrained_loads_strictly(tmp_path):
+    """gpipe export of a Hugging Face model's checkpoint: save_pretrained's folder
+    (safetensors), which from_pretrained loads with no key missing or unexpected."""
+    from gpipe import checkpoint as ckpt
+    from gpipe.cli.export import export
+    from gpipe.train.hf import HFModel
+
+    spec = {"kind": "hf", "args": {"config": llama().to_dict(), "family": "causal-lm"}}
+    torch.manual_seed(0)
+    model = HFModel(spec["args"]).build()
+    root = tmp_path / "run" / "checkpoints"
+    staging = ckpt.begin(root, 7)
+    ckpt.write(staging, model=model.state_dict())  # the names Pipe.from_model gives
+    ckpt.commit(root, staging, ckpt.Manifest(step=7, model=spec, config={"tokenizer": None}))
+
+    folder = export(tmp_path / "run")
+    assert folder == tmp_path / "run" / "model-step-000007"
+    assert (folder / "model.safetensors").is_file() and (folder / "config.json").is_file()
+    loaded, info = transformers.AutoModelForCausalLM.from_pretrained(
+        folder, output_loading_info=True
+    )
+    assert not any(info.values()), info  # missing, unexpected, mismatched, error messages
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name

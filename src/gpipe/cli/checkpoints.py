@@ -2,7 +2,7 @@
 
     gpipe checkpoints runs/gpt-small-20250101-120000
 
-Each checkpoint is checked against its manifest (every shard's SHA-256, the step); an
+Each checkpoint is checked against its manifest (every file's SHA-256, its own, the step); an
 unfinished save shows as incomplete. ``gpipe train --resume`` takes the newest intact one.
 """
 

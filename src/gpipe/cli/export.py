@@ -1,9 +1,9 @@
-"""Merge a checkpoint's shards into one plain state dict for the un-split model.
+"""Read a checkpoint's whole model into one plain state dict for the un-split model.
 
     gpipe export runs/gpt-small-20250101-120000              # newest checkpoint of a run
     gpipe export runs/.../checkpoints/step-000300 -o gpt.pt
 
-``gpipe train`` saves one shard per pipeline rank (``gpipe.checkpoint``); the exported file
+``gpipe train`` saves DCP checkpoints (``gpipe.checkpoint``); the exported file
 is an ordinary ``torch.save``-d state dict with the whole model's names, which loads into the
 model built without gpipe::
 
@@ -24,12 +24,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 
 import torch
 
 from gpipe import checkpoint as ckpt
+from gpipe.checkpoint_integrity import problems
 
 __all__ = ["configure", "export", "run"]
 
@@ -53,23 +55,16 @@ def export(checkpoint: str | Path, out: str | Path | None = None, dtype: str | N
     Hugging Face model's ``save_pretrained`` folder; return it."""
     manifest = ckpt.read_manifest(checkpoint)
     folder = manifest.path
+    damage = problems(folder)  # DCP itself checks no bytes: the manifest's SHA-256 do
+    if damage:
+        raise ckpt.CheckpointError(f"{folder} is damaged: {'; '.join(damage)}")
     pretrained = (manifest.model or {}).get("kind") == "hf"
     if out is None:
         run_folder = folder.parent.parent if folder.parent.name == "checkpoints" else Path(".")
         name = f"model-{ckpt.step_folder(manifest.step)}"
         out = run_folder / (name if pretrained else f"{name}.pt")
     out = Path(out)
-    if pretrained:
-        from gpipe.train.hf import save_pretrained
-
-        state = ckpt.export_state_dict(folder)
-        if dtype is not None:
-            cast = getattr(torch, dtype)
-            state = {k: v.to(cast) if v.is_floating_point() else v for k, v in state.items()}
-        tokenizer = manifest.config.get("tokenizer")
-        tokenizer = tokenizer if tokenizer and Path(tokenizer).is_dir() else None
-        return save_pretrained(manifest.model, state, out, tokenizer=tokenizer)
-    if out.suffix == ".json":
+    if not pretrained and out.suffix == ".json":
         raise ckpt.CheckpointError(
             f"-o {out}: the weights need another name than the .json file written beside "
             "them (e.g. model.pt)"
@@ -78,12 +73,32 @@ def export(checkpoint: str | Path, out: str | Path | None = None, dtype: str | N
     if dtype is not None:
         cast = getattr(torch, dtype)
         state = {k: v.to(cast) if v.is_floating_point() else v for k, v in state.items()}
-    out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, out)
-    info = {"model": manifest.model, "step": manifest.step, "source": str(folder)}
-    out.with_suffix(".json").write_text(json.dumps(info, indent=1) + "\n")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        if pretrained:  # transformers' save_pretrained: config.json, safetensors, tokenizer
+            from gpipe.train.hf import save_pretrained
+
+            tokenizer = manifest.config.get("tokenizer")
+            tokenizer = tokenizer if tokenizer and Path(tokenizer).is_dir() else None
+            shutil.rmtree(tmp, ignore_errors=True)
+            save_pretrained(manifest.model, state, tmp, tokenizer=tokenizer)
+            shutil.rmtree(out, ignore_errors=True)
+        else:
+            with open(tmp, "wb") as f:  # an OSError names an unwritable path
+                torch.save(state, f)
+            info = {"model": manifest.model, "step": manifest.step, "source": str(folder)}
+            out.with_suffix(".json").write_text(json.dumps(info, indent=1) + "\n")
+        os.replace(tmp, out)
+    except OSError as error:
+        raise ckpt.CheckpointError(
+            f"-o {out}: cannot write there ({error.strerror or error}); choose a writable path"
+        ) from None
+    finally:
+        if tmp.is_dir():
+            shutil.rmtree(tmp, ignore_errors=True)
+        elif tmp.exists():
+            tmp.unlink()
     return out
 
 

@@ -36,8 +36,8 @@ The command spawns K x R local processes (``gpipe.launch``), or, when ``RANK`` a
 folder receives ``metrics.jsonl`` (one record per step), TensorBoard's event files
 (``tensorboard --logdir runs``), ``loss.png``, ``timeline.png``/``timeline.json`` (the
 measured last step), ``sample.txt`` (text the language model wrote through the pipeline),
-``summary.json`` and
-``checkpoints/step-NNNNNN/`` (one shard per pipeline rank, see ``gpipe.checkpoint``).
+``summary.json`` and ``checkpoints/step-NNNNNN/`` (a DCP checkpoint, see
+``gpipe.checkpoint``).
 Resuming reproduces the uninterrupted run exactly (see ``gpipe.train.trainer``).
 """
 

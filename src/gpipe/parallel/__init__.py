@@ -6,4 +6,5 @@
 * ``tied``: one parameter used by several stages, kept equal;
 * ``mesh``: the job's processes (pipeline × data parallel) and small collectives;
 * ``launch``: run a function in N local processes forming one group.
+* ``dcp``: checkpoints written and read by ``torch.distributed.checkpoint``.
 """

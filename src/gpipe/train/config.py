@@ -367,6 +367,12 @@ def resolve(options: dict[str, Any], *, world_size: int | None = None) -> TrainC
             manifest = ckpt.read_manifest(given["resume"])
         except ckpt.CheckpointError as error:
             raise ConfigError([f"--resume {given['resume']}: {error}"]) from None
+        if manifest.config is None:  # not written by gpipe train
+            raise ConfigError([
+                f"--resume {given['resume']}: {manifest.path} holds no run configuration (it "
+                "was written by gpipe.checkpoint directly, not by gpipe train): load its "
+                "weights with gpipe.checkpoint.load_tensors instead"
+            ])  # fmt: skip
         saved = manifest.config
         for key in _FIXED_ON_RESUME:
             if key in given and given[key] != saved[key]:

@@ -36,7 +36,7 @@ from gpipe.engine.memory import measure_activations
 from gpipe.errors import NonFiniteError
 from gpipe.parallel.launch import threads_per_process
 from gpipe.parallel.mesh import Mesh
-from gpipe.parallel.sharded import full_value, sharded_optimizer_state
+from gpipe.parallel.sharded import sharded_optimizer_state
 from gpipe.train.compiling import compile_stages, split_backward_note
 from gpipe.train.config import TrainConfig, model_spec, num_layers
 from gpipe.train.report import Metrics, Reporter, TensorBoard, plot_losses, write_json
@@ -368,7 +368,8 @@ class Trainer:
     # -- checkpoints -----------------------------------------------------------------------
 
     def save(self, step: int) -> Path:
-        """Every rank's part of one checkpoint; rank 0 commits it (see gpipe.checkpoint)."""
+        """Every rank's part of one checkpoint, written with DCP; rank 0 commits it (see
+        gpipe.checkpoint)."""
         c = self.config
         root = self.out / "checkpoints"
         everyone, doing = self.mesh.everyone, f"saving the checkpoint of step {step}"
@@ -376,26 +377,18 @@ class Trainer:
             ckpt.begin(root, step)
         everyone.barrier("the checkpoint barrier before writing", doing=doing)
         folder = ckpt.staging_folder(root, step)
-        entry = None
-        if self.replica == 0 or c.shard:  # sharded replicas gather their shards, together
-            state = self.pipe.full_state_dict()
-            optimizer = self.optimizer and full_value(
-                ckpt.optimizer_state_by_name(self.optimizer, self.names)
-            )
-        if self.replica == 0:  # replicas hold equal weights: one writer per stage
-            entry = ckpt.write_shard(
-                folder, self.mesh.pp_rank, model=state, optimizer=optimizer,
-                stages=[s.index for s in self.pipe.stages], rng={"torch": torch.get_rng_state()},
-            )  # fmt: skip
-        gathered = everyone.all_gather_object(entry, "the checkpoint shard gather", doing=doing)
+        # Sharded replicas write their own shards (DTensors); equal replicas' tensors are
+        # written once by DCP. The random state is replica 0's, as each stage resumes it.
+        optimizer = self.optimizer and ckpt.optimizer_state_by_name(self.optimizer, self.names)
+        rng = {self.mesh.pp_rank: torch.get_rng_state()} if self.replica == 0 else None
+        ckpt.write(folder, model=self.pipe.state_dict(), optimizer=optimizer, rng=rng)
         final = root / ckpt.step_folder(step)
         if self.rank == 0:
             layout = {"stages": c.stages, "replicas": c.replicas,
                       "virtual_stages": c.virtual_stages, "balance": self.balance}  # fmt: skip
             manifest = ckpt.Manifest(
-                step=step, shards={k: v for e in gathered if e for k, v in e.items()},
-                config=asdict(c), model=self.spec, data=self.sampler.state_dict(), layout=layout,
-                scheduler=self.scheduler and lr_schedule.state(self.scheduler),
+                step=step, config=asdict(c), model=self.spec, data=self.sampler.state_dict(),
+                layout=layout, scheduler=self.scheduler and lr_schedule.state(self.scheduler),
             )  # fmt: skip
             final = ckpt.commit(root, folder, manifest, keep=c.keep)
         everyone.barrier("the checkpoint barrier after the commit", doing=doing)
@@ -403,19 +396,20 @@ class Trainer:
 
     def _load(self, path: str) -> None:
         manifest = ckpt.read_manifest(path)
-        names = list(self.pipe.state_dict())
-        self.pipe.load_state_dict(ckpt.load_tensors(manifest, names), strict=True)
+        same_cut = manifest.layout["stages"] == self.config.stages  # the same ranks' random state
+        loaded = ckpt.load(
+            manifest, model=list(self.pipe.state_dict()),
+            optimizer=self.optimizer and list(self.names.values()),
+            rng=self.mesh.pp_rank if same_cut else None,
+        )  # fmt: skip
+        self.pipe.load_state_dict(loaded.model, strict=True)
         if self.optimizer is not None:
-            params = list(self.names.values())
-            state = ckpt.load_optimizer_state(manifest, params)
-            state = sharded_optimizer_state(state, {n: p for p, n in self.names.items()})
+            state = sharded_optimizer_state(loaded.optimizer, {n: p for p, n in self.names.items()})
             ckpt.load_optimizer_state_by_name(self.optimizer, self.names, state)
             self._load_schedule(manifest)
         self.sampler.load_state_dict(manifest.data)
-        if manifest.layout["stages"] == self.config.stages:  # the same ranks' random state
-            rng = ckpt.rng_state(manifest, self.mesh.pp_rank)
-            if "torch" in rng:
-                torch.set_rng_state(rng["torch"].clone())  # cloned: the shard is memory-mapped
+        if loaded.rng is not None:
+            torch.set_rng_state(loaded.rng)
         self.start = manifest.step
 
     def _load_schedule(self, manifest: ckpt.Manifest) -> None:
