@@ -25,8 +25,8 @@ When a process fails, the others are given ``grace`` seconds to notice and raise
 error (the pipeline's ``timeout`` bounds that), then any still alive are killed: no process
 outlives :func:`launch`. The error raised names each failed rank and its message. SIGTERM to
 the launcher stops it as Ctrl-C does (exit code 143), and a launcher killed outright takes
-its processes with it (each watches its launcher through a Linux pidfd, or asks the kernel
-for a signal when its parent dies).
+its processes with it at once (each watches its launcher through a Linux pidfd, or asks the
+kernel for a signal when its parent dies: :func:`die_with`).
 
 On Linux the processes are forked from a server that imported torch and gpipe once
 (multiprocessing's "forkserver"): a rank starts in a fraction of a second, not the seconds
@@ -57,7 +57,7 @@ import torch.multiprocessing as mp
 
 from gpipe._utils import seconds
 
-__all__ = ["LaunchError", "free_port", "launch", "threads_per_process"]
+__all__ = ["LaunchError", "die_with", "free_port", "launch", "threads_per_process"]
 
 
 class LaunchError(RuntimeError):
@@ -138,9 +138,15 @@ def _write_to(outputs: tuple[Any, Any]) -> None:
             os.dup2(received.detach(), fd)
 
 
-def _die_with(launcher: int) -> None:
-    """A launched process ends (SIGTERM, as on a stop) when its launcher does, even killed
-    outright. A forked one's parent is the fork server, so it watches the launcher itself."""
+def die_with(launcher: int) -> None:
+    """This process ends at once (SIGKILL) when process ``launcher`` does, however it ends.
+
+    Not a SIGTERM, which asks a rank of ``gpipe train`` to finish its step and save: a
+    launcher killed outright means the whole job is (out of memory, a scheduler's kill),
+    and its ranks must not train on for another step. A forked rank's parent is the fork
+    server, so it watches the launcher itself; ``gpipe train`` under torchrun watches
+    torchrun.
+    """
     if hasattr(os, "pidfd_open"):
         try:
             launched_by = os.pidfd_open(launcher)
@@ -149,13 +155,13 @@ def _die_with(launcher: int) -> None:
 
         def watch() -> None:  # blocked in select: holds no GIL
             select.select([launched_by], [], [])
-            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), signal.SIGKILL)
 
         threading.Thread(target=watch, name="gpipe-launcher-watch", daemon=True).start()
         return
     with contextlib.suppress(OSError, AttributeError):
         libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     if os.getppid() != launcher:  # the launcher died before prctl took effect
         os._exit(1)
 
@@ -191,7 +197,7 @@ def _worker(
     import torch.distributed as dist
 
     _write_to(outputs)
-    _die_with(launcher)
+    die_with(launcher)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the launcher's: it sends SIGTERM
     os.environ.clear()  # the launcher's, as it is now (a fork server's is from its start)
     os.environ.update(environment)
