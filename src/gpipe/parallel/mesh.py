@@ -156,7 +156,8 @@ def _join(rank: int, size: int, address: str, port: int, timeout: float) -> Any:
                 shown = ", ".join(map(str, missing[:10])) + (", ..." if len(missing) > 10 else "")
                 raise WorldError(
                     f"rank {rank}: {size - len(missing)} of WORLD_SIZE={size} processes joined "
-                    f"at {where} within {timeout:g} s; rank {shown} did not come: start "
+                    f"at {where} within {timeout:g} s; rank{'s' if len(missing) > 1 else ''} "
+                    f"{shown} did not come: start "
                     f"{'it' if len(missing) == 1 else 'them'} with the same MASTER_ADDR and "
                     "MASTER_PORT, or lower WORLD_SIZE"
                 )
