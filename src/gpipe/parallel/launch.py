@@ -82,11 +82,24 @@ def _stop_on_sigterm() -> Any:
     return signal.signal(signal.SIGTERM, stop)
 
 
+def _stopped(pid: int | None) -> bool:
+    """Whether process ``pid`` is stopped (SIGSTOP, a debugger): it notices nothing."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
+
+
 def _end(processes: list[Any], wait: float) -> None:
-    """SIGTERM to the processes still running; SIGKILL to those alive after ``wait`` s."""
+    """SIGTERM to the processes still running; SIGKILL to those alive after ``wait`` s
+    (at once to a stopped one, which would act on a SIGTERM only once continued)."""
     for process in processes:
         if process.is_alive():
-            process.terminate()
+            if _stopped(process.pid):
+                process.kill()
+            else:
+                process.terminate()
     deadline = time.monotonic() + wait
     try:
         for process in processes:
@@ -280,6 +293,7 @@ def launch(
     ]
     outcomes: dict[int, tuple[str, Any]] = {}
     first_failure: float | None = None
+    frozen: set[int] = set()  # ranks stopped (SIGSTOP, a debugger) when the others failed
     previous = _stop_on_sigterm()
     try:
         for process in processes:
@@ -297,6 +311,9 @@ def launch(
             if not alive:
                 break
             if first_failure is not None and time.monotonic() - first_failure > grace:
+                break
+            if failed and all(_stopped(p.pid) for p in alive):
+                frozen = {processes.index(p) for p in alive}  # none of them can notice
                 break
             time.sleep(0.05)
     finally:
@@ -317,7 +334,12 @@ def launch(
             failures[rank] = value
         elif status != "ok":
             code = process.exitcode
-            if code is not None and code < 0:
+            if rank in frozen:
+                failures[rank] = (
+                    "stopped (SIGSTOP, or a debugger) while the others waited for it; killed "
+                    "once they had failed"
+                )
+            elif code is not None and code < 0:
                 failures[rank] = f"killed by signal {-code}"
             else:
                 failures[rank] = f"exited with code {code} without a result"

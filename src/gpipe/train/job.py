@@ -29,7 +29,11 @@ class TrainingError(RuntimeError):
     def __init__(self, failures: dict[int, str]) -> None:
         self.failures, self.rank = failures, root_cause(failures)
         first_line = (failures[self.rank].strip().splitlines() or ["?"])[0]
-        super().__init__(f"failed in rank {self.rank}: {first_line}")
+        if first_line.startswith("PipelineError: "):
+            # It names the rank that caused it (gpipe.transport.inquest): not this one.
+            super().__init__(first_line.removeprefix("PipelineError: "))
+        else:
+            super().__init__(f"failed in rank {self.rank}: {first_line}")
 
     @property
     def signal_exit(self) -> int | None:

@@ -21,6 +21,7 @@ from gpipe._utils import to_device
 from gpipe.errors import PipelineError
 from gpipe.schedule.comm_plan import receive_points, wire_order
 from gpipe.schedule.routes import Message, Routes
+from gpipe.transport import inquest
 from gpipe.transport.framing import (
     HEADER,
     History,
@@ -215,7 +216,9 @@ class DistributedTransport:
     def check_notices(self) -> None:
         """Raise the failure a peer announced, if one has."""
         if self._notices:
-            raise PipelineError(self._notices["message"], rank=self._notices["rank"])
+            notice = self._notices
+            raise PipelineError(notice["message"], rank=notice["rank"],
+                                global_rank=notice.get("global_rank"))  # fmt: skip
 
     def peer_gave_up(self) -> bool:
         """Whether a peer announced that it left the pipeline without agreeing on the
@@ -368,7 +371,8 @@ class DistributedTransport:
                 data = meta.cpu().numpy().tobytes()
                 if size < 0:
                     failure = pickle.loads(data)
-                    raise PipelineError(failure["message"], rank=failure["rank"])
+                    raise PipelineError(failure["message"], rank=failure["rank"],
+                                        global_rank=failure.get("global_rank"))  # fmt: skip
                 history.update(data)
             elif history.last is None:
                 raise PipelineError(f"rank {src} sent {message} without describing it", rank=src)
@@ -406,19 +410,58 @@ class DistributedTransport:
             for work in works:
                 work.wait(timeout=timedelta(seconds=self.timeout))
         except Exception as error:  # a dead peer or a timeout: gloo and NCCL differ
-            text = str(error).splitlines()[0] if str(error) else type(error).__name__
-            if "imed out" in text or "imeout" in text:
-                raise PipelineError(
-                    f"rank {self.rank} waited {self.timeout:g} s for {message.channel} of "
-                    f"micro-batch {message.microbatch} from rank {src} without an answer; "
-                    "raise Pipe(timeout=...) if stages are this slow",
-                    rank=src,
-                ) from error
-            raise PipelineError(
-                f"rank {self.rank} lost rank {src} while waiting for its {message.channel} "
-                f"of micro-batch {message.microbatch} (did that process die?): {text}",
+            raise self._wait_failed(error, src, message) from error
+
+    def _wait_failed(self, error: Exception, src: int, message: Message) -> PipelineError:
+        """The error of a receive from ``src`` that failed: naming the rank that caused it,
+        which may not be ``src`` (``gpipe.transport.inquest``)."""
+        text = str(error).splitlines()[0] if str(error) else type(error).__name__
+        text = text.split(" This is typically")[0]  # gloo's advice after the cause
+        timed_out = "imed out" in text or "imeout" in text
+        me, peer = self._global(self.rank), self._global(src)
+        what = f"{message.channel} of micro-batch {message.microbatch}"
+        waited = (
+            f"rank {me} waited {self.timeout:g} s for the {what} from rank {peer}"
+            if timed_out
+            else f"rank {me} lost rank {peer} while waiting for its {what} ({text})"
+        )
+        verdict = inquest.blame(me, [peer], waited, timeout=self.timeout)
+        if verdict.failed:
+            culprit = next(iter(verdict.failed))
+            return PipelineError(f"{verdict.describe(me)}; {waited}", rank=self._local(culprit),
+                                 global_rank=culprit)  # fmt: skip
+        if verdict.silent and verdict.silent != [peer]:
+            culprit = verdict.silent[0]
+            return PipelineError(
+                f"{verdict.describe(me)}: {waited}; look for why rank {culprit} stopped (its "
+                "own error, py-spy dump), or raise the timeout (Pipe(timeout=...), gpipe "
+                "train --timeout) if it is only slow",
+                rank=self._local(culprit),
+                global_rank=culprit,
+            )
+        if timed_out:  # rank src itself, or nobody could tell
+            maybe = "" if verdict.silent else "; it may itself be waiting on another rank"
+            return PipelineError(
+                f"{waited} without an answer{maybe}: rank {peer} stalled or is slower than "
+                "that; look for why (its own error, py-spy dump), or raise the timeout "
+                "(Pipe(timeout=...), gpipe train --timeout) if stages are this slow",
                 rank=src,
-            ) from error
+                global_rank=peer,
+            )
+        return PipelineError(
+            f"{waited}: rank {peer} died or left; look for its own error, or why it was "
+            "killed (out of memory?)",
+            rank=src,
+            global_rank=peer,
+        )
+
+    def _local(self, rank: int) -> int | None:
+        """The rank in this pipeline's group of global rank ``rank``, or None (another
+        replica's)."""
+        try:
+            return self._dist.get_group_rank(self.group, rank)
+        except (RuntimeError, ValueError):
+            return None
 
     # -- outside the schedule -----------------------------------------------------------------
 
