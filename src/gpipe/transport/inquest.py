@@ -14,7 +14,6 @@ Ranks are global (the store is the whole job's), as a user knows them.
 
 from __future__ import annotations
 
-import contextlib
 import pickle
 import time
 from collections.abc import Iterable
@@ -25,6 +24,7 @@ __all__ = ["Verdict", "blame", "grace", "state"]
 
 _PREFIX = "gpipe/inquest/"
 _last_blame: dict[int, float] = {}  # rank -> when it last waited for statements
+_gone: list[bool] = []  # not empty once the store could not be reached
 
 
 def grace(timeout: float) -> float:
@@ -35,6 +35,8 @@ def grace(timeout: float) -> float:
 
 def _store() -> Any:
     """The default process group's store, or None (no group, or a torch without it)."""
+    if _gone:
+        return None
     try:
         import torch.distributed as dist
         from torch.distributed.distributed_c10d import _get_default_store
@@ -51,8 +53,10 @@ def state(rank: int, waits_on: Iterable[int], what: str) -> None:
     if store is None:
         return
     # The store's host may have died with its process: then there is no one to tell.
-    with contextlib.suppress(Exception):
+    try:
         store.set(_PREFIX + str(rank), pickle.dumps((time.time(), tuple(waits_on), what)))
+    except Exception:
+        _gone.append(True)
 
 
 @dataclass(frozen=True)
@@ -114,7 +118,11 @@ def blame(me: int, waits_on: Iterable[int], what: str, *, timeout: float) -> Ver
         while frontier:
             rank = frontier.pop(0)
             if rank not in statements:
-                said = _read(store, rank, since)
+                try:
+                    said = _read(store, rank, since)
+                except _StoreGone:  # what is known so far; the silent ones stay unknown
+                    failed = {r: t for r, (w, t) in statements.items() if not w}
+                    return Verdict(failed, [], path)
                 if said is None:
                     pending.append(rank)
                     continue
@@ -130,12 +138,17 @@ def blame(me: int, waits_on: Iterable[int], what: str, *, timeout: float) -> Ver
         time.sleep(0.05)
 
 
+class _StoreGone(Exception):
+    """The store's host (rank 0's process, with gpipe.launch) has exited."""
+
+
 def _read(store: Any, rank: int, since: float) -> tuple[tuple[int, ...], str] | None:
     key = _PREFIX + str(rank)
     try:
         if not store.check([key]):
             return None
         written, waits_on, what = pickle.loads(store.get(key))
-    except Exception:  # the store's host is gone: no more statements to read
-        return None
+    except Exception as error:
+        _gone.append(True)  # torch logs each failed call: try no more in this process
+        raise _StoreGone from error
     return (tuple(waits_on), what) if written >= since else None
