@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from gpipe.errors import PipelineError
-from gpipe.transport import inquest
+from gpipe.transport.inquest import blame
 
 __all__ = ["Collectives"]
 
@@ -84,7 +84,7 @@ class Collectives:
         me = self._global(self.rank)
         others = [self._global(r) for r in range(self.size) if r != self.rank]
         stuck = f"{where}: {operation} {'timed out' if timed_out else 'failed'}"
-        verdict = inquest.blame(me, others, stuck, timeout=self.timeout)
+        verdict = blame(me, others, stuck, timeout=self.timeout)
         if verdict.failed:
             culprit = next(iter(verdict.failed))
             return PipelineError(f"{verdict.describe(me)}; {stuck}", rank=self._local(culprit),

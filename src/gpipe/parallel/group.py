@@ -37,8 +37,8 @@ from gpipe.parallel.collectives import Collectives
 from gpipe.parallel.tied import TiedParameters
 from gpipe.schedule.ir import Schedule
 from gpipe.schedule.routes import Routes
-from gpipe.transport import inquest
 from gpipe.transport.distributed import DistributedTransport
+from gpipe.transport.inquest import state
 from gpipe.transport.local import LocalTransport
 
 __all__ = [
@@ -383,7 +383,7 @@ class MultiProcess:
             if culprit is None and origin is not None:
                 culprit = dist.get_global_rank(self.group, origin)
             waited = [culprit] if culprit is not None else self._global_others()
-            inquest.state(me, waited, message)
+            state(me, waited, message)
             origin = self.rank if origin is None else origin
         else:
             origin, culprit = self.rank, me
@@ -391,7 +391,7 @@ class MultiProcess:
             message = f"rank {me} (stage {held}) raised {type(error).__name__}: {error}"
             if hasattr(error, "add_note"):
                 error.add_note(f"raised in pipeline rank {self.rank} (stage {held})")
-            inquest.state(me, [], message)  # before the news: whoever asks finds the cause
+            state(me, [], message)  # before the news: whoever asks finds the cause
         self.broken = message
         self.transport.announce_failure(
             {"rank": origin, "global_rank": culprit, "message": message}

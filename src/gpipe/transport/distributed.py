@@ -21,7 +21,6 @@ from gpipe._utils import to_device
 from gpipe.errors import PipelineError
 from gpipe.schedule.comm_plan import receive_points, wire_order
 from gpipe.schedule.routes import Message, Routes
-from gpipe.transport import inquest
 from gpipe.transport.framing import (
     HEADER,
     History,
@@ -30,6 +29,7 @@ from gpipe.transport.framing import (
     spec_text,
     tensors,
 )
+from gpipe.transport.inquest import blame, said_by
 from gpipe.transport.sender import Outbox
 
 __all__ = ["DistributedTransport"]
@@ -173,15 +173,7 @@ class DistributedTransport:
         self._pending = {src: deque() for src in self._incoming}
         self._arriving.clear()
         for src in self._incoming:
-            try:
-                self._post_next(src)
-            except RuntimeError as error:  # gloo: "Connection closed by peer"
-                raise PipelineError(
-                    f"rank {self.rank}: posting the first receives of a step failed: rank "
-                    f"{src} left the group (it died, or gave up on this pipeline): {error}; "
-                    "look for that rank's own error",
-                    rank=src,
-                ) from error
+            self._post_next(src)  # raises PipelineError if src left
         self._listen_for_notices()
 
     def prepare(self, action: Any) -> None:
@@ -291,8 +283,30 @@ class DistributedTransport:
         dist = self._dist
         peer = self._global(dst)
         ops = [dist.P2POp(dist.isend, t, peer, group, tag) for t in frames]
-        works = dist.batch_isend_irecv(ops)
+        try:
+            works = dist.batch_isend_irecv(ops)
+        except RuntimeError as error:  # gloo: "Connection closed by peer"
+            raise self._left(error, dst, "send to") from error
         self._outbox.add(dst, tag, works, frames)
+
+    def _left(self, error: RuntimeError, peer: int, doing: str) -> PipelineError:
+        """Posting a transfer failed: ``peer`` left. The failure it announced, if any."""
+        try:
+            self.check_notices()  # it gave up on this step, and said why
+        except PipelineError as announced:
+            return announced
+        me, other = self._global(self.rank), self._global(peer)
+        said = said_by(other, timeout=self.timeout)
+        if said is not None:  # it gave up on this pipeline: its words, which may name this rank
+            return PipelineError(f"rank {me}: rank {other} gave up on this pipeline: {said}",
+                                 rank=peer, global_rank=other)  # fmt: skip
+        text = str(error).splitlines()[0].split(" This is typically")[0]
+        return PipelineError(
+            f"rank {me} could not {doing} rank {other}, which left (died, or gave up on this "
+            f"pipeline): {text}; look for that rank's own error",
+            rank=peer,
+            global_rank=other,
+        )
 
     # -- receiving --------------------------------------------------------------------------
 
@@ -403,7 +417,10 @@ class DistributedTransport:
             return []
         dist = self._dist
         peer = self._global(src)
-        return dist.batch_isend_irecv([dist.P2POp(dist.irecv, t, peer, g, tag) for t, g in ops])
+        try:
+            return dist.batch_isend_irecv([dist.P2POp(dist.irecv, t, peer, g, tag) for t, g in ops])
+        except RuntimeError as error:  # gloo: "Connection closed by peer"
+            raise self._left(error, src, "receive from") from error
 
     def _wait(self, works: list, src: int, message: Message) -> None:
         try:
@@ -425,7 +442,7 @@ class DistributedTransport:
             if timed_out
             else f"rank {me} lost rank {peer} while waiting for its {what} ({text})"
         )
-        verdict = inquest.blame(me, [peer], waited, timeout=self.timeout)
+        verdict = blame(me, [peer], waited, timeout=self.timeout)
         if verdict.failed:
             culprit = next(iter(verdict.failed))
             return PipelineError(f"{verdict.describe(me)}; {waited}", rank=self._local(culprit),

@@ -20,7 +20,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Verdict", "blame", "grace", "state"]
+__all__ = ["Verdict", "blame", "grace", "said_by", "state"]
 
 _PREFIX = "gpipe/inquest/"
 _last_blame: dict[int, float] = {}  # rank -> when it last waited for statements
@@ -81,8 +81,9 @@ class Verdict:
             rank = self.path.get(rank)
         if not chain:
             return ""
-        waiters = " and ".join(f"rank {r}" for r in chain)
-        return f" ({waiters} {'waits' if len(chain) == 1 else 'wait'} on it)"
+        chain.reverse()  # from the rank ``me`` waits on, to the one that waits on the culprit
+        links = [f"rank {chain[0]} waits on"] + [f"rank {r}, which waits on" for r in chain[1:]]
+        return f" ({' '.join(links)} it)"
 
     def describe(self, me: int) -> str:
         """The cause in words, first culprit first: "rank 2 raised ...", "rank 2 did not
@@ -136,6 +137,19 @@ def blame(me: int, waits_on: Iterable[int], what: str, *, timeout: float) -> Ver
         if failed or not pending or time.monotonic() >= deadline:
             return Verdict(failed, [] if failed else pending, path)
         time.sleep(0.05)
+
+
+def said_by(rank: int, *, timeout: float) -> str | None:
+    """Rank ``rank``'s statement of its latest failure (at most a timeout and a grace old),
+    without waiting for one; None if it left none or the store is gone."""
+    store = _store()
+    if store is None:
+        return None
+    try:
+        said = _read(store, rank, time.time() - timeout - grace(timeout))
+    except _StoreGone:
+        return None
+    return None if said is None else said[1]
 
 
 class _StoreGone(Exception):
