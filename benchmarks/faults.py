@@ -580,6 +580,14 @@ def _ranks(launcher: int) -> list[int]:
     return _workers(launcher)
 
 
+def _running(pid: int) -> bool:
+    """Alive, and not a zombie waiting for its new parent to reap it."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def _children(pid: int) -> list[int]:
     found = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True)
     return sorted(int(p) for p in found.stdout.split())
@@ -599,10 +607,10 @@ def _torchrun_killed(work: Path) -> tuple:
     ranks = _children(job.pid)
     job.kill()
     started = time.monotonic()
-    while any(Path(f"/proc/{p}").exists() for p in ranks) and time.monotonic() - started < 60:
+    while any(_running(p) for p in ranks) and time.monotonic() - started < 60:
         time.sleep(0.01)
     seconds = time.monotonic() - started
-    left = sum(Path(f"/proc/{p}").exists() for p in ranks)
+    left = sum(_running(p) for p in ranks)
     with contextlib.suppress(ProcessLookupError):
         os.killpg(job.pid, signal.SIGKILL)
     return ("kill -9 of torchrun (2 ranks of gpipe train)" + f" (before: {_BEFORE['torchrun']})",
