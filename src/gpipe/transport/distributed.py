@@ -457,7 +457,9 @@ class DistributedTransport:
                 global_rank=culprit,
             )
         if timed_out:  # rank src itself, or nobody could tell
-            maybe = "" if verdict.silent else "; it may itself be waiting on another rank"
+            # Silent for a grace more, with no one else to wait on (two ranks): it hung.
+            alone = verdict.silent and self.schedule.num_ranks == 2
+            maybe = "" if alone else "; it may itself be waiting on another rank"
             return PipelineError(
                 f"{waited} without an answer{maybe}: rank {peer} stalled or is slower than "
                 "that; look for why (its own error, py-spy dump), or raise the timeout "
