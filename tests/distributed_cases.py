@@ -475,3 +475,72 @@ def environment_and_output(rank, name):
     """The variable ``name`` as this process sees it, after printing a line to fd 1."""
     print(f"rank {rank} says hello", flush=True)
     return os.environ.get(name)
+
+
+class Stall(nn.Module):
+    """Identity that sleeps ``seconds`` in its ``at``-th forward (alive, silent: a hang)."""
+
+    def __init__(self, at: int, seconds: float) -> None:
+        super().__init__()
+        self.at, self.seconds, self.calls = at, seconds, 0
+
+    def forward(self, x):
+        if not gpipe.is_recomputing():
+            self.calls += 1
+            if self.calls == self.at:
+                time.sleep(self.seconds)
+        return x
+
+
+def stalled_two_hops(rank, timeout, folder):
+    """K=3; in the second step rank 2 hangs in a forward for longer than everyone's
+    timeout. Rank 1 waits on rank 2, rank 0 on rank 1: what each raised, and when."""
+    torch.set_num_threads(1)
+    from gpipe.transport.inquest import grace
+
+    stall = Stall(at=0, seconds=timeout + grace(timeout) + 3)
+
+    def factory():
+        layers = [nn.Linear(8, 8) if i % 2 == 0 else nn.ReLU() for i in range(6)]
+        layers[5] = stall
+        return nn.Sequential(*layers)
+
+    pipe = gpipe.Pipe(factory, balance=[2, 2, 2], chunks=2, group=dist.group.WORLD,
+                      timeout=timeout)  # fmt: skip
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    pipe.step(x, y, F.mse_loss)
+    stall.calls, stall.at = 0, 1  # the first forward of the next step
+    outcome = _outcome(lambda: pipe.step(x, y, F.mse_loss))
+    _alive_until_all_have_raised(folder, rank, 3, longest=3 * timeout + 10)
+    return outcome
+
+
+def data_parallel_fault(rank, how, shard, timeout, folder):
+    """2 replicas x 2 stages (``shard``: sharded over the replicas); in the second step
+    rank 3 (replica 1, stage 1) raises in a forward (``how="raise"``) or sleeps past the
+    timeout before it (``"stall"``), and stays alive. What each rank raised, and when."""
+    from gpipe.parallel.mesh import Mesh
+
+    torch.set_num_threads(1)
+    mesh = Mesh.build(2, 2, timeout=timeout)
+    fault = Fault(microbatch=0, how="raise", after_steps=1, chunks=2)
+
+    def factory():
+        layers = [nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU()]
+        if rank == 3 and how == "raise":
+            layers[3] = fault
+        return nn.Sequential(*layers)
+
+    pipe = gpipe.Pipe(factory, balance=[2, 2], chunks=2, group=mesh.pp, timeout=timeout,
+                      data_parallel_group=mesh.dp, shard="params" if shard else None)  # fmt: skip
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    pipe.step(x, y, F.mse_loss)
+    start = None
+    if rank == 3 and how == "stall":
+        from gpipe.transport.inquest import grace
+
+        time.sleep(timeout + grace(timeout) + 3)
+        start = time.monotonic()
+    outcome = _outcome(lambda: pipe.step(x, y, F.mse_loss), start=start)
+    _alive_until_all_have_raised(folder, rank, 4, longest=3 * timeout + 10)
+    return outcome

@@ -28,9 +28,12 @@ class PartitionError(ValueError):
 class PipelineError(RuntimeError):
     """A failure elsewhere in the pipeline (another rank raised, died or stalled)."""
 
-    def __init__(self, message: str, *, rank: int | None = None) -> None:
+    def __init__(
+        self, message: str, *, rank: int | None = None, global_rank: int | None = None
+    ) -> None:
         super().__init__(message)
         self.rank = rank  # the pipeline rank that failed first, when known
+        self.global_rank = global_rank  # that rank in the whole job, when known
 
 
 class NonFiniteError(FloatingPointError):

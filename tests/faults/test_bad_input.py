@@ -157,3 +157,60 @@ def test_export_of_a_damaged_checkpoint_names_the_file(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "is damaged: __0_0.distcp is not the file saved (checksum differs)" in err
     assert not (tmp_path / "m.pt").exists()
+
+
+@pytest.mark.parametrize(
+    ("variables", "message"),
+    [
+        ({"RANK": "2", "WORLD_SIZE": "2"}, "RANK=2 is not a rank of WORLD_SIZE=2 (ranks 0 to 1)"),
+        ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": None}, "MASTER_ADDR is not set"),
+        ({"RANK": "x", "WORLD_SIZE": "2"}, "RANK='x' is not a whole number"),
+        ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "70000"}, "MASTER_PORT=70000 is not"),
+    ],
+)
+def test_a_wrong_torchrun_environment_is_named_before_anything_waits(
+    monkeypatch, capsys, variables, message
+):
+    """Set by hand, RANK/WORLD_SIZE/MASTER_* once gave torch's store errors after its timeout."""
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    for name, value in variables.items():
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+    assert main(["train", "--size", "tiny", "--timeout", "600"]) == 2
+    error = capsys.readouterr().err
+    assert error.startswith(f"gpipe train: error: {message}"), error
+    assert "torchrun" in error and "unset RANK and WORLD_SIZE" in error  # the remedies
+    assert len(error.strip().splitlines()) == 1
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.slow
+def test_a_process_waiting_for_peers_that_never_come_names_them_within_the_timeout(cache, tmp_path):
+    """RANK=0 WORLD_SIZE=3 alone: told at once that it waits, then which ranks did not come,
+    once --timeout has passed (not torch's store error)."""
+    import time
+
+    from gpipe.parallel.launch import free_port
+
+    env = {**os.environ, "GPIPE_CACHE_DIR": str(cache), "PYTHONPATH": str(SRC)}
+    env.update(RANK="0", WORLD_SIZE="3", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    timeout = 5.0
+    began = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-m", "gpipe", "train", "--size", "tiny", "--stages", "3",
+         "--timeout", str(timeout), "--out", str(tmp_path / "alone")],
+        env=env, capture_output=True, text=True, timeout=100,
+    )  # fmt: skip
+    seconds = time.monotonic() - began
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert lines[0].startswith("gpipe: rank 0 of WORLD_SIZE=3 waits for the other processes")
+    assert lines[-1].startswith(
+        "gpipe train: error: rank 0: 1 of WORLD_SIZE=3 processes joined at MASTER_ADDR=127.0.0.1"
+    ), lines
+    assert "within 5 s; ranks 1, 2 did not come: start them with the same MASTER_ADDR" in lines[-1]
+    assert len(lines) == 2, lines
+    assert timeout <= seconds <= 4 * timeout + 20  # start-up, then the timeout: no store error

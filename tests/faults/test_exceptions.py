@@ -11,7 +11,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import gpipe
-from distributed_cases import BackwardFault, faulty, faulty_backward
+from distributed_cases import BackwardFault, data_parallel_fault, faulty, faulty_backward
 from gpipe.parallel.launch import LaunchError, launch
 from gpipe.train.job import root_cause
 from reference import even_balance, twin, worst_gradient_error
@@ -141,3 +141,16 @@ def test_a_failed_run_reports_the_rank_that_caused_it():
     # gloo's words for a wait that ran out while its peer was stuck: a consequence too
     assert root_cause({0: "RuntimeError: Application timeout caused pair closure",
                        3: "KeyError: 'boom'"}) == 3  # fmt: skip
+
+
+@pytest.mark.slow
+def test_a_data_parallel_failure_names_the_rank_that_raised_not_its_replica_peer(tmp_path):
+    # 2 replicas x 2 stages: rank 3 raises in a forward and stays alive; rank 0 waits on
+    # rank 2 (its replica peer, which learnt it from rank 3), rank 1 on rank 3
+    outcomes = launch(data_parallel_fault, 4, args=("raise", False, 4.0, str(tmp_path)),
+                      timeout=600)  # fmt: skip
+    assert outcomes[3]["type"] == "KeyError", outcomes[3]
+    raised = "rank 3 (stage 1) raised KeyError: 'injected fault at micro-batch 0'"
+    assert outcomes[0]["message"].startswith(f"rank 3 failed (rank 2 waits on it): {raised}")
+    assert outcomes[1]["message"].startswith(f"rank 3 failed: {raised}"), outcomes[1]
+    assert outcomes[2]["message"] == raised, outcomes[2]

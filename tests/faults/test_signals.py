@@ -87,6 +87,94 @@ def test_a_stopped_or_killed_launcher_leaves_no_process(tmp_path, sent, code):
         launcher.kill()
 
 
+BUSY_JOB = """
+import os, signal, time, gpipe
+
+def work(rank):
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # as a rank that finishes its step first
+    print(f"rank {rank} working as {os.getpid()};", flush=True)
+    time.sleep(120)
+
+if __name__ == "__main__":
+    gpipe.launch(work, 2, timeout=30)
+"""
+
+
+def _started_ranks(launcher: subprocess.Popen) -> list[int]:
+    seen = ""
+    while seen.count("working") < 2:
+        line = launcher.stdout.readline()
+        assert line, f"the launcher ended before both ranks started: {seen!r}"
+        seen += line
+    return [int(pid) for pid in re.findall(r"working as (\d+);", seen)]
+
+
+def _gone_within(pids: list[int], seconds: float) -> list[int]:
+    deadline = time.monotonic() + seconds
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return [p for p in pids if alive(p)]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.timeout(90)
+@pytest.mark.slow
+def test_ranks_end_at_once_with_a_killed_launcher_not_after_their_step(tmp_path):
+    """kill -9 of the launcher: no rank finishes its step or saves (it would train on)."""
+    script = tmp_path / "job.py"
+    script.write_text(BUSY_JOB)
+    env = {**os.environ, "PYTHONPATH": str(SRC)}
+    launcher = subprocess.Popen(
+        [sys.executable, str(script)], env=env, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        ranks = _started_ranks(launcher)
+        launcher.kill()
+        assert launcher.wait(timeout=30) == -9
+        assert not _gone_within(ranks, 10.0)  # far below their 120 s of work
+    finally:
+        launcher.kill()
+        for pid in ranks if "ranks" in locals() else []:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.timeout(150)
+@pytest.mark.slow
+def test_gpipe_train_under_a_killed_torchrun_stops_at_once(cache, tmp_path):
+    """torchrun starts its ranks in their own session: killed outright, it once left them
+    training on (1000 steps in a minute). Each rank watches torchrun and ends with it."""
+    out = tmp_path / "torchrun"
+    env = {**os.environ, "GPIPE_CACHE_DIR": str(cache), "PYTHONPATH": str(SRC)}
+    for variable in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(variable, None)
+    torchrun = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "gpipe",
+         "train", "--size", "tiny", "--steps", "5000", "--save-every", "0", "--eval-every", "0",
+         "--sample-tokens", "0", "--progress", "lines", "--log-every", "1", "--out", str(out)],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    ranks = []
+    try:
+        for line in torchrun.stdout:
+            if line.startswith("step     3/"):
+                break
+        ranks = [p for p in descendants(torchrun.pid) if "gpipe" in _cmdline(p)]
+        assert len(ranks) == 2, [_cmdline(p) for p in descendants(torchrun.pid)]
+        torchrun.kill()
+        torchrun.wait(timeout=30)
+        assert not _gone_within(ranks, 10.0)
+        assert not (out / "checkpoints").exists()  # nothing trained on to a save
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(torchrun.pid, signal.SIGKILL)
+        for pid in ranks:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
 def _cmdline(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from distributed_cases import data_parallel_stalled, stalled
+from distributed_cases import data_parallel_fault, data_parallel_stalled, stalled, stalled_two_hops
 from gpipe.parallel.launch import LaunchError, launch
+from gpipe.transport.inquest import grace
 
 TIMEOUT = 4.0  # the pipeline's; the process group's is far longer, as torchrun's 30 minutes
 LATE = 4 * TIMEOUT  # the latest a waiting rank may raise
@@ -74,3 +75,36 @@ def test_a_rank_stalled_before_the_data_parallel_all_reduce_is_named_by_its_glob
     assert "the data-parallel gradient all-reduce" in message, message
     assert "rank 3 (rank 1 of this group) did not arrive" in message, message
     assert outcomes[3]["type"] == "PipelineError" and outcomes[3]["seconds"] < AT_ONCE, outcomes[3]
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.slow
+def test_a_rank_two_hops_from_a_hung_one_names_the_hung_one_not_its_neighbour(tmp_path):
+    # K=3: rank 2 hangs in a forward; rank 1 waits on it, rank 0 on rank 1
+    outcomes = launch(stalled_two_hops, 3, args=(TIMEOUT, str(tmp_path)), timeout=600)
+    first, second = outcomes[0], outcomes[1]
+    assert first["type"] == "PipelineError" and first["rank"] == 2, first
+    assert first["message"].startswith(
+        "rank 2 did not answer (stalled, or died) (rank 1 waits on it): rank 0 waited 4 s for "
+        "the gradient of micro-batch 1 from rank 1; look for why rank 2 stopped"
+    ), first
+    assert second["rank"] == 2 and "from rank 2 without an answer" in second["message"], second
+    for outcome in (first, second):  # the timeout, and the grace to hear from the others
+        assert TIMEOUT - 0.5 <= outcome["seconds"] <= LATE + grace(TIMEOUT), outcome
+    # Awake, the hung rank learns why the others gave up (from rank 1's statement).
+    assert "rank 1 gave up on this pipeline: rank 1 waited" in outcomes[2]["message"]
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.slow
+def test_a_stalled_sharded_replica_is_named_by_every_rank(tmp_path):
+    # 2 sharded replicas x 2 stages; rank 3 sleeps before its second step
+    outcomes = launch(data_parallel_fault, 4, args=("stall", True, TIMEOUT, str(tmp_path)),
+                      timeout=600)  # fmt: skip
+    for rank in (0, 1, 2):
+        outcome = outcomes[rank]
+        assert outcome["type"] == "PipelineError", outcome
+        assert outcome["seconds"] <= LATE + grace(TIMEOUT), outcome
+        message = outcome["message"]
+        assert "rank 3" in message and "did not a" in message, message  # arrive / answer
+        assert not [f"rank {r} did not" for r in (0, 1, 2) if f"rank {r} did not" in message]

@@ -51,6 +51,7 @@ from typing import Any
 
 from gpipe.checkpoint import CheckpointError
 from gpipe.checkpoint_integrity import choose
+from gpipe.parallel.mesh import WorldError, job_environment
 from gpipe.train import (
     ConfigError,
     TrainConfig,
@@ -124,10 +125,20 @@ def _shown(default: Any) -> str:
     return str(default)
 
 
+# RANK and WORLD_SIZE make gpipe train one process of a job started elsewhere.
+_OR_ALONE = " (or unset RANK and WORLD_SIZE: gpipe train then starts its processes itself)"
+
+
 def run(args: argparse.Namespace) -> int:
     torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
-    world_size = int(os.environ["WORLD_SIZE"]) if torchrun else None
-    speaks = int(os.environ.get("RANK", "0")) == 0
+    world_size, speaks = None, True
+    if torchrun:
+        try:  # checked before anything waits for the other processes
+            rank, world_size, _, _ = job_environment()
+        except WorldError as error:  # every process says it: each has its own environment
+            print(f"gpipe train: error: {error}{_OR_ALONE}", file=sys.stderr)
+            return 2
+        speaks = rank == 0
     resume = args.resume
     try:
         options = config_file.merge(args.config, vars(args))
@@ -144,7 +155,11 @@ def run(args: argparse.Namespace) -> int:
             print(f"gpipe train: error:\n{text}", file=sys.stderr)
         return 2
     if torchrun:
-        run_under_torchrun(config)
+        try:
+            run_under_torchrun(config)
+        except WorldError as error:  # each process says it: the others may not have come
+            print(f"gpipe train: error: {error}{_OR_ALONE}", file=sys.stderr)
+            return 2
         return 0
     try:
         run_job(config)

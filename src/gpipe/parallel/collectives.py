@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from gpipe.errors import PipelineError
+from gpipe.transport.inquest import blame
 
 __all__ = ["Collectives"]
 
@@ -75,10 +76,23 @@ class Collectives:
     def error(
         self, operation: str, error: BaseException, *, doing: str = "", timed_out: bool
     ) -> PipelineError:
-        """The error of a collective that did not complete: what, who, and what to do."""
-        others = [r for r in range(self.size) if r != self.rank]
-        who = self._named(others[0]) if len(others) == 1 else "a peer"
+        """The error of a collective that did not complete: what, who, and what to do.
+
+        Who: the rank that caused it, found by following what the others were waiting on
+        (``gpipe.transport.inquest``), not a peer that only waited too."""
         where = self._named(self.rank) + (f", {doing}" if doing else "")
+        me = self._global(self.rank)
+        others = [self._global(r) for r in range(self.size) if r != self.rank]
+        stuck = f"{where}: {operation} {'timed out' if timed_out else 'failed'}"
+        verdict = blame(me, others, stuck, timeout=self.timeout)
+        if verdict.failed:
+            culprit = next(iter(verdict.failed))
+            return PipelineError(f"{verdict.describe(me)}; {stuck}", rank=self._local(culprit),
+                                 global_rank=culprit)  # fmt: skip
+        culprits = verdict.silent or (others if len(others) == 1 else [])
+        who = " and ".join(self._named_global(r) for r in culprits) or "a peer"
+        if len(culprits) == 1:
+            who += verdict.via(culprits[0], me)
         if timed_out:
             what = (
                 f"{operation} did not complete within the pipeline's timeout of "
@@ -90,20 +104,38 @@ class Collectives:
                 "stopped (its own error or traceback, py-spy dump)"
             )
         else:
-            what = f"{operation} failed: {who} left the group (died or closed it): {error}"
+            said = str(error).splitlines()[0].split(" This is typically")[0] if str(error) else ""
+            what = f"{operation} failed: {who} left the group (died or closed it): {said}"
             remedy = "look for that rank's own error, or why it was killed (out of memory?)"
+        culprit = culprits[0] if len(culprits) == 1 else None
         return PipelineError(
-            f"{where}: {what}; {remedy}", rank=others[0] if len(others) == 1 else None
+            f"{where}: {what}; {remedy}",
+            rank=None if culprit is None else self._local(culprit),
+            global_rank=culprit,
         )
+
+    def _global(self, rank: int) -> int:
+        try:
+            return dist.get_global_rank(self.group, rank)
+        except (RuntimeError, ValueError):  # a group torch.distributed does not know
+            return rank
+
+    def _local(self, rank: int) -> int | None:
+        """This group's rank of global rank ``rank``; None if it is not in the group."""
+        try:
+            return dist.get_group_rank(self.group, rank)
+        except (RuntimeError, ValueError):
+            return None
 
     def _named(self, rank: int) -> str:
         """A rank of this group as a user knows it: its global rank (a data-parallel group's
         rank 1 is no process's name)."""
-        try:
-            known = dist.get_global_rank(self.group, rank)
-        except (RuntimeError, ValueError):  # a group torch.distributed does not know
-            known = rank
+        known = self._global(rank)
         return f"rank {rank}" if known == rank else f"rank {known} (rank {rank} of this group)"
+
+    def _named_global(self, rank: int) -> str:
+        local = self._local(rank)
+        return f"rank {rank}" if local is None else self._named(local)
 
     # -- tensors ------------------------------------------------------------------------------
 

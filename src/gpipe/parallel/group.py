@@ -38,6 +38,7 @@ from gpipe.parallel.tied import TiedParameters
 from gpipe.schedule.ir import Schedule
 from gpipe.schedule.routes import Routes
 from gpipe.transport.distributed import DistributedTransport
+from gpipe.transport.inquest import state
 from gpipe.transport.local import LocalTransport
 
 __all__ = [
@@ -252,10 +253,10 @@ class MultiProcess:
             if self.broken is None:
                 self.broken = str(error)
                 if self.transport is not None:
-                    others = [r for r in range(self.num_ranks) if r != self.rank]
                     self.transport.announce_failure(
-                        {"rank": others[0] if len(others) == 1 else self.rank,
-                         "message": str(error), "gave_up": True}
+                        {"rank": self.rank if error.rank is None else error.rank,
+                         "global_rank": error.global_rank, "message": str(error),
+                         "gave_up": True}
                     )  # fmt: skip
             raise
 
@@ -379,26 +380,44 @@ class MultiProcess:
 
     def fail(self, error: BaseException, stages: list[Stage]) -> None:
         """Tell the other ranks this step failed here (or upstream), then agree on who."""
+        import torch.distributed as dist
+
         if self.broken is not None or self.transport.peer_gave_up():
             # A collective of this step failed here (the peers have been told), or a peer's
             # did: nobody would come to agree.
             self.broken = self.broken or str(error)
             return
-        if isinstance(error, PipelineError) and error.rank is not None:
+        me = dist.get_global_rank(self.group, self.rank)
+        if isinstance(error, PipelineError):  # from elsewhere: this rank only waited
             origin, message = error.rank, str(error)
+            culprit = error.global_rank
+            if culprit is None and origin is not None:
+                culprit = dist.get_global_rank(self.group, origin)
+            waited = [culprit] if culprit is not None else self._global_others()
+            state(me, waited, message)
+            origin = self.rank if origin is None else origin
         else:
-            origin = self.rank
+            origin, culprit = self.rank, me
             held = ", ".join(str(s.index) for s in stages)
-            message = f"rank {self.rank} (stage {held}) raised {type(error).__name__}: {error}"
+            message = f"rank {me} (stage {held}) raised {type(error).__name__}: {error}"
             if hasattr(error, "add_note"):
                 error.add_note(f"raised in pipeline rank {self.rank} (stage {held})")
+            state(me, [], message)  # before the news: whoever asks finds the cause
         self.broken = message
-        self.transport.announce_failure({"rank": origin, "message": message})
+        self.transport.announce_failure(
+            {"rank": origin, "global_rank": culprit, "message": message}
+        )
         try:
             self._gather(0.0, failed=origin)
             self._share_failures(message if origin == self.rank else "")
         except Exception:
             pass  # the peers have the announcement; the original error is what we raise
+
+    def _global_others(self) -> list[int]:
+        import torch.distributed as dist
+
+        return [dist.get_global_rank(self.group, r) for r in range(self.num_ranks)
+                if r != self.rank]  # fmt: skip
 
     def _share_failures(self, message: str) -> list[str]:
         try:

@@ -25,8 +25,8 @@ When a process fails, the others are given ``grace`` seconds to notice and raise
 error (the pipeline's ``timeout`` bounds that), then any still alive are killed: no process
 outlives :func:`launch`. The error raised names each failed rank and its message. SIGTERM to
 the launcher stops it as Ctrl-C does (exit code 143), and a launcher killed outright takes
-its processes with it (each watches its launcher through a Linux pidfd, or asks the kernel
-for a signal when its parent dies).
+its processes with it at once (each watches its launcher through a Linux pidfd, or asks the
+kernel for a signal when its parent dies: :func:`die_with`).
 
 On Linux the processes are forked from a server that imported torch and gpipe once
 (multiprocessing's "forkserver"): a rank starts in a fraction of a second, not the seconds
@@ -57,7 +57,7 @@ import torch.multiprocessing as mp
 
 from gpipe._utils import seconds
 
-__all__ = ["LaunchError", "free_port", "launch", "threads_per_process"]
+__all__ = ["LaunchError", "die_with", "free_port", "launch", "threads_per_process"]
 
 
 class LaunchError(RuntimeError):
@@ -82,11 +82,24 @@ def _stop_on_sigterm() -> Any:
     return signal.signal(signal.SIGTERM, stop)
 
 
+def _stopped(pid: int | None) -> bool:
+    """Whether process ``pid`` is stopped (SIGSTOP, a debugger): it notices nothing."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
+
+
 def _end(processes: list[Any], wait: float) -> None:
-    """SIGTERM to the processes still running; SIGKILL to those alive after ``wait`` s."""
+    """SIGTERM to the processes still running; SIGKILL to those alive after ``wait`` s
+    (at once to a stopped one, which would act on a SIGTERM only once continued)."""
     for process in processes:
         if process.is_alive():
-            process.terminate()
+            if _stopped(process.pid):
+                process.kill()
+            else:
+                process.terminate()
     deadline = time.monotonic() + wait
     try:
         for process in processes:
@@ -138,9 +151,15 @@ def _write_to(outputs: tuple[Any, Any]) -> None:
             os.dup2(received.detach(), fd)
 
 
-def _die_with(launcher: int) -> None:
-    """A launched process ends (SIGTERM, as on a stop) when its launcher does, even killed
-    outright. A forked one's parent is the fork server, so it watches the launcher itself."""
+def die_with(launcher: int) -> None:
+    """This process ends at once (SIGKILL) when process ``launcher`` does, however it ends.
+
+    Not a SIGTERM, which asks a rank of ``gpipe train`` to finish its step and save: a
+    launcher killed outright means the whole job is (out of memory, a scheduler's kill),
+    and its ranks must not train on for another step. A forked rank's parent is the fork
+    server, so it watches the launcher itself; ``gpipe train`` under torchrun watches
+    torchrun.
+    """
     if hasattr(os, "pidfd_open"):
         try:
             launched_by = os.pidfd_open(launcher)
@@ -149,13 +168,13 @@ def _die_with(launcher: int) -> None:
 
         def watch() -> None:  # blocked in select: holds no GIL
             select.select([launched_by], [], [])
-            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), signal.SIGKILL)
 
         threading.Thread(target=watch, name="gpipe-launcher-watch", daemon=True).start()
         return
     with contextlib.suppress(OSError, AttributeError):
         libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     if os.getppid() != launcher:  # the launcher died before prctl took effect
         os._exit(1)
 
@@ -191,7 +210,7 @@ def _worker(
     import torch.distributed as dist
 
     _write_to(outputs)
-    _die_with(launcher)
+    die_with(launcher)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the launcher's: it sends SIGTERM
     os.environ.clear()  # the launcher's, as it is now (a fork server's is from its start)
     os.environ.update(environment)
@@ -274,6 +293,7 @@ def launch(
     ]
     outcomes: dict[int, tuple[str, Any]] = {}
     first_failure: float | None = None
+    frozen: set[int] = set()  # ranks stopped (SIGSTOP, a debugger) when the others failed
     previous = _stop_on_sigterm()
     try:
         for process in processes:
@@ -291,6 +311,9 @@ def launch(
             if not alive:
                 break
             if first_failure is not None and time.monotonic() - first_failure > grace:
+                break
+            if failed and all(_stopped(p.pid) for p in alive):
+                frozen = {processes.index(p) for p in alive}  # none of them can notice
                 break
             time.sleep(0.05)
     finally:
@@ -311,7 +334,12 @@ def launch(
             failures[rank] = value
         elif status != "ok":
             code = process.exitcode
-            if code is not None and code < 0:
+            if rank in frozen:
+                failures[rank] = (
+                    "stopped (SIGSTOP, or a debugger) while the others waited for it; killed "
+                    "once they had failed"
+                )
+            elif code is not None and code < 0:
                 failures[rank] = f"killed by signal {-code}"
             else:
                 failures[rank] = f"exited with code {code} without a result"

@@ -9,7 +9,10 @@ values are small host-side numbers and objects (losses, counts, traces, manifest
 
 from __future__ import annotations
 
+import os
 import statistics
+import sys
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -23,8 +26,10 @@ from gpipe.parallel.collectives import Collectives
 
 __all__ = [
     "Mesh",
+    "WorldError",
     "ensure_world",
     "group_size",
+    "job_environment",
     "leave_world",
     "ping_pong",
     "world",
@@ -55,13 +60,111 @@ def barrier() -> None:
     dist.barrier()
 
 
+class WorldError(RuntimeError):
+    """This process cannot join its job: the environment (``RANK``, ``WORLD_SIZE``,
+    ``MASTER_ADDR``, ``MASTER_PORT``) is wrong, or the other processes did not come."""
+
+
+_REMEDY = (
+    "start every process with the same MASTER_ADDR and MASTER_PORT (rank 0's host and a "
+    "free port) and its own RANK, or use torchrun, which sets them"
+)
+
+
+def job_environment() -> tuple[int, int, str, int]:
+    """RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT of this process, checked: every problem
+    in one :class:`WorldError`, before anything waits."""
+    env, problems = os.environ, []
+    numbers = {}
+    for name in ("RANK", "WORLD_SIZE", "MASTER_PORT"):
+        text = env.get(name)
+        if text is None:
+            problems.append(f"{name} is not set")
+        elif not text.strip().isdigit():
+            problems.append(f"{name}={text!r} is not a whole number")
+        else:
+            numbers[name] = int(text)
+    rank, size, port = (numbers.get(n) for n in ("RANK", "WORLD_SIZE", "MASTER_PORT"))
+    if size is not None and size < 1:
+        problems.append(f"WORLD_SIZE={size}: a job has at least one process")
+    elif rank is not None and size is not None and rank >= size:
+        problems.append(f"RANK={rank} is not a rank of WORLD_SIZE={size} (ranks 0 to {size - 1})")
+    if port is not None and not 0 < port < 65536:
+        problems.append(f"MASTER_PORT={port} is not a TCP port (1 to 65535)")
+    if not env.get("MASTER_ADDR"):
+        problems.append("MASTER_ADDR is not set")
+    if problems:
+        raise WorldError(f"{'; '.join(problems)}: {_REMEDY}")
+    return rank, size, env["MASTER_ADDR"], port
+
+
 def ensure_world(backend: str = "gloo", timeout: float | None = None) -> int:
-    """Join the job's process group (from torchrun's environment) unless joined; this rank.
-    ``timeout`` (seconds) bounds its collectives (torch's default: 30 minutes)."""
-    if not dist.is_initialized():
-        limit = None if timeout is None else timedelta(seconds=timeout)
+    """Join the job's process group (from torchrun's environment, or the same variables set
+    by hand) unless joined; this rank. ``timeout`` (seconds) bounds the wait for the other
+    processes and then every collective (torch's default: 30 minutes).
+
+    A wrong environment, or processes that do not all come within ``timeout``, raise
+    :class:`WorldError` naming what is wrong (which ranks are missing) and the remedy,
+    instead of torch's own store or socket errors once its timeout has passed.
+    """
+    if dist.is_initialized():
+        return dist.get_rank()
+    rank, size, address, port = job_environment()
+    limit = timedelta(seconds=1800 if timeout is None else timeout)
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # torchrun's agent holds the store, and every process of the job has started.
         dist.init_process_group(backend, timeout=limit)
+        return dist.get_rank()
+    store = _join(rank, size, address, port, limit.total_seconds())
+    dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=limit)
     return dist.get_rank()
+
+
+def _join(rank: int, size: int, address: str, port: int, timeout: float) -> Any:
+    """Rank 0's store, reached by every process, once all ``size`` of them are there."""
+    where = f"MASTER_ADDR={address}, MASTER_PORT={port}"
+    began = time.monotonic()
+    # Said once, early, while a process waits: waiting in silence looks like a hang.
+    note = threading.Timer(3.0, lambda: print(
+        f"gpipe: rank {rank} of WORLD_SIZE={size} waits for the other processes at {where} "
+        f"(at most {timeout:g} s)", file=sys.stderr, flush=True))  # fmt: skip
+    note.daemon = True
+    note.start()
+    try:
+        try:
+            store = dist.TCPStore(address, port, size, is_master=rank == 0,
+                                  timeout=timedelta(seconds=timeout),
+                                  wait_for_workers=False)  # fmt: skip
+        except (RuntimeError, OSError) as error:
+            text = str(error).splitlines()[0] if str(error) else type(error).__name__
+            if rank == 0:
+                raise WorldError(
+                    f"rank 0 could not open the job's store at {where}: {text}; choose a free "
+                    "MASTER_PORT on rank 0's host (another job, or a second process with "
+                    "RANK=0, may hold this one)"
+                ) from None
+            raise WorldError(
+                f"rank {rank} could not reach rank 0 at {where} within {timeout:g} s: {text}; "
+                "start the process with RANK=0 there, with the same MASTER_PORT"
+            ) from None
+        if store.add(f"gpipe/rank/{rank}", 1) > 1:
+            raise WorldError(f"two processes of this job have RANK={rank}: {_REMEDY}")
+        store.add("gpipe/joined", 1)
+        while store.add("gpipe/joined", 0) < size:
+            if time.monotonic() - began > timeout:
+                missing = [r for r in range(size) if not store.check([f"gpipe/rank/{r}"])]
+                shown = ", ".join(map(str, missing[:10])) + (", ..." if len(missing) > 10 else "")
+                raise WorldError(
+                    f"rank {rank}: {size - len(missing)} of WORLD_SIZE={size} processes joined "
+                    f"at {where} within {timeout:g} s; rank{'s' if len(missing) > 1 else ''} "
+                    f"{shown} did not come: start "
+                    f"{'it' if len(missing) == 1 else 'them'} with the same MASTER_ADDR and "
+                    "MASTER_PORT, or lower WORLD_SIZE"
+                )
+            time.sleep(0.05)
+    finally:
+        note.cancel()
+    return store
 
 
 def leave_world() -> None:

@@ -273,19 +273,18 @@ class ShardedStages:
 
     def explain(self, error: BaseException) -> BaseException:
         """A failed FSDP collective (gloo's or NCCL's own words) as a ``PipelineError`` that
-        says which collective, over which ranks, and what to do; other errors as they are."""
+        says which collective, which replica caused it (``Collectives.error``), and what to
+        do; other errors as they are."""
         text = str(error)
         if not isinstance(error, RuntimeError) or isinstance(error, PipelineError):
             return error
         if not any(marker in text for marker in _COMMUNICATION_FAILURES):
             return error
-        ranks = dist.get_process_group_ranks(self.group)
-        return PipelineError(
-            f"rank {dist.get_rank()}: a collective of the sharded replicas (FSDP's parameter "
-            f"all-gather or gradient reduce-scatter over ranks {ranks}) did not complete "
-            f"within the pipeline's timeout of {self._ops.timeout:g} s: a replica stopped, "
-            f"died or is slower than that; raise Pipe(timeout=...) or look for why it "
-            f"stopped. ({text.splitlines()[0]})"
+        return self._ops.error(
+            "a collective of the sharded replicas (FSDP's parameter all-gather or gradient "
+            "reduce-scatter)",
+            RuntimeError(text.splitlines()[0]),
+            timed_out="imed out" in text or "imeout" in text,
         )
 
     # -- whole-model questions over the replicas -----------------------------------------------

@@ -380,6 +380,9 @@ def resolve(options: dict[str, Any], *, world_size: int | None = None) -> TrainC
                     f"--{key} {given[key]} differs from the checkpoint's {saved[key]!r}: a "
                     f"resumed run keeps the model, data and seed; drop --{key}"
                 )
+                # The rest is checked with the checkpoint's: another model with this
+                # checkpoint's model arguments would fail on them instead of saying this.
+                del given[key]
         for key in _OPTIMIZER_ON_RESUME:
             was = saved.get(key, getattr(TrainConfig, key))  # a checkpoint older than the key
             if key in given and given[key] != was:

@@ -13,7 +13,7 @@ from typing import Any
 
 import gpipe.train.config_file as config_file
 from gpipe.errors import COMMUNICATION_FAILURES
-from gpipe.parallel.launch import LaunchError, launch
+from gpipe.parallel.launch import LaunchError, die_with, launch
 from gpipe.parallel.mesh import ensure_world, leave_world, world_collectives
 from gpipe.train.config import ConfigError, TrainConfig
 from gpipe.train.report import write_json
@@ -29,7 +29,11 @@ class TrainingError(RuntimeError):
     def __init__(self, failures: dict[int, str]) -> None:
         self.failures, self.rank = failures, root_cause(failures)
         first_line = (failures[self.rank].strip().splitlines() or ["?"])[0]
-        super().__init__(f"failed in rank {self.rank}: {first_line}")
+        if first_line.startswith("PipelineError: "):
+            # It names the rank that caused it (gpipe.transport.inquest): not this one.
+            super().__init__(first_line.removeprefix("PipelineError: "))
+        else:
+            super().__init__(f"failed in rank {self.rank}: {first_line}")
 
     @property
     def signal_exit(self) -> int | None:
@@ -99,7 +103,13 @@ def _run(config: TrainConfig) -> dict[str, Any]:
 
 
 def run_under_torchrun(config: TrainConfig) -> dict[str, Any] | None:
-    """Train as one rank of the job torchrun started; rank 0's summary on rank 0."""
+    """Train as one rank of the job torchrun started (or of one whose RANK, WORLD_SIZE,
+    MASTER_ADDR and MASTER_PORT were set by hand); rank 0's summary on rank 0.
+
+    Raises :class:`~gpipe.parallel.mesh.WorldError` when that environment is wrong or the
+    other processes do not all come within ``config.timeout``."""
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # torchrun killed outright: stop with it
+        die_with(os.getppid())
     # CPU training, as when run() spawns the ranks; every wait bounded by --timeout
     rank = ensure_world("gloo", timeout=config.timeout)
     try:

@@ -29,6 +29,7 @@ from gpipe.transport.framing import (
     spec_text,
     tensors,
 )
+from gpipe.transport.inquest import blame, said_by
 from gpipe.transport.sender import Outbox
 
 __all__ = ["DistributedTransport"]
@@ -173,15 +174,7 @@ class DistributedTransport:
         self._pending = {src: deque() for src in self._incoming}
         self._arriving.clear()
         for src in self._incoming:
-            try:
-                self._post_next(src)
-            except RuntimeError as error:  # gloo: "Connection closed by peer"
-                raise PipelineError(
-                    f"rank {self.rank}: posting the first receives of a step failed: rank "
-                    f"{src} left the group (it died, or gave up on this pipeline): {error}; "
-                    "look for that rank's own error",
-                    rank=src,
-                ) from error
+            self._post_next(src)  # raises PipelineError if src left
         self._listen_for_notices()
 
     def prepare(self, action: Any) -> None:
@@ -216,7 +209,9 @@ class DistributedTransport:
     def check_notices(self) -> None:
         """Raise the failure a peer announced, if one has."""
         if self._notices:
-            raise PipelineError(self._notices["message"], rank=self._notices["rank"])
+            notice = self._notices
+            raise PipelineError(notice["message"], rank=notice["rank"],
+                                global_rank=notice.get("global_rank"))  # fmt: skip
 
     def peer_gave_up(self) -> bool:
         """Whether a peer announced that it left the pipeline without agreeing on the
@@ -286,7 +281,10 @@ class DistributedTransport:
     def _post(self, dst: int, frames: list[torch.Tensor], group: Any, tag: int) -> None:
         if not frames:
             return
-        works = self._p2p([(self._dist.isend, t, group) for t in frames], dst, tag)
+        try:
+            works = self._p2p([(self._dist.isend, t, group) for t in frames], dst, tag)
+        except RuntimeError as error:  # gloo: "Connection closed by peer"
+            raise self._left(error, dst, "send to") from error
         self._outbox.add(dst, tag, works, frames)
 
     def _p2p(self, ops: list[tuple[Callable, torch.Tensor, Any]], peer: int, tag: int) -> list:
@@ -302,6 +300,25 @@ class DistributedTransport:
             ]
         glob = self._global(peer)
         return dist.batch_isend_irecv([dist.P2POp(op, t, glob, g, tag) for op, t, g in ops])
+
+    def _left(self, error: RuntimeError, peer: int, doing: str) -> PipelineError:
+        """Posting a transfer failed: ``peer`` left. The failure it announced, if any."""
+        try:
+            self.check_notices()  # it gave up on this step, and said why
+        except PipelineError as announced:
+            return announced
+        me, other = self._global(self.rank), self._global(peer)
+        said = said_by(other, timeout=self.timeout)
+        if said is not None:  # it gave up on this pipeline: its words, which may name this rank
+            return PipelineError(f"rank {me}: rank {other} gave up on this pipeline: {said}",
+                                 rank=peer, global_rank=other)  # fmt: skip
+        text = str(error).splitlines()[0].split(" This is typically")[0]
+        return PipelineError(
+            f"rank {me} could not {doing} rank {other}, which left (died, or gave up on this "
+            f"pipeline): {text}; look for that rank's own error",
+            rank=peer,
+            global_rank=other,
+        )
 
     # -- receiving --------------------------------------------------------------------------
 
@@ -380,7 +397,8 @@ class DistributedTransport:
                 data = meta.cpu().numpy().tobytes()
                 if size < 0:
                     failure = pickle.loads(data)
-                    raise PipelineError(failure["message"], rank=failure["rank"])
+                    raise PipelineError(failure["message"], rank=failure["rank"],
+                                        global_rank=failure.get("global_rank"))  # fmt: skip
                 history.update(data)
             elif history.last is None:
                 raise PipelineError(f"rank {src} sent {message} without describing it", rank=src)
@@ -409,26 +427,70 @@ class DistributedTransport:
     def _irecv(self, ops: list[tuple[torch.Tensor, Any]], src: int, tag: int) -> list[Any]:
         if not ops:
             return []
-        return self._p2p([(self._dist.irecv, t, g) for t, g in ops], src, tag)
+        try:
+            return self._p2p([(self._dist.irecv, t, g) for t, g in ops], src, tag)
+        except RuntimeError as error:  # gloo: "Connection closed by peer"
+            raise self._left(error, src, "receive from") from error
 
     def _wait(self, works: list, src: int, message: Message) -> None:
         try:
             for work in works:
                 work.wait(timeout=timedelta(seconds=self.timeout))
         except Exception as error:  # a dead peer or a timeout: gloo and NCCL differ
-            text = str(error).splitlines()[0] if str(error) else type(error).__name__
-            if "imed out" in text or "imeout" in text:
-                raise PipelineError(
-                    f"rank {self.rank} waited {self.timeout:g} s for {message.channel} of "
-                    f"micro-batch {message.microbatch} from rank {src} without an answer; "
-                    "raise Pipe(timeout=...) if stages are this slow",
-                    rank=src,
-                ) from error
-            raise PipelineError(
-                f"rank {self.rank} lost rank {src} while waiting for its {message.channel} "
-                f"of micro-batch {message.microbatch} (did that process die?): {text}",
+            raise self._wait_failed(error, src, message) from error
+
+    def _wait_failed(self, error: Exception, src: int, message: Message) -> PipelineError:
+        """The error of a receive from ``src`` that failed: naming the rank that caused it,
+        which may not be ``src`` (``gpipe.transport.inquest``)."""
+        text = str(error).splitlines()[0] if str(error) else type(error).__name__
+        text = text.split(" This is typically")[0]  # gloo's advice after the cause
+        timed_out = "imed out" in text or "imeout" in text
+        me, peer = self._global(self.rank), self._global(src)
+        what = f"{message.channel} of micro-batch {message.microbatch}"
+        waited = (
+            f"rank {me} waited {self.timeout:g} s for the {what} from rank {peer}"
+            if timed_out
+            else f"rank {me} lost rank {peer} while waiting for its {what} ({text})"
+        )
+        verdict = blame(me, [peer], waited, timeout=self.timeout)
+        if verdict.failed:
+            culprit = next(iter(verdict.failed))
+            return PipelineError(f"{verdict.describe(me)}; {waited}", rank=self._local(culprit),
+                                 global_rank=culprit)  # fmt: skip
+        if verdict.silent and verdict.silent != [peer]:
+            culprit = verdict.silent[0]
+            return PipelineError(
+                f"{verdict.describe(me)}: {waited}; look for why rank {culprit} stopped (its "
+                "own error, py-spy dump), or raise the timeout (Pipe(timeout=...), gpipe "
+                "train --timeout) if it is only slow",
+                rank=self._local(culprit),
+                global_rank=culprit,
+            )
+        if timed_out:  # rank src itself, or nobody could tell
+            # Silent for a grace more, with no one else to wait on (two ranks): it hung.
+            alone = verdict.silent and self.schedule.num_ranks == 2
+            maybe = "" if alone else "; it may itself be waiting on another rank"
+            return PipelineError(
+                f"{waited} without an answer{maybe}: rank {peer} stalled or is slower than "
+                "that; look for why (its own error, py-spy dump), or raise the timeout "
+                "(Pipe(timeout=...), gpipe train --timeout) if stages are this slow",
                 rank=src,
-            ) from error
+                global_rank=peer,
+            )
+        return PipelineError(
+            f"{waited}: rank {peer} died or left; look for its own error, or why it was "
+            "killed (out of memory?)",
+            rank=src,
+            global_rank=peer,
+        )
+
+    def _local(self, rank: int) -> int | None:
+        """The rank in this pipeline's group of global rank ``rank``, or None (another
+        replica's)."""
+        try:
+            return self._dist.get_group_rank(self.group, rank)
+        except (RuntimeError, ValueError):
+            return None
 
     # -- outside the schedule -----------------------------------------------------------------
 

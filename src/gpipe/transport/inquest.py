@@ -1,0 +1,168 @@
+"""Who stopped the pipeline: after a wait failed, the rank that caused it, not the one waited on.
+
+A rank that times out waiting for rank 1 knows only that rank 1 did not answer; rank 1 may
+itself be waiting for rank 2, which hung. Blaming the rank waited on blames an innocent
+neighbour. So each rank whose wait fails leaves a statement in the job's store (torch's
+``TCPStore``, which outlives broken process-group connections): the ranks it waited on, or
+none when it failed by itself, and what it was doing. It then follows the statements from
+the ranks it waited on: a rank that failed by itself is the cause, with its own words; a
+rank that left no statement within a short grace (``grace``) stalled or died. The grace is
+paid only on a failure, once per rank; a step that succeeds never touches the store.
+
+Ranks are global (the store is the whole job's), as a user knows them.
+"""
+
+from __future__ import annotations
+
+import pickle
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["Verdict", "blame", "grace", "said_by", "state"]
+
+_PREFIX = "gpipe/inquest/"
+_last_blame: dict[int, float] = {}  # rank -> when it last waited for statements
+_gone: list[bool] = []  # not empty once the store could not be reached
+
+
+def grace(timeout: float) -> float:
+    """How long a rank waits for the others' statements: ranks stuck on one another time
+    out within moments of each other; a rank that never answers costs this once."""
+    return min(5.0, max(0.5, timeout / 2))
+
+
+def _store() -> Any:
+    """The default process group's store, or None (no group, or a torch without it)."""
+    if _gone:
+        return None
+    try:
+        import torch.distributed as dist
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        return _get_default_store() if dist.is_initialized() else None
+    except (ImportError, RuntimeError, ValueError):
+        return None
+
+
+def state(rank: int, waits_on: Iterable[int], what: str) -> None:
+    """Leave rank ``rank``'s statement: the ranks it waited on when its wait failed, or
+    none when it failed by itself (``what``: its error)."""
+    store = _store()
+    if store is None:
+        return
+    # The store's host may have died with its process: then there is no one to tell.
+    try:
+        store.set(_PREFIX + str(rank), pickle.dumps((time.time(), tuple(waits_on), what)))
+    except Exception:
+        _gone.append(True)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The ranks that caused a failed wait: ``failed`` raised (rank -> its words),
+    ``silent`` left no statement (stalled or died); ``path`` the ranks waited on through
+    which they were reached, by rank."""
+
+    failed: dict[int, str]
+    silent: list[int]
+    path: dict[int, int]  # rank -> the rank whose statement led to it
+
+    @property
+    def found(self) -> bool:
+        return bool(self.failed or self.silent)
+
+    def via(self, culprit: int, me: int) -> str:
+        """How ``me`` came to wait on ``culprit``: " (rank 1 waits on it)", or ""."""
+        chain, rank = [], self.path.get(culprit)
+        while rank is not None and rank != me:
+            chain.append(rank)
+            rank = self.path.get(rank)
+        if not chain:
+            return ""
+        chain.reverse()  # from the rank ``me`` waits on, to the one that waits on the culprit
+        links = [f"rank {chain[0]} waits on"] + [f"rank {r}, which waits on" for r in chain[1:]]
+        return f" ({' '.join(links)} it)"
+
+    def describe(self, me: int) -> str:
+        """The cause in words, first culprit first: "rank 2 raised ...", "rank 2 did not
+        answer (stalled, or died) (rank 1 waits on it)"."""
+        parts = [f"rank {r} failed{self.via(r, me)}: {text}" for r, text in self.failed.items()]
+        if self.silent:
+            named = " and ".join(f"rank {r}" for r in self.silent)
+            via = self.via(self.silent[0], me) if len(self.silent) == 1 else ""
+            parts.append(f"{named} did not answer (stalled, or died){via}")
+        return "; ".join(parts)
+
+
+def blame(me: int, waits_on: Iterable[int], what: str, *, timeout: float) -> Verdict:
+    """After rank ``me``'s wait on ``waits_on`` failed (``what``: what it was doing): leave
+    its statement, then follow the others' (for at most :func:`grace` seconds) to the ranks
+    that caused it. A verdict that found nobody (no store) names no one."""
+    waits_on = [r for r in waits_on if r != me]
+    store = _store()
+    if store is None:
+        return Verdict({}, [], {})
+    waited_before = time.monotonic() - _last_blame.get(me, -1e9) < timeout + grace(timeout)
+    _last_blame[me] = time.monotonic()
+    if not waited_before:  # else its first statement stands: the nearer to the cause
+        state(me, waits_on, what)
+    since = time.time() - timeout - grace(timeout)  # older statements: an earlier failure
+    # The grace once per failure: a rank's later waits of the same failure (its agreement
+    # on it) ask only what is known by now.
+    deadline = time.monotonic() + (0.0 if waited_before else grace(timeout))
+    statements: dict[int, tuple[tuple[int, ...], str]] = {}
+    while True:
+        path: dict[int, int] = {r: me for r in waits_on}
+        frontier, seen, pending = list(waits_on), {me, *waits_on}, []
+        while frontier:
+            rank = frontier.pop(0)
+            if rank not in statements:
+                try:
+                    said = _read(store, rank, since)
+                except _StoreGone:  # what is known so far; the silent ones stay unknown
+                    failed = {r: t for r, (w, t) in statements.items() if not w}
+                    return Verdict(failed, [], path)
+                if said is None:
+                    pending.append(rank)
+                    continue
+                statements[rank] = said
+            for other in statements[rank][0]:
+                if other not in seen:
+                    seen.add(other)
+                    path[other] = rank
+                    frontier.append(other)
+        failed = {r: statements[r][1] for r in path if r in statements and not statements[r][0]}
+        if failed or not pending or time.monotonic() >= deadline:
+            return Verdict(failed, [] if failed else pending, path)
+        time.sleep(0.05)
+
+
+def said_by(rank: int, *, timeout: float) -> str | None:
+    """Rank ``rank``'s statement of its latest failure (at most a timeout and a grace old),
+    without waiting for one; None if it left none or the store is gone."""
+    store = _store()
+    if store is None:
+        return None
+    try:
+        said = _read(store, rank, time.time() - timeout - grace(timeout))
+    except _StoreGone:
+        return None
+    return None if said is None else said[1]
+
+
+class _StoreGone(Exception):
+    """The store's host (rank 0's process, with gpipe.launch) has exited."""
+
+
+def _read(store: Any, rank: int, since: float) -> tuple[tuple[int, ...], str] | None:
+    key = _PREFIX + str(rank)
+    try:
+        if not store.check([key]):
+            return None
+        written, waits_on, what = pickle.loads(store.get(key))
+    except Exception as error:
+        _gone.append(True)  # torch logs each failed call: try no more in this process
+        raise _StoreGone from error
+    return (tuple(waits_on), what) if written >= since else None
