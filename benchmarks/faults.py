@@ -26,6 +26,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
+from fault_cases import carries_on, faulty_in  # noqa: E402
+
 from distributed_cases import (  # noqa: E402
     data_parallel_fault,
     data_parallel_stalled,
@@ -64,8 +66,6 @@ def library_case(fn, nprocs, args, *, expect_kill=False, messages=None):
 
 
 def rows_library() -> list[tuple]:
-    from distributed_cases import faulty_in  # gone from the tests: the full matrix needs it back
-
     rows = []
     for schedule in ("gpipe", "1f1b", "zb-h1"):
         for stages, fault_stage in ((2, 0), (2, 1), (3, 1)):
@@ -116,8 +116,6 @@ def rows_library() -> list[tuple]:
 def rows_stalls(work: Path) -> list[tuple]:
     """A rank alive but silent (it sleeps past the timeout) before each collective a Pipe's
     user reaches outside the schedule; a rank that carries on after its own error."""
-    from distributed_cases import carries_on  # gone from the tests: see rows_library
-
     rows = []
     cases = [
         ("clip", "clip_grad_norm_", "the clip_grad_norm_ all-reduce"),
