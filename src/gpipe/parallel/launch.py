@@ -32,7 +32,8 @@ On Linux the processes are forked from a server that imported torch and gpipe on
 (multiprocessing's "forkserver"): a rank starts in a fraction of a second, not the seconds
 a fresh interpreter takes to import torch. Each gets the launcher's environment as it is at
 the call. Where glibc, the loader or Python must read the environment at start
-(``MALLOC_*``, ``LD_*``, ``PYTHONMALLOC``), or without pidfds, each rank is a fresh interpreter ("spawn").
+(``MALLOC_*``, ``LD_*``, ``PYTHONMALLOC``), or without pidfds, each rank is a fresh
+interpreter ("spawn").
 """
 
 from __future__ import annotations
