@@ -126,7 +126,8 @@ def terms_table(rows: list[Row]) -> list[str]:
 
 def limiting_term(row: Row) -> str:
     """The largest term of the fullest process, but the fixed process overhead."""
-    terms = {k: v for k, v in row.fit.terms().items() if k != "process"}
+    fixed = ("process", "before the model")
+    terms = {k: v for k, v in row.fit.terms().items() if k not in fixed}
     name = max(terms, key=terms.__getitem__)
     return f"{name} ({_mib(terms[name])} MiB of {_mib(row.fit.peak)})"
 

@@ -134,13 +134,23 @@ def test_cli_prints_the_capacity_table(in_process):
     done = in_process(
         "plan", "--capacity", "--model", "gpt", "--d-model", "16", "--heads", "2", "--seq", "8",
         "--vocab", "64", "--batch", "4", "--memory", "2MiB", "--processes", "2", "--chunks", "2",
-        "--top", "4",
+        "--top", "4", "--baseline-memory", "0",
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert "capacity of GPT d_model 16" in done.stdout
     assert "budget 2.0 MiB per process, 2 processes" in done.stdout
     rows = [line for line in done.stdout.splitlines() if line.startswith("K=")]
     assert len(rows) == 4 and rows[0].startswith("K=2")
+
+
+def test_cli_budget_is_the_whole_process(in_process):
+    # Without --baseline-memory the process's own memory counts: 2 MiB holds nothing.
+    done = in_process(
+        "plan", "--capacity", "--model", "gpt", "--d-model", "16", "--heads", "2", "--seq", "8",
+        "--vocab", "64", "--batch", "4", "--memory", "2MiB", "--processes", "2", "--chunks", "2",
+    )  # fmt: skip
+    assert done.returncode == 1
+    assert "MiB before its model" in done.stdout and "nothing fits 2.0 MiB" in done.stdout
 
 
 @pytest.fixture(scope="module")
@@ -155,7 +165,8 @@ def calibration() -> Calibration:
 def test_verify_measures_the_found_model_and_the_next_size_up(calibration):
     family = tiny_gpt(batch=8)
     assert calibration.process > 0 and calibration.per_layer >= 0
-    budget = calibration.process + 1.0 * MiB
+    assert calibration.baseline > 100 * MiB  # Python, torch and gloo: a budget pays them
+    budget = calibration.baseline + calibration.process + 1.0 * MiB
     result = capacity(
         family,
         memory_budget=budget,
@@ -170,8 +181,9 @@ def test_verify_measures_the_found_model_and_the_next_size_up(calibration):
     found = result.best
     check = verify_capacity(family, found)
     assert check.found.fit == found and len(check.found.measured) == 2
-    for ratio in check.found.ratios:
-        assert 0.5 < ratio < 1.5  # measured within 50 % of predicted
+    assert all(m > b > 100 * MiB for m, b in zip(check.found.measured, check.found.before))
+    for ratio in _growth_ratios(check.found, calibration):
+        assert 0.5 < ratio < 1.5  # measured within 50 % of predicted, beyond the baseline
     bigger = check.next_size
     assert bigger is not None and bigger.fit.depth == found.depth + 1
     assert not bigger.fit.fits and max(bigger.fit.peaks) > budget
@@ -195,8 +207,16 @@ def test_layout_labels_and_options():
 def test_sharded_replicas_are_measured(calibration):
     family = tiny_gpt(batch=8)
     layout = Layout(stages=1, replicas=2, shard=True, chunks=2, checkpoint="always")
-    fit = fit_of(family, layout, 2, budget=calibration.process + 4 * MiB, overhead=calibration)
+    budget = calibration.baseline + calibration.process + 4 * MiB
+    fit = fit_of(family, layout, 2, budget=budget, overhead=calibration)
     assert fit.fits and fit.terms()["gathered"] > 0
     measured = measure_fit(family, fit)
     assert measured.ran and len(measured.measured) == 2
-    assert 0.5 < measured.ratios[0] < 1.5
+    assert 0.5 < _growth_ratios(measured, calibration)[0] < 1.5
+
+
+def _growth_ratios(measured, calibration: Calibration) -> list[float]:
+    """Per stage, the measured growth over the predicted one (both beyond the baseline)."""
+    k = measured.fit.layout.stages
+    growth = [max(measured.growth[s::k]) for s in range(k)]
+    return [g / (p - calibration.baseline) for g, p in zip(growth, measured.fit.peaks)]
