@@ -181,7 +181,9 @@ def test_verify_measures_the_found_model_and_the_next_size_up(calibration):
     found = result.best
     check = verify_capacity(family, found)
     assert check.found.fit == found and len(check.found.measured) == 2
-    assert all(m > b > 100 * MiB for m, b in zip(check.found.measured, check.found.before))
+    assert all(
+        m > b > 100 * MiB for m, b in zip(check.found.measured, check.found.before, strict=True)
+    )
     for ratio in _growth_ratios(check.found, calibration):
         assert 0.5 < ratio < 1.5  # measured within 50 % of predicted, beyond the baseline
     bigger = check.next_size
@@ -219,4 +221,4 @@ def _growth_ratios(measured, calibration: Calibration) -> list[float]:
     """Per stage, the measured growth over the predicted one (both beyond the baseline)."""
     k = measured.fit.layout.stages
     growth = [max(measured.growth[s::k]) for s in range(k)]
-    return [g / (p - calibration.baseline) for g, p in zip(growth, measured.fit.peaks)]
+    return [g / (p - calibration.baseline) for g, p in zip(growth, measured.fit.peaks, strict=True)]
