@@ -102,11 +102,12 @@ def test_sharded_memory_by_hand():
     sharded = StageMemoryTable(prof.layers, held, MemoryModel(replicas=2, shard=True))(0, 1, 3)
     terms = sharded.terms()
     assert terms["parameters"] == 1.5 * MiB and terms["optimizer"] == 3 * MiB
-    assert terms["gradients"] == 3 * MiB and terms["gathered"] == 2 * MiB  # its largest layer
+    # its largest layer, and FSDP's flat buffer of it
+    assert terms["gradients"] == 3 * MiB and terms["gathered"] == 2 * 2 * MiB
     split = StageMemoryTable(
         prof.layers, held, MemoryModel(replicas=2, shard=True), splits_backward=True
     )(0, 1, 3)
-    assert split.gathered == 3 * MiB  # W gathers the whole stage
+    assert split.gathered == 3 * MiB + 2 * MiB  # W gathers the whole stage; a flat buffer
     with pytest.raises(ValueError, match="replicas >= 2"):
         MemoryModel(shard=True)
 

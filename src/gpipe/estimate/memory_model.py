@@ -41,7 +41,10 @@ gradients are accumulated unsharded over the step's micro-batches, then reduce-s
 once per step::
 
     P / R + P × gradients + P × optimizer_state / R + buffers
-    + gathered: the stage's largest layer (P under a split backward: W gathers the stage)
+    + gathered: twice the stage's largest layer (FSDP's flat buffer beside the layer's
+                parameters: the all-gather's output they are copied out of, the
+                reduce-scatter's input the gradients are copied into); P + the largest
+                layer under a split backward (W gathers the stage)
     + boundary and inner activations as above
 
 The peaks of the terms are added, as for the activations: an upper bound where they do not
@@ -310,7 +313,9 @@ class StageMemoryTable:
     def _gathered(self, i: int, j: int) -> float:
         if not self.model.shard:
             return 0.0
-        return self.params[j] - self.params[i] if self.splits_backward else self.largest(i, j)
+        # the gathered layer(s) and one flat buffer of the largest layer (module docstring)
+        whole = self.params[j] - self.params[i] if self.splits_backward else self.largest(i, j)
+        return whole + self.largest(i, j)
 
     def _workspace(self, i: int, j: int) -> float:
         return self.largest_saved(i, j) if self.model.workspace else 0.0

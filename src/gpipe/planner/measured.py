@@ -121,16 +121,35 @@ class Measured:
 
 @dataclass(frozen=True)
 class CapacityCheck:
-    """The largest fit measured, and the next size up (predicted not to fit) measured."""
+    """The largest fit measured, and the next size up (predicted not to fit) measured.
+
+    With ``verify_capacity(refine=True)`` the depths are measured ones: ``found`` is the
+    deepest member measured within the budget and ``next_size`` one block more, measured
+    over it; ``predicted`` is the search's row they started from.
+    """
 
     found: Measured
     next_size: Measured | None
+    predicted: Fit | None = None
+
+    @property
+    def exact(self) -> bool:
+        """Measured: the found member fits and the next size up does not."""
+        bigger = self.next_size
+        return self.found.ran and self.found.fits and bigger is not None and not bigger.fits
+
+    @property
+    def predicted_depth(self) -> int:
+        return (self.predicted or self.found.fit).depth
 
     def describe(self) -> str:
         lines = ["found:     " + self.found.describe()]
         if self.next_size is not None:
             predicted = "does not fit" if not self.next_size.fit.fits else "fits"
             lines.append(f"next size: {self.next_size.describe()} (predicted: {predicted})")
+        if self.predicted is not None and self.predicted.depth != self.found.fit.depth:
+            moved = self.found.fit.depth - self.predicted.depth
+            lines.append(f"predicted depth {self.predicted.depth}: off by {moved:+d} block(s)")
         return "\n".join(lines)
 
 
@@ -238,23 +257,42 @@ def verify_capacity(
     optimizer: str | float = "adamw",
     steps: int = 2,
     next_size: bool = True,
+    refine: bool = False,
+    moves: int = 4,
     timeout: float = 300.0,
 ) -> CapacityCheck:
     """Measure ``fit`` (a row of a capacity search) and, with ``next_size``, the same
-    layout at depth + 1 (cut as lightly as it can be; predicted not to fit)."""
-    found = measure_fit(family, fit, optimizer=optimizer, steps=steps, timeout=timeout)
+    layout at depth + 1 (cut as lightly as it can be; predicted not to fit).
+
+    ``refine``: the answer exact to one block, measured. A found member measured over the
+    budget steps down a block at a time, a next size up measured within it steps up, until
+    the found one fits and the next does not (at most ``moves`` steps; ``exact`` says
+    whether it got there). The prediction is where the measuring starts, typically the
+    answer or one block off: the model's error is a few MiB, about one block of a small
+    model.
+    """
+
+    def measure(depth: int) -> Measured:
+        row = fit_of(family, fit.layout, depth, optimizer=optimizer, budget=fit.budget,
+                     overhead=fit.calibration)  # fmt: skip
+        if depth == fit.depth:
+            row = fit
+        return measure_fit(family, row, optimizer=optimizer, steps=steps, timeout=timeout)
+
+    found = measure(fit.depth)
+    if not (refine and found.ran):
+        bigger = measure(fit.depth + 1) if next_size else None
+        return CapacityCheck(found, bigger, fit)
     bigger = None
-    if next_size:
-        row = fit_of(
-            family,
-            fit.layout,
-            fit.depth + 1,
-            optimizer=optimizer,
-            budget=fit.budget,
-            overhead=fit.calibration,
-        )
-        bigger = measure_fit(family, row, optimizer=optimizer, steps=steps, timeout=timeout)
-    return CapacityCheck(found, bigger)
+    while not found.fits and moves > 0 and found.fit.depth > 1:
+        bigger, found = found, measure(found.fit.depth - 1)
+        moves -= 1
+    if bigger is None:
+        bigger = measure(found.fit.depth + 1)
+        while bigger.fits and moves > 0:
+            found, bigger = bigger, measure(bigger.fit.depth + 1)
+            moves -= 1
+    return CapacityCheck(found, bigger, fit)
 
 
 def calibrate(
