@@ -223,3 +223,26 @@ def _growth_ratios(measured, calibration: Calibration) -> list[float]:
     k = measured.fit.layout.stages
     growth = [max(measured.growth[s::k]) for s in range(k)]
     return [g / (p - calibration.baseline) for g, p in zip(growth, measured.fit.peaks, strict=True)]
+
+
+@pytest.mark.parametrize("predicted", [3, 5, 8])
+def test_refine_settles_on_the_measured_answer(monkeypatch, predicted):
+    # The machine says depth <= 5 fits; wherever the prediction starts, refine ends with the
+    # found depth measured within the budget and the next one over it.
+    from gpipe.planner import measured as module
+
+    family = tiny_gpt()
+    layout = Layout(stages=1, chunks=1, checkpoint="always")
+    ran = []
+
+    def fake(family, fit, **options):
+        ran.append(fit.depth)
+        peak = fit.budget - 1 if fit.depth <= 5 else fit.budget + 1
+        return module.Measured(fit, (peak,), 2, before=(0.0,))
+
+    monkeypatch.setattr(module, "measure_fit", fake)
+    fit = fit_of(family, layout, predicted, budget=100 * MiB)
+    check = verify_capacity(family, fit, refine=True)
+    assert check.exact and check.found.fit.depth == 5 and check.next_size.fit.depth == 6
+    assert check.predicted_depth == predicted and len(ran) == len(set(ran))  # none twice
+    assert ("off by" in check.describe()) == (predicted != 5)
