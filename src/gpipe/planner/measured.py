@@ -306,15 +306,18 @@ def calibrate(
 ) -> Calibration:
     """What a training process needs beyond the memory model's terms, measured in
     micro-batches of one sample with re-materialization (where the terms are smallest, so
-    the excess shows most): a constant, a cost per layer of its stage and one per layer of
-    the whole model. On one process (every layer local) at the shallowest member and the
-    first with ``layers`` layers, the slope is the sum of the two per-layer costs; on a
-    pipeline of ``processes`` stages (as many processes as the rows will use: each peer
-    costs connection buffers) at the same two depths, the slope of the stages' mean excess
-    separates them. The baseline is the most any process held before its model was built;
-    the constant is the largest excess of a stage's whole-process peak over its terms and
-    the baseline, less its layers' share. With one process the whole slope is charged to
-    the stage's layers.
+    the excess shows most): what it holds before its model, a constant, a cost per layer
+    of its stage and one per layer of the whole model.
+
+    On one process (every layer local) at the shallowest member and the first with
+    ``layers`` layers, the slope is the sum of the two per-layer costs. On a pipeline of
+    ``processes`` stages (as many processes as the rows will use: each peer costs
+    connection buffers) at the shallowest member and the first with 4 × ``layers``
+    layers, whose last stage holds the last layer alone, that stage's slope is the cost per layer of the whole model: its own layers do
+    not change. The baseline is the most any process held before its model was built; the
+    constant is the largest excess of a stage's whole-process peak over its terms and the
+    baseline, less its layers' share. With one process the whole slope is charged to the
+    stage's layers.
     """
     batch = family.batch_size
 
@@ -324,14 +327,22 @@ def calibrate(
             depth += 1
         return depth
 
+    def last_alone(depth: int, k: int) -> list[int]:
+        n = len(family.kinds(depth))
+        rest = [(n - 1) // (k - 1) + (s < (n - 1) % (k - 1)) for s in range(k - 1)]
+        return [*rest, 1]
+
     one = Layout(stages=1, chunks=batch, checkpoint="always")
-    runs = [(one, first_depth(1)), (one, first_depth(layers))]
+    runs = [(one, first_depth(1), None), (one, first_depth(layers), None)]
     if processes > 1:
         pipeline = Layout(stages=processes, chunks=batch, checkpoint="always")
-        runs += [(pipeline, first_depth(processes)), (pipeline, first_depth(layers))]
+        # a long lever: the cost per layer of the whole model is small against the scatter
+        for depth in (first_depth(processes), first_depth(4 * layers)):
+            runs.append((pipeline, depth, last_alone(depth, processes)))
     rows = []
-    for layout, depth in runs:
-        row = fit_of(family, layout, depth, optimizer=optimizer, budget=float("inf"))
+    for layout, depth, balance in runs:
+        row = fit_of(family, layout, depth, optimizer=optimizer, budget=float("inf"),
+                     balance=balance)  # fmt: skip
         rows.append(measure_fit(family, row, optimizer=optimizer, steps=steps, timeout=timeout))
     baseline = max(b for measured in rows for b in measured.before)
     stages = []  # per run: (model layers, [(excess, stage layers) per stage])
@@ -342,19 +353,12 @@ def calibrate(
         ]
         stages.append((len(family.kinds(row.depth)), list(zip(excess, row.balance, strict=True))))
 
-    def mean(run: int) -> tuple[float, float, int]:
-        n, per_stage = stages[run]
-        count = len(per_stage)
-        return sum(e for e, _ in per_stage) / count, sum(l for _, l in per_stage) / count, n
-
-    (e0, _, n0), (e1, _, n1) = mean(0), mean(1)
+    (n0, ((e0, _),)), (n1, ((e1, _),)) = stages[0], stages[1]
     both = max(0.0, (e1 - e0) / (n1 - n0))  # per layer that is both local and the model's
     whole = 0.0
-    if processes > 1:
-        (e2, l2, n2), (e3, l3, n3) = mean(2), mean(3)
-        # e3 - e2 = whole · (n3 - n2) + (both - whole) · (l3 - l2)
-        whole = (e3 - e2 - both * (l3 - l2)) / ((n3 - n2) - (l3 - l2))
-        whole = min(max(0.0, whole), both)
+    if processes > 1 and stages[3][0] > stages[2][0]:
+        (n2, last2), (n3, last3) = stages[2], stages[3]
+        whole = min(max(0.0, (last3[-1][0] - last2[-1][0]) / (n3 - n2)), both)
     local = both - whole
     process = max(e - local * l - whole * n for n, per_stage in stages for e, l in per_stage)
     return Calibration(max(0.0, process), whole, local, baseline)
