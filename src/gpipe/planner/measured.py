@@ -314,10 +314,10 @@ def calibrate(
     ``processes`` stages (as many processes as the rows will use: each peer costs
     connection buffers) at the shallowest member and the first with 4 × ``layers``
     layers, whose last stage holds the last layer alone, that stage's slope is the cost
-    per layer of the whole model: its own layers do not change. The baseline is the most any process held before its model was built; the
-    constant is the largest excess of a stage's whole-process peak over its terms and the
-    baseline, less its layers' share. With one process the whole slope is charged to the
-    stage's layers.
+    per layer of the whole model: its own layers do not change. The baseline is the most
+    any process held before its model was built; the constant is the largest excess of a
+    stage's whole-process peak over its terms and the baseline, less its layers' share.
+    With one process the whole slope is charged to the stage's layers.
     """
     batch = family.batch_size
 
