@@ -7,12 +7,14 @@ with the number of stages K. For the GPT and the ResNet of ``gpipe.models`` (by 
 budget of resident memory per process and AdamW, each row is the largest depth that
 ``gpipe.planner.capacity`` predicts to fit, over micro-batch counts and schedules, for K
 stages without re-materialization, with it, and with 2 sharded replicas
-(``Pipe(shard="params")``). Rows are then trained for real (2 steps, one process per stage
-and replica, ``gpipe.planner.verify_capacity``; sharded ones at ``--measure-sharded`` K)
-and the measured peak — the growth of each process's peak RSS over its RSS before the
-model was built — is shown next to the prediction, with the next size up (depth + 1,
-predicted not to fit) at ``--next-size`` K. The per-process memory beyond the model is
-calibrated once per family (``gpipe.planner.calibrate``, on 8 processes).
+(``Pipe(shard="params")``). The budget is each process's whole peak resident memory
+(Python, torch and gloo included). Rows are then trained for real (2 steps, one process per
+stage and replica, ``gpipe.planner.verify_capacity``; sharded ones at ``--measure-sharded``
+K) with the next size up (depth + 1) at ``--next-size`` K, and refined a block at a time
+until the found depth measures within the budget and the next one over it: the measured
+answer, next to the predicted one. The per-process memory beyond the model is calibrated
+once per family (``gpipe.planner.calibrate``, on 8 processes). The ratios are shown next to
+those of GPipe's Table 1.
 """
 
 from __future__ import annotations
@@ -31,7 +33,13 @@ from gpipe.planner.families import Family, gpt_family, resnet_family
 STAGES = (1, 2, 4, 8)
 SHARDED_STAGES = (1, 2, 4)  # K·R ≤ 8
 CHUNKS = (1, 2, 4, 8, 16)
-TARGETS = {"remat": 2.5, "stages": 7.0, "sharded": 1.6}
+TARGETS = {"remat": 2.5, "stages": 7.5, "sharded": 1.6}
+# GPipe's Table 1 (Huang et al., 2019), parameters: AmoebaNet on 8 GB TPUv2 cores and
+# Transformer-L on 16 GB TPUv3 cores. "Naive-1" has no re-materialization.
+PAPER = {
+    "AmoebaNet": {"naive": 82e6, 1: 318e6, 2: 542e6, 4: 1.05e9, 8: 1.8e9},
+    "Transformer-L": {"naive": 282.2e6, 1: 785.8e6, 8: 5.3e9},
+}
 
 
 def families() -> dict[str, Family]:
@@ -46,9 +54,14 @@ def families() -> dict[str, Family]:
 @dataclass
 class Row:
     kind: str  # "no remat", "remat", "2 sharded replicas"
-    fit: Fit
-    found: Measured | None = None
-    bigger: Measured | None = None
+    fit: Fit  # predicted
+    found: Measured | None = None  # measured (refined: the deepest that fits)
+    bigger: Measured | None = None  # its next size up, measured
+
+    @property
+    def final(self) -> Fit:
+        """The measured answer where it was measured, else the predicted one."""
+        return self.found.fit if self.found is not None and self.found.ran else self.fit
 
 
 def search(family: Family, budget: float, overhead: float) -> list[Row]:
@@ -72,7 +85,7 @@ def measure(
             continue
         start = time.perf_counter()
         bigger = row.fit.layout.stages in next_size
-        check = verify_capacity(family, row.fit, next_size=bigger, steps=2)
+        check = verify_capacity(family, row.fit, next_size=bigger, refine=bigger, steps=2)
         row.found, row.bigger = check.found, check.next_size
         print(f"  {check.describe()}  ({time.perf_counter() - start:.0f} s)", flush=True)
 
@@ -80,7 +93,7 @@ def measure(
 def ratio(rows: list[Row], kind: str, k: int, other_kind: str, other_k: int) -> float:
     a = next(r for r in rows if r.kind == kind and r.fit.layout.stages == k)
     b = next(r for r in rows if r.kind == other_kind and r.fit.layout.stages == other_k)
-    return a.fit.parameters / b.fit.parameters
+    return a.final.parameters / b.final.parameters
 
 
 def _mib(x: float) -> str:
@@ -89,21 +102,46 @@ def _mib(x: float) -> str:
 
 def table(rows: list[Row]) -> list[str]:
     lines = [
-        "| K | mode | layout | depth | parameters | balance | predicted peak MiB (fullest) "
-        "| measured peak MiB (max) | next size up: predicted / measured MiB |",
+        "| K | mode | layout | depth predicted | depth measured | parameters | balance "
+        "| peak MiB predicted / measured | next size up: predicted / measured MiB |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
-        fit = row.fit
-        measured = _mib(row.found.peak) if row.found and row.found.ran else "not run"
+        fit, final = row.fit, row.final
+        measured, depth = "not run", "–"
+        if row.found is not None and row.found.ran:
+            measured = f"{_mib(row.found.peak)} ({'fits' if row.found.fits else '**over**'})"
+            depth = str(final.depth)
+            if row.bigger is not None and row.bigger.ran:
+                exact = row.found.fits and not row.bigger.fits
+                depth += " (exact)" if exact else " (**not exact**)"
         bigger = "–"
         if row.bigger is not None and row.bigger.ran:
             verdict = "exceeds" if not row.bigger.fits else "**fits**"
             bigger = f"{_mib(row.bigger.fit.peak)} / {_mib(row.bigger.peak)} ({verdict})"
         lines.append(
             f"| {fit.layout.stages} | {row.kind} | {fit.layout.label()} | {fit.depth} | "
-            f"{fit.parameters / 1e6:.2f} M | {list(fit.balance)} | {_mib(fit.peak)} | "
-            f"{measured} | {bigger} |"
+            f"{depth} | {final.parameters / 1e6:.2f} M | {list(final.balance)} | "
+            f"{_mib(final.peak)} / {measured} | {bigger} |"
+        )
+    return lines
+
+
+def paper(rows: list[Row]) -> list[str]:
+    """Our ratios next to GPipe's Table 1 (parameters, relative to K = 1 with remat)."""
+    ours = {k: ratio(rows, "remat", k, "remat", 1) for k in STAGES}
+    naive = ratio(rows, "no remat", 1, "remat", 1)
+    lines = [
+        "| largest model relative to K=1 with remat | no remat, K=1 | K=1 | K=2 | K=4 | K=8 |",
+        "|---|---|---|---|---|---|",
+        "| gpipe (this table) | " + " | ".join(f"{x:.2f}x" for x in (naive, *ours.values())) + " |",
+    ]
+    for name, sizes in PAPER.items():
+        cells = [sizes["naive"] / sizes[1]] + [sizes.get(k, 0) / sizes[1] for k in STAGES]
+        lines.append(
+            f"| GPipe Table 1, {name} | "
+            + " | ".join(f"{x:.2f}x" if x else "–" for x in cells)
+            + " |"
         )
     return lines
 
@@ -126,7 +164,8 @@ def terms_table(rows: list[Row]) -> list[str]:
 
 def limiting_term(row: Row) -> str:
     """The largest term of the fullest process, but the fixed process overhead."""
-    terms = {k: v for k, v in row.fit.terms().items() if k != "process"}
+    fixed = ("process", "before the model")
+    terms = {k: v for k, v in row.fit.terms().items() if k not in fixed}
     name = max(terms, key=terms.__getitem__)
     return f"{name} ({_mib(terms[name])} MiB of {_mib(row.fit.peak)})"
 
@@ -152,11 +191,19 @@ def targets(rows: list[Row]) -> list[str]:
             f"(target >= {TARGETS['sharded']}): {'met' if met else 'missed'}"
             + ("." if met else f"; the fullest process is limited by {limiting_term(row)}.")
         )
-    misses = [r for r in rows if r.found and r.found.ran and not r.found.fits]
-    if misses:
+    checked = [r for r in rows if r.bigger is not None and r.bigger.ran]
+    if checked:
+        exact = [r for r in checked if r.found.fits and not r.bigger.fits]
+        on = [r for r in checked if r.final.depth == r.fit.depth]
+        off = ", ".join(
+            f"{r.fit.layout.label()} {r.final.depth - r.fit.depth:+d}"
+            for r in checked
+            if r.final.depth != r.fit.depth
+        )
         lines.append(
-            "- measured over budget although predicted to fit: "
-            + ", ".join(f"{r.fit.layout.label()} ({_mib(r.found.peak)} MiB)" for r in misses)
+            f"- exact to one block, measured (the found depth within the budget, the next over "
+            f"it): **{len(exact)} of {len(checked)}** rows; predicted depth right in "
+            f"{len(on)} of {len(checked)}" + (f" (off: {off} blocks)." if off else ".")
         )
     return lines
 
@@ -169,7 +216,7 @@ def plot(results: dict[str, list[Row]], path: Path, budget: float) -> None:
         for kind, marker in (("no remat", "o"), ("remat", "s"), ("2 sharded replicas", "^")):
             chosen = [r for r in rows if r.kind == kind]
             ks = [r.fit.layout.stages for r in chosen]
-            params = [r.fit.parameters / 1e6 for r in chosen]
+            params = [r.final.parameters / 1e6 for r in chosen]
             axis.plot(ks, params, marker=marker, label=kind)
         axis.set_xscale("log", base=2)
         axis.set_xticks(list(STAGES), [str(k) for k in STAGES])
@@ -185,27 +232,42 @@ def plot(results: dict[str, list[Row]], path: Path, budget: float) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--budget", type=float, default=256, help="MiB per process")
+    parser.add_argument(
+        "--budget", type=float, default=512, help="MiB per process, the whole process's peak"
+    )
+    parser.add_argument("--family", nargs="*", default=None, help="families to run (all)")
     parser.add_argument("--out", type=Path, default=None, help="write the markdown here")
     parser.add_argument("--plot", type=Path, default=None, help="save the plot here")
     parser.add_argument(
-        "--next-size", type=int, nargs="*", default=[1], help="K whose depth + 1 is run"
+        "--next-size",
+        type=int,
+        nargs="*",
+        default=list(STAGES),
+        help="K whose depth + 1 is run, and the depth refined until exact",
     )
     parser.add_argument(
         "--measure-sharded", type=int, nargs="*", default=[1, 2], help="K of sharded rows run"
     )
-    parser.add_argument("--predict-only", action="store_true", help="no measured runs")
+    parser.add_argument(
+        "--predict-only", nargs="*", default=None, metavar="FAMILY",
+        help="no measured runs (of these families; none named: all)",
+    )  # fmt: skip
     args = parser.parse_args()
     torch.set_num_threads(1)
     budget = args.budget * MiB
     start = time.perf_counter()
     results, overheads, doc = {}, {}, []
     for name, family in families().items():
+        if args.family and name not in args.family:
+            continue
         print(f"{family.describe()}:", flush=True)
         overheads[name] = calibrate(family, processes=8)
         print(f"  calibrated: {overheads[name]}", flush=True)
         rows = search(family, budget, overheads[name])
-        if not args.predict_only:
+        predict_only = args.predict_only is not None and (
+            not args.predict_only or name in args.predict_only
+        )
+        if not predict_only:
             measure(family, rows, tuple(args.next_size), tuple(args.measure_sharded))
         results[name] = rows
         doc += [
@@ -222,6 +284,10 @@ def main() -> None:
             "Targets:",
             "",
             *targets(rows),
+            "",
+            "Side by side with GPipe's Table 1:",
+            "",
+            *paper(rows),
             "",
         ]
     elapsed = time.perf_counter() - start

@@ -241,6 +241,29 @@ def test_a_factory_builds_what_the_factory_builds(balance):
         assert relative_error(ours.grad, theirs_param.grad) < 1e-10, name
 
 
+def test_a_factory_is_recorded_once_and_its_record_dropped(monkeypatch):
+    # The record holds every operation of the whole model: each process makes it once and
+    # keeps none of it once its own layers are built (docs/capacity.md).
+    import weakref
+
+    from gpipe import assembly
+
+    records = []
+
+    def recording(factory, **options):
+        model, record = original(factory, **options)
+        records.append(weakref.ref(record))
+        return model, record
+
+    original = assembly.record_model
+    monkeypatch.setattr(assembly, "record_model", recording)
+    pipe = gpipe.Pipe(user_scripts.custom_init_factory, balance=[2, 3], chunks=2, init_seed=11)
+    assert len(records) == 1 and records[0]() is None
+    theirs = _eager(11).state_dict()
+    for name, value in pipe.state_dict().items():
+        assert torch.equal(value, theirs[name]), name
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.slow
 def test_each_process_builds_its_layers_as_the_factory_does():

@@ -34,7 +34,8 @@ from gpipe.errors import PartitionError, PipelineError
 from gpipe.estimate.auto import auto_balance
 from gpipe.frontend import CapturedModel, LoadReport, fit_devices, materialize_units, on_meta
 from gpipe.layout import PIPE, Layout
-from gpipe.materialize import build
+from gpipe.materialize import record_model, replay_layers
+from gpipe.materialize.record import Recording
 from gpipe.parallel.data_parallel import GradientReducer
 from gpipe.parallel.group import PipelineGroup, default_device
 from gpipe.parallel.mesh import group_size
@@ -68,6 +69,9 @@ class Configuration:
     schedule: Schedule
     model: nn.Sequential  # the whole model; a function's is recorded on meta
     factory: Callable[[], nn.Sequential] | None  # the function, when the model was given so
+    # how the function built it, until place() replays this rank's layers from it (once:
+    # it holds every operation of the whole model)
+    recording: Recording | None = None
 
     @property
     def stage_devices(self) -> list[torch.device]:
@@ -118,8 +122,11 @@ def configure(
         devices = ranks.default_devices(1 if balance is None else max(1, len(balance) // max(1, v)))
     devices = list(devices)
     layout = replace(wanted, stages=len(devices))
-    # A function is recorded on meta (no memory) to check the configuration against.
-    model = build(factory, seed=init_seed, layers=[]) if factory is not None else module
+    # A function is recorded on meta (no memory) to check the configuration against; place()
+    # replays this rank's layers from the same record.
+    model, recording = module, None
+    if factory is not None:
+        model, recording = record_model(factory, seed=init_seed)
     if (
         balance is None
         and isinstance(model, nn.Sequential)
@@ -135,7 +142,8 @@ def configure(
             schedule=built.actions, init_seed=init_seed, **settings,
         )
     )  # fmt: skip
-    return Configuration(layout, balance, [torch.device(d) for d in devices], built, model, factory)
+    devices = [torch.device(d) for d in devices]
+    return Configuration(layout, balance, devices, built, model, factory, recording)
 
 
 def _factory_of(module: ModelOrFactory) -> Callable[[], nn.Sequential] | None:
@@ -270,7 +278,10 @@ def _build_local(
         if config.factory is not None:
             # Built on the CPU, as ``factory()`` would be, then moved: the same weights as
             # Pipe(factory()) on any devices (generators of other device types differ).
-            model = build(config.factory, seed=init_seed, layers=layers, tied=tied)
+            recording, config.recording = config.recording, None  # freed once replayed
+            if recording is None:
+                raise RuntimeError("internal error: the model was placed twice")
+            model = replay_layers(model, recording, seed=init_seed, layers=layers, tied=tied)
         elif isinstance(model, CapturedModel):
             report = materialize_units(model, layers, model.origin) if on_meta(model) else None
             if report is None or report.complete or not model.origin.strict:

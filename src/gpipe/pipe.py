@@ -19,7 +19,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from gpipe import assembly, microbatch, remat
+from gpipe import allocator, assembly, microbatch, remat
 from gpipe._utils import (
     DeviceLike,
     Verdict,
@@ -196,6 +196,11 @@ class Pipe(ModelNames, nn.Module):
         # Across processes torch's own clip sees one stage: gpipe notices it (clipping.py).
         self._watch = GradientWatch() if self.rank is not None else None
         self._warned_uncounted = False
+        if config.factory is not None:
+            # The record of the whole model and its other layers (on meta) go now; the pages
+            # they held go back, so that no process keeps a cost per layer of the whole model.
+            del config, placed, wiring
+            allocator.trim()
 
     @classmethod
     def from_model(

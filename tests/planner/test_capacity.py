@@ -102,11 +102,12 @@ def test_sharded_memory_by_hand():
     sharded = StageMemoryTable(prof.layers, held, MemoryModel(replicas=2, shard=True))(0, 1, 3)
     terms = sharded.terms()
     assert terms["parameters"] == 1.5 * MiB and terms["optimizer"] == 3 * MiB
-    assert terms["gradients"] == 3 * MiB and terms["gathered"] == 2 * MiB  # its largest layer
+    # its largest layer, and FSDP's flat buffer of it
+    assert terms["gradients"] == 3 * MiB and terms["gathered"] == 2 * 2 * MiB
     split = StageMemoryTable(
         prof.layers, held, MemoryModel(replicas=2, shard=True), splits_backward=True
     )(0, 1, 3)
-    assert split.gathered == 3 * MiB  # W gathers the whole stage
+    assert split.gathered == 3 * MiB + 2 * MiB  # W gathers the whole stage; a flat buffer
     with pytest.raises(ValueError, match="replicas >= 2"):
         MemoryModel(shard=True)
 
@@ -134,13 +135,23 @@ def test_cli_prints_the_capacity_table(in_process):
     done = in_process(
         "plan", "--capacity", "--model", "gpt", "--d-model", "16", "--heads", "2", "--seq", "8",
         "--vocab", "64", "--batch", "4", "--memory", "2MiB", "--processes", "2", "--chunks", "2",
-        "--top", "4",
+        "--top", "4", "--baseline-memory", "0",
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert "capacity of GPT d_model 16" in done.stdout
     assert "budget 2.0 MiB per process, 2 processes" in done.stdout
     rows = [line for line in done.stdout.splitlines() if line.startswith("K=")]
     assert len(rows) == 4 and rows[0].startswith("K=2")
+
+
+def test_cli_budget_is_the_whole_process(in_process):
+    # Without --baseline-memory the process's own memory counts: 2 MiB holds nothing.
+    done = in_process(
+        "plan", "--capacity", "--model", "gpt", "--d-model", "16", "--heads", "2", "--seq", "8",
+        "--vocab", "64", "--batch", "4", "--memory", "2MiB", "--processes", "2", "--chunks", "2",
+    )  # fmt: skip
+    assert done.returncode == 1
+    assert "MiB before its model" in done.stdout and "nothing fits 2.0 MiB" in done.stdout
 
 
 @pytest.fixture(scope="module")
@@ -155,7 +166,8 @@ def calibration() -> Calibration:
 def test_verify_measures_the_found_model_and_the_next_size_up(calibration):
     family = tiny_gpt(batch=8)
     assert calibration.process > 0 and calibration.per_layer >= 0
-    budget = calibration.process + 1.0 * MiB
+    assert calibration.baseline > 100 * MiB  # Python, torch and gloo: a budget pays them
+    budget = calibration.baseline + calibration.process + 1.0 * MiB
     result = capacity(
         family,
         memory_budget=budget,
@@ -170,8 +182,11 @@ def test_verify_measures_the_found_model_and_the_next_size_up(calibration):
     found = result.best
     check = verify_capacity(family, found)
     assert check.found.fit == found and len(check.found.measured) == 2
-    for ratio in check.found.ratios:
-        assert 0.5 < ratio < 1.5  # measured within 50 % of predicted
+    assert all(
+        m > b > 100 * MiB for m, b in zip(check.found.measured, check.found.before, strict=True)
+    )
+    for ratio in _growth_ratios(check.found, calibration):
+        assert 0.5 < ratio < 1.5  # measured within 50 % of predicted, beyond the baseline
     bigger = check.next_size
     assert bigger is not None and bigger.fit.depth == found.depth + 1
     assert not bigger.fit.fits and max(bigger.fit.peaks) > budget
@@ -195,8 +210,39 @@ def test_layout_labels_and_options():
 def test_sharded_replicas_are_measured(calibration):
     family = tiny_gpt(batch=8)
     layout = Layout(stages=1, replicas=2, shard=True, chunks=2, checkpoint="always")
-    fit = fit_of(family, layout, 2, budget=calibration.process + 4 * MiB, overhead=calibration)
+    budget = calibration.baseline + calibration.process + 4 * MiB
+    fit = fit_of(family, layout, 2, budget=budget, overhead=calibration)
     assert fit.fits and fit.terms()["gathered"] > 0
     measured = measure_fit(family, fit)
     assert measured.ran and len(measured.measured) == 2
-    assert 0.5 < measured.ratios[0] < 1.5
+    assert 0.5 < _growth_ratios(measured, calibration)[0] < 1.5
+
+
+def _growth_ratios(measured, calibration: Calibration) -> list[float]:
+    """Per stage, the measured growth over the predicted one (both beyond the baseline)."""
+    k = measured.fit.layout.stages
+    growth = [max(measured.growth[s::k]) for s in range(k)]
+    return [g / (p - calibration.baseline) for g, p in zip(growth, measured.fit.peaks, strict=True)]
+
+
+@pytest.mark.parametrize("predicted", [3, 5, 8])
+def test_refine_settles_on_the_measured_answer(monkeypatch, predicted):
+    # The machine says depth <= 5 fits; wherever the prediction starts, refine ends with the
+    # found depth measured within the budget and the next one over it.
+    from gpipe.planner import measured as module
+
+    family = tiny_gpt()
+    layout = Layout(stages=1, chunks=1, checkpoint="always")
+    ran = []
+
+    def fake(family, fit, **options):
+        ran.append(fit.depth)
+        peak = fit.budget - 1 if fit.depth <= 5 else fit.budget + 1
+        return module.Measured(fit, (peak,), 2, before=(0.0,))
+
+    monkeypatch.setattr(module, "measure_fit", fake)
+    fit = fit_of(family, layout, predicted, budget=100 * MiB)
+    check = verify_capacity(family, fit, refine=True)
+    assert check.exact and check.found.fit.depth == 5 and check.next_size.fit.depth == 6
+    assert check.predicted_depth == predicted and len(ran) == len(set(ran))  # none twice
+    assert ("off by" in check.describe()) == (predicted != 5)

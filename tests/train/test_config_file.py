@@ -112,3 +112,16 @@ def test_plan_writes_its_first_choice_for_train(tmp_path, capsys):
         assert getattr(config, name) == written[name], name
     assert (config.model, config.seq, config.batch) == ("gpt", 8, 8)
     assert config.model_args["n_layers"] == 2 and sum(config.balance) == 4
+    assert config.cpu_allocator == "default"  # no budget: nothing to fit
+
+
+@pytest.mark.timeout(120)
+def test_a_plan_within_a_budget_carries_the_allocator_it_was_planned_with(tmp_path, capsys):
+    file = tmp_path / "plan.toml"
+    shape = ["--layers", "2", "--d-model", "16", "--heads", "2", "--seq", "8", "--vocab", "256"]
+    search = ["--batch", "8", "--devices", "2", "--chunks", "2", "--repeats", "1"]
+    budget = ["--memory", "1GiB", "--schedules", "gpipe", "--checkpoints", "always"]
+    assert main(["plan", *shape, *search, *budget, "--warmup", "0", "--write-config",
+                 str(file)]) == 0  # fmt: skip
+    config = resolve(config_file.merge(file, {"out": str(tmp_path / "run")}))
+    assert config.cpu_allocator == "return"

@@ -20,12 +20,16 @@ per process on ``--processes`` processes, and the layout that achieves it (stage
 replicas, sharding, micro-batches, schedule, re-materialization, balance)::
 
     gpipe plan --capacity --model gpt --d-model 256 --seq 128 --vocab 2048 --batch 16 \
-        --memory 320MiB --processes 8 --optimizer adamw --calibrate --verify 1
+        --memory 600MiB --processes 8 --optimizer adamw --calibrate --verify 1
 
-``--calibrate`` measures the memory a training process needs beyond the model's terms (or
-give it: ``--process-memory 95MiB --layer-memory 0.3MiB``); ``--verify N`` trains the N
-largest for real, and each one's next size up, and prints measured peaks next to predicted
-ones (``docs/capacity.md``).
+There ``--memory`` is what each process may hold at its peak, the *whole* process (Python,
+torch and the process group: about 230 MiB on a CPU before any model), as ``top`` shows
+it. ``--calibrate`` measures what a training process holds before its model and needs
+beyond the model's terms (or give them: ``--baseline-memory 230MiB --process-memory 95MiB
+--layer-memory 0.3MiB``); ``--verify N`` trains the N largest for real, and each one's
+next size up, and prints measured peaks next to predicted ones (``docs/capacity.md``).
+Measured and planned with the allocator policy ``return`` (``gpipe.allocator``), which a
+run must use to fit what was measured: ``gpipe train --cpu-allocator return``.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ import contextlib
 import re
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 
 import torch
 
@@ -113,7 +118,12 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.add_argument("--model", choices=["gpt", "resnet"], default="gpt")
     p.add_argument("--devices", type=int, default=2, help="devices (processes) available")
-    p.add_argument("--memory", type=parse_bytes, default=None, help="budget per device, e.g. 2GiB")
+    p.add_argument(
+        "--memory", type=parse_bytes, default=None,
+        help="with --capacity: each process's whole peak (Python, torch and the process group "
+        "included; see --baseline-memory), e.g. 600MiB; otherwise: per device, for the "
+        "model's terms alone (parameters, optimizer state, activations), e.g. 2GiB",
+    )  # fmt: skip
     p.add_argument("--batch", type=int, default=32, help="samples per mini-batch")
     g = p.add_argument_group("gpt preset")
     g.add_argument("--layers", type=int, default=6, help="transformer blocks")
@@ -164,6 +174,11 @@ def configure(p: argparse.ArgumentParser) -> None:
         "--shard", choices=["both", "yes", "no"], default="both", help="shard replicas' state"
     )
     g.add_argument(
+        "--baseline-memory", type=parse_bytes, default=None,
+        help="what a training process holds before its model, part of --memory (default: "
+        "measured by --calibrate, else this process's resident memory after importing torch)",
+    )  # fmt: skip
+    g.add_argument(
         "--process-memory", type=parse_bytes, default=0.0, help="per process beyond the model"
     )
     g.add_argument(
@@ -197,9 +212,16 @@ def run_capacity(args: argparse.Namespace) -> int:
         raise SystemExit("gpipe plan --capacity needs --memory (bytes per process, e.g. 2GiB)")
     models = family(args)
     processes = args.processes or args.devices
-    overhead = Calibration(args.process_memory, args.layer_memory)
+    baseline = args.baseline_memory
+    if baseline is None and not args.calibrate:
+        baseline = _resident_bytes()
+        print(f"a process holds {baseline / 2**20:.1f} MiB before its model (this one, after "
+              "importing torch; --calibrate measures training processes)")  # fmt: skip
+    overhead = Calibration(args.process_memory, args.layer_memory, baseline=baseline or 0.0)
     if args.calibrate:
         overhead = calibrate(models, processes=processes, optimizer=args.optimizer)
+        if args.baseline_memory is not None:
+            overhead = replace(overhead, baseline=args.baseline_memory)
         print(f"calibrated: a training process needs {overhead} beyond the model's terms")
     shard = {"both": None, "yes": [True], "no": [False]}[args.shard]
     start = time.perf_counter()
@@ -225,6 +247,17 @@ def run_capacity(args: argparse.Namespace) -> int:
         print()
         print(verify_capacity(models, row, optimizer=args.optimizer, steps=2).describe())
     return 0 if fitting else 1
+
+
+def _resident_bytes() -> float:
+    """This process's resident memory now (Linux; 0 elsewhere)."""
+    import os
+
+    try:
+        with open("/proc/self/statm") as f:
+            return float(int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE"))
+    except OSError:
+        return 0.0
 
 
 def run(args: argparse.Namespace) -> int:
@@ -291,6 +324,9 @@ def write_train_config(path: str, args: argparse.Namespace, best) -> None:
         "virtual_stages": best.virtual_stages, "checkpoint": best.checkpoint,
         "balance": list(best.balance),
     }  # fmt: skip
+    if args.memory is not None:
+        # planned within a budget: peaks as measured need freed memory given back
+        options["cpu_allocator"] = "return"
     header = (
         f"gpipe plan's first choice for GPT {shape}, vocab {args.vocab}, on {args.devices} "
         f"devices (predicted {best.throughput:,.1f} samples/s).\n"

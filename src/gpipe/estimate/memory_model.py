@@ -41,7 +41,10 @@ gradients are accumulated unsharded over the step's micro-batches, then reduce-s
 once per step::
 
     P / R + P × gradients + P × optimizer_state / R + buffers
-    + gathered: the stage's largest layer (P under a split backward: W gathers the stage)
+    + gathered: twice the stage's largest layer (FSDP's flat buffer beside the layer's
+                parameters: the all-gather's output they are copied out of, the
+                reduce-scatter's input the gradients are copied into); P + the largest
+                layer under a split backward (W gathers the stage)
     + boundary and inner activations as above
 
 The peaks of the terms are added, as for the activations: an upper bound where they do not
@@ -310,7 +313,9 @@ class StageMemoryTable:
     def _gathered(self, i: int, j: int) -> float:
         if not self.model.shard:
             return 0.0
-        return self.params[j] - self.params[i] if self.splits_backward else self.largest(i, j)
+        # the gathered layer(s) and one flat buffer of the largest layer (module docstring)
+        whole = self.params[j] - self.params[i] if self.splits_backward else self.largest(i, j)
+        return whole + self.largest(i, j)
 
     def _workspace(self, i: int, j: int) -> float:
         return self.largest_saved(i, j) if self.model.workspace else 0.0
@@ -389,25 +394,29 @@ def layer_times(
 @dataclass(frozen=True)
 class Calibration:
     """What a training process needs beyond the memory model's terms, measured
-    (``gpipe.planner.calibrate``): a constant per process, bytes per layer of the *whole*
-    model (every process records the whole model on ``meta`` to build its own layers, and
-    what that leaves in Python's allocator stays resident), and bytes per layer of its
-    own stage (``MemoryModel(layer_overhead=...)``)."""
+    (``gpipe.planner.calibrate``): what it holds before its model is built (``baseline``:
+    Python, torch, the process group; a budget is the whole process's peak, so it counts),
+    a constant per process, bytes per layer of the *whole* model (each process records the
+    whole model on ``meta`` to build its own layers; what that leaves behind), and bytes
+    per layer of its own stage (``MemoryModel(layer_overhead=...)``)."""
 
     process: float = 0.0
     per_layer: float = 0.0  # per layer of the whole model
     per_stage_layer: float = 0.0  # per layer of the process's stage
+    baseline: float = 0.0  # resident before the model is built
 
     def at(self, layers: int) -> float:
-        """Bytes per process for a model of ``layers`` layers."""
-        return self.process + self.per_layer * layers
+        """Bytes per process for a model of ``layers`` layers, beyond its stage's terms."""
+        return self.baseline + self.process + self.per_layer * layers
 
     def __post_init__(self) -> None:
-        if not (self.process >= 0 and self.per_layer >= 0 and self.per_stage_layer >= 0):
+        values = (self.process, self.per_layer, self.per_stage_layer, self.baseline)
+        if not all(v >= 0 for v in values):
             raise ValueError(f"calibration must be non-negative bytes, got {self}")
 
     def __str__(self) -> str:
         return (
-            f"{self.process / MiB:.1f} MiB per process + {self.per_layer / MiB:.2f} MiB per "
-            f"layer of the model + {self.per_stage_layer / MiB:.2f} MiB per layer of its stage"
+            f"{self.baseline / MiB:.1f} MiB held before the model + {self.process / MiB:.1f} "
+            f"MiB per process + {self.per_layer / MiB:.3f} MiB per layer of the model + "
+            f"{self.per_stage_layer / MiB:.3f} MiB per layer of its stage"
         )

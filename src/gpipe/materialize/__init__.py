@@ -61,7 +61,14 @@ from torch import nn
 from gpipe.materialize.record import Recording, Unreplayable, record
 from gpipe.rng import preserved
 
-__all__ = ["build", "build_full", "materialized_bytes", "record_factory", "replay_layers"]
+__all__ = [
+    "build",
+    "build_full",
+    "materialized_bytes",
+    "record_factory",
+    "record_model",
+    "replay_layers",
+]
 
 _REMEDY = (
     "create every tensor of the model inside factory() with torch operations, "
@@ -106,6 +113,16 @@ def build(
         >>> model[0].weight.device, model[2].weight.device
         (device(type='meta'), device(type='cpu'))
     """
+    model, recording = record_model(factory, seed=seed, device=device)
+    return replay_layers(model, recording, seed=seed, layers=layers, dtype=dtype, tied=tied)
+
+
+def record_model(
+    factory: Callable[[], nn.Sequential], *, seed: int, device: torch.device | str = "cpu"
+) -> tuple[nn.Sequential, Recording]:
+    """The first half of :func:`build`: ``factory()`` recorded on meta (every layer on meta),
+    the generators left as found. Record once and replay once: the record holds every
+    operation of the whole model, so drop it after :func:`replay_layers`."""
     device = torch.device(device)
     if device.type == "meta":
         raise ValueError("device='meta' materializes nothing; pass the device the stage runs on")
@@ -113,8 +130,7 @@ def build(
         stack.enter_context(preserved(torch.device("cpu")))
         if device.type != "cpu":
             stack.enter_context(preserved(device))
-        model, recording = record_factory(factory, seed=seed, device=device)
-    return replay_layers(model, recording, seed=seed, layers=layers, dtype=dtype, tied=tied)
+        return record_factory(factory, seed=seed, device=device)
 
 
 def replay_layers(

@@ -21,11 +21,12 @@ contract and names the tensors in errors.
 from __future__ import annotations
 
 import functools
+import hashlib
 import inspect
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -73,16 +74,18 @@ class _Storage:
 
 @dataclass(slots=True)
 class _Op:
+    # Small on purpose: a record holds one per operation of the *whole* model in every
+    # process, and what it leaves in the allocator stays resident (tuples, not sets).
     func: Any
     args: tuple
     kwargs: dict
-    outs: list[TensorRef | None]  # flattened outputs
-    reads: frozenset[int]  # storages whose values it uses
-    draw_reads: frozenset[int]  # of those, the ones a random draw's amount may depend on
-    writes: frozenset[int]  # storages it creates or writes
+    outs: tuple[TensorRef | None, ...]  # flattened outputs
+    reads: tuple[int, ...]  # storages whose values it uses
+    draw_reads: tuple[int, ...]  # of those, the ones a random draw's amount may depend on
+    writes: tuple[int, ...]  # storages it creates or writes
     generator: torch.Generator | None = None  # the generator it draws from, if random
     # Set before it: (generator, restored to its state after op i, or None: set to bytes).
-    events: list[tuple[torch.Generator, int | None, bytes | None]] = field(default_factory=list)
+    events: tuple[tuple[torch.Generator, int | None, bytes | None], ...] = ()
 
 
 class Recording:
@@ -94,8 +97,10 @@ class Recording:
         self.storages: list[_Storage] = []
         self._keys: dict[int, int] = {}
         self._tainted: set[int] = set()  # storages holding values derived from random draws
+        # Generator states by digest (a CPU state is 5 KB, and there is one per draw).
         self._expected: dict[int, bytes] = {}  # generator -> its state after our last look
         self._boundaries: dict[int, dict[bytes, int]] = {}  # generator -> state -> after op i
+        self._interned: dict[TensorRef, TensorRef] = {}  # equal refs shared by all ops
 
     def key_of(self, tensor: torch.Tensor) -> int | None:
         """The storage key of a tensor seen during the record (None: never seen)."""
@@ -115,25 +120,27 @@ class Recording:
             key = self._keys[cdata] = len(self.storages)
             self.storages.append(_Storage(tensor, born))
         shape, stride, offset = tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset()
-        return TensorRef(key, shape, stride, offset, tensor.dtype, tensor.device)
+        ref = TensorRef(key, shape, stride, offset, tensor.dtype, tensor.device)
+        return self._interned.setdefault(ref, ref)
 
     def _refs(self, tree: Any) -> Any:
         return tree_map(lambda x: self._ref(x, None) if isinstance(x, torch.Tensor) else x, tree)
 
     def _watch(self, generator: torch.Generator) -> None:
-        state = generator.get_state().numpy().tobytes()
-        self._expected[id(generator)] = state
-        self._boundaries.setdefault(id(generator), {})[state] = len(self.ops) - 1
+        digest = _digest(generator.get_state().numpy().tobytes())
+        self._expected[id(generator)] = digest
+        self._boundaries.setdefault(id(generator), {})[digest] = len(self.ops) - 1
 
-    def _before_draw(self, generator: torch.Generator) -> list:
+    def _before_draw(self, generator: torch.Generator) -> tuple:
         """An event if the factory changed the generator since our last look."""
         state = generator.get_state().numpy().tobytes()
-        if self._expected.get(id(generator)) == state:
-            return []
-        earlier = self._boundaries.get(id(generator), {}).get(state)
+        digest = _digest(state)
+        if self._expected.get(id(generator)) == digest:
+            return ()
+        earlier = self._boundaries.get(id(generator), {}).get(digest)
         if earlier is not None:  # restored to a state it had after draw `earlier`
-            return [(generator, earlier, None)]
-        return [(generator, None, state)]
+            return ((generator, earlier, None),)
+        return ((generator, None, state),)
 
     def _after_draw(self, generator: torch.Generator) -> None:
         # Meta draws consume nothing, so states would repeat and restores be ambiguous: one
@@ -153,7 +160,7 @@ class Recording:
             )
         written = _written(func, args, kwargs)
         random = torch.Tag.nondeterministic_seeded in func.tags
-        generator, events = None, []
+        generator, events = None, ()
         if random:
             generator = kwargs.get("generator") or next(
                 (a for a in args if isinstance(a, torch.Generator)), None
@@ -173,7 +180,7 @@ class Recording:
 
         index = len(self.ops)
         flat_out = tree_flatten(out)[0]
-        outs = [self._ref(t, index) if isinstance(t, torch.Tensor) else None for t in flat_out]
+        outs = tuple(self._ref(t, index) if isinstance(t, torch.Tensor) else None for t in flat_out)
         fresh = {r.key for r in outs if r is not None and self.storages[r.key].born == index}
         writes = fresh | {self.key_of(t) for t in written}
         if not writes and not random:
@@ -187,17 +194,17 @@ class Recording:
             reads.discard(args[0].key)
         written_keys = {self.key_of(t) for t in written}
         by_shape = name in _DRAWS_BY_SHAPE or not (reads - written_keys)
-        draw_reads = frozenset() if by_shape else frozenset(reads - written_keys)
+        draw_reads = () if by_shape else tuple(reads - written_keys)
         if random or reads & self._tainted:
             self._tainted |= writes
-        reads, writes = frozenset(reads), frozenset(writes)
+        reads, writes = tuple(reads), tuple(writes)
         self.ops.append(_Op(func, args, kwargs, outs, reads, draw_reads, writes, generator, events))
         if random:
             self._after_draw(generator)
         return out
 
     def _observe_call(self, call: _Call, tensor: torch.Tensor, args: tuple, kwargs: dict) -> Any:
-        generator, events = None, []
+        generator, events = None, ()
         if call.random:
             bound = inspect.signature(call.fn).bind(tensor, *args, **kwargs).arguments
             generator = bound.get("generator")
@@ -205,8 +212,8 @@ class Recording:
             events = self._before_draw(generator)
             self._tainted.add(self._ref(tensor, None).key)
         ref, args, kwargs = self._refs((tensor, args, kwargs))
-        keys = frozenset({ref.key})
-        self.ops.append(_Op(call, (ref, *args), kwargs, [None], keys, frozenset(), keys))
+        keys = (ref.key,)
+        self.ops.append(_Op(call, (ref, *args), kwargs, (None,), keys, (), keys))
         self.ops[-1].generator, self.ops[-1].events = generator, events
         if call.random:
             self._after_draw(generator)
@@ -228,13 +235,13 @@ class Recording:
             hit = [k for k in op.writes if k in needed]
             gen = id(op.generator) if op.generator is not None else None
             if hit:
-                label, uses = needed[hit[0]], op.reads | frozenset(hit)
+                label, uses = needed[hit[0]], frozenset(op.reads) | frozenset(hit)
                 if gen is not None:
                     relevant[gen] = label
                 plan[i] = ("real", uses, label)
             elif gen is not None and (gen in relevant or gen in restored):
                 label = relevant.get(gen, "the draws of the local tensors")
-                uses = op.draw_reads
+                uses = frozenset(op.draw_reads)
                 plan[i] = ("draw", uses, label)
             else:
                 uses = frozenset()
@@ -450,6 +457,11 @@ def record(factory: Callable[[], Any], *, seed: int, device: torch.device) -> tu
 def _default_generators(device: torch.device) -> list[torch.Generator]:
     """The generators eager construction on ``device`` draws from, each once."""
     return list({id(g): g for g in (torch.default_generator, device_generator(device))}.values())
+
+
+def _digest(state: bytes) -> bytes:
+    """A generator state's fingerprint: equal states, equal digests (collisions: 2**-128)."""
+    return hashlib.blake2b(state, digest_size=16).digest()
 
 
 def _dtype_kwarg(func: Any) -> bool:

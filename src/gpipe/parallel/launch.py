@@ -31,8 +31,9 @@ kernel for a signal when its parent dies: :func:`die_with`).
 On Linux the processes are forked from a server that imported torch and gpipe once
 (multiprocessing's "forkserver"): a rank starts in a fraction of a second, not the seconds
 a fresh interpreter takes to import torch. Each gets the launcher's environment as it is at
-the call. Where glibc or the loader must read the environment at start (``MALLOC_*``,
-``LD_*``), or without pidfds, each rank is a fresh interpreter ("spawn").
+the call. Where glibc, the loader or Python must read the environment at start
+(``MALLOC_*``, ``LD_*``, ``PYTHONMALLOC``), or without pidfds, each rank is a fresh
+interpreter ("spawn").
 """
 
 from __future__ import annotations
@@ -116,7 +117,9 @@ def _end(processes: list[Any], wait: float) -> None:
 def _context() -> Any:
     """Forked from a server that imported torch once, where that is as good as a fresh
     interpreter (see the module's docstring); else spawned."""
-    read_at_start = any(name.startswith(("MALLOC_", "LD_")) for name in os.environ)
+    read_at_start = any(
+        name.startswith(("MALLOC_", "LD_")) or name == "PYTHONMALLOC" for name in os.environ
+    )
     if hasattr(os, "pidfd_open") and not read_at_start:
         context = mp.get_context("forkserver")
         preload = ["torch", "torch.distributed", "gpipe.pipe"]

@@ -34,7 +34,7 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -251,13 +251,14 @@ def fit_of(
     optimizer: str | float = "adamw",
     budget: float,
     overhead: float | Calibration = 0.0,
+    balance: Sequence[int] | None = None,
 ) -> Fit:
-    """``layout`` at ``depth``: its memory balance and predicted memory, whether it fits or
-    not (then ``missing`` says by how much each stage does not)."""
+    """``layout`` at ``depth``: its memory balance (or the given ``balance``) and predicted
+    memory, whether it fits or not (then ``missing`` says by how much each stage does not)."""
     calibration = _calibration(overhead)
     at = _LayoutCosts(FamilyCosts(family), layout, optimizer_state_of(optimizer),
                       calibration.per_stage_layer)  # fmt: skip
-    return _fit(at, depth, budget, calibration)
+    return _fit(at, depth, budget, calibration, balance)
 
 
 def _calibration(overhead: float | Calibration) -> Calibration:
@@ -268,12 +269,24 @@ def _calibration(overhead: float | Calibration) -> Calibration:
     return Calibration(float(overhead))
 
 
-def _fit(at: _LayoutCosts, depth: int, budget: float, calibration: Calibration) -> Fit:
+def _fit(
+    at: _LayoutCosts,
+    depth: int,
+    budget: float,
+    calibration: Calibration,
+    balance: Sequence[int] | None = None,
+) -> Fit:
     """The lightest cut of ``depth``: the most room in its fullest stage, or, when it does
     not fit, the least missing there."""
     table = at.table(depth)
     overhead = calibration.at(len(table.layers))
-    balance = lightest_cut(table, len(table.layers), at.layout.stages)
+    if balance is None:
+        balance = lightest_cut(table, len(table.layers), at.layout.stages)
+    elif sum(balance) != len(table.layers) or len(balance) != at.layout.stages:
+        raise ValueError(
+            f"balance {list(balance)} does not cut depth {depth} ({len(table.layers)} layers) "
+            f"into {at.layout.stages} stages"
+        )
     memory, start = [], 0
     for s, size in enumerate(balance):
         memory.append(table(s, start, start + size))

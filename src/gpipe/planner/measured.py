@@ -5,26 +5,30 @@ largest member of a family each layout trains within a budget per process.
 :func:`verify_capacity` builds that member for real, one process per stage and replica
 (``gpipe.launch``; each process builds only its own layers: the Pipe gets a function that
 builds the model, see ``gpipe.materialize``), trains ``steps`` steps with the optimizer,
-and reports each process's measured peak: the growth of its peak resident memory over its
-resident memory right before the model was built. The peak is the kernel's high-water mark
-of the process's memory (``VmHWM``), reset right before the build (``/proc/self/clear_refs``)
+and reports each process's measured peak: the peak resident memory of the *whole* process
+(what a budget per process pays: Python, torch and the process group included), and what it
+held right before the model was built. The peak is the kernel's high-water mark of the
+process's memory (``VmHWM``), reset right before the build (``/proc/self/clear_refs``)
 — not ``getrusage``'s ``ru_maxrss``, which a process started by fork and exec inherits
 from its parent: a launcher holding 470 MiB made every process "grow" by 240 MiB.
 It does the same for the next size up (depth + 1, same layout), which the prediction says
 does not fit, to show that its measured peak exceeds the budget too.
 
-A training process needs memory the per-stage memory model does not count: the modules
-imported to record the model on ``meta`` (about 70 MiB), the allocator's arenas, the
-autograd engine, the communication buffers. :func:`calibrate` measures it as the peak growth
-of a one-stage run of the family's smallest member minus that member's predicted memory;
-pass it to ``capacity(overhead=...)``.
+A training process needs memory the per-stage memory model does not count: what it holds
+before its model (Python, torch, gloo: about 230 MiB on a CPU), the modules imported to
+record the model on ``meta``, the allocator's arenas, the autograd engine, the
+communication buffers. :func:`calibrate` measures them (see its docstring); pass the
+answer to ``capacity(overhead=...)``.
 
-The measured processes run with ``gpipe.cpu_allocator("return")`` (glibc's
-``MALLOC_MMAP_THRESHOLD_`` fixed at 64 KiB): by
-default the threshold grows with the largest block freed, after which large tensors are
-carved from the heap and their memory stays resident when freed, so the peak RSS would
-follow the allocator's history (measured: 30-70 MiB of scatter between runs) rather than
-the tensors alive. Set it for training runs that must fit what was measured.
+The measured processes start with the allocator policy ``"return"``
+(``gpipe.allocator.environment``: glibc's ``MALLOC_MMAP_THRESHOLD_`` fixed at 64 KiB,
+Python's objects from ``malloc``): by default the threshold grows with the largest block
+freed, after which large tensors are carved from the heap and their memory stays resident
+when freed, so the peak RSS would follow the allocator's history (measured: 30-70 MiB of
+scatter between runs, and a GPT that fits under it grows 389.8 MiB against 384 without
+it) rather than the tensors alive. A run that must fit what was measured needs it too:
+``gpipe train --cpu-allocator return``, which ``gpipe plan --write-config`` writes for a
+plan under a memory budget.
 
 Sharded replicas run as ``Pipe(..., group=pp, data_parallel_group=dp, shard="params")``
 with the groups of ``gpipe.parallel.mesh.Mesh``; with a Pipe that has no ``shard`` option
@@ -62,12 +66,19 @@ SHARDING = "shard" in inspect.signature(Pipe).parameters  # Pipe(shard="params")
 
 @dataclass(frozen=True)
 class Measured:
-    """A row trained for real: per process (rank order), its measured peak growth."""
+    """A row trained for real: per process (rank order), its measured peak (the whole
+    process's) and what it held before the model was built."""
 
     fit: Fit
     measured: tuple[float, ...]  # bytes, rank r is stage r % K of replica r // K
     steps: int
     note: str = ""  # why it was not run, if it was not
+    before: tuple[float, ...] = ()  # bytes resident right before the build, per process
+
+    @property
+    def growth(self) -> tuple[float, ...]:
+        """Per process, its peak over what it held before the model."""
+        return tuple(m - b for m, b in zip(self.measured, self.before, strict=True))
 
     @property
     def ran(self) -> bool:
@@ -110,16 +121,35 @@ class Measured:
 
 @dataclass(frozen=True)
 class CapacityCheck:
-    """The largest fit measured, and the next size up (predicted not to fit) measured."""
+    """The largest fit measured, and the next size up (predicted not to fit) measured.
+
+    With ``verify_capacity(refine=True)`` the depths are measured ones: ``found`` is the
+    deepest member measured within the budget and ``next_size`` one block more, measured
+    over it; ``predicted`` is the search's row they started from.
+    """
 
     found: Measured
     next_size: Measured | None
+    predicted: Fit | None = None
+
+    @property
+    def exact(self) -> bool:
+        """Measured: the found member fits and the next size up does not."""
+        bigger = self.next_size
+        return self.found.ran and self.found.fits and bigger is not None and not bigger.fits
+
+    @property
+    def predicted_depth(self) -> int:
+        return (self.predicted or self.found.fit).depth
 
     def describe(self) -> str:
         lines = ["found:     " + self.found.describe()]
         if self.next_size is not None:
             predicted = "does not fit" if not self.next_size.fit.fits else "fits"
             lines.append(f"next size: {self.next_size.describe()} (predicted: {predicted})")
+        if self.predicted is not None and self.predicted.depth != self.found.fit.depth:
+            moved = self.found.fit.depth - self.predicted.depth
+            lines.append(f"predicted depth {self.predicted.depth}: off by {moved:+d} block(s)")
         return "\n".join(lines)
 
 
@@ -166,8 +196,9 @@ def _train_rank(
     state: float,
     steps: int,
     timeout: float,
-) -> float:
-    """One process of a measured run: its peak memory growth while building and training."""
+) -> tuple[float, float]:
+    """One process of a measured run: its peak resident memory while building and training,
+    and what it held before the build."""
     torch.set_num_threads(1)
     torch.manual_seed(0)
     groups = mesh.Mesh.build(layout.stages, layout.replicas, timeout=timeout)
@@ -199,7 +230,7 @@ def _train_rank(
         if optimizer is not None:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-    return float(_peak_resident_bytes() - before)
+    return float(_peak_resident_bytes()), float(before)
 
 
 def measure_fit(
@@ -207,15 +238,16 @@ def measure_fit(
     timeout: float = 300.0,
 ) -> Measured:  # fmt: skip
     """Train ``fit`` (its layout, depth and balance) for ``steps`` steps on K·R local
-    processes and measure each one's peak memory growth."""
+    processes and measure each one's peak resident memory (the whole process's)."""
     layout = fit.layout
     if layout.shard and not SHARDING:
         return Measured(fit, (), steps, note="sharding is not in Pipe yet: predicted only")
     state = optimizer_state_of(optimizer)
     args = (family, fit.depth, layout, fit.balance, state, steps, timeout)
-    with started_with("return"):  # read by glibc when each launched process starts
+    with started_with("return"):  # read by glibc and Python when each process starts
         measured = launch(_train_rank, layout.processes, args=args, timeout=timeout)
-    return Measured(fit, tuple(measured), steps)
+    peaks, before = zip(*measured, strict=True)
+    return Measured(fit, tuple(peaks), steps, before=tuple(before))
 
 
 def verify_capacity(
@@ -225,23 +257,42 @@ def verify_capacity(
     optimizer: str | float = "adamw",
     steps: int = 2,
     next_size: bool = True,
+    refine: bool = False,
+    moves: int = 4,
     timeout: float = 300.0,
 ) -> CapacityCheck:
     """Measure ``fit`` (a row of a capacity search) and, with ``next_size``, the same
-    layout at depth + 1 (cut as lightly as it can be; predicted not to fit)."""
-    found = measure_fit(family, fit, optimizer=optimizer, steps=steps, timeout=timeout)
+    layout at depth + 1 (cut as lightly as it can be; predicted not to fit).
+
+    ``refine``: the answer exact to one block, measured. A found member measured over the
+    budget steps down a block at a time, a next size up measured within it steps up, until
+    the found one fits and the next does not (at most ``moves`` steps; ``exact`` says
+    whether it got there). The prediction is where the measuring starts, typically the
+    answer or one block off: the model's error is a few MiB, about one block of a small
+    model.
+    """
+
+    def measure(depth: int) -> Measured:
+        row = fit_of(family, fit.layout, depth, optimizer=optimizer, budget=fit.budget,
+                     overhead=fit.calibration)  # fmt: skip
+        if depth == fit.depth:
+            row = fit
+        return measure_fit(family, row, optimizer=optimizer, steps=steps, timeout=timeout)
+
+    found = measure(fit.depth)
+    if not (refine and found.ran):
+        bigger = measure(fit.depth + 1) if next_size else None
+        return CapacityCheck(found, bigger, fit)
     bigger = None
-    if next_size:
-        row = fit_of(
-            family,
-            fit.layout,
-            fit.depth + 1,
-            optimizer=optimizer,
-            budget=fit.budget,
-            overhead=fit.calibration,
-        )
-        bigger = measure_fit(family, row, optimizer=optimizer, steps=steps, timeout=timeout)
-    return CapacityCheck(found, bigger)
+    while not found.fits and moves > 0 and found.fit.depth > 1:
+        bigger, found = found, measure(found.fit.depth - 1)
+        moves -= 1
+    if bigger is None:
+        bigger = measure(found.fit.depth + 1)
+        while bigger.fits and moves > 0:
+            found, bigger = bigger, measure(bigger.fit.depth + 1)
+            moves -= 1
+    return CapacityCheck(found, bigger, fit)
 
 
 def calibrate(
@@ -255,12 +306,17 @@ def calibrate(
 ) -> Calibration:
     """What a training process needs beyond the memory model's terms, measured in
     micro-batches of one sample with re-materialization (where the terms are smallest, so
-    the excess shows most): a constant, a cost per layer of its stage and one per layer of
-    the whole model. On one process (every layer local) at the shallowest member and the
-    first with ``layers`` layers, the slope is the sum of the two per-layer costs; on a
-    pipeline of ``processes`` stages (as many processes as the rows will use: each peer
-    costs connection buffers) at the same two depths, the slope of the stages' mean excess
-    separates them. The constant is the largest excess of a stage, less its layers' share.
+    the excess shows most): what it holds before its model, a constant, a cost per layer
+    of its stage and one per layer of the whole model.
+
+    On one process (every layer local) at the shallowest member and the first with
+    ``layers`` layers, the slope is the sum of the two per-layer costs. On a pipeline of
+    ``processes`` stages (as many processes as the rows will use: each peer costs
+    connection buffers) at the shallowest member and the first with 4 × ``layers``
+    layers, whose last stage holds the last layer alone, that stage's slope is the cost
+    per layer of the whole model: its own layers do not change. The baseline is the most
+    any process held before its model was built; the constant is the largest excess of a
+    stage's whole-process peak over its terms and the baseline, less its layers' share.
     With one process the whole slope is charged to the stage's layers.
     """
     batch = family.batch_size
@@ -271,31 +327,38 @@ def calibrate(
             depth += 1
         return depth
 
+    def last_alone(depth: int, k: int) -> list[int]:
+        n = len(family.kinds(depth))
+        rest = [(n - 1) // (k - 1) + (s < (n - 1) % (k - 1)) for s in range(k - 1)]
+        return [*rest, 1]
+
     one = Layout(stages=1, chunks=batch, checkpoint="always")
-    runs = [(one, first_depth(1)), (one, first_depth(layers))]
+    runs = [(one, first_depth(1), None), (one, first_depth(layers), None)]
     if processes > 1:
         pipeline = Layout(stages=processes, chunks=batch, checkpoint="always")
-        runs += [(pipeline, first_depth(processes)), (pipeline, first_depth(layers))]
+        # a long lever: the cost per layer of the whole model is small against the scatter
+        for depth in (first_depth(processes), first_depth(4 * layers)):
+            runs.append((pipeline, depth, last_alone(depth, processes)))
+    rows = []
+    for layout, depth, balance in runs:
+        row = fit_of(family, layout, depth, optimizer=optimizer, budget=float("inf"),
+                     balance=balance)  # fmt: skip
+        rows.append(measure_fit(family, row, optimizer=optimizer, steps=steps, timeout=timeout))
+    baseline = max(b for measured in rows for b in measured.before)
     stages = []  # per run: (model layers, [(excess, stage layers) per stage])
-    for layout, depth in runs:
-        row = fit_of(family, layout, depth, optimizer=optimizer, budget=float("inf"))
-        measured = measure_fit(family, row, optimizer=optimizer, steps=steps, timeout=timeout)
-        excess = [m - p.total for m, p in zip(measured.per_stage, row.memory, strict=True)]
-        stages.append((len(family.kinds(depth)), list(zip(excess, row.balance, strict=True))))
+    for measured in rows:
+        row = measured.fit
+        excess = [
+            m - p.total - baseline for m, p in zip(measured.per_stage, row.memory, strict=True)
+        ]
+        stages.append((len(family.kinds(row.depth)), list(zip(excess, row.balance, strict=True))))
 
-    def mean(run: int) -> tuple[float, float, int]:
-        n, per_stage = stages[run]
-        count = len(per_stage)
-        return sum(e for e, _ in per_stage) / count, sum(l for _, l in per_stage) / count, n
-
-    (e0, _, n0), (e1, _, n1) = mean(0), mean(1)
+    (n0, ((e0, _),)), (n1, ((e1, _),)) = stages[0], stages[1]
     both = max(0.0, (e1 - e0) / (n1 - n0))  # per layer that is both local and the model's
     whole = 0.0
-    if processes > 1:
-        (e2, l2, n2), (e3, l3, n3) = mean(2), mean(3)
-        # e3 - e2 = whole · (n3 - n2) + (both - whole) · (l3 - l2)
-        whole = (e3 - e2 - both * (l3 - l2)) / ((n3 - n2) - (l3 - l2))
-        whole = min(max(0.0, whole), both)
+    if processes > 1 and stages[3][0] > stages[2][0]:
+        (n2, last2), (n3, last3) = stages[2], stages[3]
+        whole = min(max(0.0, (last3[-1][0] - last2[-1][0]) / (n3 - n2)), both)
     local = both - whole
     process = max(e - local * l - whole * n for n, per_stage in stages for e, l in per_stage)
-    return Calibration(max(0.0, process), whole, local)
+    return Calibration(max(0.0, process), whole, local, baseline)

@@ -27,7 +27,8 @@ __all__ = [
 
 # A process's predicted peak by term: the memory model's, and the process's own overhead.
 TERMS = ("parameters", "gradients", "optimizer", "buffers", "inputs", "activations",
-         "workspace", "gathered", "reduction", "layers", "model layers", "process")  # fmt: skip
+         "workspace", "gathered", "reduction", "layers", "model layers", "process",
+         "before the model")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -251,8 +252,10 @@ class Fit:
     def terms(self, stage: int | None = None) -> dict[str, float]:
         """The predicted peak of a stage's process by term (default: the fullest stage)."""
         memory = self.memory[self.fullest if stage is None else stage]
-        layers = self.overhead - self.calibration.process
-        return {**memory.terms(), "model layers": layers, "process": self.calibration.process}
+        c = self.calibration
+        layers = self.overhead - c.process - c.baseline
+        return {**memory.terms(), "model layers": layers, "process": c.process,
+                "before the model": c.baseline}  # fmt: skip
 
 
 class NothingFits(ValueError):
@@ -314,7 +317,7 @@ class Capacity:
         stage = max(range(len(closest.missing)), key=closest.missing.__getitem__)
         terms = closest.terms(stage)
         # the process's own overhead is fixed: name the largest term the layout can change
-        fixed = ("process", "model layers")
+        fixed = ("process", "model layers", "before the model")
         term = max((k for k in terms if k not in fixed), key=terms.__getitem__)
         over = closest.missing[stage]
         return (

@@ -290,7 +290,8 @@ class TrainConfig:
     cpu_allocator: str = _option(
         "default", "freed CPU tensors: 'default' as the C library does, 'cache' keeps them for "
         "reuse (faster, notably for zero-bubble schedules), 'return' gives them back "
-        "(memory-bound runs); see gpipe.allocator", _PROCESSES, choices=POLICIES,
+        "(memory-bound runs: what gpipe plan --capacity measures budgets with); each rank "
+        "starts with it; see gpipe.allocator", _PROCESSES, choices=POLICIES,
     )  # fmt: skip
     timeout: float = _option(120.0, "seconds a rank waits for another", _PROCESSES)
     # The model's own arguments (width, depth; a Hugging Face model's whole configuration):

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import gpipe.train.config_file as config_file
+from gpipe.allocator import started_with
 from gpipe.errors import COMMUNICATION_FAILURES
 from gpipe.parallel.launch import LaunchError, die_with, launch
 from gpipe.parallel.mesh import ensure_world, leave_world, world_collectives
@@ -89,14 +90,16 @@ def run(config: TrainConfig) -> dict[str, Any]:
 def _run(config: TrainConfig) -> dict[str, Any]:
     prepared = prepare(config)
     try:
-        # gloo: the main job trains on CPU, and its own collectives carry CPU tensors.
-        results = launch(
-            train,
-            nprocs=config.world_size,
-            args=(config, prepared),
-            backend="gloo",
-            timeout=config.timeout,
-        )
+        # gloo: the main job trains on CPU, and its own collectives carry CPU tensors. The
+        # allocator policy is also read at each rank's start (Python's, glibc's defaults).
+        with started_with(config.cpu_allocator):
+            results = launch(
+                train,
+                nprocs=config.world_size,
+                args=(config, prepared),
+                backend="gloo",
+                timeout=config.timeout,
+            )
     except LaunchError as error:
         raise TrainingError(error.failures) from None
     return results[0]
