@@ -34,7 +34,7 @@ from gpipe._utils import MiB
 from gpipe.allocator import started_with
 from gpipe.parallel.launch import launch
 from gpipe.planner import Fit, Measured, calibrate, capacity, verify_capacity
-from gpipe.planner.families import Family, FamilyCosts, gpt_family, resnet_family
+from gpipe.planner.families import Family, gpt_family, resnet_family
 from gpipe.planner.measured import _peak_resident_bytes, _reset_peak, _resident_bytes
 
 STAGES = (1, 2, 4, 8)
@@ -319,7 +319,8 @@ def largest_plain(family: Family, per_block: bool, start: int) -> PlainRow:
         while peak(depth) > K1_BUDGET:
             depth -= 1
     kind = "per-block torch.utils.checkpoint" if per_block else "no remat"
-    parameters = FamilyCosts(family).parameters(depth)
+    with torch.device("meta"):
+        parameters = sum(p.numel() for p in family.build(depth).parameters())
     return PlainRow(f"plain PyTorch, {kind}", depth, parameters, peaks[depth], peaks[depth + 1])
 
 
