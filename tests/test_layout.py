@@ -87,6 +87,11 @@ def test_every_problem_is_listed_with_its_values_and_a_remedy():
         (Layout(stages=2, chunks=8), {"batch": 4}, "must have at least chunks=8 samples"),
         (Layout(stages=2, chunks=4, schedule=fill_drain(3, 2)), {},
          "schedule 'gpipe' is for 3 stages on 3 ranks and 2 micro-batches"),
+        (Layout(chunks=4, checkpoint="always", checkpoint_layers=0), {},
+         "checkpoint_layers must be a positive int (layers recomputed at a time) or None"),
+        (Layout(chunks=4, checkpoint="never", checkpoint_layers=1), {},
+         "checkpoint_layers=1 says how a re-materialized micro-batch is recomputed, but "
+         "checkpoint='never' re-materializes none: use checkpoint always"),
     ],
 )  # fmt: skip
 def test_each_rule(layout, context, expected):
@@ -104,6 +109,12 @@ def test_the_command_line_spells_settings_as_flags():
     assert "--schedule zb-v, --virtual-stages 1, --chunks 4 on 2 ranks: it places 2" in text
     assert "--balance 1,1,1 has 3 entries, but --stages 2 make 2 stages" in text
     assert Layout(stages=5).problems(layers=4, spelling=FLAGS)[0].endswith("use --stages <= 4")
+    never = Layout(checkpoint="never", checkpoint_layers=2).problems(spelling=FLAGS)
+    assert never == [
+        "--checkpoint-layers 2 says how a re-materialized micro-batch is recomputed, but "
+        "--checkpoint never re-materializes none: use --checkpoint always (or except_last), "
+        "or leave --checkpoint-layers out"
+    ]
 
 
 def test_canonical_layouts_train_alike():
@@ -112,6 +123,11 @@ def test_canonical_layouts_train_alike():
     assert Layout(stages=2, chunks=1).canonical().checkpoint == "never"
     layout = Layout(stages=2, chunks=4, schedule="1f1b", checkpoint="always")
     assert layout.canonical() is layout
+    one = Layout(stages=2, chunks=1, checkpoint_layers=1).canonical()
+    assert (one.checkpoint, one.checkpoint_layers) == ("never", None)
+    assert Layout(chunks=2, checkpoint="always", checkpoint_layers=3).label() == (
+        "K=1 M=2 gpipe always per 3 layers"
+    )
 
 
 def test_layouts_enumerates_the_valid_canonical_ones_once():

@@ -91,6 +91,7 @@ def configure(
     devices: Sequence[Any] | None,
     chunks: int,
     checkpoint: str,
+    checkpoint_layers: int | None = None,
     schedule: str | Schedule,
     virtual_stages: int | None,
     data_parallel_group: Any,
@@ -112,6 +113,7 @@ def configure(
         schedule=schedule,
         virtual_stages=virtual_stages,
         checkpoint=checkpoint,
+        checkpoint_layers=checkpoint_layers,
         replicas=group_size(data_parallel_group),
         shard=shard is not None,
     )
@@ -139,7 +141,8 @@ def configure(
     ranks.check_same(
         fingerprint(
             model, balance=balance, chunks=chunks, checkpoint=checkpoint,
-            schedule=built.actions, init_seed=init_seed, **settings,
+            checkpoint_layers=checkpoint_layers, schedule=built.actions, init_seed=init_seed,
+            **settings,
         )
     )  # fmt: skip
     devices = [torch.device(d) for d in devices]
@@ -255,6 +258,7 @@ def place(
                 device=devices[index],
                 is_last=index == len(balance) - 1,
                 skips=skips.get(index),
+                checkpoint_layers=config.layout.checkpoint_layers,
             )
         )
     stage_of_name = {name: s for s, layers in enumerate(stage_layers) for name, _ in layers}

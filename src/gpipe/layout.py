@@ -2,7 +2,8 @@
 
 A layout is K pipeline ranks (``stages``: devices, or processes of one replica), each holding
 ``virtual_stages`` stages, M micro-batches per mini-batch (``chunks``), a schedule, a
-re-materialization mode (``checkpoint``) and R replicas of the pipeline (``replicas``),
+re-materialization mode (``checkpoint``, recomputing ``checkpoint_layers`` layers at a
+time or the whole stage) and R replicas of the pipeline (``replicas``),
 sharded or not (``shard``). Which combinations are valid is decided here and nowhere else:
 :meth:`Layout.problems` lists every problem at once, each with its values and a remedy, and
 :func:`layouts` enumerates the valid ones. ``Pipe``, ``gpipe train``'s configuration, the
@@ -93,6 +94,7 @@ class Layout:
     schedule: str | Schedule = "gpipe"
     virtual_stages: int | None = None  # stages per rank; None: the schedule's default
     checkpoint: str = "except_last"
+    checkpoint_layers: int | None = None  # layers recomputed at a time; None: a whole stage
     replicas: int = 1  # R: data-parallel replicas of the pipeline
     shard: bool = False  # each stage's parameters sharded over the replicas
 
@@ -144,9 +146,11 @@ class Layout:
         replicas = (
             f" R={self.replicas}{' sharded' if self.shard else ''}" if self.replicas > 1 else ""
         )
+        per = self.checkpoint_layers
+        granularity = "" if per is None else f" per {per} layer{'s' if per != 1 else ''}"
         return (
             f"K={self.stages}{virtual}{replicas} M={self.chunks} {self.schedule_name} "
-            f"{self.checkpoint}"
+            f"{self.checkpoint}{granularity}"
         )
 
     # -- validity ----------------------------------------------------------------------------
@@ -179,6 +183,7 @@ class Layout:
                 f"{self.checkpoint!r}"
             )
         sizes_ok = not problems
+        problems += self._granularity_problems(say)
         if self.shard and _positive_int(self.replicas) and self.replicas < 2:
             remedy = {
                 "flags": " (or --no-shard)",
@@ -204,6 +209,24 @@ class Layout:
         if batch is not None and sizes_ok:
             problems += self._batch_problems(batch, say)
         return problems
+
+    def _granularity_problems(self, say: Spelling) -> list[str]:
+        per = self.checkpoint_layers
+        if per is None:
+            return []
+        if not _positive_int(per):
+            return [
+                f"{say.name('checkpoint_layers')} must be a positive int (layers recomputed at "
+                f"a time) or None (a whole stage), got {per!r}"
+            ]
+        if self.checkpoint == "never":
+            return [
+                f"{say('checkpoint_layers', per)} says how a re-materialized micro-batch is "
+                f"recomputed, but {say('checkpoint', 'never')} re-materializes none: use "
+                f"{say.name('checkpoint')} always (or except_last), or leave "
+                f"{say.name('checkpoint_layers')} out"
+            ]
+        return []
 
     def _schedule_problems(self, say: Spelling, *, check_sizes: bool) -> list[str]:
         if isinstance(self.schedule, Schedule):
@@ -307,7 +330,7 @@ class Layout:
         if self.stages == 1 and (self.schedule != "gpipe" or self.virtual_stages != 1):
             simpler = replace(simpler, schedule="gpipe", virtual_stages=1)
         if self.chunks == 1 and self.checkpoint == "except_last":
-            simpler = replace(simpler, checkpoint="never")
+            simpler = replace(simpler, checkpoint="never", checkpoint_layers=None)
         return simpler
 
 
@@ -317,6 +340,7 @@ def layouts(
     chunks: Iterable[int],
     schedules: Iterable[str],
     checkpoints: Iterable[str] = remat.REMAT_MODES,
+    checkpoint_layers: Iterable[int | None] = (None,),
     virtual_stages: Iterable[int] | None = None,
     replicas: Iterable[int] = (1,),
     shard: Iterable[bool] = (False,),
@@ -330,15 +354,15 @@ def layouts(
     ``virtual_stages`` None: each schedule's default only."""
     v_choices = None if virtual_stages is None else list(virtual_stages)
     found = []
-    for k, r, sharded, m, name, mode in itertools.product(
-        stages, replicas, shard, chunks, schedules, checkpoints
+    for k, r, sharded, m, name, mode, per in itertools.product(
+        stages, replicas, shard, chunks, schedules, checkpoints, checkpoint_layers
     ):
         spec = SCHEDULES.get(name)
         v_list = v_choices or [spec.default_virtual_stages if spec else 1]
         for v in v_list:
             layout = Layout(
                 stages=k, chunks=m, schedule=name, virtual_stages=v, checkpoint=mode,
-                replicas=r, shard=sharded,
+                checkpoint_layers=per, replicas=r, shard=sharded,
             )  # fmt: skip
             if processes is not None and layout.processes > processes:
                 continue

@@ -97,6 +97,13 @@ class Pipe(ModelNames, nn.Module):
         checkpoint: re-materialization: ``"always"``, ``"except_last"`` (every
             micro-batch but the last, whose backward follows its forward at once) or
             ``"never"``.
+        checkpoint_layers: with ``checkpoint`` on, recompute this many layers at a time in
+            backward instead of a whole stage (nested checkpoints: a pass without autograd
+            keeps each group's input, then each group is recomputed and differentiated from
+            the last down), so that the peak holds one group's activations, not the stage's,
+            for one more forward without autograd. ``None`` (default): the whole stage.
+            Zero-bubble schedules (a split backward) and stages with skip connections
+            recompute whole.
         schedule: a name from ``gpipe.schedule.SCHEDULES`` (``"gpipe"``, ``"1f1b"``,
             ``"interleaved-1f1b"``, ``"zb-h1"``, ``"zb-v"``, ``"dualpipe-v"``, ``"zb-auto"``)
             or a ``Schedule`` of your own for these stages and M micro-batches (e.g.
@@ -149,6 +156,7 @@ class Pipe(ModelNames, nn.Module):
         devices: Sequence[DeviceLike] | None = None,
         chunks: int = 1,
         checkpoint: remat.Remat = "except_last",
+        checkpoint_layers: int | None = None,
         schedule: str | Schedule = "gpipe",
         deferred_batch_norm: bool = False,
         virtual_stages: int | None = None,
@@ -171,7 +179,8 @@ class Pipe(ModelNames, nn.Module):
         self.rank = self._ranks.rank
         config = assembly.configure(
             module, self._ranks, balance=balance, devices=devices, chunks=chunks,
-            checkpoint=checkpoint, schedule=schedule, virtual_stages=virtual_stages,
+            checkpoint=checkpoint, checkpoint_layers=checkpoint_layers, schedule=schedule,
+            virtual_stages=virtual_stages,
             data_parallel_group=data_parallel_group, shard=shard, init_seed=init_seed,
             sample=sample, sample_loss=sample_loss,
             settings={"tied": tied, "deferred_batch_norm": deferred_batch_norm},

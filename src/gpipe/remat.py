@@ -15,7 +15,8 @@ training state only. The modes:
 ============== =========================================================
 
 :func:`recomputes` is that table; everything else (the engine, the memory model, the
-planner) asks it.
+planner) asks it. How a micro-batch is recomputed is ``Pipe(checkpoint_layers=...)``'s: the
+whole stage at once (None), or a few layers at a time (``gpipe.engine.stage``).
 
 Module state a forward reads and writes (buffers: spectral norm's vectors, a moving average,
 a counter) needs nothing from the layer: the stage restores the buffers its first forward

@@ -7,8 +7,17 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+import gpipe
 from gpipe.engine.stage import LossSpec, Stage
-from reference import reference_step, twin, worst_gradient_error
+from gpipe.models import GPTConfig, convnet, gpt, lm_loss
+from reference import (
+    even_balance,
+    reference_step,
+    relative_error,
+    running_stats_of_unsplit_batch,
+    twin,
+    worst_gradient_error,
+)
 
 CHUNKS, SEED = 3, 1234
 
@@ -93,3 +102,159 @@ def test_clear_forgets_every_pending_micro_batch():
     assert first.pending == [0, 1]
     first.clear()
     assert first.pending == []
+
+
+# -- checkpoint_layers: a re-materialized backward recomputes a few layers at a time ---------
+
+LAYERED_CASES = [
+    # (schedule, devices, virtual stages, chunks)
+    ("gpipe", 1, 1, 3),
+    ("gpipe", 2, 1, 4),
+    ("1f1b", 2, 1, 4),
+    ("interleaved-1f1b", 2, 2, 4),
+    ("zb-h1", 2, 1, 4),
+    ("zb-v", 2, 2, 4),
+    ("dualpipe-v", 2, 2, 5),
+]
+GRANULARITIES = [("always", 1), ("always", 2), ("except_last", 1)]
+
+
+def layered_case(name: str):
+    """float64; the GPT has dropout (replayed masks), the CNN plain batch norm."""
+    torch.manual_seed(1)
+    if name == "gpt":
+        model = gpt(GPTConfig(vocab_size=32, context=8, d_model=16, n_heads=2, n_layers=4))
+        x, y, loss_fn = torch.randint(0, 32, (12, 8)), torch.randint(0, 32, (12, 8)), lm_loss
+    else:
+        model = convnet(channels=4, blocks=2)
+        x, y = torch.randn(12, 1, 6, 6, dtype=torch.float64), torch.randint(0, 10, (12,))
+        loss_fn = F.cross_entropy
+    return model.double().train(), x, y, loss_fn
+
+
+@pytest.mark.parametrize(("checkpoint", "per"), GRANULARITIES)
+@pytest.mark.parametrize(("schedule", "devices", "virtual", "chunks"), LAYERED_CASES)
+@pytest.mark.parametrize("name", ["gpt", "cnn", "cnn-deferred"])
+def test_recomputing_by_layers_equals_the_unsplit_model(
+    name, schedule, devices, virtual, chunks, checkpoint, per
+):
+    """Every parameter's gradient, the loss and the batch norms' running statistics."""
+    model, x, y, loss_fn = layered_case(name.removesuffix("-deferred"))
+    reference, initial = twin(model), twin(model)
+    pipe = gpipe.Pipe(
+        model,
+        balance=even_balance(len(model), devices * virtual),
+        devices=["cpu"] * devices,
+        chunks=chunks,
+        checkpoint=checkpoint,
+        checkpoint_layers=per,
+        schedule=schedule,
+        virtual_stages=virtual,
+        deferred_batch_norm=name == "cnn-deferred",
+    )
+    loss = pipe.step(x, y, loss_fn, seed=99)
+    expected = reference_step(reference, x, y, loss_fn, chunks=chunks, seed=99)
+    assert relative_error(loss, expected) <= 1e-10
+    worst, where = worst_gradient_error(pipe, reference)
+    assert worst <= 1e-10, f"worst gradient error {worst:.3g} at {where}"
+    state = pipe.state_dict()
+    if name == "cnn-deferred":  # once per mini-batch, as the un-split model
+        stats = running_stats_of_unsplit_batch(initial, x, chunks)
+    else:  # plain batch norm: once per micro-batch, as gradient accumulation
+        stats = {k: v for k, v in reference.state_dict().items() if "running" in k}
+    assert bool(stats) == name.startswith("cnn")
+    for key, value in stats.items():
+        assert relative_error(state[key], value) <= 1e-10, key
+    assert all(not stage.pending for stage in pipe.stages)
+
+
+def deep_mlp(layers: int = 8, width: int = 64) -> nn.Sequential:
+    """Layers that save 9 times their input: the input, and the hidden 4x twice."""
+    torch.manual_seed(0)
+    body = [
+        nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+        for _ in range(layers)
+    ]
+    return nn.Sequential(*body, nn.Linear(width, 4))
+
+
+def test_recomputing_by_layers_holds_one_layer_at_a_time():
+    """Measured by the activation meter: the whole stage's saved tensors at once, against
+    the kept layer inputs and one layer's saved tensors."""
+    x, y = torch.randn(32, 64), torch.randint(0, 4, (32,))
+    peaks = {}
+    for per in (None, 1):
+        pipe = gpipe.Pipe(deep_mlp(), chunks=2, checkpoint="always", checkpoint_layers=per)
+        with gpipe.measure_activations(pipe) as meter:
+            pipe.step(x, y, F.cross_entropy)
+        peaks[per] = meter.peak_bytes[0]
+    micro = 16 * 64 * 4  # one micro-batch's input of one layer
+    assert peaks[None] >= 8 * 9 * micro
+    # the 9 layers' inputs kept, one layer's saved tensors (9), the loss's (< 1)
+    assert peaks[1] <= (9 + 9 + 1) * micro
+
+
+class WritesInput(nn.Module):
+    """Subtracts its mean in place: the kept group input must not change."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.sub_(x.mean())
+
+
+@pytest.mark.parametrize("per", [1, 2])
+def test_a_layer_that_writes_its_input_in_place_recomputes_from_the_kept_input(per):
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(6, 8), WritesInput(), nn.ReLU(inplace=True), nn.Linear(8, 8),
+        nn.Dropout(0.2), WritesInput(), nn.Linear(8, 3),
+    ).double()  # fmt: skip
+    reference = twin(model)
+    x, y = torch.randn(9, 6, dtype=torch.float64), torch.randint(0, 3, (9,))
+    pipe = gpipe.Pipe(model, chunks=3, checkpoint="always", checkpoint_layers=per)
+    for step in range(2):  # the second knows which groups write their input
+        pipe.step(x, y, F.cross_entropy, seed=step)
+        reference_step(reference, x, y, F.cross_entropy, chunks=3, seed=step)
+        worst, where = worst_gradient_error(pipe, reference)
+        assert worst <= 1e-10, (step, where)
+        pipe.zero_grad()
+        reference.zero_grad()
+
+
+class Counter(nn.Module):
+    """A buffer its forward writes, and a moving average it reads and writes."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.register_buffer("calls", torch.zeros((), dtype=torch.float64))
+        self.register_buffer("mean", torch.zeros(width, dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        with torch.no_grad():
+            self.mean.mul_(0.5).add_(x.mean(0), alpha=0.5)
+        return x * self.calls - self.mean
+
+
+@pytest.mark.parametrize("per", [1, 2])
+def test_buffers_a_forward_writes_are_restored_for_each_group(per):
+    """Each group recomputes from the buffers its first forward found, and every
+    micro-batch writes them once, in order."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(6, 8), Counter(8), nn.Tanh(), Counter(8),
+        nn.utils.parametrizations.spectral_norm(nn.Linear(8, 8)), Counter(8), nn.Linear(8, 3),
+    ).double()  # fmt: skip
+    reference = twin(model)
+    x, y = torch.randn(8, 6, dtype=torch.float64), torch.randint(0, 3, (8,))
+    pipe = gpipe.Pipe(model, chunks=4, checkpoint="always", checkpoint_layers=per)
+    for step in range(2):
+        pipe.step(x, y, F.cross_entropy, seed=step)
+        reference_step(reference, x, y, F.cross_entropy, chunks=4, seed=step)
+        worst, where = worst_gradient_error(pipe, reference)
+        assert worst <= 1e-10, (step, where)
+        pipe.zero_grad()
+        reference.zero_grad()
+    theirs = reference.state_dict()
+    for key, value in pipe.state_dict().items():
+        assert relative_error(value, theirs[key]) <= 1e-10, key
+    assert int(pipe.state_dict()["1.calls"]) == 2 * 4

@@ -8,8 +8,14 @@ from torch import nn
 from torch.nn import functional as F
 
 import gpipe
-from gpipe.estimate.memory_model import held_microbatches, stage_memory
-from gpipe.estimate.profile import Profile
+from gpipe.estimate.memory_model import (
+    Held,
+    MemoryModel,
+    StageMemoryTable,
+    held_microbatches,
+    stage_memory,
+)
+from gpipe.estimate.profile import LayerProfile, Profile
 from gpipe.models import GPTConfig, convnet, gpt, lm_loss
 from gpipe.schedule import build_schedule
 
@@ -122,3 +128,49 @@ def test_memory_model_matches_the_activations_a_pipe_stores(gpt_case, schedule, 
     pipe.zero_grad(set_to_none=True)
     for measured, expected in zip(meter.peak_bytes, predicted, strict=True):
         assert measured == pytest.approx(expected, rel=0.02)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("per", [1, 2])
+def test_memory_model_matches_a_pipe_recomputing_a_few_layers_at_a_time(gpt_case, schedule, per):
+    """checkpoint_layers: the kept group inputs and the largest group's activations."""
+    _, x, y, _ = gpt_case
+    K, M, balance = 2, 4, [4, 4]
+    deep = gpt(GPTConfig(**{**CONFIG.__dict__, "n_layers": 6}))
+    prof = gpipe.profile(deep, x[:2], target=y[:2], loss_fn=lm_loss, repeats=1, warmup=0)
+    held = held_microbatches(build_schedule(schedule, num_ranks=K, num_microbatches=M), "always")
+    stages = stage_memory(prof, balance, held, checkpoint_layers=per)
+    whole = stage_memory(prof, balance, held)
+    pipe = gpipe.Pipe(
+        deep, balance=balance, chunks=M, checkpoint="always", checkpoint_layers=per,
+        schedule=schedule,
+    )  # fmt: skip
+    with gpipe.measure_activations(pipe) as meter:
+        pipe.step(x, y, lm_loss)
+    for measured, expected, stage in zip(meter.peak_bytes, stages, whole, strict=True):
+        assert measured == pytest.approx(expected.boundary + expected.inner, rel=0.02)
+        assert expected.inner < stage.inner
+
+
+def test_recomputing_by_groups_is_the_largest_group_and_the_kept_inputs_by_hand():
+    """Layers of different sizes: every stage and group size against the sum written out."""
+    generator = torch.Generator().manual_seed(0)
+    sizes = torch.randint(1, 50, (11, 4), generator=generator).tolist()
+    layers = [
+        LayerProfile(f"{i}", 0, 0, 0, 0, 0, 0, input_bytes=a, output_bytes=a,
+                     saved_bytes=b + c + d, saved_input_bytes=c, saved_output_bytes=d)
+        for i, (a, b, c, d) in enumerate(sizes)
+    ]  # fmt: skip
+    whole = StageMemoryTable(layers, [Held(1, 1, 0, 0, 1)], MemoryModel())
+    for g in (1, 2, 3, 5):
+        table = StageMemoryTable(layers, [Held(1, 1, 0, 0, 1)], MemoryModel(), checkpoint_layers=g)
+        for i in range(len(layers)):
+            for j in range(i + 1, len(layers) + 1):
+                starts = list(range(i, j, g))
+                kept = sum(layers[start].input_bytes for start in starts[1:])
+                largest = max(whole._inner(a, min(a + g, j)) for a in starts)
+                assert table(0, i, j).inner == kept + largest, (g, i, j)
+    split = StageMemoryTable(
+        layers, [Held(1, 1, 0, 0, 1)], MemoryModel(), splits_backward=True, checkpoint_layers=1
+    )
+    assert split(0, 2, 9).inner == whole(0, 2, 9).inner  # W needs the whole stage's graph

@@ -43,6 +43,12 @@ def test_a_timeout_must_be_a_finite_number_of_seconds(timeout):
         (["--model", "gpt", "--data", "/nonexistent.txt"], "--data /nonexistent.txt: no such"),
         (["--model", "gpt", "--init", "pretrained"], "--init pretrained: --model gpt starts from"),
         (["--model-config", "depth=3"], "--model-config depth: not a field of --model gpt"),
+        (
+            ["--checkpoint", "never", "--checkpoint-layers", "1"],
+            "--checkpoint-layers 1 says how a re-materialized micro-batch is recomputed, but "
+            "--checkpoint never re-materializes none",
+        ),
+        (["--checkpoint-layers", "0"], "--checkpoint-layers must be a positive int"),
         (["--timeout", "inf"], "--timeout must be positive (finite)"),
         (["--timeout", "-1"], "--timeout must be positive (finite)"),
         (

@@ -139,6 +139,11 @@ def configure(p: argparse.ArgumentParser) -> None:
     g.add_argument("--chunks", type=int, nargs="+", help="micro-batch counts M to try")
     g.add_argument("--schedules", nargs="+", help="schedules to try (default: all)")
     g.add_argument("--checkpoints", nargs="+", help="checkpoint modes to try (default: all)")
+    g.add_argument(
+        "--checkpoint-layers", nargs="+", type=_layers_at_a_time, metavar="N|stage",
+        help="--capacity: layers a re-materialized micro-batch recomputes at a time, or stage "
+        "(all of it) (default: stage 1 2 4)",
+    )  # fmt: skip
     g.add_argument("--virtual", type=int, nargs="+", default=[1, 2], help="virtual stages")
     g.add_argument("--optimizer-state", type=float, default=2.0, help="x parameter bytes")
     g.add_argument("--latency", type=float, default=100e-6, help="seconds per transfer")
@@ -238,6 +243,7 @@ def run_capacity(args: argparse.Namespace) -> int:
             chunks=args.chunks,
             schedules=args.schedules,
             checkpoints=args.checkpoints,
+            checkpoint_layers=args.checkpoint_layers,
         )
     print(f"gpipe plan --capacity: searched {len(result.rows)} layouts in "
           f"{time.perf_counter() - start:.1f} s")  # fmt: skip
@@ -258,6 +264,14 @@ def _resident_bytes() -> float:
             return float(int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE"))
     except OSError:
         return 0.0
+
+
+def _layers_at_a_time(text: str) -> int | None:
+    if text == "stage":
+        return None
+    if text.isdigit() and int(text) >= 1:
+        return int(text)
+    raise argparse.ArgumentTypeError(f"{text!r}: give a number of layers >= 1, or stage")
 
 
 def run(args: argparse.Namespace) -> int:

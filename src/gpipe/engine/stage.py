@@ -8,6 +8,14 @@ only what its backward needs:
   ``torch.no_grad`` and is recomputed, with the same random numbers, right before that
   micro-batch's backward.
 
+With ``checkpoint_layers=g`` a re-materialized backward recomputes g layers at a time
+instead of the whole stage (nested checkpoints): a pass without autograd keeps the input of
+each group of g layers, then from the last group down each group is recomputed with autograd
+from its input, differentiated with the gradient of its output, and freed. The peak holds
+the group inputs and one group's activations instead of the whole stage's, for one more
+forward without autograd. A split backward (zero-bubble schedules: W needs every layer's
+saved tensors after B) and a stage with skip connections recompute whole.
+
 Why not ``torch.utils.checkpoint``: it recomputes lazily, when autograd first needs a
 saved tensor, i.e. in the middle of the backward pass. A pipeline wants to choose when to
 recompute (at the start of ``B``, so that with several processes the recomputation can
@@ -169,8 +177,11 @@ class Stage:
         device: torch.device,
         is_last: bool,
         skips: StageSkips | None = None,
+        checkpoint_layers: int | None = None,
     ) -> None:
         self.index = index
+        # Layers recomputed at a time in a re-materialized backward (None: the whole stage).
+        self.checkpoint_layers = checkpoint_layers
         # With skip connections, inputs and outputs are packets (value, {name: tensor}).
         self.skips = skips
         self.layers = list(layers)
@@ -181,9 +192,11 @@ class Stage:
         self._stored: dict[int, _Stored] = {}
         self._weight_work: dict[int, WeightWork] = {}
         self._writes_input: bool | None = None  # do the layers write to their input?
+        self._group_writes: dict[range, bool] = {}  # the same, per group of checkpoint_layers
         self.state = ModuleState(self.layers, first_layer)  # buffers the forward writes
         # The layers that may draw random numbers: only they are seeded (gpipe.rng).
         self._draws = [not rng.draws_nothing(layer) for layer in self.layers]
+        self._any_draws = any(self._draws)
         # Set when the stage's parameters are sharded (gpipe.parallel.sharded): the tensors
         # autograd differentiates (the gathered parameters), and a context that gathers
         # them all (for W, whose autograd call the sharding's own hooks do not see).
@@ -220,23 +233,26 @@ class Stage:
             )
         return value, {name: tracker.outputs[name] for name in self.skips.outputs}
 
-    def _run_layers(self, x: Any, microbatch: int, seed: int, replay: frozenset[int]) -> Any:
+    def _run_layers(
+        self, x: Any, microbatch: int, seed: int, replay: frozenset[int], group: range | None = None
+    ) -> Any:
         # ``replay``: layers whose buffers were restored for this recomputation run as
-        # their first forward did (gpipe.engine.state).
-        if not replay and not any(self._draws):
-            for layer in self.layers:
-                x = layer(x)
+        # their first forward did (gpipe.engine.state). ``group``: these layers only.
+        offsets = group if group is not None else range(len(self.layers))
+        if not replay and not self._any_draws:
+            for offset in offsets:
+                x = self.layers[offset](x)
             return x
         with rng.preserved(self.device) as generator:
-            for offset, layer in enumerate(self.layers):
+            for offset in offsets:
                 if self._draws[offset]:
                     index = self.first_layer + offset
                     generator.manual_seed(rng.layer_seed(seed, index, microbatch))
                 if offset in replay:
                     with replaying():
-                        x = layer(x)
+                        x = self.layers[offset](x)
                 else:
-                    x = layer(x)
+                    x = self.layers[offset](x)
         return x
 
     def value_of(self, packet: Any) -> Any:
@@ -268,6 +284,10 @@ class Stage:
                 # on (the two are equal), so that the copy costs nothing.
                 for original, same in zip(tensors_of(inputs), tensors_of(copy), strict=True):
                     original.data = same.detach()
+        self._loss(stored, microbatch)
+
+    def _loss(self, stored: _Stored, microbatch: int) -> None:
+        """The last stage's weighted loss of ``stored.outputs``."""
         spec = stored.loss
         if spec is not None and spec.divisor is None and spec.weight == 0:
             # Nothing of this micro-batch counts (e.g. all padding): its mean may be NaN.
@@ -347,6 +367,8 @@ class Stage:
         with ``split=True`` left for :meth:`backward_weight` (zero-bubble schedules).
         """
         stored = self._take(self._stored, microbatch, "stored forward", "F before B")
+        if stored.remat and not split and len(self._groups()) > 1:
+            return self._backward_by_groups(stored, grad_outputs, microbatch)
         with torch.enable_grad():
             if stored.remat:
                 with (
@@ -372,6 +394,90 @@ class Stage:
                 torch.autograd.backward(roots, grads)
         stored.held.clear()
         return [t.grad if t.requires_grad else None for t in inputs]
+
+    def _groups(self) -> list[range]:
+        """The groups of ``checkpoint_layers`` layers a re-materialized backward recomputes
+        one at a time (one group: the whole stage)."""
+        n, size = len(self.layers), self.checkpoint_layers
+        if size is None or size >= n or self.skips is not None:
+            return [range(n)]
+        return [range(start, min(start + size, n)) for start in range(0, n, size)]
+
+    def _run_group(
+        self, x: Any, group: range, microbatch: int, seed: int, replay: frozenset[int]
+    ) -> Any:
+        """Run one group on ``x``, or on a copy of it when the group writes its input in
+        place (the input is kept for the group's recomputation; learned on the first run)."""
+        writes = self._group_writes.get(group)
+        if writes is False:
+            return self._run_layers(x, microbatch, seed, replay, group)
+        copy = _copied(x)
+        versions = [t._version for t in tensors_of(copy)]
+        out = self._run_layers(copy, microbatch, seed, replay, group)
+        self._group_writes[group] = writes or [t._version for t in tensors_of(copy)] != versions
+        return out
+
+    def _backward_by_groups(
+        self, stored: _Stored, grad_outputs: Sequence[torch.Tensor | None] | None, microbatch: int
+    ) -> list[torch.Tensor | None]:
+        """B of a re-materialized micro-batch, recomputing one group of layers at a time."""
+        groups = self._groups()
+        upstream = any(t.requires_grad for t in tensors_of(stored.inputs))
+        needs_grad = []  # does the input of each group need a gradient?
+        for group in groups:
+            needs_grad.append(upstream)
+            upstream = upstream or any(
+                p.requires_grad for i in group for p in self.layers[i].parameters()
+            )
+        with (
+            recomputing(),
+            running_stats_frozen(self.layers),
+            self._metered(),
+            ModuleState.restored(stored.state) as replay,
+        ):
+            # Without autograd: each group's input, and the buffers each group found.
+            kept: list[tuple[Any, dict, list]] = []
+            x = stored.inputs
+            with torch.no_grad():
+                for k, group in enumerate(groups):
+                    meter = self.meter if k else None  # the stage input is held already
+                    held = meter.hold(self.index, tensors_of(x)) if meter is not None else []
+                    kept.append((x, ModuleState.snapshot(stored.state, group), held))
+                    x = self._run_group(x, group, microbatch, stored.seed, replay)
+            del x
+            # From the last group down: recompute with autograd, differentiate, free.
+            grads = grad_outputs
+            for k in reversed(range(len(groups))):
+                x, buffers, _ = kept.pop()
+                leaf = (
+                    stored.inputs
+                    if k == 0
+                    else _detached(x, lambda t, k=k: needs_grad[k] and t.is_floating_point())
+                )
+                del x
+                ModuleState.rebind(buffers)
+                with torch.enable_grad():
+                    out = self._run_group(leaf, groups[k], microbatch, stored.seed, replay)
+                    if k == len(groups) - 1:
+                        stored.outputs = out
+                        self._loss(stored, microbatch)
+                        roots, root_grads = self._roots(stored, grads, microbatch)
+                        stored.outputs = stored.loss_value = None
+                    else:
+                        pairs = [
+                            (t, g)
+                            for t, g in zip(tensors_of(out), grads, strict=True)
+                            if t.requires_grad and g is not None
+                        ]
+                        roots, root_grads = [t for t, _ in pairs], [g for _, g in pairs]
+                    del out
+                    if roots:
+                        torch.autograd.backward(roots, root_grads)
+                    del roots, root_grads
+                grads = [t.grad if t.requires_grad else None for t in tensors_of(leaf)]
+                del leaf
+        stored.held.clear()
+        return grads
 
     def backward_weight(self, microbatch: int) -> None:
         """Run W for one micro-batch: the parameter gradients its split B left."""

@@ -149,6 +149,21 @@ class ModuleState:
             for slot, value in later.items():
                 slot.module._buffers[slot.name] = value
 
+    @staticmethod
+    def snapshot(saved: SavedState | None, layers: range) -> dict[_Slot, torch.Tensor]:
+        """While ``saved`` is restored: a copy of the buffers of ``layers`` as they are now,
+        for a recomputation of those layers alone (``checkpoint_layers``)."""
+        if saved is None:
+            return {}
+        return _copies([slot for slot in saved.values if slot.layer in layers])
+
+    @staticmethod
+    def rebind(values: dict[_Slot, torch.Tensor]) -> None:
+        """Put a :meth:`snapshot` back (inside :meth:`restored`, which puts the later
+        buffers back at its end)."""
+        for slot, value in values.items():
+            slot.module._buffers[slot.name] = value
+
 
 def _copies(slots: list[_Slot]) -> dict[_Slot, torch.Tensor]:
     """A copy of each slot's buffer; a buffer two modules hold is copied once, for both."""

@@ -7,6 +7,10 @@ Memory model of a stage, per process (bytes; :class:`MemoryModel`), P its parame
     + boundary input × micro-batches held                 (kept for backward)
     + inner activations × micro-batches held without re-materialization
                         (with it, those being recomputed: 1, more under zero bubble)
+                        recomputed g layers at a time (``checkpoint_layers=g``, not under
+                        a split backward), a recomputed micro-batch holds instead
+                        the inputs of the stage's groups but the first + the largest
+                        group's inner activations
     − freed after B × micro-batches past B waiting for W (zero bubble: what lies above
                         the stage's last weights, e.g. the loss's log-softmax)
     + layers × layer_overhead (``MemoryModel(layer_overhead=...)``, bytes per layer of
@@ -117,6 +121,10 @@ class Held:
     inner: int
     # of ``inner``, those past B and waiting for W (zero-bubble), which hold less
     after_input_grad: int = 0
+    # the peaks of the two kinds apart: micro-batches holding their whole graph from the
+    # forward on, and re-materialized ones being recomputed (from the start of B)
+    stored: int = 0
+    recomputing: int = 0
 
 
 @dataclass(frozen=True)
@@ -209,23 +217,29 @@ def held_in(result: SimulationResult, checkpoint: str) -> list[Held]:
     for s in range(schedule.num_stages):
         points = []  # (time, change of held micro-batches, change of those past B)
         for m in range(M):
-            again = remat.recomputes(checkpoint, m, M)
+            again = int(remat.recomputes(checkpoint, m, M))
             begin = start[(Kind.BACKWARD, s, m)] if again else start[(Kind.FORWARD, s, m)]
-            points.append((begin, 1, 0))
+            points.append((begin, 1, 0, again))
             if schedule.splits_backward(s, m):
-                points += [(end[(Kind.BACKWARD, s, m)], 0, 1), (end[(Kind.WEIGHT, s, m)], -1, -1)]
+                points += [
+                    (end[(Kind.BACKWARD, s, m)], 0, 1, again),
+                    (end[(Kind.WEIGHT, s, m)], -1, -1, again),
+                ]
             else:
-                points.append((end[(Kind.BACKWARD, s, m)], -1, 0))
+                points.append((end[(Kind.BACKWARD, s, m)], -1, 0, again))
         points.sort()  # at a tie releases come first
         live = pending = peak = 0
         fewest_pending = 0  # at the peak: the heaviest moment holds the fewest past B
-        for _, delta, past_b in points:
+        by_kind, peak_of_kind = [0, 0], [0, 0]  # stored, recomputing
+        for _, delta, past_b, again in points:
             live, pending = live + delta, pending + past_b
+            by_kind[again] += delta
+            peak_of_kind[again] = max(peak_of_kind[again], by_kind[again])
             if live > peak:
                 peak, fewest_pending = live, pending
             elif live == peak:
                 fewest_pending = min(fewest_pending, pending)
-        held.append(Held(result.peak_live_per_stage[s], peak, fewest_pending))
+        held.append(Held(result.peak_live_per_stage[s], peak, fewest_pending, *peak_of_kind))
     return held
 
 
@@ -248,11 +262,24 @@ class _RangeMax:
         return max(row[i], row[j - (1 << level)])
 
 
+class _StridedMax:
+    """Largest of ``values[start], values[start + step], ...`` (``count`` of them) in O(1)."""
+
+    def __init__(self, values: Sequence[float], step: int) -> None:
+        self.step = step
+        self.rows = [_RangeMax(values[r::step]) for r in range(min(step, len(values)))]
+
+    def __call__(self, start: int, count: int) -> float:
+        first = start // self.step
+        return self.rows[start % self.step](first, first + count)
+
+
 class StageMemoryTable:
     """O(1) memory of any stage (layers i..j-1 at position s), from prefix sums.
 
     ``splits_backward``: the schedule runs W apart (zero bubble), which under sharding
-    gathers the whole stage's parameters at once.
+    gathers the whole stage's parameters at once. ``checkpoint_layers``: a re-materialized
+    micro-batch is recomputed that many layers at a time (None: the whole stage).
     """
 
     def __init__(
@@ -262,6 +289,7 @@ class StageMemoryTable:
         model: MemoryModel,
         *,
         splits_backward: bool = False,
+        checkpoint_layers: int | None = None,
     ):
         n = len(layers)
         self.layers, self.held, self.model = layers, held, model
@@ -280,6 +308,16 @@ class StageMemoryTable:
                 for l in range(n - 1)
             ]
         )
+        # A split backward's W needs every layer's saved tensors: its stages recompute whole.
+        self.group = None if splits_backward else checkpoint_layers
+        if self.group is not None:
+            g = self.group
+            # kept group inputs: sums of input bytes at a stride of g
+            self.strided_inputs = [0.0] * (n + 1)
+            for x in range(n):
+                below = self.strided_inputs[x - g + 1] if x >= g else 0.0
+                self.strided_inputs[x + 1] = below + layers[x].input_bytes
+            self.group_inner = _StridedMax([self._inner(x, x + g) for x in range(n - g + 1)], g)
 
     def _inner(self, i: int, j: int) -> float:
         return (
@@ -289,6 +327,22 @@ class StageMemoryTable:
             - self.joint[i]
             + self.layers[j - 1].saved_output_bytes
         )
+
+    def _recomputed(self, i: int, j: int) -> float:
+        """What a micro-batch recomputed ``self.group`` layers at a time holds at once: the
+        inputs of its groups but the first (the stage input, counted apart), and the
+        largest group's inner activations."""
+        g = self.group
+        if g is None or j - i <= g:
+            return self._inner(i, j)
+        groups = -(-(j - i) // g)
+        last = i + (groups - 1) * g  # the start of the last group, maybe a partial one
+        kept = self.strided_inputs[last + 1] - self.strided_inputs[i + 1]
+        full = (j - i) // g
+        largest = self.group_inner(i, full)
+        if last + g > j:
+            largest = max(largest, self._inner(last, j))
+        return kept + largest
 
     def _freed_after_input_grad(self, i: int, j: int) -> float:
         """What a split B frees at once: the stage's top layers down to its last weights
@@ -305,6 +359,8 @@ class StageMemoryTable:
 
     def _held_inner(self, s: int, i: int, j: int) -> float:
         held = self.held[s]
+        if self.group is not None and held.recomputing:
+            return self._inner(i, j) * held.stored + self._recomputed(i, j) * held.recomputing
         inner = self._inner(i, j) * held.inner
         if held.after_input_grad:
             inner -= self._freed_after_input_grad(i, j) * held.after_input_grad
@@ -366,11 +422,13 @@ def stage_memory(
     model: MemoryModel | None = None,
     *,
     splits_backward: bool = False,
+    checkpoint_layers: int | None = None,
 ) -> list[StageMemory]:
     """The memory of each stage of ``balance`` (see the module docstring)."""
     table = StageMemoryTable(
-        prof.layers, held, model or MemoryModel(), splits_backward=splits_backward
-    )
+        prof.layers, held, model or MemoryModel(), splits_backward=splits_backward,
+        checkpoint_layers=checkpoint_layers,
+    )  # fmt: skip
     out, start = [], 0
     for s, size in enumerate(balance):
         out.append(table(s, start, start + size))

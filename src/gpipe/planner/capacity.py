@@ -8,7 +8,8 @@ number of processes and an optimizer:
 1. profile one small member of the family once per micro-batch size, and extrapolate it
    to any depth (``gpipe.planner.families.extrapolate``);
 2. for every layout (``gpipe.layout``: K stages, R replicas with K·R ≤ processes, sharded
-   or not, M micro-batches, schedule, re-materialization) find the largest depth whose
+   or not, M micro-batches, schedule, re-materialization: of a whole stage at once, or a
+   few layers at a time, ``checkpoint_layers``) find the largest depth whose
    every stage fits the budget under the memory model (``gpipe.estimate.memory_model``)
    plus what a process needs beyond it (``Calibration``), by bisection (a deeper member
    never needs less memory);
@@ -52,12 +53,16 @@ from gpipe.planner.results import Capacity, Fit, cheaper_first
 from gpipe.schedule import SCHEDULES
 
 __all__ = [
+    "CHECKPOINT_LAYERS",
     "OPTIMIZER_STATE",
     "capacity",
     "capacity_layouts",
     "fit_of",
     "optimizer_state_of",
 ]
+
+# Layers recomputed at a time searched by default (None: a whole stage at once).
+CHECKPOINT_LAYERS = (None, 1, 2, 4)
 
 # Optimizer state per parameter, in multiples of its bytes.
 OPTIMIZER_STATE = {"adamw": 2.0, "adam": 2.0, "sgd": 0.0, "sgd-momentum": 1.0}
@@ -96,10 +101,12 @@ def capacity_layouts(
     chunks: Iterable[int] | None = None,
     schedules: Iterable[str] | None = None,
     checkpoints: Iterable[str] | None = None,
+    checkpoint_layers: Iterable[int | None] | None = None,
 ) -> list[Layout]:
     """Every layout to search (``gpipe.layout.layouts``; defaults: K·R ≤ processes, sharded
     and not, M = powers of two up to 32 that split each replica's batch evenly, as the memory
-    model assumes, every schedule of one stage per rank, every re-materialization mode)."""
+    model assumes, every schedule of one stage per rank, every re-materialization mode,
+    recomputed whole or :data:`CHECKPOINT_LAYERS` layers at a time)."""
     if not isinstance(processes, int) or processes < 1:
         raise ValueError(f"processes must be a positive int, got {processes!r}")
     one_per_rank = [n for n, spec in SCHEDULES.items() if 1 in spec.virtual_stages]
@@ -119,6 +126,7 @@ def capacity_layouts(
         checkpoints=_choices(
             checkpoints, list(remat.REMAT_MODES), "checkpoints", remat.REMAT_MODES
         ),
+        checkpoint_layers=_choices(checkpoint_layers, list(CHECKPOINT_LAYERS), "layers"),
         virtual_stages=[1],
         processes=processes,
         batch=family.batch_size,
@@ -139,6 +147,7 @@ def capacity(
     chunks: Iterable[int] | None = None,
     schedules: Iterable[str] | None = None,
     checkpoints: Iterable[str] | None = None,
+    checkpoint_layers: Iterable[int | None] | None = None,
     max_depth: int = 10_000,
 ) -> Capacity:
     """The largest member of ``family`` each layout trains in ``memory_budget`` bytes per
@@ -165,6 +174,7 @@ def capacity(
         chunks=chunks,
         schedules=schedules,
         checkpoints=checkpoints,
+        checkpoint_layers=checkpoint_layers,
     )
     rows = [
         _largest(costs, layout, memory_budget, calibration, state, max_depth)
@@ -203,7 +213,10 @@ class _LayoutCosts:
 
     def table(self, depth: int) -> StageMemoryTable:
         prof = self.costs.at(depth, self.samples)
-        return StageMemoryTable(prof.layers, self.held, self.model, splits_backward=self.split)
+        return StageMemoryTable(
+            prof.layers, self.held, self.model, splits_backward=self.split,
+            checkpoint_layers=self.layout.checkpoint_layers,
+        )  # fmt: skip
 
 
 def _largest(
@@ -311,7 +324,9 @@ def _advice(costs, rows, budget, calibration, state, cap) -> str:
     searched = max(r.layout.stages for r in rows)
     closest = min(rows, key=lambda r: max(r.missing)).layout
     for k in range(searched + 1, 8 * searched + 1):
-        layout = replace(closest, stages=k, replicas=1, shard=False, checkpoint="always")
+        layout = replace(
+            closest, stages=k, replicas=1, shard=False, checkpoint="always", checkpoint_layers=1
+        )
         row = _largest(costs, layout, budget, calibration, state, cap)
         if row.fits:
             return (

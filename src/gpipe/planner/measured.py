@@ -218,6 +218,7 @@ def _train_rank(
         chunks=layout.chunks,
         schedule=layout.schedule,
         checkpoint=layout.checkpoint,  # type: ignore[arg-type]
+        checkpoint_layers=layout.checkpoint_layers,
         group=groups.pp,
         data_parallel_group=groups.dp,
         timeout=timeout,

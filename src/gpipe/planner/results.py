@@ -202,11 +202,15 @@ RECOMPUTATION = {"never": 0, "except_last": 1, "always": 2}  # ranks ties: less 
 
 def cheaper_first(layout: Layout) -> tuple:
     """Ties of capacity go to the cheaper layout: fewer processes, no sharding, less
-    recomputation, fewer micro-batches."""
+    recomputation (a whole stage at once before a few layers at a time: one forward
+    fewer), fewer micro-batches."""
+    per = layout.checkpoint_layers
     return (
         layout.processes,
         layout.shard,
         RECOMPUTATION[layout.checkpoint],
+        per is not None,
+        -(per or 0),
         layout.chunks,
         layout.schedule_name,
         layout.replicas,

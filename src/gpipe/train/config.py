@@ -198,6 +198,11 @@ class TrainConfig:
         "except_last", "re-materialization, Pipe's checkpoint= (for saving see --save-every)",
         _PIPELINE, choices=REMAT_MODES,
     )  # fmt: skip
+    checkpoint_layers: int | None = _option(
+        None, "re-materialized micro-batches recompute N layers at a time in backward: the "
+        "peak holds one group's activations, not the stage's, for one more forward",
+        _PIPELINE, metavar="N", default_text="a whole stage at once",
+    )  # fmt: skip
     balance: list[int] | None = _option(  # noqa: RUF009 (a field(), not a shared value)
         None, "layers per stage, e.g. 3,3", _PIPELINE, metavar="N,N,...",
         default_text="as even as possible",
@@ -310,6 +315,7 @@ class TrainConfig:
             schedule=self.schedule,
             virtual_stages=self.virtual_stages,
             checkpoint=self.checkpoint,
+            checkpoint_layers=self.checkpoint_layers,
             replicas=self.replicas,
             shard=self.shard,
         )

@@ -67,6 +67,7 @@ class Trainer:
             balance=self.balance,
             chunks=c.chunks,
             checkpoint=c.checkpoint,
+            checkpoint_layers=c.checkpoint_layers,
             schedule=c.schedule,
             virtual_stages=c.virtual_stages,
             deferred_batch_norm=self.task.deferred_batch_norm,
