@@ -47,7 +47,9 @@ def main() -> None:
         train(whole, "--steps", "60", "--save-every", "0")
         straight = rates(whole)
     fig, ax = plt.subplots(figsize=(7, 3.6))
-    ax.plot(list(straight), list(straight.values()), color="0.7", lw=4, label="60 steps, uninterrupted")
+    ax.plot(
+        list(straight), list(straight.values()), color="0.7", lw=4, label="60 steps, uninterrupted"
+    )
     ax.plot(list(before), list(before.values()), lw=1.8, label="40 steps (--steps 40)")
     ax.plot(list(after), list(after.values()), lw=1.8, label="resumed at 40 with --steps 60")
     ax.axvline(40.5, color="0.5", ls=":", lw=1)
