@@ -105,3 +105,13 @@ def running_stats_of_unsplit_batch(model: nn.Sequential, x: torch.Tensor, chunks
     for handle in handles:
         handle.remove()
     return expected
+
+
+def assert_step_matches(pipe, reference, x, y, loss_fn, *, chunks: int, seed: int) -> None:
+    """One ``pipe.step`` against :func:`reference_step`: the loss and every parameter's
+    gradient within 1e-10 (float64)."""
+    loss = pipe.step(x, y, loss_fn, seed=seed)
+    expected = reference_step(reference, x, y, loss_fn, chunks=chunks, seed=seed)
+    assert relative_error(loss, expected) <= 1e-10
+    worst, where = worst_gradient_error(pipe, reference)
+    assert worst <= 1e-10, f"worst gradient error {worst:.3g} at {where}"
