@@ -11,7 +11,7 @@ import pytest
 import gpipe
 from gpipe.__main__ import main
 from gpipe.models import mlp
-from train_runs import SRC, gpipe_command
+from train_runs import SRC
 
 
 @pytest.mark.parametrize("timeout", [float("inf"), -1, 0, "10"])
@@ -112,11 +112,11 @@ def test_an_output_on_a_read_only_file_system_is_a_clear_error(capsys):
 
 @pytest.mark.timeout(200)
 @pytest.mark.slow
-def test_two_runs_into_one_folder_are_refused(cache, tmp_path):
+def test_two_runs_into_one_folder_are_refused(cache, in_process, tmp_path):
     out = tmp_path / "shared"
     first = subprocess.Popen(
-        [sys.executable, "-m", "gpipe", "train", "--size", "tiny", "--steps", "3000",
-         "--save-every", "0", "--progress", "lines", "--out", str(out)],
+        [sys.executable, "-m", "gpipe", "train", "--size", "tiny", "--stages", "1",
+         "--steps", "3000", "--save-every", "0", "--progress", "lines", "--out", str(out)],
         env={**os.environ, "GPIPE_CACHE_DIR": str(cache), "PYTHONPATH": str(SRC)},
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
@@ -124,7 +124,7 @@ def test_two_runs_into_one_folder_are_refused(cache, tmp_path):
         for line in first.stdout:
             if line.startswith("step "):
                 break
-        second = gpipe_command("train", "--size", "tiny", "--out", str(out), cache=cache)
+        second = in_process("train", "--size", "tiny", "--out", str(out))
         assert second.returncode == 2
         assert "is in use by another run" in second.stderr
     finally:

@@ -172,8 +172,9 @@ def test_without_tensorboard_a_run_says_so_once_and_its_hook_gets_every_step(cac
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("GPIPE_TEST_HOOK_FILE", str(seen))
         done = gpipe_command(
-            "train", "--size", "tiny", "--steps", "3", "--eval-every", "0", "--save-every",
-            "0", "--sample-tokens", "0", "--metrics-hook", "step_hook:record", "--out", str(out),
+            "train", "--size", "tiny", "--stages", "1", "--steps", "3", "--eval-every", "0",
+            "--save-every", "0", "--sample-tokens", "0", "--metrics-hook", "step_hook:record",
+            "--out", str(out),
             cache=cache, path=(site,),
         )  # fmt: skip
     assert done.returncode == 0, done.stderr

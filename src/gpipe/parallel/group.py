@@ -339,12 +339,10 @@ class MultiProcess:
     ) -> torch.Tensor:
         """Every rank's (value, failed rank + 1 or 0, non-finite gradient, then its
         :class:`Edit` of the last step's gradients), one row per pipeline rank."""
-        rows = torch.zeros(self.num_ranks, 7, dtype=torch.float64)
-        row = [value, failed + 1, troubled, *(edit or Edit()).row()]
-        rows[self.rank] = torch.tensor(row, dtype=torch.float64)
-        # each row is set by one rank only: a sum gathers them
+        row = torch.tensor([value, failed + 1, troubled, *(edit or Edit()).row()],
+                           dtype=torch.float64)  # fmt: skip
         doing = f"ending step {self.steps} of this Pipe"
-        return self.ops.all_reduce(rows, "the end-of-step agreement (all-reduce)", doing=doing)
+        return self.ops.all_gather(row, "the end-of-step agreement (all-gather)", doing=doing)
 
     def agree(
         self,
