@@ -18,6 +18,23 @@ from train_runs import TINY, gpipe_command
 torch.set_num_threads(1)
 
 
+def pytest_collection_modifyitems(items):
+    for item in items:  # the session's tiny run starts processes for whoever asks first
+        if "tiny_run" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.slow)
+    # Tests that start processes first (in their order): they are the long ones, and the
+    # workers then end together on short tests instead of one waiting for the other.
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _fonts_found():
+    """matplotlib lists the machine's fonts with ``fc-list`` (a process) the first time it
+    draws after an install; done here, before any test, so no fast test is refused for it."""
+    with contextlib.suppress(ImportError):
+        import matplotlib.font_manager  # noqa: F401
+
+
 @pytest.fixture(autouse=True)
 def _processes_only_in_slow_tests(request, monkeypatch):
     """A test that starts a process is marked ``slow``, so ``make test-fast`` stays fast:
@@ -78,9 +95,3 @@ def in_process(cache, monkeypatch, capfd):
         return subprocess.CompletedProcess(args, code, captured.out, captured.err)
 
     return command
-
-
-def pytest_collection_modifyitems(items):
-    for item in items:  # the session's tiny run starts processes for whoever asks first
-        if "tiny_run" in getattr(item, "fixturenames", ()):
-            item.add_marker(pytest.mark.slow)
