@@ -97,24 +97,28 @@ def _pipeline_rank(rank: int, cases: list[tuple[str, int]], rounds: int, profile
                 peer.step(target=y)
             mine.zero_grad(set_to_none=True)
 
-        def timed(step: Callable[[], None]) -> tuple[float, float]:
-            """The step's wall time (to the slower rank) and this process's CPU time."""
+        def timed(step: Callable[[], None]) -> tuple[float, float, float]:
+            """The step's wall time (to the slower rank), this process's CPU time, and the
+            main thread's part of it (the rest is the backend's threads: gloo's loop)."""
             dist.barrier()
-            start, cpu = time.perf_counter(), time.process_time()
+            start, cpu, main = time.perf_counter(), time.process_time(), time.thread_time()
             step()
-            cpu = time.process_time() - cpu
+            cpu, main = time.process_time() - cpu, time.thread_time() - main
             dist.barrier()
-            return time.perf_counter() - start, cpu
+            return time.perf_counter() - start, cpu, main
 
         for _ in range(3):  # warm-up
             timed(ours)
             timed(theirs)
-        times: dict[str, list[float]] = {"gpipe": [], "peer": [], "gpipe_cpu": [], "peer_cpu": []}
+        times: dict[str, list[float]] = {
+            f"{side}{part}": [] for side in ("gpipe", "peer") for part in ("", "_cpu", "_main")
+        }
         for _ in range(rounds):
             for name, step in (("gpipe", ours), ("peer", theirs)):
-                wall, cpu = timed(step)
+                wall, cpu, main = timed(step)
                 times[name].append(wall)
                 times[f"{name}_cpu"].append(cpu)
+                times[f"{name}_main"].append(main)
         results.append({"schedule": schedule, "chunks": m, **times})
         if profile is not None and (schedule, m) == ("1f1b", 8):
             profiler = cProfile.Profile()
@@ -149,6 +153,10 @@ def pipeline_rows(rounds: int, profile: str | None) -> list[dict]:
         ours_cpu = [a + b for a, b in zip(r0["gpipe_cpu"], r1["gpipe_cpu"], strict=True)]
         theirs_cpu = [a + b for a, b in zip(r0["peer_cpu"], r1["peer_cpu"], strict=True)]
         cpu_ratios = [b / a for a, b in zip(ours_cpu, theirs_cpu, strict=True)]
+        main = {
+            side: statistics.median(a + b for a, b in zip(r0[key], r1[key], strict=True))
+            for side, key in (("gpipe", "gpipe_main"), ("peer", "peer_main"))
+        }
         rows.append(
             {
                 "schedule": r0["schedule"],
@@ -161,6 +169,8 @@ def pipeline_rows(rounds: int, profile: str | None) -> list[dict]:
                 "peer_cpu": statistics.median(theirs_cpu),
                 "cpu_ratio": statistics.median(cpu_ratios),
                 "cpu_interval": median_interval(cpu_ratios),
+                "gpipe_main": main["gpipe"],
+                "peer_main": main["peer"],
             }
         )
     return rows
@@ -279,6 +289,21 @@ def report(pipeline: Sequence[dict], micro: dict, single: Sequence[dict], rounds
             f"{r['peer'] * ms:.2f} ms | {r['ratio']:.2f} | {lo:.2f}–{hi:.2f} | "
             f"{r['gpipe_cpu'] * ms:.2f} ms | {r['peer_cpu'] * ms:.2f} ms | "
             f"{r['cpu_ratio']:.2f} | {clo:.2f}–{chi:.2f} |"
+        )
+    lines += [
+        "",
+        "The CPU time by thread, both ranks added: the main thread (Python, autograd, "
+        "posting transfers) and the rest (gloo's loop thread, which reads and writes the "
+        "sockets and handles each transfer's notifications):",
+        "",
+        "| schedule | M | gpipe main | gpipe other threads | peer main | peer other threads |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in pipeline:
+        lines.append(
+            f"| {r['schedule']} | {r['chunks']} | {r['gpipe_main'] * ms:.2f} ms | "
+            f"{(r['gpipe_cpu'] - r['gpipe_main']) * ms:.2f} ms | {r['peer_main'] * ms:.2f} ms | "
+            f"{(r['peer_cpu'] - r['peer_main']) * ms:.2f} ms |"
         )
     lo, hi = micro["interval"]
     lines += [
