@@ -2,6 +2,7 @@
 
     python benchmarks/capacity.py --out docs/capacity.md --plot docs/img/capacity.png
     python benchmarks/capacity.py --k1 --out docs/capacity.md   # K=1 against plain PyTorch
+    python benchmarks/capacity.py --sharded --out docs/capacity.md  # 2 sharded replicas alone
 
 GPipe's Table 1: with re-materialization the largest trainable model grows about linearly
 with the number of stages K. For the GPT and the ResNet of ``gpipe.models`` (by depth), one
@@ -16,6 +17,10 @@ until the found depth measures within the budget and the next one over it: the m
 answer, next to the predicted one. The per-process memory beyond the model is calibrated
 once per family (``gpipe.planner.calibrate``, on 8 processes). The ratios are shown next to
 those of GPipe's Table 1.
+
+``--sharded`` measures only what the sharded target needs, in its own section of the doc:
+the GPT family's rows with remat and with 2 sharded replicas at ``--measure-sharded`` K,
+each refined until exact, and their ratios (minutes instead of the whole table's hour).
 
 ``--k1`` measures one process instead, gpipe's rows against plain PyTorch's best on the same
 family, budget and mini-batch (16-way gradient accumulation, no remat, or per-block
@@ -218,6 +223,36 @@ def targets(rows: list[Row]) -> list[str]:
     return lines
 
 
+def sharded_check(budget: float, stages: tuple[int, ...]) -> str:
+    """The GPT family's remat and sharded rows at ``stages``, measured and refined; the
+    sharded replicas' ratios to one replica, as measured."""
+    start = time.perf_counter()
+    family = families()["GPT"]
+    overhead = calibrate(family, processes=8)
+    rows = [
+        r
+        for r in search(family, budget, overhead)
+        if r.kind in ("remat", "2 sharded replicas") and r.fit.layout.stages in stages
+    ]
+    measure(family, rows, stages, stages)
+    lines = [
+        f"{family.describe()}, {budget / MiB:.0f} MiB per process (calibrated: {overhead}).",
+        "",
+        *table(rows),
+        "",
+    ]
+    for k in stages:
+        sharded = ratio(rows, "2 sharded replicas", k, "remat", k)
+        met = "met" if sharded >= TARGETS["sharded"] else "missed"
+        lines.append(
+            f"- 2 sharded replicas at K={k} fit **{sharded:.2f}x** one replica with remat, "
+            f"measured (target >= {TARGETS['sharded']}): {met}."
+        )
+    elapsed = time.perf_counter() - start
+    lines += ["", f"Benchmark wall time: {elapsed / 60:.1f} min on this machine."]
+    return "\n".join(lines)
+
+
 def plot(results: dict[str, list[Row]], path: Path, budget: float) -> None:
     from matplotlib.figure import Figure
 
@@ -263,11 +298,18 @@ def main() -> None:
         help="no measured runs (of these families; none named: all)",
     )  # fmt: skip
     parser.add_argument("--k1", action="store_true", help="one process against plain PyTorch")
+    parser.add_argument("--sharded", action="store_true", help="the sharded rows alone")
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.k1:
         return one_process(args.out)
     budget = args.budget * MiB
+    if args.sharded:
+        text = sharded_check(budget, tuple(args.measure_sharded))
+        print(text)
+        if args.out:
+            write_doc(args.out, text, part="sharded replicas, measured")
+        return None
     start = time.perf_counter()
     results, overheads, doc = {}, {}, []
     for name, family in families().items():

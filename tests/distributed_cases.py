@@ -81,6 +81,7 @@ def train_steps(rank, cases, group=None, data_parallel_group=None, replica=0, ke
         model = case["model"]
         pipe = _pipe_of(case, group, data_parallel_group)
         early = _count_buckets_started_during_backward(pipe, case.get("bucket_bytes"))
+        whole = _whole_gradients_after_backward(pipe)
         losses = []
         optimizer = torch.optim.AdamW(pipe.parameters(), lr=1e-2) if case.get("train") else None
         for step, length in enumerate(case.get("lengths", [GPT.context])):
@@ -104,6 +105,7 @@ def train_steps(rank, cases, group=None, data_parallel_group=None, replica=0, ke
                 "elements": sum(p.numel() for p in pipe.parameters()),
                 "local_elements": sum(local_value(p).numel() for p in pipe.parameters()),
                 "buckets_started_during_backward": early,
+                "whole_gradient_elements": max(whole, default=0),
             }
         )
     return results
@@ -123,6 +125,32 @@ def _count_buckets_started_during_backward(pipe, bucket_bytes):
         reducer.stage_done(stage)
 
     pipe._runtime._after_backward = counted  # the runtime calls it after the last backward
+    return counts
+
+
+def _whole_gradients_after_backward(pipe):
+    """Sharded: after each backward action, the elements of whole (unsharded) gradients
+    held by this process's layers, with the stage's own sharded parameters."""
+    counts, sharded = [], pipe._sharded
+    if sharded is None:
+        return counts
+
+    def count():
+        for s in pipe.stages:
+            unsharded = sharded._unsharded_parameters_of(s.index)()
+            counts.append(sum(p.grad.numel() for p in unsharded if p.grad is not None))
+
+    def counted(run):
+        def call(*args, **kwargs):
+            out = run(*args, **kwargs)
+            count()
+            return out
+
+        return call
+
+    for stage in pipe.stages:
+        stage.backward = counted(stage.backward)
+        stage.backward_weight = counted(stage.backward_weight)
     return counts
 
 
@@ -398,7 +426,7 @@ def _alive_until_all_have_raised(folder: str, rank: int, ranks: int, longest: fl
         time.sleep(0.05)
 
 
-def sharded_faulty(rank, fault_rank, at, schedule, timeout, folder):
+def sharded_faulty(rank, fault_rank, at, schedule, shard, timeout, folder):
     """2 sharded replicas × 2 stages; rank ``fault_rank`` fails in its ``at``-th backward
     of the second step, then stays alive (it must not be the one that ends the others'
     waits). What each rank raised, and when."""
@@ -415,7 +443,7 @@ def sharded_faulty(rank, fault_rank, at, schedule, timeout, folder):
         return nn.Sequential(*layers)
 
     pipe = gpipe.Pipe(factory, balance=[2, 2], chunks=4, group=mesh.pp, timeout=timeout,
-                      data_parallel_group=mesh.dp, shard="params", schedule=schedule)  # fmt: skip
+                      data_parallel_group=mesh.dp, shard=shard, schedule=schedule)  # fmt: skip
     x, y = torch.randn(8, 8), torch.randn(8, 8)
     pipe.step(x, y, F.mse_loss)
     fault.calls, fault.at = 0, at

@@ -73,7 +73,8 @@ def test_every_problem_is_listed_with_its_values_and_a_remedy():
         (Layout(stages=2, chunks=4, shard=True), {},
          "shard=True shards each stage over its replicas: it needs replicas >= 2, got 1"),
         (Layout(stages=2, chunks=4, shard=True), {"spelling": PIPE},
-         "shard='params' shards each stage over its replicas: it needs data_parallel_group's "
+         "shard='all' or 'params' shards each stage over its replicas: it needs "
+         "data_parallel_group's "
          "size >= 2, got 1: pass data_parallel_group="),
         (Layout(stages=2, chunks=4), {"balance": [1, 1, 1]},
          "balance=[1, 1, 1] has 3 entries, but stages=2 make 2 stages"),

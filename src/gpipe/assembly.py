@@ -72,6 +72,7 @@ class Configuration:
     # how the function built it, until place() replays this rank's layers from it (once:
     # it holds every operation of the whole model)
     recording: Recording | None = None
+    shard: str | None = None  # Pipe(shard=...): a mode of gpipe.parallel.sharded, or None
 
     @property
     def stage_devices(self) -> list[torch.device]:
@@ -146,7 +147,7 @@ def configure(
         )
     )  # fmt: skip
     devices = [torch.device(d) for d in devices]
-    return Configuration(layout, balance, devices, built, model, factory, recording)
+    return Configuration(layout, balance, devices, built, model, factory, recording, shard)
 
 
 def _factory_of(module: ModelOrFactory) -> Callable[[], nn.Sequential] | None:
@@ -361,7 +362,16 @@ def wire(
     transport = ranks.connect(config.schedule, config.stage_devices, placed.routes)
     sharded = reducer = None
     if config.layout.shard:
-        reducer = sharded = ShardedStages(placed.stages, data_parallel_group, timeout=timeout)
+        schedule, microbatches = config.schedule, range(config.schedule.num_microbatches)
+        split = {  # stages whose W computes the weight gradients apart
+            stage.index
+            for stage in placed.stages
+            if any(schedule.splits_backward(stage.index, m) for m in microbatches)
+        }
+        reducer = sharded = ShardedStages(
+            placed.stages, data_parallel_group, timeout=timeout, mode=config.shard,
+            split_stages=split,
+        )  # fmt: skip
         if tied is not None:
             tied.rebind()  # the copies are DTensor shards now
     elif data_parallel_group is not None:

@@ -64,7 +64,7 @@ class Spelling:
         if self.style == "pipe" and field == "replicas":
             return f"a data_parallel_group of {value}"
         if self.style == "pipe" and field == "shard":
-            return f"shard={'params' if value else None!r}"
+            return "shard='all' or 'params'" if value else "shard=None"
         return f"{field}={value!r}"
 
 

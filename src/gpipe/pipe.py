@@ -118,12 +118,15 @@ class Pipe(ModelNames, nn.Module):
             ranks; each process then holds only its own stages. ``None``: one process.
         data_parallel_group: with ``group``, the replicas of this rank's stages; their
             gradients are averaged over it once per step (bucketed all-reduce).
-        shard: with ``data_parallel_group``, ``"params"`` shards each stage's parameters,
-            gradients and optimizer state over the replicas (FSDP2, one unit per layer;
-            gathered per layer for each forward and backward, gradients reduce-scattered
-            once per step; see ``gpipe.parallel.sharded``): about (P + 3P) / R bytes per
-            process instead of 4P with AdamW. Parameters become ``DTensor`` shards: build
-            the optimizer after the Pipe. ``None`` (default): every replica holds all.
+        shard: with ``data_parallel_group``, shards each stage's parameters, gradients
+            and optimizer state over the replicas (FSDP2, one unit per layer, gathered per
+            layer for each forward and backward; see ``gpipe.parallel.sharded``).
+            ``"params"``: the step's gradients are accumulated whole and reduce-scattered
+            once per step, P + 3P / R bytes per process with AdamW instead of 4P;
+            ``"all"``: each micro-batch's are reduce-scattered into the shards (M times
+            the communication), 4P / R and one layer's gradient. Parameters become
+            ``DTensor`` shards: build the optimizer after the Pipe. ``None`` (default):
+            every replica holds all.
         init_seed: seed of the per-layer initialization when ``module`` is a function.
         timeout: seconds any rank waits for another before raising (multi-process).
         receive_ahead: multi-process, how receives are posted (``gpipe.transport.distributed``):
@@ -162,7 +165,7 @@ class Pipe(ModelNames, nn.Module):
         virtual_stages: int | None = None,
         group: Any = None,
         data_parallel_group: Any = None,
-        shard: Literal["params"] | None = None,
+        shard: Literal["params", "all"] | None = None,
         init_seed: int = 0,
         timeout: float = 60.0,
         sample: Any = None,

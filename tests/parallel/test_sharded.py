@@ -1,5 +1,5 @@
-"""Sharded replicas (pipeline × FSDP, ``Pipe(shard="params")``): 2 replicas × 2 stages on
-four processes give the un-split, un-sharded model's gradients, for every schedule and
+"""Sharded replicas (pipeline × FSDP, ``Pipe(shard="params")`` and ``"all"``): 2 replicas × 2
+stages on four processes give the un-split, un-sharded model's gradients, for every schedule and
 re-materialization mode, and train as it does."""
 
 from __future__ import annotations
@@ -27,16 +27,19 @@ from reference import reference_step, relative_error
 pytestmark = pytest.mark.timeout(300)
 
 SCHEDULES = {"gpipe": 1, "1f1b": 1, "zb-h1": 1, "interleaved-1f1b": 2}
+SHARDS = ("params", "all")
 
 
 def _cases():
     cases = []
-    for schedule, virtual in SCHEDULES.items():
-        for checkpoint in ("never", "except_last", "always"):
+    # Every schedule × remat once, the two modes alternating: each mode meets every
+    # schedule and every remat (shard="all" under zb-h1's split backward reduces as "params").
+    for i, (schedule, virtual) in enumerate(SCHEDULES.items()):
+        for j, checkpoint in enumerate(("never", "except_last", "always")):
             balance = [2, 1, 2, 1] if virtual == 2 else [3, 3]
             cases.append(
                 {"model": "gpt", "balance": balance, "chunks": 4, "schedule": schedule,
-                 "checkpoint": checkpoint, "virtual": virtual, "shard": "params"}
+                 "checkpoint": checkpoint, "virtual": virtual, "shard": SHARDS[(i + j) % 2]}
             )  # fmt: skip
     # The V schedules: two stages per rank, the first and the last on rank 0.
     for schedule, checkpoint in (("zb-v", "always"), ("dualpipe-v", "never")):
@@ -45,20 +48,23 @@ def _cases():
              "checkpoint": checkpoint, "virtual": 2, "shard": "params"}
         )  # fmt: skip
     # Tied embedding and head on the two stages: each holds a sharded copy.
-    for schedule, checkpoint in (("1f1b", "always"), ("zb-h1", "never")):
+    for schedule, checkpoint, shard in (("1f1b", "always", "all"), ("zb-h1", "never", "params")):
         cases.append(
             {"model": "gpt-tied", "balance": [3, 3], "chunks": 4, "schedule": schedule,
-             "checkpoint": checkpoint, "shard": "params"}
+             "checkpoint": checkpoint, "shard": shard}
         )  # fmt: skip
-    # Deferred batch norm, split backward, uneven micro-batches (12 samples in 5).
-    cases.append(
-        {"model": "cnn", "balance": [4, 4], "chunks": 5, "schedule": "zb-h1",
-         "checkpoint": "never", "shard": "params"}
-    )  # fmt: skip
+    # Deferred batch norm, uneven micro-batches (12 samples in 5), split backward or not.
+    for schedule, checkpoint, shard in (
+        ("zb-h1", "never", "params"), ("gpipe", "except_last", "all")
+    ):  # fmt: skip
+        cases.append(
+            {"model": "cnn", "balance": [4, 4], "chunks": 5, "schedule": schedule,
+             "checkpoint": checkpoint, "shard": shard}
+        )  # fmt: skip
     # Training for three steps: AdamW on the shards moves the weights as on the whole model.
     cases.append(
         {"model": "gpt", "balance": [3, 3], "chunks": 3, "schedule": "1f1b",
-         "checkpoint": "except_last", "shard": "params", "train": True, "lengths": [8, 8, 8]}
+         "checkpoint": "except_last", "shard": "all", "train": True, "lengths": [8, 8, 8]}
     )  # fmt: skip
     return cases
 
@@ -104,6 +110,9 @@ def test_sharded_replicas_give_the_unsplit_models_gradients_for_every_schedule_a
             # each process holds half of its stage's parameters (FSDP pads to even shards)
             assert result["local_elements"] <= result["elements"] / 2 + 64, case
             assert relative_error(torch.tensor(result["norm"]), norm) <= 1e-6, case  # float32
+            # between backward actions: whole gradients only where the step accumulates them
+            accumulated_whole = case["shard"] == "params" or case["schedule"] == "zb-h1"
+            assert (result["whole_gradient_elements"] > 0) == accumulated_whole, case
             merged.update(result["grads"])
             weights.update(result["params"])
             loss = torch.tensor(result["losses"][-1], dtype=torch.float64)
@@ -117,13 +126,16 @@ def test_sharded_replicas_give_the_unsplit_models_gradients_for_every_schedule_a
             assert relative_error(weights[name], params[name]) <= 1e-10, (case, name)
 
 
-@pytest.mark.parametrize(("fault_rank", "schedule"), [(3, "1f1b"), (0, "zb-h1")])
+# "all": the faulty rank's replica waits in a reduce-scatter of the step, not at its end.
+@pytest.mark.parametrize(
+    ("fault_rank", "schedule", "shard"), [(3, "1f1b", "all"), (0, "zb-h1", "params")]
+)
 @pytest.mark.slow
 def test_a_failure_in_one_rank_of_a_sharded_run_ends_every_rank_within_the_timeout(
-    fault_rank, schedule, tmp_path
+    fault_rank, schedule, shard, tmp_path
 ):
     timeout = 6.0
-    args = (fault_rank, 2, schedule, timeout, str(tmp_path))
+    args = (fault_rank, 2, schedule, shard, timeout, str(tmp_path))
     outcomes = launch(sharded_faulty, 4, args=args, timeout=60)
     for rank, outcome in enumerate(outcomes):
         assert outcome["seconds"] < 3 * timeout, (rank, outcome)  # the faulty rank lives on

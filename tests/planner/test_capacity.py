@@ -102,12 +102,20 @@ def test_sharded_memory_by_hand():
     sharded = StageMemoryTable(prof.layers, held, MemoryModel(replicas=2, shard=True))(0, 1, 3)
     terms = sharded.terms()
     assert terms["parameters"] == 1.5 * MiB and terms["optimizer"] == 3 * MiB
+    # shard="all": the shards of the gradients, and the largest layer's whole until reduced
+    assert terms["gradients"] == 1.5 * MiB + 2 * MiB
     # its largest layer, and FSDP's flat buffer of it
-    assert terms["gradients"] == 3 * MiB and terms["gathered"] == 2 * 2 * MiB
+    assert terms["gathered"] == 2 * 2 * MiB
+    assert sharded.total == StageMemoryTable(
+        prof.layers, held, MemoryModel(replicas=2, shard=True)
+    ).total(0, 1, 3)
+    whole = MemoryModel(replicas=2, shard=True, whole_gradients=True)  # shard="params"
+    assert StageMemoryTable(prof.layers, held, whole)(0, 1, 3).gradients == 3 * MiB
     split = StageMemoryTable(
         prof.layers, held, MemoryModel(replicas=2, shard=True), splits_backward=True
     )(0, 1, 3)
     assert split.gathered == 3 * MiB + 2 * MiB  # W gathers the whole stage; a flat buffer
+    assert split.gradients == 3 * MiB  # W's gradients are whole: reduced as "params"
     with pytest.raises(ValueError, match="replicas >= 2"):
         MemoryModel(shard=True)
 

@@ -39,12 +39,15 @@ more copy of the gradients::
     + P × gradients                                       (reduction buffers)
 
 Sharded replicas (``MemoryModel(replicas=R, shard=True)``: FSDP2 ``fully_shard`` on each
-layer of a stage with parameters) keep 1/R of the parameters and optimizer state; a layer's
-parameters are gathered whole for its forward or backward and freed after it, and the
-gradients are accumulated unsharded over the step's micro-batches, then reduce-scattered
-once per step::
+layer of a stage with parameters) keep 1/R of the parameters, gradients and optimizer
+state; a layer's parameters are gathered whole for its forward or backward and freed after
+it, and its gradient is reduce-scattered into the shards after each backward
+(``Pipe(shard="all")``), or accumulated whole over the step's micro-batches and
+reduce-scattered once per step (``shard="params"``, ``whole_gradients=True``; also
+``"all"`` under a split backward)::
 
-    P / R + P × gradients + P × optimizer_state / R + buffers
+    P / R + P × gradients / R + P × optimizer_state / R + buffers
+    + the largest layer × gradients   ("all"; "params": P × gradients in place of P / R)
     + gathered: twice the stage's largest layer (FSDP's flat buffer beside the layer's
                 parameters: the all-gather's output they are copied out of, the
                 reduce-scatter's input the gradients are copied into); P + the largest
@@ -90,6 +93,9 @@ class MemoryModel:
     optimizer_state: float = 2.0  # AdamW: two moments per parameter; SGD+momentum: 1
     replicas: int = 1  # R pipelines, data parallel: each process holds one stage of one
     shard: bool = False  # parameters, gradients, optimizer state sharded over the R replicas
+    # sharded: the step's gradients accumulated whole, reduced once (Pipe(shard="params"));
+    # otherwise each layer's reduced after each backward (shard="all", gpipe train --shard)
+    whole_gradients: bool = False
     workspace: bool = False  # count the backward's workspace (see the module docstring)
     layer_overhead: float = 0.0  # bytes per layer of a stage beyond its terms (measured)
 
@@ -294,7 +300,12 @@ class StageMemoryTable:
         n = len(layers)
         self.layers, self.held, self.model = layers, held, model
         self.splits_backward = splits_backward
-        self.factor = (1.0 + model.optimizer_state) * model.kept + model.gradients + model.reduction
+        # shard="all" accumulates shards, and a layer's gradient is whole only until it is
+        # reduced; a split backward's W makes the whole stage's at once (reduced as "params")
+        self.sharded_gradients = model.shard and not model.whole_gradients and not splits_backward
+        self.gradient_factor = model.gradients * (model.kept if self.sharded_gradients else 1.0)
+        self.factor = (1.0 + model.optimizer_state) * model.kept + self.gradient_factor
+        self.factor += model.reduction
         self.params = prefix_sums([lay.param_bytes for lay in layers])
         self.largest = _RangeMax([lay.param_bytes for lay in layers])
         self.largest_saved = _RangeMax([lay.saved_bytes for lay in layers])
@@ -383,8 +394,13 @@ class StageMemoryTable:
             + self.buffers[j]
             - self.buffers[i]
             + self._gathered(i, j)
+            + self._whole_gradient(i, j)
             + (j - i) * self.model.layer_overhead
         )
+
+    def _whole_gradient(self, i: int, j: int) -> float:
+        """shard="all": the largest layer's gradient, whole until its reduce-scatter."""
+        return self.largest(i, j) * self.model.gradients if self.sharded_gradients else 0.0
 
     def __call__(self, s: int, i: int, j: int) -> StageMemory:
         params = self.params[j] - self.params[i]
@@ -392,7 +408,7 @@ class StageMemoryTable:
         model = self.model
         return StageMemory(
             parameters=params * model.kept,
-            gradients=params * model.gradients,
+            gradients=params * self.gradient_factor + self._whole_gradient(i, j),
             optimizer=params * model.optimizer_state * model.kept,
             buffers=self.buffers[j] - self.buffers[i],
             boundary=self.layers[i].input_bytes * held.boundary,

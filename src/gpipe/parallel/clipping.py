@@ -20,7 +20,7 @@ norm): ranks that clip get different factors, and when no stage's own norm reach
 Either is refused. A rescale that is the same on every rank (dividing by an accumulation count,
 a ``GradScaler`` unscaling: ``scale`` is taken out) is the un-split model's and passes, as do
 edits that are no rescale (``clip_grad_value_``). The refusal comes at the next step, after
-the optimizer step it names. Sharded gradients (``shard="params"``) are measured by their
+the optimizer step it names. Sharded gradients (``Pipe(shard=...)``) are measured by their
 norms at every optimizer step, their in-place writes being invisible (gradients left as they
 were count as scaled by 1): differing factors are refused, a clip that clipped no stage
 cannot be told from no clip.

@@ -5,21 +5,30 @@ Every layer of a local stage that has parameters becomes its own FSDP unit over 
 data-parallel group. Between actions a process keeps only its shard (1/R) of each
 parameter; FSDP's own hooks gather one layer's parameters for that layer's forward and
 for its backward, and free them right after (re-sharding after forward and after
-backward), so at most a layer or two is whole at any moment. Gradient synchronization is
-off during the step: each micro-batch's backward adds into an unsharded gradient, as
-without sharding. After the stage's last backward action of the step, its layers'
-gradients are reduce-scattered once (averaged over the replicas, as
-:mod:`gpipe.parallel.data_parallel` does) and only this replica's shard is kept, as
-``.grad`` of the sharded parameter (a ``DTensor``). That is torchtitan's pipeline + FSDP
-step, and the reduce is done the way ``torch.distributed.pipelining`` does it
-(``_PipelineStageBase.perform_reduce_grad``): through FSDP's own post-backward, which has
-no public entry point.
+backward), so at most a layer or two is whole at any moment. Gradients are
+averaged over the replicas (as :mod:`gpipe.parallel.data_parallel` does) by a
+reduce-scatter, and only this replica's shard is kept, as ``.grad`` of the sharded
+parameter (a ``DTensor``). When depends on the mode:
 
-Memory per process for a stage of P parameter bytes (AdamW): P/R parameters + P
-unsharded gradient during the step + 2P/R optimizer state, instead of 4P; the planner's
-memory model (``gpipe.estimate.memory_model``) counts the same terms. A split backward
-(zero-bubble schedules) gathers the whole stage for its weight-gradient action W, whose
-autograd call FSDP's hooks do not see.
+* ``"params"``: gradient synchronization is off during the step; each micro-batch's
+  backward adds into an unsharded gradient, as without sharding, and after the stage's
+  last backward action of the step its layers' gradients are reduce-scattered once. That
+  is torchtitan's pipeline + FSDP step (the least communication), and the reduce is done
+  the way ``torch.distributed.pipelining`` does it (``perform_reduce_grad``): through
+  FSDP's own post-backward, which has no public entry point.
+* ``"all"``: the step's gradient accumulator is sharded too. Each layer's gradient is
+  reduce-scattered as soon as a micro-batch's backward has passed the layer (FSDP's own
+  hooks, as in plain FSDP training) and added into this replica's shard, so at most a
+  layer's whole gradient exists at a time, for M reduce-scatters a step instead of one.
+  A split backward (zero-bubble schedules) computes the weight gradients in W, whose
+  autograd call FSDP's hooks do not see, for the whole stage at once: such a stage is
+  reduced as in ``"params"``, which holds no more and communicates less.
+
+Memory per process for a stage of P parameter bytes (AdamW): P/R parameters + 2P/R
+optimizer state, and P unsharded gradient during the step (``"params"``) or P/R plus the
+largest layer's (``"all"`` without a split backward), instead of 4P; the planner's memory
+model (``gpipe.estimate.memory_model``) counts the same terms. A split backward gathers the
+whole stage for its W.
 
 Every FSDP collective runs on the data-parallel group, whose own timeout bounds it (a
 group built by ``gpipe.parallel.mesh.Mesh`` or ``gpipe.launch`` gets the pipeline's);
@@ -29,7 +38,7 @@ through :class:`~gpipe.parallel.collectives.Collectives`.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
@@ -39,7 +48,7 @@ import torch.distributed as dist
 from torch import nn
 
 from gpipe.engine.stage import Stage
-from gpipe.errors import COMMUNICATION_FAILURES, PipelineError
+from gpipe.errors import COMMUNICATION_FAILURES, PartitionError, PipelineError
 from gpipe.parallel.collectives import Collectives
 
 __all__ = [
@@ -51,7 +60,7 @@ __all__ = [
     "sharing_problems",
 ]
 
-SHARD_MODES = ("params",)
+SHARD_MODES = ("params", "all")
 # How gloo and NCCL say that a peer did not come (timeout) or left (closed connection).
 _COMMUNICATION_FAILURES = (*COMMUNICATION_FAILURES, "NCCL")
 
@@ -168,13 +177,24 @@ class ShardedStages:
     backward action, :meth:`finish` at the end of the step, :meth:`reset` after a failure.
     """
 
-    def __init__(self, stages: Sequence[Stage], group: Any, *, timeout: float) -> None:
+    def __init__(
+        self,
+        stages: Sequence[Stage],
+        group: Any,
+        *,
+        timeout: float,
+        mode: str = "params",
+        split_stages: Collection[int] = (),
+    ) -> None:
         # FSDP2 is public from torch 2.6; imported here so that older ones run the rest.
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.fsdp import fully_shard
 
         self.group = group
         self._stages = list(stages)
+        # "all": FSDP's hooks reduce each layer after each backward, except where W computes
+        # the stage's weight gradients apart (``split_stages``), as in "params".
+        self._by_hooks = {s.index for s in self._stages if mode == "all"} - set(split_stages)
         device_type = self._stages[0].device.type if self._stages else "cpu"
         # FSDP's collectives wait as long as the group's timeout: make it the pipeline's.
         group.set_timeout(timedelta(seconds=timeout))
@@ -185,7 +205,10 @@ class ShardedStages:
             sharded = []
             for unit in _units(stage.layers):  # one layer each: see sharing_problems
                 fully_shard(unit[0], mesh=mesh, reshard_after_forward=True)
-                unit[0].set_requires_gradient_sync(False)  # reduced once per step, below
+                # Without the hooks' reduction, stage_done reduces once per step.
+                unit[0].set_requires_gradient_sync(stage.index in self._by_hooks)
+                if stage.index in self._by_hooks:
+                    _reduce_unused_parameters(unit[0])
                 sharded.append(unit[0])
             self._layers[stage.index] = sharded
             for layer in sharded:  # FSDP makes the gathered copies at the first gather
@@ -232,8 +255,9 @@ class ShardedStages:
         """Nothing to start early: the stage's gradients are reduce-scattered at its end."""
 
     def stage_done(self, stage: Stage) -> None:
-        """``stage``'s gradients are final: reduce-scatter them, keep this replica's shard."""
-        if stage.index in self._done:
+        """``stage``'s gradients are final: reduce-scatter what of them is still whole,
+        keep this replica's shard (with the hooks' reduction, nothing is)."""
+        if stage.index in self._done or stage.index in self._by_hooks:
             return
         self._done.add(stage.index)
         for layer in self._layers[stage.index]:
@@ -245,9 +269,7 @@ class ShardedStages:
                     for param in group.fsdp_params:
                         unsharded = param.unsharded_param
                         if unsharded.requires_grad and unsharded.grad is None:
-                            unsharded.grad = torch.zeros(
-                                unsharded.shape, dtype=unsharded.dtype, device=unsharded.device
-                            )
+                            unsharded.grad = torch.zeros_like(unsharded)
                     group.post_backward()
                 _final_callback(layer)
             finally:
@@ -309,6 +331,18 @@ class ShardedStages:
             doing=doing,
         )
         return total.reshape(()).to(local.device)
+
+
+def _reduce_unused_parameters(layer: nn.Module) -> None:
+    """FSDP's hooks reduce-scatter zeros for a parameter unused in a backward, so that every
+    replica reduces the same set (a mixture's experts that one replica's tokens missed)."""
+    setting = getattr(layer, "set_reduce_scatter_unused_params", None)
+    if setting is None:
+        raise PartitionError(
+            f"shard='all' needs FSDP's set_reduce_scatter_unused_params, which torch "
+            f"{torch.__version__} lacks: upgrade torch, or use shard='params'"
+        )
+    setting(True)
 
 
 def _final_callback(layer: nn.Module) -> None:

@@ -30,7 +30,7 @@ it) rather than the tensors alive. A run that must fit what was measured needs i
 ``gpipe train --cpu-allocator return``, which ``gpipe plan --write-config`` writes for a
 plan under a memory budget.
 
-Sharded replicas run as ``Pipe(..., group=pp, data_parallel_group=dp, shard="params")``
+Sharded replicas run as ``Pipe(..., group=pp, data_parallel_group=dp, shard="all")``
 with the groups of ``gpipe.parallel.mesh.Mesh``; with a Pipe that has no ``shard`` option
 their rows are returned unmeasured (:class:`Measured` says so).
 """
@@ -61,7 +61,7 @@ from gpipe.planner.results import Fit
 
 __all__ = ["CapacityCheck", "Measured", "calibrate", "measure_fit", "verify_capacity"]
 
-SHARDING = "shard" in inspect.signature(Pipe).parameters  # Pipe(shard="params") has landed
+SHARDING = "shard" in inspect.signature(Pipe).parameters  # Pipe(shard=...) has landed
 
 
 @dataclass(frozen=True)
@@ -208,7 +208,7 @@ def _train_rank(
     x, y = x[replica * share : (replica + 1) * share], y[replica * share : (replica + 1) * share]
     options: dict[str, Any] = {}
     if layout.shard:
-        options["shard"] = "params"
+        options["shard"] = "all"
     gc.collect()
     _reset_peak()
     before = _resident_bytes()

@@ -214,8 +214,9 @@ class TrainConfig:
         flags=("-R",),
     )
     shard: bool = _option(
-        False, "shard each stage's parameters, gradients and optimizer state over its replicas "
-        "(FSDP2): about 1/R of the memory for weights", _PIPELINE,
+        False, "shard each stage's parameters, gradients (also as they accumulate, a "
+        "reduce-scatter per micro-batch) and optimizer state over its replicas (FSDP2, "
+        "Pipe(shard='all')): about 1/R of the memory for weights", _PIPELINE,
     )  # fmt: skip
     compile: bool = _option(
         False, "compile each layer of every stage with torch.compile (inductor): the same "

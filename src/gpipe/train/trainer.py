@@ -73,7 +73,7 @@ class Trainer:
             deferred_batch_norm=self.task.deferred_batch_norm,
             group=self.mesh.pp,
             data_parallel_group=self.mesh.dp,
-            shard="params" if c.shard else None,
+            shard="all" if c.shard else None,
             init_seed=c.seed,
             timeout=c.timeout,
         )
