@@ -38,7 +38,7 @@ through :class:`~gpipe.parallel.collectives.Collectives`.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
@@ -216,7 +216,37 @@ class ShardedStages:
                 layer.reshard()
             stage.autograd_parameters = self._unsharded_parameters_of(stage.index)
             stage.gathered = self._gathered_of(stage.index)
+        self._retaining: Any = None  # the communication context of the last reduce-scatter
+        for layers in self._layers.values():
+            for layer in layers:
+                for group in _param_groups(layer):
+                    group.post_backward = self._releasing(group, group.post_backward)
         self._done: set[int] = set()
+
+    def _releasing(self, group: Any, post_backward: Callable[..., None]) -> Callable[..., None]:
+        """``post_backward`` of an FSDP parameter group, then the input of the previous
+        reduce-scatter of another layer let go.
+
+        FSDP keeps a reduce-scatter's input (a whole layer's gradient) until the next
+        reduce-scatter of its communication context, or the end of the backward: one in
+        flight, to overlap it with compute. Each layer is its own FSDP root here (gpipe
+        calls the layers, not a module holding them), with a context of its own, so every
+        layer's input stayed until the end of each backward: a whole stage's gradient
+        again. Released as one context would release them, one is held at a time."""
+
+        def run(*args: Any) -> None:
+            post_backward(*args)
+            context = group.comm_ctx
+            if not context.reduce_scatter_states:
+                return
+            previous, self._retaining = self._retaining, context
+            if previous is not None and previous is not context:
+                for state in previous.reduce_scatter_states:
+                    if state.event is not None:  # the compute stream waits for it (GPU)
+                        previous.device_handle.current_stream().wait_event(state.event)
+                previous.reduce_scatter_states.clear()
+
+        return run
 
     # -- what the engine asks ------------------------------------------------------------------
 
