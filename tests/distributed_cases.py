@@ -20,7 +20,7 @@ import gpipe
 from gpipe._utils import local_value
 from gpipe.errors import PartitionError, PipelineError
 from gpipe.models import GPTConfig, convnet, gpt, gpt_tied_names, lm_loss, unet
-from gpipe.parallel.sharded import full_value
+from gpipe.parallel.sharded import _param_groups, full_value
 
 GPT = GPTConfig(vocab_size=32, context=8, d_model=16, n_heads=2, n_layers=4, dropout=0.1)
 INIT_SEED = 3
@@ -82,6 +82,7 @@ def train_steps(rank, cases, group=None, data_parallel_group=None, replica=0, ke
         pipe = _pipe_of(case, group, data_parallel_group)
         early = _count_buckets_started_during_backward(pipe, case.get("bucket_bytes"))
         whole = _whole_gradients_after_backward(pipe)
+        reduce_inputs, largest_layer = _reduce_inputs_held(pipe)
         losses = []
         optimizer = torch.optim.AdamW(pipe.parameters(), lr=1e-2) if case.get("train") else None
         for step, length in enumerate(case.get("lengths", [GPT.context])):
@@ -106,6 +107,8 @@ def train_steps(rank, cases, group=None, data_parallel_group=None, replica=0, ke
                 "local_elements": sum(local_value(p).numel() for p in pipe.parameters()),
                 "buckets_started_during_backward": early,
                 "whole_gradient_elements": max(whole, default=0),
+                "reduce_inputs_held": max(reduce_inputs, default=0),
+                "largest_layer": largest_layer,
             }
         )
     return results
@@ -152,6 +155,33 @@ def _whole_gradients_after_backward(pipe):
         stage.backward = counted(stage.backward)
         stage.backward_weight = counted(stage.backward_weight)
     return counts
+
+
+def _reduce_inputs_held(pipe):
+    """Sharded: after each layer's reduce-scatter, the elements of every reduce-scatter
+    input still held by this process's layers (FSDP keeps them alive), and of the largest
+    layer's parameters."""
+    from torch.distributed.fsdp import fully_shard
+
+    held, sharded = [], pipe._sharded
+    if sharded is None:
+        return held, 0
+    layers = [layer for units in sharded._layers.values() for layer in units]
+    groups = [g for layer in layers for g in _param_groups(layer)]
+    contexts = {id(fully_shard.state(layer)._comm_ctx): fully_shard.state(layer)._comm_ctx
+                for layer in layers}.values()  # fmt: skip
+
+    def counted(run):
+        def call(*args):
+            run(*args)
+            held.append(sum(s.reduce_scatter_input.numel() for c in contexts
+                            for s in c.reduce_scatter_states))  # fmt: skip
+
+        return call
+
+    for group in groups:
+        group.post_backward = counted(group.post_backward)
+    return held, max((sum(p.numel() for p in layer.parameters()) for layer in layers), default=0)
 
 
 def _pipe_of(case, group, data_parallel_group):

@@ -113,6 +113,8 @@ def test_sharded_replicas_give_the_unsplit_models_gradients_for_every_schedule_a
             # between backward actions: whole gradients only where the step accumulates them
             accumulated_whole = case["shard"] == "params" or case["schedule"] == "zb-h1"
             assert (result["whole_gradient_elements"] > 0) == accumulated_whole, case
+            # FSDP's reduce-scatter inputs: one layer's at a time, not the stage's
+            assert 0 < result["reduce_inputs_held"] <= result["largest_layer"] + 64, case
             merged.update(result["grads"])
             weights.update(result["params"])
             loss = torch.tensor(result["losses"][-1], dtype=torch.float64)
