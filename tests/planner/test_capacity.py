@@ -254,15 +254,3 @@ def test_refine_settles_on_the_measured_answer(monkeypatch, predicted):
     assert check.exact and check.found.fit.depth == 5 and check.next_size.fit.depth == 6
     assert check.predicted_depth == predicted and len(ran) == len(set(ran))  # none twice
     assert ("off by" in check.describe()) == (predicted != 5)
-
-
-def test_a_sharded_layer_costs_what_the_calibration_measured_beyond_a_plain_one():
-    family = gpt_family(d_model=32, heads=2, seq=8, vocab=64, batch=4)
-    plain, extra = Calibration(per_stage_layer=0.1 * MiB), 0.5 * MiB
-    sharding = Calibration(per_stage_layer=0.1 * MiB, per_sharded_layer=extra)
-    assert sharding.stage_layer(True) == 0.6 * MiB and sharding.stage_layer(False) == 0.1 * MiB
-    assert "(+ 0.500 sharded)" in str(sharding) and "sharded" not in str(plain)
-    sharded, unsharded = Layout(replicas=2, shard=True, chunks=2), Layout(stages=2, chunks=2)
-    for layout, per_layer in ((sharded, extra), (unsharded, 0.0)):
-        a, b = (fit_of(family, layout, 4, budget=1e12, overhead=c) for c in (plain, sharding))
-        assert max(b.peaks) - max(a.peaks) == pytest.approx(per_layer * max(b.balance))

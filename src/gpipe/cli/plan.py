@@ -224,8 +224,7 @@ def run_capacity(args: argparse.Namespace) -> int:
               "importing torch; --calibrate measures training processes)")  # fmt: skip
     overhead = Calibration(args.process_memory, args.layer_memory, baseline=baseline or 0.0)
     if args.calibrate:
-        overhead = calibrate(models, processes=processes, optimizer=args.optimizer,
-                             sharded=args.shard != "no")  # fmt: skip
+        overhead = calibrate(models, processes=processes, optimizer=args.optimizer)
         if args.baseline_memory is not None:
             overhead = replace(overhead, baseline=args.baseline_memory)
         print(f"calibrated: a training process needs {overhead} beyond the model's terms")

@@ -471,28 +471,20 @@ class Calibration:
     (``gpipe.planner.calibrate``): what it holds before its model is built (``baseline``:
     Python, torch, the process group; a budget is the whole process's peak, so it counts),
     a constant per process, bytes per layer of the *whole* model (each process records the
-    whole model on ``meta`` to build its own layers; what that leaves behind), bytes per
-    layer of its own stage (``MemoryModel(layer_overhead=...)``), and more per layer of a
-    sharded stage (each layer an FSDP unit: its parameter group, ``DTensor`` shards,
-    hooks)."""
+    whole model on ``meta`` to build its own layers; what that leaves behind), and bytes
+    per layer of its own stage (``MemoryModel(layer_overhead=...)``)."""
 
     process: float = 0.0
     per_layer: float = 0.0  # per layer of the whole model
     per_stage_layer: float = 0.0  # per layer of the process's stage
     baseline: float = 0.0  # resident before the model is built
-    per_sharded_layer: float = 0.0  # beyond per_stage_layer, per layer of a sharded stage
 
     def at(self, layers: int) -> float:
         """Bytes per process for a model of ``layers`` layers, beyond its stage's terms."""
         return self.baseline + self.process + self.per_layer * layers
 
-    def stage_layer(self, shard: bool) -> float:
-        """Bytes per layer of a process's stage, sharded or not."""
-        return self.per_stage_layer + (self.per_sharded_layer if shard else 0.0)
-
     def __post_init__(self) -> None:
-        values = (self.process, self.per_layer, self.per_stage_layer, self.baseline,
-                  self.per_sharded_layer)  # fmt: skip
+        values = (self.process, self.per_layer, self.per_stage_layer, self.baseline)
         if not all(v >= 0 for v in values):
             raise ValueError(f"calibration must be non-negative bytes, got {self}")
 
@@ -501,5 +493,4 @@ class Calibration:
             f"{self.baseline / MiB:.1f} MiB held before the model + {self.process / MiB:.1f} "
             f"MiB per process + {self.per_layer / MiB:.3f} MiB per layer of the model + "
             f"{self.per_stage_layer / MiB:.3f} MiB per layer of its stage"
-            + (f" (+ {self.per_sharded_layer / MiB:.3f} sharded)" if self.per_sharded_layer else "")
         )

@@ -228,7 +228,7 @@ def _largest(
     cap: int,
 ) -> Fit:
     """The largest depth of ``layout`` that fits: grow by doubling steps, then bisect."""
-    at = _LayoutCosts(costs, layout, state, calibration.stage_layer(layout.shard))
+    at = _LayoutCosts(costs, layout, state, calibration.per_stage_layer)
 
     def fits(depth: int) -> bool:
         table = at.table(depth)
@@ -270,7 +270,7 @@ def fit_of(
     memory, whether it fits or not (then ``missing`` says by how much each stage does not)."""
     calibration = _calibration(overhead)
     at = _LayoutCosts(FamilyCosts(family), layout, optimizer_state_of(optimizer),
-                      calibration.stage_layer(layout.shard))  # fmt: skip
+                      calibration.per_stage_layer)  # fmt: skip
     return _fit(at, depth, budget, calibration, balance)
 
 

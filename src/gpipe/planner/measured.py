@@ -304,7 +304,6 @@ def calibrate(
     optimizer: str | float = "adamw",
     steps: int = 2,
     timeout: float = 300.0,
-    sharded: bool = True,
 ) -> Calibration:
     """What a training process needs beyond the memory model's terms, measured in
     micro-batches of one sample with re-materialization (where the terms are smallest, so
@@ -319,9 +318,7 @@ def calibrate(
     per layer of the whole model: its own layers do not change. The baseline is the most
     any process held before its model was built; the constant is the largest excess of a
     stage's whole-process peak over its terms and the baseline, less its layers' share.
-    With one process the whole slope is charged to the stage's layers. With more (and
-    ``sharded``), 2 sharded replicas of one stage at the same two depths give what a
-    sharded layer costs beyond: their slope less the unsharded one.
+    With one process the whole slope is charged to the stage's layers.
     """
     batch = family.batch_size
 
@@ -343,15 +340,12 @@ def calibrate(
         # a long lever: the cost per layer of the whole model is small against the scatter
         for depth in (first_depth(processes), first_depth(4 * layers)):
             runs.append((pipeline, depth, last_alone(depth, processes)))
-    if processes > 1 and sharded:
-        pair = Layout(replicas=2, shard=True, chunks=max(1, batch // 2), checkpoint="always")
-        runs += [(pair, first_depth(1), None), (pair, first_depth(layers), None)]
     rows = []
     for layout, depth, balance in runs:
         row = fit_of(family, layout, depth, optimizer=optimizer, budget=float("inf"),
                      balance=balance)  # fmt: skip
         rows.append(measure_fit(family, row, optimizer=optimizer, steps=steps, timeout=timeout))
-    baseline = max(b for measured in rows[:4] for b in measured.before)  # unsharded
+    baseline = max(b for measured in rows for b in measured.before)
     stages = []  # per run: (model layers, [(excess, stage layers) per stage])
     for measured in rows:
         row = measured.fit
@@ -362,14 +356,10 @@ def calibrate(
 
     (n0, ((e0, _),)), (n1, ((e1, _),)) = stages[0], stages[1]
     both = max(0.0, (e1 - e0) / (n1 - n0))  # per layer that is both local and the model's
-    whole = per_sharded = 0.0
+    whole = 0.0
     if processes > 1 and stages[3][0] > stages[2][0]:
         (n2, last2), (n3, last3) = stages[2], stages[3]
         whole = min(max(0.0, (last3[-1][0] - last2[-1][0]) / (n3 - n2)), both)
-    if len(stages) > 4:  # the sharded pair: every process holds every layer, as stages[0:2]
-        (n4, ((e4, _), *_)), (n5, ((e5, _), *_)) = stages[4], stages[5]
-        per_sharded = max(0.0, (e5 - e4) / (n5 - n4) - both)
-        stages = stages[:4]  # their constant is the unsharded processes' (within a block)
     local = both - whole
     process = max(e - local * l - whole * n for n, per_stage in stages for e, l in per_stage)
-    return Calibration(max(0.0, process), whole, local, baseline, per_sharded)
+    return Calibration(max(0.0, process), whole, local, baseline)
