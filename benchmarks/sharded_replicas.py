@@ -1,7 +1,9 @@
 """Sharded replicas (pipeline × FSDP): exactness, memory and step time against plain replicas.
 
-2 replicas × 2 stages on 4 local processes (gloo), ``Pipe(shard="params")`` against
-``Pipe(data_parallel_group=...)`` (every replica holds all of its stage):
+2 replicas × 2 stages on 4 local processes (gloo), ``Pipe(shard="params")`` (the step's
+gradients accumulated whole, reduce-scattered once) and ``Pipe(shard="all")`` (each
+micro-batch's reduce-scattered into the shards) against ``Pipe(data_parallel_group=...)``
+(every replica holds all of its stage):
 
 1. **Exactness**: for every schedule × re-materialization mode, in float64 and float32, the
    worst relative error of any parameter's gradient (gathered whole from the shards)
@@ -14,7 +16,8 @@
    rounds in the same processes: the ratio sharded / plain per round, its median and 95 %
    bootstrap interval. Four processes share this machine's 2 cores: the ratio measures
    the extra work of sharding (an all-gather per layer per forward and backward, one
-   reduce-scatter per step instead of one all-reduce) under contention, not a speed-up.
+   reduce-scatter per step or per micro-batch instead of one all-reduce) under
+   contention, not a speed-up.
 
     python benchmarks/sharded_replicas.py --out docs/sharded-replicas.md
 """
@@ -47,6 +50,7 @@ SMALL = GPTConfig(vocab_size=64, context=16, d_model=32, n_heads=4, n_layers=4, 
 LARGE = GPTConfig(vocab_size=8192, context=64, d_model=256, n_heads=8, n_layers=8, dropout=0.0)
 SCHEDULES = {"gpipe": 1, "1f1b": 1, "zb-h1": 1, "interleaved-1f1b": 2}
 REMAT = ("never", "except_last", "always")
+SHARDS = ("params", "all")
 BATCH, CHUNKS, SEED = 8, 4, 5
 
 
@@ -91,15 +95,17 @@ def _exactness_worker(rank: int, dtypes: list[str]) -> dict[tuple, dict[str, tor
     out = {}
     for dtype in dtypes:
         factory = small(getattr(torch, dtype))
-        for schedule, virtual in SCHEDULES.items():
-            for checkpoint in REMAT:
-                pipe = _pipe(factory, SMALL.n_layers + 2, mesh, shard="params",
-                             schedule=schedule, checkpoint=checkpoint, virtual=virtual)  # fmt: skip
-                x, y = batch(SMALL, replica)
-                pipe.step(x, y, lm_loss, seed=7)
-                out[(dtype, schedule, checkpoint)] = {
-                    n: full_value(p.grad) for n, p in pipe.named_parameters()
-                }
+        for shard in SHARDS:
+            for schedule, virtual in SCHEDULES.items():
+                for checkpoint in REMAT:
+                    pipe = _pipe(factory, SMALL.n_layers + 2, mesh, shard=shard,
+                                 schedule=schedule, checkpoint=checkpoint,
+                                 virtual=virtual)  # fmt: skip
+                    x, y = batch(SMALL, replica)
+                    pipe.step(x, y, lm_loss, seed=7)
+                    out[(dtype, shard, schedule, checkpoint)] = {
+                        n: full_value(p.grad) for n, p in pipe.named_parameters()
+                    }
     return out
 
 
@@ -128,17 +134,17 @@ def exactness(dtypes: list[str]) -> list[dict[str, Any]]:
     rows = []
     for dtype in dtypes:
         expected = _reference(getattr(torch, dtype))
-        for schedule in SCHEDULES:
-            for checkpoint in REMAT:
-                merged: dict[str, torch.Tensor] = {}
-                for result in per_rank:
-                    merged.update(result[(dtype, schedule, checkpoint)])
-                worst = max(
-                    float((merged[n].double() - g.double()).norm() / g.double().norm())
-                    for n, g in expected.items()
-                )
-                rows.append({"dtype": dtype, "schedule": schedule, "checkpoint": checkpoint,
-                             "worst": worst, "parameters": len(expected)})  # fmt: skip
+        for key in (k for k in per_rank[0] if k[0] == dtype):
+            merged: dict[str, torch.Tensor] = {}
+            for result in per_rank:
+                merged.update(result[key])
+            worst = max(
+                float((merged[n].double() - g.double()).norm() / g.double().norm())
+                for n, g in expected.items()
+            )
+            _, shard, schedule, checkpoint = key
+            rows.append({"dtype": dtype, "shard": shard, "schedule": schedule,
+                         "checkpoint": checkpoint, "worst": worst})  # fmt: skip
     return rows
 
 
@@ -171,6 +177,9 @@ def _memory_worker(rank: int, shard: str | None) -> dict[str, float]:
             "parameters": sum(p.numel() for p in pipe.parameters())}  # fmt: skip
 
 
+LABELS = {"plain": None, "params": "params", "all": "all"}  # what each column runs
+
+
 # glibc keeps freed blocks below its (growing) mmap threshold in the heap, so a process's
 # resident memory stays at its high-water mark; under cpu_allocator("return") every large
 # tensor is mapped and unmapped on its own, and peak RSS follows the live bytes.
@@ -178,7 +187,7 @@ def memory() -> dict[str, list[dict[str, float]]]:
     out = {}
     for allocator, policy in (("default", "default"), ("mmap", "return")):
         with started_with(policy):  # read by glibc when each spawned process starts
-            for label, shard in (("plain", None), ("sharded", "params")):
+            for label, shard in LABELS.items():
                 out[f"{label}, {allocator}"] = launch(_memory_worker, 4, args=(shard,), timeout=600)
     return out
 
@@ -190,8 +199,7 @@ def _timing_worker(rank: int, rounds: int, steps: int) -> dict[str, list[float]]
     torch.set_num_threads(1)
     mesh = Mesh.build(2, 2, timeout=300)
     layers = LARGE.n_layers + 2
-    pipes = {label: _pipe(large, layers, mesh, shard=shard)
-             for label, shard in (("plain", None), ("sharded", "params"))}  # fmt: skip
+    pipes = {label: _pipe(large, layers, mesh, shard=shard) for label, shard in LABELS.items()}
     x, y = batch(LARGE, rank // 2)
 
     def step(pipe) -> None:
@@ -214,15 +222,14 @@ def _timing_worker(rank: int, rounds: int, steps: int) -> dict[str, list[float]]
 
 def timing(rounds: int, steps: int) -> dict[str, Any]:
     times = launch(_timing_worker, 4, args=(rounds, steps), timeout=900)[0]
-    ratios = [s / p for p, s in zip(times["plain"], times["sharded"], strict=True)]
-    return {
-        "plain": statistics.median(times["plain"]),
-        "sharded": statistics.median(times["sharded"]),
-        "ratio": statistics.median(ratios),
-        "interval": median_interval(ratios),
-        "rounds": rounds,
-        "steps": steps,
-    }
+    out: dict[str, Any] = {"rounds": rounds, "steps": steps}
+    for label in LABELS:
+        out[label] = statistics.median(times[label])
+        if label != "plain":
+            ratios = [s / p for p, s in zip(times["plain"], times[label], strict=True)]
+            out[f"{label} ratio"] = statistics.median(ratios)
+            out[f"{label} interval"] = median_interval(ratios)
+    return out
 
 
 # -- the report ----------------------------------------------------------------------------
@@ -230,17 +237,22 @@ def timing(rounds: int, steps: int) -> dict[str, Any]:
 
 def markdown(exact: list[dict], mem: dict[str, list[dict]], time_row: dict, command: str) -> str:
     mib = 2**20
+    dtypes = sorted({r["dtype"] for r in exact}, reverse=True)  # float64 first
+    columns = [(shard, d) for shard in SHARDS for d in dtypes]
     lines = [
         "# Sharded replicas: pipeline × FSDP",
         "",
         f"Generated by `{command}` on this machine "
         f"({time.strftime('%Y-%m-%d')}, torch {torch.__version__}, gloo, "
         f"{os.cpu_count()} cores). 2 replicas × 2 stages = 4 processes. "
-        '`Pipe(..., data_parallel_group=dp, shard="params")` shards each stage\'s parameters, '
+        "`Pipe(..., data_parallel_group=dp, shard=...)` shards each stage's parameters, "
         "gradients and AdamW state over its 2 replicas with FSDP2 (`fully_shard`, one unit per "
         "layer): a layer's parameters are gathered for each of its forward and backward "
-        "passes and freed after, gradients are accumulated unsharded over the micro-batches "
-        "and reduce-scattered once per step (see `gpipe.parallel.sharded`).",
+        'passes and freed after. With `shard="params"` the gradients are accumulated '
+        "unsharded over the micro-batches and reduce-scattered once per step; with "
+        '`shard="all"` (`gpipe train --shard`, the planner) each layer\'s gradient is '
+        "reduce-scattered into the shards after each micro-batch's backward (see "
+        "`gpipe.parallel.sharded`).",
         "",
         "## Exactness: every schedule × re-materialization mode",
         "",
@@ -250,23 +262,21 @@ def markdown(exact: list[dict], mem: dict[str, list[dict]], time_row: dict, comm
         "gathered whole from the shards, against the un-split, un-sharded model's gradient "
         "of the mean loss over both replicas' mini-batches (same dropout draws).",
         "",
-        "| schedule | remat | float64 | float32 |",
-        "|---|---|---|---|",
+        "| schedule | remat | " + " | ".join(f"{s!r}, {d}" for s, d in columns) + " |",
+        "|---|---|" + "---|" * len(columns),
     ]
-    by = {(r["dtype"], r["schedule"], r["checkpoint"]): r["worst"] for r in exact}
+    by = {(r["shard"], r["dtype"], r["schedule"], r["checkpoint"]): r["worst"] for r in exact}
     for schedule in SCHEDULES:
         for checkpoint in REMAT:
-            cells = [
-                f"{by[(d, schedule, checkpoint)]:.1e}" if (d, schedule, checkpoint) in by else "–"
-                for d in ("float64", "float32")
-            ]
-            lines.append(f"| {schedule} | {checkpoint} | {cells[0]} | {cells[1]} |")
-    worst64 = max((r["worst"] for r in exact if r["dtype"] == "float64"), default=float("nan"))
-    worst32 = max((r["worst"] for r in exact if r["dtype"] == "float32"), default=float("nan"))
+            cells = [f"{by[(s, d, schedule, checkpoint)]:.1e}" for s, d in columns]
+            lines.append(f"| {schedule} | {checkpoint} | " + " | ".join(cells) + " |")
+    worst = {d: max(r["worst"] for r in exact if r["dtype"] == d) for d in dtypes}
+    bounds = {"float64": "1e-10", "float32": "1e-5"}
     lines += [
         "",
-        f"Worst: **{worst64:.1e}** in float64 (bound 1e-10), **{worst32:.1e}** in float32 "
-        "(bound 1e-5).",
+        "Worst: "
+        + ", ".join(f"**{worst[d]:.1e}** in {d} (bound {bounds[d]})" for d in dtypes)
+        + ".",
         "",
         "## Memory per process",
         "",
@@ -276,53 +286,59 @@ def markdown(exact: list[dict], mem: dict[str, list[dict]], time_row: dict, comm
         "*State*: parameters + gradients + AdamW moments this process holds (its local "
         "tensors; measured after a step, before the optimizer's). *Peak RSS growth*: the "
         "process's peak resident memory over its resident memory before the model was built "
-        "(activations, FSDP's gathered layers and the unsharded gradients during the step "
-        "included).",
+        "(activations, FSDP's gathered layers and the gradients during the step included).",
         "",
         "Peak RSS growth depends on the C allocator: by default glibc keeps freed blocks in "
         "its heap (below an mmap threshold that grows with use), so resident memory stays at "
         "its high-water mark of every allocation pattern seen; with "
-        "`MALLOC_MMAP_THRESHOLD_=65536` each large tensor is mapped and returned on its own, "
-        "and the peak follows the live bytes. Both are shown.",
+        "`MALLOC_MMAP_THRESHOLD_=65536` (`--cpu-allocator return`) each large tensor is "
+        "mapped and returned on its own, and the peak follows the live bytes. Both are shown, "
+        'each sharded column with its ratio to plain replicas ("params" / "all").',
         "",
-        "| rank | stage | state, plain | state, sharded | ratio | peak RSS growth, plain | "
-        "sharded | ratio | with MALLOC_MMAP_THRESHOLD_=65536: plain | sharded | ratio |",
+        "| rank | stage | state: plain | params | all | peak RSS growth: plain | params "
+        "| all | with MALLOC_MMAP_THRESHOLD_=65536: plain | params | all |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    rows = zip(mem["plain, default"], mem["sharded, default"], mem["plain, mmap"],
-               mem["sharded, mmap"], strict=True)  # fmt: skip
-    for rank, (p, s, pm, sm) in enumerate(rows):
-        lines.append(
-            f"| {rank} | {rank % 2} | {p['state'] / mib:.1f} MiB | {s['state'] / mib:.1f} MiB | "
-            f"{p['state'] / s['state']:.2f}× | {p['rss_growth'] / mib:.1f} MiB | "
-            f"{s['rss_growth'] / mib:.1f} MiB | {p['rss_growth'] / s['rss_growth']:.2f}× | "
-            f"{pm['rss_growth'] / mib:.1f} MiB | {sm['rss_growth'] / mib:.1f} MiB | "
-            f"{pm['rss_growth'] / sm['rss_growth']:.2f}× |"
-        )
+
+    def cell(label: str, allocator: str, rank: int, of: str) -> str:
+        value = mem[f"{label}, {allocator}"][rank][of]
+        if label == "plain":
+            return f"{value / mib:.1f} MiB"
+        return f"{value / mib:.1f} MiB ({mem[f'plain, {allocator}'][rank][of] / value:.2f}×)"
+
+    for rank in range(len(mem["plain, default"])):
+        cells = [cell(label, "default", rank, "state") for label in LABELS]
+        cells += [cell(x, a, rank, "rss_growth") for a in ("default", "mmap") for x in LABELS]
+        lines.append(f"| {rank} | {rank % 2} | " + " | ".join(cells) + " |")
     lines += [
         "",
         "Reading it: sharding halves what each process holds between steps (state, 2.00×). "
-        "During a step each process also holds its stage's unsharded gradient (P) and one "
-        "gathered layer, so the whole-step peak falls by less: with the allocator returning "
-        "memory, 1.5–1.7× here (the terms: P/R parameters + P gradients + 2P/R AdamW + "
-        "activations, against 4P + activations). With glibc's default the freed gather and "
-        "reduce buffers stay in the heap and the peak does not fall at all: a "
-        "memory-bound run should set `MALLOC_MMAP_THRESHOLD_` (or use jemalloc/tcmalloc); "
-        "on GPUs PyTorch's caching allocator manages these blocks instead (not measured here).",
+        'During a step, `"params"` also holds its stage\'s unsharded gradient (P) and one '
+        'gathered layer (P/R parameters + P gradients + 2P/R AdamW); `"all"` holds the '
+        "gradient's shards and one layer's whole gradient instead (4P/R + a layer), against "
+        "4P for plain replicas, activations on top of each. With glibc's default the freed "
+        "gather and reduce buffers stay in the heap and the peak falls much less: a "
+        "memory-bound run should return memory (`--cpu-allocator return`, or "
+        "jemalloc/tcmalloc); on GPUs PyTorch's caching allocator manages these blocks "
+        "instead (not measured here).",
     ]
     t = time_row
-    low, high = t["interval"]
     lines += [
         "",
         "## Step time, sharded against plain replicas",
         "",
-        f"The same GPT, the two pipes alternating in {t['rounds']} rounds of {t['steps']} steps "
-        f"in the same 4 processes (one thread each, 2 cores): plain {t['plain'] * 1e3:.0f} ms, "
-        f"sharded {t['sharded'] * 1e3:.0f} ms per step (medians); **sharded / plain = "
-        f"{t['ratio']:.2f}** (95 % interval {low:.2f}–{high:.2f}). Sharding adds an all-gather "
-        "per layer for each forward and each backward of each micro-batch (2·M per layer per "
-        "step, 3·M with re-materialization) and swaps the all-reduce for a reduce-scatter; on "
-        "4 processes sharing 2 cores that traffic is not hidden behind compute.",
+        f"The same GPT, the three pipes alternating in {t['rounds']} rounds of {t['steps']} "
+        f"steps in the same 4 processes (one thread each, 2 cores), medians per step: plain "
+        f"{t['plain'] * 1e3:.0f} ms, "
+        + ", ".join(
+            f'`"{label}"` {t[label] * 1e3:.0f} ms (**{t[f"{label} ratio"]:.2f}×** plain, 95 % '
+            f"interval {t[f'{label} interval'][0]:.2f}–{t[f'{label} interval'][1]:.2f})"
+            for label in SHARDS
+        )
+        + ". Sharding adds an all-gather per layer for each forward and each backward of each "
+        "micro-batch (2·M per layer per step, 3·M with re-materialization) and swaps the "
+        'all-reduce for one reduce-scatter per step (`"params"`) or one per micro-batch '
+        '(`"all"`); on 4 processes sharing 2 cores that traffic is not hidden behind compute.',
         "",
     ]
     return "\n".join(lines)
