@@ -78,6 +78,12 @@ class Row:
         """The measured answer where it was measured, else the predicted one."""
         return self.found.fit if self.found is not None and self.found.ran else self.fit
 
+    @property
+    def exact(self) -> bool:
+        """Measured exact to one block: the found depth fits, the next size up does not."""
+        ran = self.found is not None and self.bigger is not None and self.bigger.ran
+        return ran and self.found.fits and not self.bigger.fits
+
 
 def search(family: Family, budget: float, overhead: float) -> list[Row]:
     rows = []
@@ -134,8 +140,7 @@ def table(rows: list[Row]) -> list[str]:
             measured = f"{_mib(row.found.peak)} ({'fits' if row.found.fits else '**over**'})"
             depth = str(final.depth)
             if row.bigger is not None and row.bigger.ran:
-                exact = row.found.fits and not row.bigger.fits
-                depth += " (exact)" if exact else " (**not exact**)"
+                depth += " (exact)" if row.exact else " (**not exact**)"
         bigger = "–"
         if row.bigger is not None and row.bigger.ran:
             verdict = "exceeds" if not row.bigger.fits else "**fits**"
@@ -214,7 +219,7 @@ def targets(rows: list[Row]) -> list[str]:
         )
     checked = [r for r in rows if r.bigger is not None and r.bigger.ran]
     if checked:
-        exact = [r for r in checked if r.found.fits and not r.bigger.fits]
+        exact = [r for r in checked if r.exact]
         on = [r for r in checked if r.final.depth == r.fit.depth]
         off = ", ".join(
             f"{r.fit.layout.label()} {r.final.depth - r.fit.depth:+d}"
@@ -250,11 +255,7 @@ def sharded_check(budget: float, stages: tuple[int, ...]) -> str:
     for k in stages:
         sharded = ratio(rows, "2 sharded replicas", k, "remat", k)
         met = "met" if sharded >= TARGETS["sharded"] else "missed"
-        exact = all(
-            r.found is not None and r.bigger is not None and r.found.fits and not r.bigger.fits
-            for r in rows
-            if r.fit.layout.stages == k
-        )
+        exact = all(r.exact for r in rows if r.fit.layout.stages == k)
         lines.append(
             f"- 2 sharded replicas at K={k} fit **{sharded:.2f}x** one replica with remat, "
             f"measured (target >= {TARGETS['sharded']}): {met}"
