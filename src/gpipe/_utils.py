@@ -54,6 +54,8 @@ def to_device(value: Any, device: torch.device, *, as_leaves: bool = False) -> A
     def move(leaf: Any) -> Any:
         if not isinstance(leaf, torch.Tensor):
             return leaf
+        if leaf.device == device and not as_leaves:
+            return leaf.detach()  # already there: no copy (a step moves every micro-batch)
         moved = leaf.detach().to(device, non_blocking=non_blocking)
         if as_leaves and leaf.requires_grad:
             moved.requires_grad_(True)
@@ -126,14 +128,18 @@ def gradient_norms(grads: list[torch.Tensor], *, precise: bool = True) -> torch.
     by_device: dict[torch.device, list[int]] = {}
     for i, g in enumerate(local):
         by_device.setdefault(g.device, []).append(i)
-    norms: list[torch.Tensor] = [torch.empty(())] * len(local)
+    parts = []
     for indices in by_device.values():
         group = [local[i] for i in indices]
         dtype = torch.float64 if precise else _at_least_float32(group[0].dtype)
-        found = torch._foreach_norm(group, 2.0, dtype=dtype)
-        for i, norm in zip(indices, found, strict=True):
-            norms[i] = norm.to(device, torch.float64)
-    return torch.stack(norms)
+        found = torch.stack(torch._foreach_norm(group, 2.0, dtype=dtype))
+        parts.append(found.to(device, torch.float64))
+    if len(parts) == 1:
+        return parts[0]
+    order = torch.tensor([i for indices in by_device.values() for i in indices], device=device)
+    return torch.empty(len(local), dtype=torch.float64, device=device).index_copy_(
+        0, order, torch.cat(parts)
+    )
 
 
 def _at_least_float32(dtype: torch.dtype) -> torch.dtype | None:

@@ -434,8 +434,9 @@ class Pipe(ModelNames, nn.Module):
             raise
         local_loss = None
         if losses is not None and self._holds(self.num_stages - 1):
-            losses_mb = [result.losses[m].to(torch.float64) for m in range(self.chunks)]
-            local_loss = torch.stack(losses_mb).sum()
+            # Stacked as they are, then widened: exact, in two operations instead of M.
+            losses_mb = torch.stack([result.losses[m] for m in range(self.chunks)])
+            local_loss = losses_mb.to(torch.float64).sum()
         training = losses is not None
         with_grads = [(n, p) for n, p in self.named_parameters() if p.grad is not None]
         grads = [p.grad for _, p in with_grads] if training else []
