@@ -336,7 +336,7 @@ def main() -> None:
             not args.predict_only or name in args.predict_only
         )
         if not predict_only:
-            measure(family, rows, tuple(args.next_size), tuple(args.measure_sharded))
+            measure(family, rows, tuple(args.next_size), tuple(args.measure_sharded), moves=8)
         results[name] = rows
         doc += [
             f"### {name}: {family.describe()}",

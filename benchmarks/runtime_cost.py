@@ -66,36 +66,60 @@ def mse(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 # -- 1. two processes, latency-bound ------------------------------------------------------
 
 
-def _pipeline_rank(rank: int, cases: list[tuple[str, int]], rounds: int, profile: str | None):
+def _sides(rank: int, schedule: str, m: int) -> dict[str, Callable[[], None]]:
+    """One training step of each side on this rank: gpipe's and the peer's, same stages."""
     import torch.distributed as dist
     from torch.distributed import pipelining
+
+    model = mlp()
+    half = len(model) // 2
+    mine = copy.deepcopy(model[:half] if rank == 0 else model[half:])
+    stage = pipelining.PipelineStage(mine, rank, 2, torch.device("cpu"), group=dist.group.WORLD)
+    peer = getattr(pipelining, PEERS[schedule])(stage, n_microbatches=m, loss_fn=mse)
+    pipe = gpipe.Pipe(
+        copy.deepcopy(model), balance=[half, half], chunks=m, checkpoint="never",
+        schedule=schedule, group=dist.group.WORLD,
+    )  # fmt: skip
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(m, WIDTH, generator=generator)
+    y = torch.randn(m, WIDTH, generator=generator)
+
+    def ours() -> None:
+        pipe.step(x, y, mse)
+        pipe.zero_grad(set_to_none=True)
+
+    def theirs() -> None:
+        if rank == 0:
+            peer.step(x)
+        else:
+            peer.step(target=y)
+        mine.zero_grad(set_to_none=True)
+
+    return {"gpipe": ours, "peer": theirs}
+
+
+def _one_side_rank(rank: int, side: str, schedule: str, m: int, steps: int) -> None:
+    """``steps`` steps of one side only, for a tool watching the processes from outside
+    (``strace -f -c``: the system calls of gpipe's steps against the peer's)."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    step = _sides(rank, schedule, m)[side]
+    for _ in range(5):  # warm-up
+        step()
+    dist.barrier()
+    for _ in range(steps):
+        step()
+
+
+def _pipeline_rank(rank: int, cases: list[tuple[str, int]], rounds: int, profile: str | None):
+    import torch.distributed as dist
 
     torch.set_num_threads(1)
     results = []
     for schedule, m in cases:
-        model = mlp()
-        half = len(model) // 2
-        mine = copy.deepcopy(model[:half] if rank == 0 else model[half:])
-        stage = pipelining.PipelineStage(mine, rank, 2, torch.device("cpu"), group=dist.group.WORLD)
-        peer = getattr(pipelining, PEERS[schedule])(stage, n_microbatches=m, loss_fn=mse)
-        pipe = gpipe.Pipe(
-            copy.deepcopy(model), balance=[half, half], chunks=m, checkpoint="never",
-            schedule=schedule, group=dist.group.WORLD,
-        )  # fmt: skip
-        generator = torch.Generator().manual_seed(1)
-        x = torch.randn(m, WIDTH, generator=generator)
-        y = torch.randn(m, WIDTH, generator=generator)
-
-        def ours(pipe=pipe, x=x, y=y) -> None:
-            pipe.step(x, y, mse)
-            pipe.zero_grad(set_to_none=True)
-
-        def theirs(peer=peer, mine=mine, x=x, y=y) -> None:
-            if rank == 0:
-                peer.step(x)
-            else:
-                peer.step(target=y)
-            mine.zero_grad(set_to_none=True)
+        sides = _sides(rank, schedule, m)
+        ours, theirs = sides["gpipe"], sides["peer"]
 
         def timed(step: Callable[[], None]) -> tuple[float, float, float]:
             """The step's wall time (to the slower rank), this process's CPU time, and the
@@ -334,7 +358,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument(
         "--only", choices=["pipeline", "micro", "single"], default=None, help="one part"
     )
+    parser.add_argument(
+        "--one-side", nargs=4, default=None, metavar=("SIDE", "SCHEDULE", "M", "STEPS"),
+        help="only run STEPS steps of one side (gpipe or peer) of part 1, to watch from "
+        "outside, e.g. strace -f -c python benchmarks/runtime_cost.py --one-side gpipe 1f1b 8 200",
+    )  # fmt: skip
     args = parser.parse_args(argv)
+    if args.one_side is not None:
+        side, schedule, m, steps = args.one_side
+        launch(_one_side_rank, 2, args=(side, schedule, int(m), int(steps)), timeout=1200)
+        return
     pipeline = pipeline_rows(args.rounds, args.profile) if args.only in (None, "pipeline") else []
     micro = per_microbatch(args.rounds) if args.only in (None, "micro") else None
     single = one_stage(max(11, args.rounds // 2)) if args.only in (None, "single") else []
