@@ -111,8 +111,10 @@ def measure(
     rows: list[Row],
     next_size: tuple[int, ...],
     sharded: tuple[int, ...],
-    moves: int = 4,
+    moves: int = 12,
 ) -> None:
+    """Measure each row (and its next size up where K is in ``next_size``, refined at most
+    ``moves`` blocks each way: K = 8's prediction can be 10 blocks off)."""
     for row in rows:
         if row.fit.layout.shard and row.fit.layout.stages not in sharded:
             continue
@@ -256,7 +258,7 @@ def sharded_check(budget: float, stages: tuple[int, ...]) -> str:
         for r in search(family, budget, overhead)
         if r.kind in ("remat", "2 sharded replicas") and r.fit.layout.stages in stages
     ]
-    measure(family, rows, stages, stages, moves=8)  # refined until exact, however far
+    measure(family, rows, stages, stages)
     lines = [
         f"{family.describe()}, {budget / MiB:.0f} MiB per process (calibrated: {overhead}).",
         "",
@@ -347,7 +349,7 @@ def main() -> None:
             not args.predict_only or name in args.predict_only
         )
         if not predict_only:
-            measure(family, rows, tuple(args.next_size), tuple(args.measure_sharded), moves=12)
+            measure(family, rows, tuple(args.next_size), tuple(args.measure_sharded))
         results[name] = rows
         doc += [
             f"### {name}: {family.describe()}",

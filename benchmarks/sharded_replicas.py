@@ -177,7 +177,7 @@ def _memory_worker(rank: int, shard: str | None) -> dict[str, float]:
             "parameters": sum(p.numel() for p in pipe.parameters())}  # fmt: skip
 
 
-LABELS = {"plain": None, "params": "params", "all": "all"}  # what each column runs
+LABELS = {"plain": None, **{shard: shard for shard in SHARDS}}  # what each column runs
 
 
 # glibc keeps freed blocks below its (growing) mmap threshold in the heap, so a process's

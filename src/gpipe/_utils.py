@@ -128,18 +128,15 @@ def gradient_norms(grads: list[torch.Tensor], *, precise: bool = True) -> torch.
     by_device: dict[torch.device, list[int]] = {}
     for i, g in enumerate(local):
         by_device.setdefault(g.device, []).append(i)
-    parts = []
+    norms = torch.empty(len(local), dtype=torch.float64, device=device)
     for indices in by_device.values():
         group = [local[i] for i in indices]
         dtype = torch.float64 if precise else _at_least_float32(group[0].dtype)
-        found = torch.stack(torch._foreach_norm(group, 2.0, dtype=dtype))
-        parts.append(found.to(device, torch.float64))
-    if len(parts) == 1:
-        return parts[0]
-    order = torch.tensor([i for indices in by_device.values() for i in indices], device=device)
-    return torch.empty(len(local), dtype=torch.float64, device=device).index_copy_(
-        0, order, torch.cat(parts)
-    )
+        found = torch.stack(torch._foreach_norm(group, 2.0, dtype=dtype)).to(device, torch.float64)
+        if len(indices) == len(local):
+            return found  # one device, the usual case: in order already
+        norms[indices] = found
+    return norms
 
 
 def _at_least_float32(dtype: torch.dtype) -> torch.dtype | None:
