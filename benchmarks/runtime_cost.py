@@ -8,7 +8,9 @@ the same machine; medians, and 95% bootstrap intervals of the paired ratios:
 1. **Latency-bound pipeline**: a 4-layer MLP of width 16 (Linear + ReLU), batch = M (one
    sample per micro-batch), K=2 gloo processes with one thread each, gpipe's ``gpipe`` and
    ``1f1b`` schedules against ``torch.distributed.pipelining``'s ``ScheduleGPipe`` and
-   ``Schedule1F1B`` on the same two stage modules, at M = 8 and 32.
+   ``Schedule1F1B`` on the same two stage modules, at M = 8 and 32. Three sides: gpipe as
+   it chooses (one machine, CPU stages: Unix sockets, ``gpipe.transport.sockets``), gpipe
+   over the process group's gloo (``transport="group"``, as between machines), the peer.
 2. **One process, per micro-batch**: the same MLP, M = 32 micro-batches of one sample:
    ``Pipe(K=1)`` against plain gradient accumulation (``loss / M`` backward per micro-batch),
    the difference per micro-batch.
@@ -52,6 +54,7 @@ SECTION = "runtime-cost"
 CLOCK = time.process_time
 WIDTH, LAYERS = 16, 4
 PEERS = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
+SIDES = ("gpipe", "gpipe-gloo", "peer")  # gpipe as it chooses (sockets); over gloo; the peer
 
 
 def mlp(width: int = WIDTH, layers: int = LAYERS) -> nn.Sequential:
@@ -67,7 +70,7 @@ def mse(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 def _sides(rank: int, schedule: str, m: int) -> dict[str, Callable[[], None]]:
-    """One training step of each side on this rank: gpipe's and the peer's, same stages."""
+    """One training step of each side on this rank (``SIDES``), same stages."""
     import torch.distributed as dist
     from torch.distributed import pipelining
 
@@ -76,17 +79,28 @@ def _sides(rank: int, schedule: str, m: int) -> dict[str, Callable[[], None]]:
     mine = copy.deepcopy(model[:half] if rank == 0 else model[half:])
     stage = pipelining.PipelineStage(mine, rank, 2, torch.device("cpu"), group=dist.group.WORLD)
     peer = getattr(pipelining, PEERS[schedule])(stage, n_microbatches=m, loss_fn=mse)
-    pipe = gpipe.Pipe(
-        copy.deepcopy(model), balance=[half, half], chunks=m, checkpoint="never",
-        schedule=schedule, group=dist.group.WORLD,
-    )  # fmt: skip
+    pipes = {
+        transport: gpipe.Pipe(
+            copy.deepcopy(model),
+            balance=[half, half],
+            chunks=m,
+            checkpoint="never",
+            schedule=schedule,
+            group=dist.group.WORLD,
+            transport=transport,
+        )
+        for transport in ("auto", "group")
+    }
     generator = torch.Generator().manual_seed(1)
     x = torch.randn(m, WIDTH, generator=generator)
     y = torch.randn(m, WIDTH, generator=generator)
 
-    def ours() -> None:
-        pipe.step(x, y, mse)
-        pipe.zero_grad(set_to_none=True)
+    def ours(pipe: gpipe.Pipe) -> Callable[[], None]:
+        def step() -> None:
+            pipe.step(x, y, mse)
+            pipe.zero_grad(set_to_none=True)
+
+        return step
 
     def theirs() -> None:
         if rank == 0:
@@ -95,7 +109,7 @@ def _sides(rank: int, schedule: str, m: int) -> dict[str, Callable[[], None]]:
             peer.step(target=y)
         mine.zero_grad(set_to_none=True)
 
-    return {"gpipe": ours, "peer": theirs}
+    return {"gpipe": ours(pipes["auto"]), "gpipe-gloo": ours(pipes["group"]), "peer": theirs}
 
 
 def _one_side_rank(rank: int, side: str, schedule: str, m: int, steps: int) -> None:
@@ -119,7 +133,6 @@ def _pipeline_rank(rank: int, cases: list[tuple[str, int]], rounds: int, profile
     results = []
     for schedule, m in cases:
         sides = _sides(rank, schedule, m)
-        ours, theirs = sides["gpipe"], sides["peer"]
 
         def timed(step: Callable[[], None]) -> tuple[float, float, float]:
             """The step's wall time (to the slower rank), this process's CPU time, and the
@@ -132,13 +145,13 @@ def _pipeline_rank(rank: int, cases: list[tuple[str, int]], rounds: int, profile
             return time.perf_counter() - start, cpu, main
 
         for _ in range(3):  # warm-up
-            timed(ours)
-            timed(theirs)
+            for step in sides.values():
+                timed(step)
         times: dict[str, list[float]] = {
-            f"{side}{part}": [] for side in ("gpipe", "peer") for part in ("", "_cpu", "_main")
+            f"{side}{part}": [] for side in SIDES for part in ("", "_cpu", "_main")
         }
         for _ in range(rounds):
-            for name, step in (("gpipe", ours), ("peer", theirs)):
+            for name, step in sides.items():
                 wall, cpu, main = timed(step)
                 times[name].append(wall)
                 times[f"{name}_cpu"].append(cpu)
@@ -150,7 +163,7 @@ def _pipeline_rank(rank: int, cases: list[tuple[str, int]], rounds: int, profile
             start = time.perf_counter()
             profiler.enable()
             for _ in range(30):
-                ours()
+                sides["gpipe"]()
             profiler.disable()
             elapsed = (time.perf_counter() - start) / 30
             text = io.StringIO()
@@ -169,34 +182,28 @@ def pipeline_rows(rounds: int, profile: str | None) -> list[dict]:
     per_rank = launch(_pipeline_rank, 2, args=(cases, rounds, profile), timeout=1200)
     rows = []
     for r0, r1 in zip(*per_rank, strict=True):
-        ours = [max(a, b) for a, b in zip(r0["gpipe"], r1["gpipe"], strict=True)]
-        theirs = [max(a, b) for a, b in zip(r0["peer"], r1["peer"], strict=True)]
-        ratios = [b / a for a, b in zip(ours, theirs, strict=True)]
-        # CPU time of both ranks together: the work each runtime does per step, which a
-        # busy machine changes far less than the wall clock (waiting costs no CPU time).
-        ours_cpu = [a + b for a, b in zip(r0["gpipe_cpu"], r1["gpipe_cpu"], strict=True)]
-        theirs_cpu = [a + b for a, b in zip(r0["peer_cpu"], r1["peer_cpu"], strict=True)]
-        cpu_ratios = [b / a for a, b in zip(ours_cpu, theirs_cpu, strict=True)]
-        main = {
-            side: statistics.median(a + b for a, b in zip(r0[key], r1[key], strict=True))
-            for side, key in (("gpipe", "gpipe_main"), ("peer", "peer_main"))
+        row = {"schedule": r0["schedule"], "chunks": r0["chunks"]}
+        # A step is the slower rank's; CPU time is both ranks' together: the work each
+        # runtime does per step, which a busy machine changes far less than the wall clock
+        # (waiting costs no CPU time).
+        wall = {s: [max(a, b) for a, b in zip(r0[s], r1[s], strict=True)] for s in SIDES}
+        cpu = {
+            s: [a + b for a, b in zip(r0[f"{s}_cpu"], r1[f"{s}_cpu"], strict=True)] for s in SIDES
         }
-        rows.append(
-            {
-                "schedule": r0["schedule"],
-                "chunks": r0["chunks"],
-                "gpipe": statistics.median(ours),
-                "peer": statistics.median(theirs),
-                "ratio": statistics.median(ratios),
-                "interval": median_interval(ratios),
-                "gpipe_cpu": statistics.median(ours_cpu),
-                "peer_cpu": statistics.median(theirs_cpu),
-                "cpu_ratio": statistics.median(cpu_ratios),
-                "cpu_interval": median_interval(cpu_ratios),
-                "gpipe_main": main["gpipe"],
-                "peer_main": main["peer"],
-            }
-        )
+        for side in SIDES:
+            row[side] = statistics.median(wall[side])
+            row[f"{side}_cpu"] = statistics.median(cpu[side])
+            row[f"{side}_main"] = statistics.median(
+                a + b for a, b in zip(r0[f"{side}_main"], r1[f"{side}_main"], strict=True)
+            )
+        for side in ("gpipe", "gpipe-gloo"):  # the peer's time over this side's, paired
+            ratios = [b / a for a, b in zip(wall[side], wall["peer"], strict=True)]
+            cpu_ratios = [b / a for a, b in zip(cpu[side], cpu["peer"], strict=True)]
+            row[f"{side}_ratio"] = statistics.median(ratios)
+            row[f"{side}_interval"] = median_interval(ratios)
+            row[f"{side}_cpu_ratio"] = statistics.median(cpu_ratios)
+            row[f"{side}_cpu_interval"] = median_interval(cpu_ratios)
+        rows.append(row)
     return rows
 
 
@@ -293,41 +300,47 @@ def report(pipeline: Sequence[dict], micro: dict, single: Sequence[dict], rounds
     ms = 1e3
     lines = [
         f"Measured by `python benchmarks/runtime_cost.py` on {machine()}, {source()}, "
-        f"load {os.getloadavg()[0]:.1f} at the end; {rounds} rounds per row, the two sides "
+        f"load {os.getloadavg()[0]:.1f} at the end; {rounds} rounds per row, the sides "
         "alternating; medians, 95% bootstrap intervals of the paired ratios.",
         "",
         f"Latency-bound pipeline: MLP of {LAYERS} × Linear({WIDTH}) + ReLU, batch = M (one "
         "sample per micro-batch), K=2 gloo processes, one thread each; a step is the slower "
-        "rank's, between barriers. CPU: both ranks' process CPU time in the step, added (gloo's "
-        "threads included); waiting costs none, so a busy machine changes it far less.",
+        "rank's, between barriers. gpipe: as it chooses on one machine (Unix sockets, "
+        '`gpipe.transport.sockets`); gpipe over gloo: `transport="group"`, the process '
+        "group's point-to-point (as between machines); the peer: `torch.distributed.pipelining` "
+        "(gloo's point-to-point).",
         "",
-        "| schedule | M | gpipe step | peer step | peer / gpipe | 95% interval | gpipe CPU | "
-        "peer CPU | CPU peer / gpipe | 95% interval |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| schedule | M | gpipe step | gpipe over gloo | peer step | peer / gpipe | 95% interval "
+        "| peer / gpipe over gloo | 95% interval |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in pipeline:
-        lo, hi = r["interval"]
-        clo, chi = r["cpu_interval"]
+        lo, hi = r["gpipe_interval"]
+        glo, ghi = r["gpipe-gloo_interval"]
         lines.append(
             f"| {r['schedule']} | {r['chunks']} | {r['gpipe'] * ms:.2f} ms | "
-            f"{r['peer'] * ms:.2f} ms | {r['ratio']:.2f} | {lo:.2f}–{hi:.2f} | "
-            f"{r['gpipe_cpu'] * ms:.2f} ms | {r['peer_cpu'] * ms:.2f} ms | "
-            f"{r['cpu_ratio']:.2f} | {clo:.2f}–{chi:.2f} |"
+            f"{r['gpipe-gloo'] * ms:.2f} ms | {r['peer'] * ms:.2f} ms | "
+            f"**{r['gpipe_ratio']:.2f}** | {lo:.2f}–{hi:.2f} | {r['gpipe-gloo_ratio']:.2f} | "
+            f"{glo:.2f}–{ghi:.2f} |"
         )
     lines += [
         "",
-        "The CPU time by thread, both ranks added: the main thread (Python, autograd, "
-        "posting transfers) and the rest (gloo's loop thread, which reads and writes the "
-        "sockets and handles each transfer's notifications):",
+        "CPU time per step, both ranks' processes added (waiting costs none, so a busy machine "
+        "changes it far less than the wall clock), and its main threads' part (Python, "
+        "autograd, posting transfers; the rest is gloo's loop thread):",
         "",
-        "| schedule | M | gpipe main | gpipe other threads | peer main | peer other threads |",
-        "|---|---|---|---|---|---|",
+        "| schedule | M | gpipe CPU (main) | gpipe over gloo CPU (main) | peer CPU (main) | "
+        "CPU peer / gpipe | 95% interval |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in pipeline:
+        lo, hi = r["gpipe_cpu_interval"]
+        cells = " | ".join(
+            f"{r[f'{side}_cpu'] * ms:.2f} ms ({r[f'{side}_main'] * ms:.2f})" for side in SIDES
+        )
         lines.append(
-            f"| {r['schedule']} | {r['chunks']} | {r['gpipe_main'] * ms:.2f} ms | "
-            f"{(r['gpipe_cpu'] - r['gpipe_main']) * ms:.2f} ms | {r['peer_main'] * ms:.2f} ms | "
-            f"{(r['peer_cpu'] - r['peer_main']) * ms:.2f} ms |"
+            f"| {r['schedule']} | {r['chunks']} | {cells} | {r['gpipe_cpu_ratio']:.2f} | "
+            f"{lo:.2f}–{hi:.2f} |"
         )
     lo, hi = micro["interval"]
     lines += [
@@ -360,8 +373,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     parser.add_argument(
         "--one-side", nargs=4, default=None, metavar=("SIDE", "SCHEDULE", "M", "STEPS"),
-        help="only run STEPS steps of one side (gpipe or peer) of part 1, to watch from "
-        "outside, e.g. strace -f -c python benchmarks/runtime_cost.py --one-side gpipe 1f1b 8 200",
+        help="only run STEPS steps of one side (gpipe, gpipe-gloo or peer) of part 1, to watch "
+        "from outside, e.g. strace -f -c python benchmarks/runtime_cost.py --one-side gpipe "
+        "1f1b 8 200",
     )  # fmt: skip
     args = parser.parse_args(argv)
     if args.one_side is not None:

@@ -43,8 +43,22 @@ def gpt_tied_factory() -> nn.Sequential:
     return gpt(GPT, tie_embeddings=True).double()
 
 
+WIDE = 1 << 18  # features crossing each stage boundary: 12 MiB per message of 6 samples (float64)
+
+
+def wide_factory() -> nn.Sequential:
+    """Small weights, wide boundaries (balance [2, 2, 2, 2]): every message between stages
+    is larger than a socket's kernel buffer."""
+    layers = [nn.Linear(16, WIDE), nn.Tanh()]
+    for _ in range(2):
+        layers += [nn.Linear(WIDE, 16), nn.Linear(16, WIDE)]
+    layers += [nn.Linear(WIDE, 16), nn.Tanh()]
+    return nn.Sequential(*layers).double()
+
+
 GPT_TIED = gpt_tied_names(GPT)
 FACTORIES = {
+    "wide": wide_factory,
     "gpt": gpt_factory,
     "gpt-tied": gpt_tied_factory,
     "cnn": cnn_factory,
@@ -59,6 +73,9 @@ def batch(model: str, step: int, length: int = GPT.context, replica: int = 0):
         x = torch.randint(0, GPT.vocab_size, (BATCH, length), generator=generator)
         y = torch.randint(0, GPT.vocab_size, (BATCH, length), generator=generator)
         return x, y
+    if model == "wide":
+        x = torch.randn(BATCH, 16, generator=generator, dtype=torch.float64)
+        return x, torch.randn(BATCH, 16, generator=generator, dtype=torch.float64)
     if model == "unet":
         x = torch.randn(BATCH, 1, 8, 8, generator=generator, dtype=torch.float64)
         return x, torch.randint(0, 3, (BATCH, 8, 8), generator=generator)
@@ -67,6 +84,8 @@ def batch(model: str, step: int, length: int = GPT.context, replica: int = 0):
 
 
 def loss_of(model: str):
+    if model == "wide":
+        return F.mse_loss
     return lm_loss if model.startswith("gpt") else F.cross_entropy
 
 
@@ -103,6 +122,7 @@ def train_steps(rank, cases, group=None, data_parallel_group=None, replica=0, ke
                 "buffers": {n: b.clone() for n, b in pipe.named_buffers()},
                 "params": {n: full_value(p.detach()).clone() for n, p in pipe.named_parameters()},
                 "receive_ahead": pipe._transport.receive_ahead,
+                "transport": type(pipe._transport).__name__,
                 "elements": sum(p.numel() for p in pipe.parameters()),
                 "local_elements": sum(local_value(p).numel() for p in pipe.parameters()),
                 "buckets_started_during_backward": early,
@@ -202,6 +222,7 @@ def _pipe_of(case, group, data_parallel_group):
         tied=[GPT_TIED] if model == "gpt-tied" else (),
         # "ordered": post receives as on NCCL (at the plan's points), though gloo carries them.
         receive_ahead=False if case.get("ordered") else None,
+        transport=case.get("transport", "auto"),
     )
 
 

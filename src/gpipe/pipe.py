@@ -132,6 +132,11 @@ class Pipe(ModelNames, nn.Module):
         receive_ahead: multi-process, how receives are posted (``gpipe.transport.distributed``):
             ``None`` (default) by backend — ahead on gloo, in NCCL's global order on NCCL;
             ``False`` runs NCCL's order on gloo (to test it on the CPU).
+        transport: multi-process, what carries the messages between stages: ``"auto"``
+            (default) a Unix socket per pair of ranks where every rank runs on this machine
+            with CPU stages on gloo (``gpipe.transport.sockets``: about 10× cheaper per
+            message than gloo there), else the process group (gloo or NCCL);
+            ``"sockets"`` requires the sockets; ``"group"`` always the process group.
         sample: a micro-batch of inputs, for ``balance="auto"``.
         sample_loss: ``(target, loss_fn)`` for that micro-batch: ``balance="auto"`` then
             times the loss with the last layer, since the last stage runs it too.
@@ -172,13 +177,16 @@ class Pipe(ModelNames, nn.Module):
         sample_loss: tuple[Any, Callable] | None = None,
         tied: Sequence[Sequence[str]] = (),
         receive_ahead: bool | None = None,
+        transport: Literal["auto", "sockets", "group"] = "auto",
     ) -> None:
         super().__init__()
         self.group, self.timeout = group, seconds(timeout, "timeout")
         # A captured model's units hold the model's tensors under "<unit>.<model's name>";
         # the Pipe shows the model's names.
         self._captured = isinstance(module, CapturedModel)
-        self._ranks = pipeline_group(group, timeout=self.timeout, receive_ahead=receive_ahead)
+        self._ranks = pipeline_group(
+            group, timeout=self.timeout, receive_ahead=receive_ahead, transport=transport
+        )
         self.rank = self._ranks.rank
         config = assembly.configure(
             module, self._ranks, balance=balance, devices=devices, chunks=chunks,

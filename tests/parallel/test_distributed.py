@@ -56,6 +56,9 @@ def check(case, per_rank_results, replicas=(0,)):
     merged = {}
     for result in per_rank_results:
         assert result["receive_ahead"] is not case.get("ordered", False)
+        # One machine, CPU stages on gloo: Unix sockets, unless told the process group.
+        by_group = case.get("ordered") or case.get("transport") == "group"
+        assert result["transport"] == ("DistributedTransport" if by_group else "SocketTransport")
         merged.update(result["grads"])
         assert (
             relative_error(torch.tensor(result["losses"][-1], dtype=torch.float64), losses[0])
@@ -116,6 +119,12 @@ TWO_STAGE_CASES += [
     {**case, "ordered": True}
     for case in TWO_STAGE_CASES
     if case["model"] == "gpt" and case["checkpoint"] == "never"
+]
+# The process group's own transport (gloo, receives ahead), as off one machine or on GPUs.
+TWO_STAGE_CASES += [
+    {**case, "transport": "group"}
+    for case in TWO_STAGE_CASES
+    if case["model"] == "gpt" and case["checkpoint"] == "never" and not case.get("ordered")
 ]
 
 

@@ -37,9 +37,12 @@ from gpipe.parallel.collectives import Collectives
 from gpipe.parallel.tied import TiedParameters
 from gpipe.schedule.ir import Schedule
 from gpipe.schedule.routes import Routes
+from gpipe.transport import sockets
 from gpipe.transport.distributed import DistributedTransport
 from gpipe.transport.inquest import state
 from gpipe.transport.local import LocalTransport
+from gpipe.transport.peers import PeerTransport
+from gpipe.transport.sockets import SocketTransport
 
 __all__ = [
     "Agreement",
@@ -140,13 +143,23 @@ def default_device(group: Any) -> torch.device:
     return torch.device("cpu")
 
 
+TRANSPORTS = ("auto", "sockets", "group")
+
+
 def pipeline_group(
-    group: Any, *, timeout: float, receive_ahead: bool | None = None
+    group: Any, *, timeout: float, receive_ahead: bool | None = None, transport: str = "auto"
 ) -> PipelineGroup:
     """The ranks of a Pipe: ``group=None`` is one process, else a process group."""
+    if transport not in TRANSPORTS:
+        raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+    if transport == "sockets" and receive_ahead is False:
+        raise ValueError(
+            "receive_ahead=False posts receives in NCCL's order, which only the process "
+            "group's transport does; use transport='group' (or 'auto') with it"
+        )
     if group is None:
         return SingleProcess()
-    return MultiProcess(group, timeout=timeout, receive_ahead=receive_ahead)
+    return MultiProcess(group, timeout=timeout, receive_ahead=receive_ahead, transport=transport)
 
 
 class SingleProcess:
@@ -229,17 +242,20 @@ class MultiProcess:
     clock_origin: float | None = 0.0  # perf_counter is one clock per machine: traces line up
     broken: str | None = None  # what failed, once a step has: the ranks may disagree
 
-    def __init__(self, group: Any, *, timeout: float, receive_ahead: bool | None) -> None:
+    def __init__(
+        self, group: Any, *, timeout: float, receive_ahead: bool | None, transport: str = "auto"
+    ) -> None:
         import torch.distributed as dist
 
         self.group = group
         self.timeout = timeout
         self.receive_ahead = receive_ahead
+        self.wanted_transport = transport
         self.rank = dist.get_rank(group)
         self.num_ranks = dist.get_world_size(group)
         self.backend = dist.get_backend(group)
         self.steps = 0  # steps begun, for errors that say what this rank was doing
-        self.transport: DistributedTransport | None = None
+        self.transport: PeerTransport | None = None
         self.ops = Collectives(group, timeout=timeout, device=self._own_device())
 
     def _collective(self, run: Callable[[], T]) -> T:
@@ -281,19 +297,61 @@ class MultiProcess:
 
     def connect(
         self, schedule: Schedule, stage_devices: list[torch.device], routes: Routes
-    ) -> DistributedTransport:
+    ) -> PeerTransport:
         self.schedule = schedule
-        self.transport = DistributedTransport(
-            schedule,
-            self.rank,
-            self.group,
-            stage_devices,
-            timeout=self.timeout,
-            routes=routes,
-            receive_ahead=self.receive_ahead,
-        )
+        links = self._socket_links(schedule, stage_devices)
+        if links is not None:
+            self.transport = SocketTransport(
+                schedule, self.rank, self.group, stage_devices, links,
+                timeout=self.timeout, routes=routes,
+            )  # fmt: skip
+        else:
+            self.transport = DistributedTransport(
+                schedule, self.rank, self.group, stage_devices,
+                timeout=self.timeout, routes=routes, receive_ahead=self.receive_ahead,
+            )  # fmt: skip
         self.ops.device = self.transport.wire_device  # where collectives take tensors
         return self.transport
+
+    def _socket_links(
+        self, schedule: Schedule, stage_devices: list[torch.device]
+    ) -> dict[int, Any] | None:
+        """A Unix socket to every peer (``gpipe.transport.sockets``), where the pipeline can
+        use them and was not told otherwise: every rank on this machine, its stages on the
+        CPU, the group on gloo. None: the process group carries the messages."""
+        if self.wanted_transport == "group" or self.receive_ahead is False:
+            return None
+        mine = [stage_devices[s] for s in schedule.stages_of(self.rank)]
+        on_cpu = self.backend == "gloo" and all(d.type == "cpu" for d in mine)
+        key = sockets.host_key() if on_cpu else None
+        listener, address = sockets.listen(self.num_ranks) if key is not None else (None, "")
+        everyone = self.gather((key, address), "where each rank runs")
+        problems = [
+            f"rank {rank} has {'no CPU stages on gloo' if k is None else 'another host'}"
+            for rank, (k, _) in enumerate(everyone)
+            if k is None or k != everyone[0][0]
+        ]
+        links: dict[int, Any] = {}
+        if not problems:
+            try:
+                links = sockets.connect(listener, [a for _, a in everyone], self.rank, self.timeout)
+            except OSError as error:
+                problems.append(f"rank {self.rank} could not connect its sockets: {error}")
+        elif listener is not None:
+            listener.close()
+        problems = [p for said in self.gather(problems, "the socket connections") for p in said]
+        if not problems:
+            return links
+        for link in links.values():
+            link.close()
+        if self.wanted_transport == "sockets":
+            raise PartitionError(
+                "transport='sockets' needs every rank of the pipeline on one machine, its "
+                "stages on the CPU and the group on gloo: "
+                + "; ".join(dict.fromkeys(problems))
+                + "; use transport='auto' or 'group'"
+            )
+        return None
 
     # -- what every rank must agree on ----------------------------------------------------
 

@@ -17,9 +17,8 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from gpipe._utils import to_device
 from gpipe.errors import PipelineError
-from gpipe.schedule.comm_plan import receive_points, wire_order
+from gpipe.schedule.comm_plan import receive_points
 from gpipe.schedule.routes import Message, Routes
 from gpipe.transport.framing import (
     HEADER,
@@ -29,7 +28,7 @@ from gpipe.transport.framing import (
     spec_text,
     tensors,
 )
-from gpipe.transport.inquest import blame, said_by
+from gpipe.transport.peers import PeerTransport
 from gpipe.transport.sender import Outbox
 
 __all__ = ["DistributedTransport"]
@@ -56,7 +55,7 @@ class _Posted:
     works: list[Any] = field(default_factory=list)  # receives of the tensors, when separate
 
 
-class DistributedTransport:
+class DistributedTransport(PeerTransport):
     """Point-to-point transport between processes through ``torch.distributed``.
 
     Every message to another rank is framed as an ``int64`` header (``framing.HEADER``), the
@@ -109,16 +108,8 @@ class DistributedTransport:
         routes: Routes | None = None,
         receive_ahead: bool | None = None,
     ) -> None:
-        import torch.distributed as dist
-
-        self._dist = dist
-        self.schedule = schedule
-        self.routes = routes or Routes(schedule.num_stages)
-        self.rank = rank
-        self.group = group
-        self.timeout = timeout
-        self._devices = devices  # device of each stage (meaningful for local stages)
-        self._local_device = devices[schedule.stages_of(rank)[0]]
+        super().__init__(schedule, rank, group, devices, timeout=timeout, routes=routes)
+        dist = self._dist
         backend = dist.get_backend(group)
         # Collectives of the front end (loss, health check) use a device the backend supports.
         self.wire_device = self._local_device if backend == "nccl" else torch.device("cpu")
@@ -130,11 +121,6 @@ class DistributedTransport:
         self._meta_device = self.wire_device if self.receive_ahead else torch.device("cpu")
         # Failure notices are host-side frames: a gloo group (this one, or the side one).
         self._notice_group = self._meta_group
-        self._mailbox: dict[Message, Any] = {}
-        self._plans = {
-            training: wire_order(schedule, self.routes, rank, training)
-            for training in (True, False)
-        }
         self._points = (
             {}
             if self.receive_ahead
@@ -143,17 +129,13 @@ class DistributedTransport:
                 for training in (True, False)
             }
         )
-        self._training = True
-        self._incoming: dict[int, list[Message]] = {}
         self._cursor: dict[int, int] = {}
-        self._outgoing: dict[int, list[Message]] = {}
         self._sent: dict[int, int] = {}
         # What each message looked like last time, on both ends of its wire.
         self._sent_meta: dict[tuple, History] = {}
         self._recv_meta: dict[tuple, History] = {}
         self._pending: dict[int, deque[_Posted]] = {}  # posted, from each peer, in order
         self._arriving: dict[Message, _Posted] = {}  # header in, tensors not yet waited for
-        self._notices: dict[str, Any] | None = None  # a peer's failure, once noticed
         members = tuple(dist.get_process_group_ranks(group))
         self._notice_tag = _NOTICE_TAG + _transports_built.get(members, 0)
         _transports_built[members] = self._notice_tag - _NOTICE_TAG + 1
@@ -165,12 +147,10 @@ class DistributedTransport:
     def begin(self, training: bool) -> None:
         """Start a step: reset the per-peer positions and post the first receives."""
         self.check_notices()  # a peer gave up on this pipeline since the last step
-        self._training = training
-        self._incoming, self._outgoing = self._plans[training]
+        self._begin_plan(training)
         self._cursor = dict.fromkeys(self._incoming, 0)
         self._posted = dict.fromkeys(self._incoming, 0)
         self._sent = dict.fromkeys(self._outgoing, 0)
-        self._mailbox.clear()
         self._pending = {src: deque() for src in self._incoming}
         self._arriving.clear()
         for src in self._incoming:
@@ -206,33 +186,12 @@ class DistributedTransport:
             daemon=True,
         ).start()
 
-    def check_notices(self) -> None:
-        """Raise the failure a peer announced, if one has."""
-        if self._notices:
-            notice = self._notices
-            raise PipelineError(notice["message"], rank=notice["rank"],
-                                global_rank=notice.get("global_rank"))  # fmt: skip
-
-    def peer_gave_up(self) -> bool:
-        """Whether a peer announced that it left the pipeline without agreeing on the
-        failure (a collective of its timed out): nobody is left to agree with."""
-        return bool(self._notices and self._notices.get("gave_up"))
-
-    def _global(self, rank: int) -> int:
-        return self._dist.get_global_rank(self.group, rank)
-
-    def _key(self, peer: int, message: Message) -> tuple:
-        # Inference sends no gradients along: its descriptions differ from training's.
-        return (peer, self._training, message)
-
     # -- sending ----------------------------------------------------------------------------
 
     def send(self, message: Message, value: Any) -> None:
-        dst = self.schedule.stage_to_rank[message.stage]
-        if dst == self.rank:
-            device = self._devices[message.stage]
-            self._mailbox[message] = to_device(value, device, as_leaves=message.channel.forward)
+        if self._send_here(message, value):
             return
+        dst = self.schedule.stage_to_rank[message.stage]
         leaves, spec = tree_flatten(value)
         described = [
             TensorMeta(leaf.dtype, tuple(leaf.shape), leaf.requires_grad)
@@ -301,29 +260,7 @@ class DistributedTransport:
         glob = self._global(peer)
         return dist.batch_isend_irecv([dist.P2POp(op, t, glob, g, tag) for op, t, g in ops])
 
-    def _left(self, error: RuntimeError, peer: int, doing: str) -> PipelineError:
-        """Posting a transfer failed: ``peer`` left. The failure it announced, if any."""
-        try:
-            self.check_notices()  # it gave up on this step, and said why
-        except PipelineError as announced:
-            return announced
-        me, other = self._global(self.rank), self._global(peer)
-        said = said_by(other, timeout=self.timeout)
-        if said is not None:  # it gave up on this pipeline: its words, which may name this rank
-            return PipelineError(f"rank {me}: rank {other} gave up on this pipeline: {said}",
-                                 rank=peer, global_rank=other)  # fmt: skip
-        text = str(error).splitlines()[0].split(" This is typically")[0]
-        return PipelineError(
-            f"rank {me} could not {doing} rank {other}, which left (died, or gave up on this "
-            f"pipeline): {text}; look for that rank's own error",
-            rank=peer,
-            global_rank=other,
-        )
-
     # -- receiving --------------------------------------------------------------------------
-
-    def ready(self, message: Message) -> bool:
-        return True  # receiving blocks until the message is here
 
     def recv(self, message: Message) -> Any:
         if message in self._mailbox:
@@ -438,84 +375,6 @@ class DistributedTransport:
                 work.wait(timeout=timedelta(seconds=self.timeout))
         except Exception as error:  # a dead peer or a timeout: gloo and NCCL differ
             raise self._wait_failed(error, src, message) from error
-
-    def _wait_failed(self, error: Exception, src: int, message: Message) -> PipelineError:
-        """The error of a receive from ``src`` that failed: naming the rank that caused it,
-        which may not be ``src`` (``gpipe.transport.inquest``)."""
-        text = str(error).splitlines()[0] if str(error) else type(error).__name__
-        text = text.split(" This is typically")[0]  # gloo's advice after the cause
-        timed_out = "imed out" in text or "imeout" in text
-        me, peer = self._global(self.rank), self._global(src)
-        what = f"{message.channel} of micro-batch {message.microbatch}"
-        waited = (
-            f"rank {me} waited {self.timeout:g} s for the {what} from rank {peer}"
-            if timed_out
-            else f"rank {me} lost rank {peer} while waiting for its {what} ({text})"
-        )
-        verdict = blame(me, [peer], waited, timeout=self.timeout)
-        if verdict.failed:
-            culprit = next(iter(verdict.failed))
-            return PipelineError(f"{verdict.describe(me)}; {waited}", rank=self._local(culprit),
-                                 global_rank=culprit)  # fmt: skip
-        if verdict.silent and verdict.silent != [peer]:
-            culprit = verdict.silent[0]
-            return PipelineError(
-                f"{verdict.describe(me)}: {waited}; look for why rank {culprit} stopped (its "
-                "own error, py-spy dump), or raise the timeout (Pipe(timeout=...), gpipe "
-                "train --timeout) if it is only slow",
-                rank=self._local(culprit),
-                global_rank=culprit,
-            )
-        if timed_out:  # rank src itself, or nobody could tell
-            # Silent for a grace more, with no one else to wait on (two ranks): it hung.
-            alone = verdict.silent and self.schedule.num_ranks == 2
-            maybe = "" if alone else "; it may itself be waiting on another rank"
-            return PipelineError(
-                f"{waited} without an answer{maybe}: rank {peer} stalled or is slower than "
-                "that; look for why (its own error, py-spy dump), or raise the timeout "
-                "(Pipe(timeout=...), gpipe train --timeout) if stages are this slow",
-                rank=src,
-                global_rank=peer,
-            )
-        return PipelineError(
-            f"{waited}: rank {peer} died or left; look for its own error, or why it was "
-            "killed (out of memory?)",
-            rank=src,
-            global_rank=peer,
-        )
-
-    def _local(self, rank: int) -> int | None:
-        """The rank in this pipeline's group of global rank ``rank``, or None (another
-        replica's)."""
-        try:
-            return self._dist.get_group_rank(self.group, rank)
-        except (RuntimeError, ValueError):
-            return None
-
-    # -- outside the schedule -----------------------------------------------------------------
-
-    def swap(
-        self, tensor: torch.Tensor, peers: list[int], *, wait: Callable[[Callable[[], Any]], Any]
-    ) -> dict[int, torch.Tensor]:
-        """Send ``tensor`` to each rank of ``peers`` and receive from each one of the same
-        shape and dtype (tied copies: ``gpipe.parallel.tied``); all of them by rank, this
-        rank's own included, on :attr:`wire_device`.
-
-        Between steps, not part of the schedule's wire order: the caller decides what to
-        swap and waits, with ``wait(start)``: ``start()`` posts the transfers and returns
-        their works (the caller bounds the wait, ``gpipe.parallel.collectives``).
-        """
-        dist = self._dist
-        wire = tensor.to(self.wire_device).contiguous()
-        received = {self.rank: wire}
-        ops = []
-        for peer in peers:
-            received[peer] = torch.empty_like(wire)
-            ops.append(dist.P2POp(dist.isend, wire, self._global(peer), self.group))
-            ops.append(dist.P2POp(dist.irecv, received[peer], self._global(peer), self.group))
-        if ops:
-            wait(lambda: dist.batch_isend_irecv(ops))
-        return received
 
     # -- failures ---------------------------------------------------------------------------
 

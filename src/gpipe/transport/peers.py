@@ -1,0 +1,198 @@
+"""What every transport between processes shares: the ranks' names, the errors that name who
+failed, failure notices once received, messages to this rank's own stages, tied copies."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from gpipe._utils import to_device
+from gpipe.errors import PipelineError
+from gpipe.schedule.comm_plan import wire_order
+from gpipe.schedule.routes import Message, Routes
+from gpipe.transport.inquest import blame, said_by
+
+__all__ = ["PeerTransport"]
+
+
+class PeerTransport:
+    """One rank of a pipeline spread over the processes of a ``torch.distributed`` group.
+
+    Subclasses move the messages between processes; this holds the rest: the order of
+    messages on each wire (``gpipe.schedule.comm_plan``), a mailbox for messages between
+    two stages of this rank, and the errors of a peer that failed, left or went silent.
+    """
+
+    wire_device: torch.device  # where the group's collectives take tensors
+
+    def __init__(
+        self,
+        schedule: Any,
+        rank: int,
+        group: Any,
+        devices: list[torch.device],
+        *,
+        timeout: float,
+        routes: Routes | None = None,
+    ) -> None:
+        import torch.distributed as dist
+
+        self._dist = dist
+        self.schedule = schedule
+        self.routes = routes or Routes(schedule.num_stages)
+        self.rank = rank
+        self.group = group
+        self.timeout = timeout
+        self._devices = devices  # device of each stage (meaningful for local stages)
+        self._local_device = devices[schedule.stages_of(rank)[0]]
+        self._mailbox: dict[Message, Any] = {}
+        self._plans = {
+            training: wire_order(schedule, self.routes, rank, training)
+            for training in (True, False)
+        }
+        self._training = True
+        # Per peer, this step's messages in wire order: from it, and to it.
+        self._incoming: dict[int, list[Message]] = {}
+        self._outgoing: dict[int, list[Message]] = {}
+        self._notices: dict[str, Any] | None = None  # a peer's failure, once noticed
+
+    def _begin_plan(self, training: bool) -> None:
+        self._training = training
+        self._incoming, self._outgoing = self._plans[training]
+        self._mailbox.clear()
+
+    def _key(self, peer: int, message: Message) -> tuple:
+        # Inference sends no gradients along: its descriptions differ from training's.
+        return (peer, self._training, message)
+
+    def _send_here(self, message: Message, value: Any) -> bool:
+        """Deliver ``message`` to a stage of this rank, if it is one's."""
+        if self.schedule.stage_to_rank[message.stage] != self.rank:
+            return False
+        device = self._devices[message.stage]
+        self._mailbox[message] = to_device(value, device, as_leaves=message.channel.forward)
+        return True
+
+    def prepare(self, action: Any) -> None:
+        """This rank is about to run ``action``; nothing to do unless receives are posted
+        at points (NCCL's order)."""
+
+    def ready(self, message: Message) -> bool:
+        return True  # receiving blocks until the message is here
+
+    # -- failures ---------------------------------------------------------------------------
+
+    def check_notices(self) -> None:
+        """Raise the failure a peer announced, if one has."""
+        if self._notices:
+            notice = self._notices
+            raise PipelineError(notice["message"], rank=notice["rank"],
+                                global_rank=notice.get("global_rank"))  # fmt: skip
+
+    def peer_gave_up(self) -> bool:
+        """Whether a peer announced that it left the pipeline without agreeing on the
+        failure (a collective of its timed out): nobody is left to agree with."""
+        return bool(self._notices and self._notices.get("gave_up"))
+
+    def _global(self, rank: int) -> int:
+        return self._dist.get_global_rank(self.group, rank)
+
+    def _local(self, rank: int) -> int | None:
+        """The rank in this pipeline's group of global rank ``rank``, or None (another
+        replica's)."""
+        try:
+            return self._dist.get_group_rank(self.group, rank)
+        except (RuntimeError, ValueError):
+            return None
+
+    def _left(self, error: Exception, peer: int, doing: str) -> PipelineError:
+        """Posting a transfer failed: ``peer`` left. The failure it announced, if any."""
+        try:
+            self.check_notices()  # it gave up on this step, and said why
+        except PipelineError as announced:
+            return announced
+        me, other = self._global(self.rank), self._global(peer)
+        said = said_by(other, timeout=self.timeout)
+        if said is not None:  # it gave up on this pipeline: its words, which may name this rank
+            return PipelineError(f"rank {me}: rank {other} gave up on this pipeline: {said}",
+                                 rank=peer, global_rank=other)  # fmt: skip
+        text = str(error).splitlines()[0].split(" This is typically")[0]
+        return PipelineError(
+            f"rank {me} could not {doing} rank {other}, which left (died, or gave up on this "
+            f"pipeline): {text}; look for that rank's own error",
+            rank=peer,
+            global_rank=other,
+        )
+
+    def _wait_failed(self, error: Exception, src: int, message: Message) -> PipelineError:
+        """The error of a receive from ``src`` that failed: naming the rank that caused it,
+        which may not be ``src`` (``gpipe.transport.inquest``)."""
+        text = str(error).splitlines()[0] if str(error) else type(error).__name__
+        text = text.split(" This is typically")[0]  # gloo's advice after the cause
+        timed_out = "imed out" in text or "imeout" in text
+        me, peer = self._global(self.rank), self._global(src)
+        what = f"{message.channel} of micro-batch {message.microbatch}"
+        waited = (
+            f"rank {me} waited {self.timeout:g} s for the {what} from rank {peer}"
+            if timed_out
+            else f"rank {me} lost rank {peer} while waiting for its {what} ({text})"
+        )
+        verdict = blame(me, [peer], waited, timeout=self.timeout)
+        if verdict.failed:
+            culprit = next(iter(verdict.failed))
+            return PipelineError(f"{verdict.describe(me)}; {waited}", rank=self._local(culprit),
+                                 global_rank=culprit)  # fmt: skip
+        if verdict.silent and verdict.silent != [peer]:
+            culprit = verdict.silent[0]
+            return PipelineError(
+                f"{verdict.describe(me)}: {waited}; look for why rank {culprit} stopped (its "
+                "own error, py-spy dump), or raise the timeout (Pipe(timeout=...), gpipe "
+                "train --timeout) if it is only slow",
+                rank=self._local(culprit),
+                global_rank=culprit,
+            )
+        if timed_out:  # rank src itself, or nobody could tell
+            # Silent for a grace more, with no one else to wait on (two ranks): it hung.
+            alone = verdict.silent and self.schedule.num_ranks == 2
+            maybe = "" if alone else "; it may itself be waiting on another rank"
+            return PipelineError(
+                f"{waited} without an answer{maybe}: rank {peer} stalled or is slower than "
+                "that; look for why (its own error, py-spy dump), or raise the timeout "
+                "(Pipe(timeout=...), gpipe train --timeout) if stages are this slow",
+                rank=src,
+                global_rank=peer,
+            )
+        return PipelineError(
+            f"{waited}: rank {peer} died or left; look for its own error, or why it was "
+            "killed (out of memory?)",
+            rank=src,
+            global_rank=peer,
+        )
+
+    # -- outside the schedule -----------------------------------------------------------------
+
+    def swap(
+        self, tensor: torch.Tensor, peers: list[int], *, wait: Callable[[Callable[[], Any]], Any]
+    ) -> dict[int, torch.Tensor]:
+        """Send ``tensor`` to each rank of ``peers`` and receive from each one of the same
+        shape and dtype (tied copies: ``gpipe.parallel.tied``); all of them by rank, this
+        rank's own included, on :attr:`wire_device`.
+
+        Between steps, not part of the schedule's wire order: through the group's own
+        point-to-point operations. The caller decides what to swap and waits, with
+        ``wait(start)``: ``start()`` posts the transfers and returns their works (the caller
+        bounds the wait, ``gpipe.parallel.collectives``).
+        """
+        dist = self._dist
+        wire = tensor.to(self.wire_device).contiguous()
+        received = {self.rank: wire}
+        ops = []
+        for peer in peers:
+            received[peer] = torch.empty_like(wire)
+            ops.append(dist.P2POp(dist.isend, wire, self._global(peer), self.group))
+            ops.append(dist.P2POp(dist.irecv, received[peer], self._global(peer), self.group))
+        if ops:
+            wait(lambda: dist.batch_isend_irecv(ops))
+        return received

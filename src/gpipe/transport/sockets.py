@@ -1,0 +1,450 @@
+"""Transport between processes of one machine: a Unix stream socket per pair of ranks.
+
+On one host with CPU stages, gloo moves each message over TCP loopback with a rendezvous:
+the sender announces it, the receiver's posted receive answers, gloo's own thread moves the
+data and wakes the rank. On two cores a 64-byte message then costs 0.1–0.3 ms of posting
+and a round trip 180–280 µs, which is what sets the pace where micro-batches are small
+(``docs/benchmarks.md``, the runtime's own cost). A Unix socket carries the same message
+in one ``sendmsg`` and one wake-up of the receiver (a round trip of about 25 µs there), no
+thread in between.
+
+Each pair of ranks holds one connected socket (:func:`connect`). A message is a header
+(``struct`` ``<qq``: its position in the sender's sequence to this peer, the size of its
+description), its description when it changed (``gpipe.transport.framing.History``, so
+shapes may change from step to step), then each tensor's bytes, received straight into the
+tensor that will hold it. A negative size announces a failure; the description that
+follows says what failed.
+
+Sends never wait on the peer's progress: a message goes into the socket's kernel buffer.
+When the buffer is full (a large activation), the sender keeps reading whatever every
+peer sends it while it waits, so two ranks sending to each other never block each other;
+a rank reads its sockets in every send and receive, and enters a collective only after it
+has received all of the step's messages, so every send completes. Every wait is bounded by
+the pipeline's timeout, and a peer that dies closes its sockets: its receivers know at
+once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import select
+import socket
+import struct
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from gpipe.errors import PipelineError
+from gpipe.schedule.routes import Message, Routes
+from gpipe.transport.framing import History, TensorMeta, spec_text
+from gpipe.transport.peers import PeerTransport
+
+__all__ = ["SocketTransport", "connect", "host_key", "listen"]
+
+_HEADER = struct.Struct("<qq")  # position in the sender's sequence to this peer; description size
+_NOTICE = -1  # the position of a failure notice, which may come in place of any message
+_BUFFER = 4 << 20  # bytes of kernel buffer asked for each way (the system may cap it)
+_MAX_PARTS = 512  # buffers per sendmsg call (the system's limit is 1024)
+_READ = select.POLLIN | select.POLLPRI | select.POLLHUP | select.POLLERR
+
+
+def host_key() -> tuple[str, ...] | None:
+    """What processes must share to reach each other's abstract Unix sockets: the machine
+    (host name and boot) and the network namespace; None where there are none (not Linux)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as boot:
+            boot_id = boot.read().strip()
+        namespace = os.stat("/proc/self/ns/net").st_ino
+    except OSError:
+        return None
+    return (socket.gethostname(), boot_id, str(namespace))
+
+
+def listen(num_ranks: int) -> tuple[socket.socket, str]:
+    """A listening socket for this rank's peers, and its (abstract) address."""
+    address = f"\0gpipe/{uuid.uuid4().hex}"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(address)
+    listener.listen(max(num_ranks, 1))
+    return listener, address
+
+
+def connect(
+    listener: socket.socket, addresses: list[str], rank: int, timeout: float
+) -> dict[int, socket.socket]:
+    """Connect this rank with every other: it calls every lower rank's listener, and takes
+    the calls of the higher ones (each says its rank first). Raises ``OSError`` if that
+    does not complete within ``timeout`` seconds."""
+    links: dict[int, socket.socket] = {}
+    try:
+        for peer in range(rank):
+            link = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            link.settimeout(timeout)
+            link.connect(addresses[peer])
+            link.sendall(struct.pack("<q", rank))
+            links[peer] = link
+        deadline = time.monotonic() + timeout
+        while len(links) < len(addresses) - 1:
+            listener.settimeout(max(deadline - time.monotonic(), 0.001))
+            link, _ = listener.accept()
+            link.settimeout(max(deadline - time.monotonic(), 0.001))
+            hello = b""
+            while len(hello) < 8:
+                part = link.recv(8 - len(hello))
+                if not part:
+                    raise ConnectionError("a peer closed its connection before saying its rank")
+                hello += part
+            (peer,) = struct.unpack("<q", hello)
+            links[peer] = link
+    except BaseException:
+        for link in links.values():
+            link.close()
+        raise
+    finally:
+        listener.close()
+    for link in links.values():
+        link.setblocking(False)
+        with contextlib.suppress(OSError):
+            link.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _BUFFER)
+            link.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _BUFFER)
+    return links
+
+
+def _bytes_of(tensor: torch.Tensor) -> memoryview:
+    """A contiguous CPU tensor's bytes, without a copy (any dtype: viewed as bytes)."""
+    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+
+
+def _drop(parts: list[memoryview], sent: int) -> None:
+    """Remove the first ``sent`` bytes of ``parts``, which went into a socket."""
+    while sent:
+        if sent >= parts[0].nbytes:
+            sent -= parts.pop(0).nbytes
+        else:
+            parts[0] = parts[0][sent:]
+            sent = 0
+
+
+def _idle(inbound: _Inbound) -> bool:
+    """Whether no frame from this peer is half read."""
+    return inbound.got == 0 and len(inbound.parts) == 1 and inbound.parts[0].obj is inbound.header
+
+
+class _PeerLost(Exception):
+    """A peer's socket closed or failed: it died or left."""
+
+    def __init__(self, peer: int, error: BaseException) -> None:
+        super().__init__(str(error) or type(error).__name__)
+        self.peer = peer
+
+
+@dataclass
+class _Inbound:
+    """What has come in from one peer: the frame being read, and messages complete."""
+
+    link: socket.socket
+    header: bytearray = field(default_factory=lambda: bytearray(_HEADER.size))
+    parts: list[memoryview] = field(default_factory=list)  # what the frame fills, in order
+    got: int = 0  # bytes of parts[0] filled
+    on_full: Callable[[], None] | None = None  # what to do once the parts are full
+    position: int = 0  # of the next message from this peer
+    arrived: dict[Message, Any] = field(default_factory=dict)
+    closed: BaseException | None = None
+
+
+class SocketTransport(PeerTransport):
+    """Point-to-point transport between processes of one machine (see the module's
+    docstring); built by ``gpipe.parallel.group`` where every rank's stages are on the CPU
+    of one host. Collectives stay on the process group."""
+
+    receive_ahead = True  # whatever a peer sends is taken as soon as the rank reads
+
+    def __init__(
+        self,
+        schedule: Any,
+        rank: int,
+        group: Any,
+        devices: list[torch.device],
+        links: dict[int, socket.socket],
+        *,
+        timeout: float,
+        routes: Routes | None = None,
+    ) -> None:
+        super().__init__(schedule, rank, group, devices, timeout=timeout, routes=routes)
+        self.wire_device = torch.device("cpu")
+        self._links = links
+        self._inbound = {peer: _Inbound(link) for peer, link in links.items()}
+        self._by_fd = {link.fileno(): peer for peer, link in links.items()}
+        self._poll = select.poll()
+        for link in links.values():
+            self._poll.register(link, _READ)
+        for peer in links:
+            self._expect_header(peer)
+        self._sent: dict[int, int] = {}
+        self._unsent: dict[int, list[memoryview]] = {}  # a frame interrupted by a failure
+        # What each message looked like last time, on both ends of its wire.
+        self._sent_meta: dict[tuple, History] = {}
+        self._recv_meta: dict[tuple, History] = {}
+        self._in_step = False
+
+    def begin(self, training: bool) -> None:
+        self.check_notices()  # a peer gave up on this pipeline since the last step
+        self._begin_plan(training)
+        self._sent = dict.fromkeys(self._outgoing, 0)
+        for inbound in self._inbound.values():
+            inbound.position = 0
+            inbound.arrived.clear()
+        self._in_step = True
+
+    def finish(self) -> None:
+        self._in_step = False  # every send is in its socket already
+
+    def clear(self) -> None:
+        self._mailbox.clear()
+        for inbound in self._inbound.values():
+            inbound.arrived.clear()
+        self._in_step = False
+
+    def check_notices(self) -> None:
+        """Raise the failure a peer announced, if one has (read without waiting)."""
+        if not self._notices:
+            for peer, inbound in self._inbound.items():
+                if self._in_step or not _idle(inbound):
+                    with contextlib.suppress(_PeerLost):
+                        self._pump(peer)
+                else:
+                    self._peek_notice(peer)
+        super().check_notices()
+
+    # -- sending ----------------------------------------------------------------------------
+
+    def send(self, message: Message, value: Any) -> None:
+        if self._send_here(message, value):
+            return
+        dst = self.schedule.stage_to_rank[message.stage]
+        leaves, spec = tree_flatten(value)
+        described = [
+            TensorMeta(leaf.dtype, tuple(leaf.shape), leaf.requires_grad)
+            if isinstance(leaf, torch.Tensor)
+            else leaf
+            for leaf in leaves
+        ]
+        payload = [
+            _bytes_of(leaf.detach().contiguous())
+            for leaf in leaves
+            if isinstance(leaf, torch.Tensor)
+        ]
+        history = self._sent_meta.setdefault(self._key(dst, message), History())
+        meta = history.describe(spec_text(spec), described)  # pickled only when it changed
+        size = 0 if meta == history.last else len(meta)
+        header = _HEADER.pack(self._sent[dst], size)
+        self._write(dst, [memoryview(header), *([memoryview(meta)] if size else []), *payload])
+        history.update(meta)
+        self._sent[dst] += 1
+
+    def _write(self, dst: int, parts: list[memoryview], deadline: float | None = None) -> None:
+        """Put ``parts`` into ``dst``'s socket, reading every peer while the socket is full."""
+        link = self._links[dst]
+        parts = [p for p in parts if p.nbytes]
+        self._unsent[dst] = parts
+        if deadline is None:
+            deadline = time.monotonic() + self.timeout
+        while parts:
+            try:
+                sent = link.sendmsg(parts[:_MAX_PARTS])
+            except BlockingIOError:
+                sent = 0
+            except OSError as error:
+                raise self._left(error, dst, "send to") from error
+            _drop(parts, sent)
+            if not parts:
+                break
+            try:
+                waited = self._wait_for(deadline, writing=dst)
+            except _PeerLost as lost:
+                raise self._left(lost, dst, "send to") from lost
+            if not waited:
+                me, other = self._global(self.rank), self._global(dst)
+                raise PipelineError(
+                    f"rank {me} waited {self.timeout:g} s to send to rank {other}, which took "
+                    "nothing in that time: it stalled or is slower than that; look for why "
+                    "(its own error, py-spy dump), or raise the timeout (Pipe(timeout=...), "
+                    "gpipe train --timeout)",
+                    rank=dst,
+                    global_rank=other,
+                )
+        del self._unsent[dst]
+
+    # -- receiving --------------------------------------------------------------------------
+
+    def recv(self, message: Message) -> Any:
+        if message in self._mailbox:
+            return self._mailbox.pop(message)
+        src = self.schedule.stage_to_rank[self.routes.sender(message)]
+        inbound = self._inbound[src]
+        deadline = time.monotonic() + self.timeout
+        try:
+            self._pump(src)
+            while message not in inbound.arrived:
+                if inbound.closed is not None:
+                    raise _PeerLost(src, inbound.closed)
+                if not self._wait_for(deadline):
+                    raise self._wait_failed(TimeoutError("timed out"), src, message)
+        except _PeerLost as lost:
+            raise self._wait_failed(lost, lost.peer, message) from lost
+        return inbound.arrived.pop(message)
+
+    def _wait_for(self, deadline: float, writing: int | None = None) -> bool:
+        """Wait until a peer has sent something (read it) or ``writing``'s socket has room;
+        False if nothing happened before ``deadline``. Raises a failure a peer announced."""
+        if writing is not None:
+            self._poll.modify(self._links[writing], _READ | select.POLLOUT)
+        try:
+            left = deadline - time.monotonic()
+            events = self._poll.poll(max(left, 0) * 1000) if left > 0 else []
+        finally:
+            if writing is not None:
+                self._poll.modify(self._links[writing], _READ)
+        for fd, _ in events:
+            peer = self._by_fd[fd]
+            try:
+                self._pump(peer)
+            except _PeerLost as lost:  # a dead peer's socket stays readable: stop polling it
+                self._inbound[peer].closed = lost
+                self._poll.unregister(self._links[peer])
+                if writing is not None and peer == writing:
+                    raise
+        return bool(events)
+
+    def _pump(self, peer: int) -> None:
+        """Read whatever ``peer`` has sent, without waiting; keep each complete message."""
+        inbound = self._inbound[peer]
+        if inbound.closed is not None:
+            return
+        link = inbound.link
+        while True:
+            part = inbound.parts[0]
+            try:
+                got = link.recv_into(part[inbound.got :])
+            except BlockingIOError:
+                return
+            except OSError as error:
+                raise _PeerLost(peer, error) from error
+            if got == 0:
+                raise _PeerLost(peer, ConnectionResetError("the connection was closed"))
+            inbound.got += got
+            if inbound.got == part.nbytes:
+                inbound.parts.pop(0)
+                inbound.got = 0
+                if not inbound.parts:
+                    assert inbound.on_full is not None
+                    inbound.on_full()
+
+    def _expect_header(self, peer: int) -> None:
+        inbound = self._inbound[peer]
+        inbound.parts = [memoryview(inbound.header)]
+        inbound.on_full = lambda: self._header_in(peer)
+
+    def _header_in(self, peer: int) -> None:
+        inbound = self._inbound[peer]
+        position, size = _HEADER.unpack(inbound.header)
+        if size < 0:  # a failure: what it says, then raise it
+            meta = bytearray(-size)
+            inbound.parts = [memoryview(meta)]
+            inbound.on_full = lambda: self._noticed(peer, pickle.loads(meta))
+            return
+        incoming = self._incoming.get(peer, [])
+        if position != inbound.position or position >= len(incoming):
+            raise PipelineError(
+                f"rank {self.rank} received message {position} of this step from rank {peer} "
+                f"where it expected message {inbound.position} of {len(incoming)}: the ranks "
+                "run different schedules; build every rank's Pipe with the same arguments",
+                rank=peer,
+            )
+        message = incoming[position]
+        history = self._recv_meta.setdefault(self._key(peer, message), History())
+        if size == 0:
+            if history.last is None:
+                raise PipelineError(f"rank {peer} sent {message} without describing it", rank=peer)
+            self._tensors_of(peer, message, history, history.last)
+            return
+        meta = bytearray(size)
+        inbound.parts = [memoryview(meta)]
+        inbound.on_full = lambda: self._tensors_of(peer, message, history, bytes(meta))
+
+    def _tensors_of(self, peer: int, message: Message, history: History, meta: bytes) -> None:
+        """Receive the message's tensors straight into the tensors that will hold them."""
+        history.update(meta)
+        spec, described = history.decoded
+        leaves = [
+            torch.empty(d.shape, dtype=d.dtype) if isinstance(d, TensorMeta) else d
+            for d in described
+        ]
+        inbound = self._inbound[peer]
+
+        def complete() -> None:
+            for leaf, d in zip(leaves, described, strict=True):
+                if isinstance(d, TensorMeta) and d.requires_grad and message.channel.forward:
+                    leaf.requires_grad_(True)
+            inbound.arrived[message] = tree_unflatten(leaves, spec)
+            inbound.position += 1
+            self._expect_header(peer)
+
+        parts = [_bytes_of(leaf) for leaf in leaves if isinstance(leaf, torch.Tensor)]
+        inbound.parts = [p for p in parts if p.nbytes]
+        if inbound.parts:
+            inbound.on_full = complete
+        else:
+            complete()
+
+    def _noticed(self, peer: int, notice: dict[str, Any]) -> None:
+        """A peer's failure notice: raise it, and on every later check."""
+        me, other = self._global(self.rank), self._global(peer)
+        if notice.get("global_rank") == me and peer != self.rank:
+            # It gave up waiting on this rank (which stalled): say so, in its words.
+            notice = {**notice, "rank": peer, "global_rank": other,
+                      "message": f"rank {me}: rank {other} gave up on this pipeline: "
+                                 f"{notice['message']}"}  # fmt: skip
+        self._notices = notice
+        super().check_notices()
+
+    def _peek_notice(self, peer: int) -> None:
+        """Between steps: take a failure notice waiting in ``peer``'s socket, leaving any
+        other message (of the next step) where it is."""
+        link = self._inbound[peer].link
+        try:
+            head = link.recv(_HEADER.size, socket.MSG_PEEK)
+        except OSError:  # nothing there (or the peer is gone: the next wait will tell)
+            return
+        if len(head) == _HEADER.size and _HEADER.unpack(head)[1] < 0:
+            with contextlib.suppress(_PeerLost):
+                self._pump(peer)
+
+    # -- failures ---------------------------------------------------------------------------
+
+    def announce_failure(self, description: dict) -> None:
+        """Tell every peer (each may be waiting on this rank, directly or not), after the
+        rest of any frame a failure interrupted; for at most a second."""
+        text = pickle.dumps({**description, "message": description["message"][:3000]})
+        notice = [memoryview(_HEADER.pack(_NOTICE, -len(text))), memoryview(text)]
+        deadline = time.monotonic() + min(1.0, self.timeout)
+        for peer, link in self._links.items():
+            parts = [*self._unsent.pop(peer, []), *notice]
+            with contextlib.suppress(OSError, PipelineError, _PeerLost):
+                while parts and time.monotonic() < deadline:
+                    try:
+                        sent = link.sendmsg(parts)
+                    except BlockingIOError:
+                        select.select([], [link], [], max(deadline - time.monotonic(), 0))
+                        continue
+                    _drop(parts, sent)

@@ -1,0 +1,45 @@
+"""The same-host transport (``gpipe.transport.sockets``): messages larger than a socket's
+buffer both ways at once, against the un-split model; and how the transport is chosen."""
+
+from __future__ import annotations
+
+import pytest
+
+import gpipe
+from distributed_cases import train_steps
+from gpipe.models import mlp
+from gpipe.parallel.launch import launch
+from parallel.test_distributed import check
+
+pytestmark = pytest.mark.timeout(600)
+
+# Both ranks send messages of 0.75–1.5 MiB to each other in the same actions (1F1B's steady
+# state; the V's two stages per rank), larger than a socket's kernel buffer (a few hundred
+# KiB): a send that fills its socket must keep reading the peer's, or both would wait.
+WIDE_CASES = [
+    {"model": "wide", "balance": [4, 4], "chunks": 2, "schedule": "1f1b", "checkpoint": "never"},
+    {
+        "model": "wide",
+        "balance": [2, 2, 2, 2],
+        "chunks": 4,
+        "schedule": "dualpipe-v",
+        "virtual": 2,
+        "checkpoint": "always",
+    },
+]
+
+
+@pytest.mark.slow
+def test_messages_larger_than_the_socket_buffer_both_ways_at_once():
+    results = launch(train_steps, 2, args=(WIDE_CASES,), timeout=60)
+    for index, case in enumerate(WIDE_CASES):
+        check(case, [r[index] for r in results])
+
+
+def test_the_transport_is_one_of_three_and_sockets_cannot_post_in_nccls_order():
+    model = mlp([4, 4, 4, 4, 4])
+    with pytest.raises(ValueError, match="transport must be one of"):
+        gpipe.Pipe(model, balance=[2, 2], devices=["cpu"] * 2, transport="tcp")
+    with pytest.raises(ValueError, match="receive_ahead=False"):
+        gpipe.Pipe(model, balance=[2, 2], devices=["cpu"] * 2, transport="sockets",
+                   receive_ahead=False)  # fmt: skip
