@@ -623,3 +623,16 @@ def data_parallel_fault(rank, how, shard, timeout, folder):
     outcome = _outcome(lambda: pipe.step(x, y, F.mse_loss), start=start)
     _alive_until_all_have_raised(folder, rank, 4, longest=3 * timeout + 10)
     return outcome
+
+
+def told_transports(rank, transports):
+    """Build a 2-stage Pipe with ``transports[rank]``; the error each rank raised, if any."""
+    torch.set_num_threads(1)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4), nn.ReLU())
+    try:
+        pipe = gpipe.Pipe(model, balance=[2, 2], chunks=2, group=dist.group.WORLD, timeout=20,
+                          transport=transports[rank])  # fmt: skip
+    except PartitionError as error:
+        return {"error": str(error)}
+    pipe.step(torch.randn(4, 4), torch.randn(4, 4), F.mse_loss)
+    return {"transport": type(pipe._transport).__name__}

@@ -319,22 +319,36 @@ class MultiProcess:
         """A Unix socket to every peer (``gpipe.transport.sockets``), where the pipeline can
         use them and was not told otherwise: every rank on this machine, its stages on the
         CPU, the group on gloo. None: the process group carries the messages."""
-        if self.wanted_transport == "group" or self.receive_ahead is False:
-            return None
+        # NCCL's order on gloo (receive_ahead=False) is the group's transport's alone.
+        wanted = "group" if self.receive_ahead is False else self.wanted_transport
         mine = [stage_devices[s] for s in schedule.stages_of(self.rank)]
         on_cpu = self.backend == "gloo" and all(d.type == "cpu" for d in mine)
-        key = sockets.host_key() if on_cpu else None
+        key = sockets.host_key() if on_cpu and wanted != "group" else None
         listener, address = sockets.listen(self.num_ranks) if key is not None else (None, "")
-        everyone = self.gather((key, address), "where each rank runs")
+        # Every rank takes part, whatever it was told: the ranks decide together.
+        everyone = self.gather((wanted, key, address), "where each rank runs")
+        if {w for w, _, _ in everyone} != {wanted} or wanted == "group":
+            if listener is not None:
+                listener.close()
+            if wanted == "group" and all(w == "group" for w, _, _ in everyone):
+                return None
+            told = ", ".join(f"rank {r}: {w!r}" for r, (w, _, _) in enumerate(everyone))
+            raise PartitionError(
+                f"the ranks of this pipeline were given different transports ({told}); every "
+                "rank must run the same script with the same Pipe arguments (transport, "
+                "receive_ahead)"
+            )
         problems = [
-            f"rank {rank} has {'no CPU stages on gloo' if k is None else 'another host'}"
-            for rank, (k, _) in enumerate(everyone)
-            if k is None or k != everyone[0][0]
+            f"rank {rank} "
+            + ("has stages off the CPU or a group off gloo" if k is None else "runs elsewhere")
+            for rank, (_, k, _) in enumerate(everyone)
+            if k is None or k != everyone[0][1]
         ]
         links: dict[int, Any] = {}
         if not problems:
             try:
-                links = sockets.connect(listener, [a for _, a in everyone], self.rank, self.timeout)
+                addresses = [a for _, _, a in everyone]
+                links = sockets.connect(listener, addresses, self.rank, self.timeout)
             except OSError as error:
                 problems.append(f"rank {self.rank} could not connect its sockets: {error}")
         elif listener is not None:
@@ -344,7 +358,7 @@ class MultiProcess:
             return links
         for link in links.values():
             link.close()
-        if self.wanted_transport == "sockets":
+        if wanted == "sockets":
             raise PartitionError(
                 "transport='sockets' needs every rank of the pipeline on one machine, its "
                 "stages on the CPU and the group on gloo: "
@@ -400,7 +414,15 @@ class MultiProcess:
         row = torch.tensor([value, failed + 1, troubled, *(edit or Edit()).row()],
                            dtype=torch.float64)  # fmt: skip
         doing = f"ending step {self.steps} of this Pipe"
-        return self.ops.all_gather(row, "the end-of-step agreement (all-gather)", doing=doing)
+        operation = "the end-of-step agreement (all-gather)"
+        transport = self.transport
+        if transport is None or not transport.carries_agreement:
+            return self.ops.all_gather(row, operation, doing=doing)
+        try:  # through the transport's own wire (one machine: gpipe.transport.sockets)
+            return transport.all_gather_row(row)
+        except (TimeoutError, ConnectionError) as error:
+            timed_out = isinstance(error, TimeoutError)
+            raise self.ops.error(operation, error, doing=doing, timed_out=timed_out) from error
 
     def agree(
         self,

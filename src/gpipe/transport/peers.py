@@ -26,6 +26,7 @@ class PeerTransport:
     """
 
     wire_device: torch.device  # where the group's collectives take tensors
+    carries_agreement = False  # whether the step's agreement goes through all_gather_row
 
     def __init__(
         self,
@@ -81,6 +82,11 @@ class PeerTransport:
 
     def ready(self, message: Message) -> bool:
         return True  # receiving blocks until the message is here
+
+    def all_gather_row(self, row: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``row``, stacked by rank, through this transport's own wire; only
+        where :attr:`carries_agreement` (otherwise the group's collectives carry it)."""
+        raise NotImplementedError(f"{type(self).__name__} leaves the agreement to the group")
 
     # -- failures ---------------------------------------------------------------------------
 

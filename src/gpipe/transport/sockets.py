@@ -51,6 +51,7 @@ __all__ = ["SocketTransport", "connect", "host_key", "listen"]
 
 _HEADER = struct.Struct("<qq")  # position in the sender's sequence to this peer; description size
 _NOTICE = -1  # the position of a failure notice, which may come in place of any message
+_ROW = -2  # the position of a rank's row of the step's agreement, after its messages
 _BUFFER = 4 << 20  # bytes of kernel buffer asked for each way (the system may cap it)
 _MAX_PARTS = 512  # buffers per sendmsg call (the system's limit is 1024)
 _READ = select.POLLIN | select.POLLPRI | select.POLLHUP | select.POLLERR
@@ -159,6 +160,7 @@ class _Inbound:
     on_full: Callable[[], None] | None = None  # what to do once the parts are full
     position: int = 0  # of the next message from this peer
     arrived: dict[Message, Any] = field(default_factory=dict)
+    rows: list[torch.Tensor] = field(default_factory=list)  # its rows of agreements
     closed: BaseException | None = None
 
 
@@ -196,6 +198,7 @@ class SocketTransport(PeerTransport):
         self._sent_meta: dict[tuple, History] = {}
         self._recv_meta: dict[tuple, History] = {}
         self._in_step = False
+        self._agreeing = False
 
     def begin(self, training: bool) -> None:
         self.check_notices()  # a peer gave up on this pipeline since the last step
@@ -363,6 +366,11 @@ class SocketTransport(PeerTransport):
             inbound.parts = [memoryview(meta)]
             inbound.on_full = lambda: self._noticed(peer, pickle.loads(meta))
             return
+        if position == _ROW:
+            row = torch.empty(size // 8, dtype=torch.float64)
+            inbound.parts = [_bytes_of(row)]
+            inbound.on_full = lambda: (inbound.rows.append(row), self._expect_header(peer))
+            return
         incoming = self._incoming.get(peer, [])
         if position != inbound.position or position >= len(incoming):
             raise PipelineError(
@@ -408,7 +416,9 @@ class SocketTransport(PeerTransport):
             complete()
 
     def _noticed(self, peer: int, notice: dict[str, Any]) -> None:
-        """A peer's failure notice: raise it, and on every later check."""
+        """A peer's failure notice: raise it, and on every later check (while the rank
+        gathers the step's agreement, only if nobody is left to agree with)."""
+        self._expect_header(peer)
         me, other = self._global(self.rank), self._global(peer)
         if notice.get("global_rank") == me and peer != self.rank:
             # It gave up waiting on this rank (which stalled): say so, in its words.
@@ -416,7 +426,8 @@ class SocketTransport(PeerTransport):
                       "message": f"rank {me}: rank {other} gave up on this pipeline: "
                                  f"{notice['message']}"}  # fmt: skip
         self._notices = notice
-        super().check_notices()
+        if not self._agreeing or notice.get("gave_up"):
+            super().check_notices()
 
     def _peek_notice(self, peer: int) -> None:
         """Between steps: take a failure notice waiting in ``peer``'s socket, leaving any
@@ -429,6 +440,41 @@ class SocketTransport(PeerTransport):
         if len(head) == _HEADER.size and _HEADER.unpack(head)[1] < 0:
             with contextlib.suppress(_PeerLost):
                 self._pump(peer)
+
+    # -- the step's agreement ------------------------------------------------------------------
+
+    carries_agreement = True  # MultiProcess gathers the step's agreement through all_gather_row
+
+    def all_gather_row(self, row: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``row`` (float64, of one length on every rank), stacked by rank: the
+        step's agreement, sent after this rank's messages of the step and received after the
+        peers'. One ``sendmsg`` per peer instead of a gloo collective's rendezvous.
+
+        A failure notice that comes meanwhile is kept, not raised: a rank that failed sends
+        its row too, which says so. Raises ``TimeoutError`` when a row is not in within the
+        timeout, and ``ConnectionError`` when its rank left, or gave up and will send none.
+        """
+        data = row.to(torch.float64).contiguous()
+        for peer in self._links:
+            self._write(peer, [memoryview(_HEADER.pack(_ROW, data.nbytes)), _bytes_of(data)])
+        deadline = time.monotonic() + self.timeout
+        self._agreeing = True
+        try:
+            while missing := [p for p, inbound in self._inbound.items() if not inbound.rows]:
+                for peer in missing:
+                    self._pump(peer)
+                    if self._inbound[peer].closed is not None:
+                        raise _PeerLost(peer, self._inbound[peer].closed)
+                if self.peer_gave_up():
+                    raise ConnectionError(self._notices["message"])
+                if all(not self._inbound[p].rows for p in missing) and not self._wait_for(deadline):
+                    raise TimeoutError("timed out")
+        except _PeerLost as lost:
+            raise ConnectionError(f"rank {self._global(lost.peer)}: {lost}") from lost
+        finally:
+            self._agreeing = False
+        rows = {peer: inbound.rows.pop(0) for peer, inbound in self._inbound.items()}
+        return torch.stack([data if r == self.rank else rows[r] for r in range(len(rows) + 1)])
 
     # -- failures ---------------------------------------------------------------------------
 
