@@ -382,8 +382,12 @@ class MultiProcess:
         self.steps += 1
         doing = f"starting step {self.steps} of this Pipe"
         values = self._collective(
-            lambda: self.ops.broadcast(values, "the step-seed broadcast", doing=doing)
-        )
+            lambda: self._on_wire(
+                "the step-seed broadcast", doing,
+                lambda ops, op: ops.broadcast(values, op, doing=doing),
+                lambda transport: transport.broadcast_row(values),
+            )
+        )  # fmt: skip
         first_batch = int(values[1])
         return int(values[0]), (None if first_batch < 0 else first_batch)
 
@@ -414,12 +418,27 @@ class MultiProcess:
         row = torch.tensor([value, failed + 1, troubled, *(edit or Edit()).row()],
                            dtype=torch.float64)  # fmt: skip
         doing = f"ending step {self.steps} of this Pipe"
-        operation = "the end-of-step agreement (all-gather)"
+        return self._on_wire(
+            "the end-of-step agreement (all-gather)", doing,
+            lambda ops, op: ops.all_gather(row, op, doing=doing),
+            lambda transport: transport.all_gather_row(row),
+        )  # fmt: skip
+
+    def _on_wire(
+        self,
+        operation: str,
+        doing: str,
+        collective: Callable[[Collectives, str], torch.Tensor],
+        through: Callable[[PeerTransport], torch.Tensor],
+    ) -> torch.Tensor:
+        """A step's own collective (seed, agreement): on the group, or through the transport
+        where it carries them (one machine: ``gpipe.transport.sockets``), its failures named
+        as the group's would be."""
         transport = self.transport
         if transport is None or not transport.carries_agreement:
-            return self.ops.all_gather(row, operation, doing=doing)
-        try:  # through the transport's own wire (one machine: gpipe.transport.sockets)
-            return transport.all_gather_row(row)
+            return collective(self.ops, operation)
+        try:
+            return through(transport)
         except (TimeoutError, ConnectionError) as error:
             timed_out = isinstance(error, TimeoutError)
             raise self.ops.error(operation, error, doing=doing, timed_out=timed_out) from error

@@ -13,7 +13,10 @@ Each pair of ranks holds one connected socket (:func:`connect`). A message is a 
 description), its description when it changed (``gpipe.transport.framing.History``, so
 shapes may change from step to step), then each tensor's bytes, received straight into the
 tensor that will hold it. A negative size announces a failure; the description that
-follows says what failed.
+follows says what failed. The step's own collectives travel the same wires as rows of raw
+bytes (``_SEED``, ``_AGREEMENT``): rank 0's seed before the step's messages, every rank's row of
+the end-of-step agreement after them (``gpipe.parallel.group``), so that a step makes no
+gloo call at all.
 
 Sends never wait on the peer's progress: a message goes into the socket's kernel buffer.
 When the buffer is full (a large activation), the sender keeps reading whatever every
@@ -51,7 +54,9 @@ __all__ = ["SocketTransport", "connect", "host_key", "listen"]
 
 _HEADER = struct.Struct("<qq")  # position in the sender's sequence to this peer; description size
 _NOTICE = -1  # the position of a failure notice, which may come in place of any message
-_ROW = -2  # the position of a rank's row of the step's agreement, after its messages
+# Rows of raw bytes, each in its place among the messages: the step's seed (rank 0's, before
+# the step's messages) and every rank's row of the agreement (after them).
+_SEED, _AGREEMENT = -3, -2
 _BUFFER = 4 << 20  # bytes of kernel buffer asked for each way (the system may cap it)
 _MAX_PARTS = 512  # buffers per sendmsg call (the system's limit is 1024)
 _READ = select.POLLIN | select.POLLPRI | select.POLLHUP | select.POLLERR
@@ -160,8 +165,12 @@ class _Inbound:
     on_full: Callable[[], None] | None = None  # what to do once the parts are full
     position: int = 0  # of the next message from this peer
     arrived: dict[Message, Any] = field(default_factory=dict)
-    rows: list[torch.Tensor] = field(default_factory=list)  # its rows of agreements
+    rows: list[torch.Tensor] = field(default_factory=list)  # its rows (seed, agreement)
     closed: BaseException | None = None
+    # From its row of a step's agreement until this rank begins the next step, the peer's
+    # next message belongs to that step: it stays in the socket (rows and notices are read).
+    hold: bool = True
+    events: int = _READ  # what the poll watches its socket for
 
 
 class SocketTransport(PeerTransport):
@@ -197,37 +206,40 @@ class SocketTransport(PeerTransport):
         # What each message looked like last time, on both ends of its wire.
         self._sent_meta: dict[tuple, History] = {}
         self._recv_meta: dict[tuple, History] = {}
-        self._in_step = False
-        self._agreeing = False
+        self._exchanging = False
 
     def begin(self, training: bool) -> None:
         self.check_notices()  # a peer gave up on this pipeline since the last step
         self._begin_plan(training)
         self._sent = dict.fromkeys(self._outgoing, 0)
-        for inbound in self._inbound.values():
+        for peer, inbound in self._inbound.items():
             inbound.position = 0
             inbound.arrived.clear()
-        self._in_step = True
+            inbound.hold = False
+            self._watch(peer, _READ)
 
     def finish(self) -> None:
-        self._in_step = False  # every send is in its socket already
+        pass  # every send is in its socket already
 
     def clear(self) -> None:
         self._mailbox.clear()
         for inbound in self._inbound.values():
             inbound.arrived.clear()
-        self._in_step = False
 
     def check_notices(self) -> None:
         """Raise the failure a peer announced, if one has (read without waiting)."""
         if not self._notices:
-            for peer, inbound in self._inbound.items():
-                if self._in_step or not _idle(inbound):
-                    with contextlib.suppress(_PeerLost):
-                        self._pump(peer)
-                else:
-                    self._peek_notice(peer)
+            for peer in self._inbound:
+                with contextlib.suppress(_PeerLost):
+                    self._pump(peer)
         super().check_notices()
+
+    def _watch(self, peer: int, events: int) -> None:
+        """What the poll watches ``peer``'s socket for (nothing once it closed)."""
+        inbound = self._inbound[peer]
+        if inbound.closed is None and events != inbound.events:
+            self._poll.modify(inbound.link, events)
+            inbound.events = events
 
     # -- sending ----------------------------------------------------------------------------
 
@@ -311,13 +323,14 @@ class SocketTransport(PeerTransport):
         """Wait until a peer has sent something (read it) or ``writing``'s socket has room;
         False if nothing happened before ``deadline``. Raises a failure a peer announced."""
         if writing is not None:
-            self._poll.modify(self._links[writing], _READ | select.POLLOUT)
+            watched = self._inbound[writing].events
+            self._watch(writing, watched | select.POLLOUT)
         try:
             left = deadline - time.monotonic()
             events = self._poll.poll(max(left, 0) * 1000) if left > 0 else []
         finally:
             if writing is not None:
-                self._poll.modify(self._links[writing], _READ)
+                self._watch(writing, watched)
         for fd, _ in events:
             peer = self._by_fd[fd]
             try:
@@ -336,6 +349,8 @@ class SocketTransport(PeerTransport):
             return
         link = inbound.link
         while True:
+            if inbound.hold and _idle(inbound) and not self._row_or_notice_next(peer):
+                return
             part = inbound.parts[0]
             try:
                 got = link.recv_into(part[inbound.got :])
@@ -366,10 +381,10 @@ class SocketTransport(PeerTransport):
             inbound.parts = [memoryview(meta)]
             inbound.on_full = lambda: self._noticed(peer, pickle.loads(meta))
             return
-        if position == _ROW:
-            row = torch.empty(size // 8, dtype=torch.float64)
+        if position in (_SEED, _AGREEMENT):
+            row = torch.empty(size, dtype=torch.uint8)
             inbound.parts = [_bytes_of(row)]
-            inbound.on_full = lambda: (inbound.rows.append(row), self._expect_header(peer))
+            inbound.on_full = lambda: self._row_in(peer, row, ends_step=position == _AGREEMENT)
             return
         incoming = self._incoming.get(peer, [])
         if position != inbound.position or position >= len(incoming):
@@ -426,41 +441,70 @@ class SocketTransport(PeerTransport):
                       "message": f"rank {me}: rank {other} gave up on this pipeline: "
                                  f"{notice['message']}"}  # fmt: skip
         self._notices = notice
-        if not self._agreeing or notice.get("gave_up"):
+        if not self._exchanging or notice.get("gave_up"):
             super().check_notices()
 
-    def _peek_notice(self, peer: int) -> None:
-        """Between steps: take a failure notice waiting in ``peer``'s socket, leaving any
-        other message (of the next step) where it is."""
-        link = self._inbound[peer].link
+    def _row_in(self, peer: int, row: torch.Tensor, *, ends_step: bool) -> None:
+        inbound = self._inbound[peer]
+        inbound.rows.append(row)
+        inbound.hold = inbound.hold or ends_step  # its messages of this step are all in
+        self._expect_header(peer)
+
+    def _row_or_notice_next(self, peer: int) -> bool:
+        """While holding ``peer``'s next message: whether a row or a notice comes first (then
+        read it). A message, left where it is, is not polled for until the next step."""
+        inbound = self._inbound[peer]
         try:
-            head = link.recv(_HEADER.size, socket.MSG_PEEK)
-        except OSError:  # nothing there (or the peer is gone: the next wait will tell)
-            return
-        if len(head) == _HEADER.size and _HEADER.unpack(head)[1] < 0:
-            with contextlib.suppress(_PeerLost):
-                self._pump(peer)
+            head = inbound.link.recv(_HEADER.size, socket.MSG_PEEK)
+        except BlockingIOError:
+            return False
+        except OSError as error:
+            raise _PeerLost(peer, error) from error
+        if not head:
+            raise _PeerLost(peer, ConnectionResetError("the connection was closed"))
+        if len(head) < _HEADER.size:
+            return False  # the rest of the header is on its way
+        position, size = _HEADER.unpack(head)
+        if position in (_SEED, _AGREEMENT) or size < 0:
+            return True
+        self._watch(peer, 0)
+        return False
 
     # -- the step's agreement ------------------------------------------------------------------
 
-    carries_agreement = True  # MultiProcess gathers the step's agreement through all_gather_row
+    carries_agreement = True  # MultiProcess sends the step's seed and agreement through here
 
     def all_gather_row(self, row: torch.Tensor) -> torch.Tensor:
-        """Every rank's ``row`` (float64, of one length on every rank), stacked by rank: the
+        """Every rank's ``row`` (of one dtype and length on every rank), stacked by rank: the
         step's agreement, sent after this rank's messages of the step and received after the
-        peers'. One ``sendmsg`` per peer instead of a gloo collective's rendezvous.
+        peers'. One ``sendmsg`` per peer instead of a gloo collective's rendezvous."""
+        rows = self._exchange(row, _AGREEMENT, send=True, sources=list(self._links))
+        return torch.stack([rows.get(r, row) for r in range(len(self._links) + 1)])
 
-        A failure notice that comes meanwhile is kept, not raised: a rank that failed sends
-        its row too, which says so. Raises ``TimeoutError`` when a row is not in within the
-        timeout, and ``ConnectionError`` when its rank left, or gave up and will send none.
-        """
-        data = row.to(torch.float64).contiguous()
-        for peer in self._links:
-            self._write(peer, [memoryview(_HEADER.pack(_ROW, data.nbytes)), _bytes_of(data)])
+    def broadcast_row(self, row: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """Rank ``src``'s ``row`` on every rank (the step's seed, before its messages)."""
+        return self._exchange(row, _SEED, send=self.rank == src, sources=[src]).get(src, row)
+
+    def _exchange(
+        self, row: torch.Tensor, kind: int, *, send: bool, sources: list[int]
+    ) -> dict[int, Any]:
+        """Send ``row`` to every peer (if ``send``); the row of each rank of ``sources`` but
+        this one, by rank. Rows travel in order with the messages, as raw bytes; ``kind``
+        says which (``_SEED``, ``_AGREEMENT``).
+
+        A failure notice that comes meanwhile is kept, not raised: a rank that failed still
+        sends its row of the agreement, which says so. Raises ``TimeoutError`` when a row is
+        not in within the timeout, ``ConnectionError`` when its rank left, or gave up and
+        will send none."""
+        data = row.contiguous()
+        if send:
+            for peer in self._links:
+                self._write(peer, [memoryview(_HEADER.pack(kind, data.nbytes)), _bytes_of(data)])
+        sources = [p for p in sources if p != self.rank]
         deadline = time.monotonic() + self.timeout
-        self._agreeing = True
+        self._exchanging = True
         try:
-            while missing := [p for p, inbound in self._inbound.items() if not inbound.rows]:
+            while missing := [p for p in sources if not self._inbound[p].rows]:
                 for peer in missing:
                     self._pump(peer)
                     if self._inbound[peer].closed is not None:
@@ -472,9 +516,8 @@ class SocketTransport(PeerTransport):
         except _PeerLost as lost:
             raise ConnectionError(f"rank {self._global(lost.peer)}: {lost}") from lost
         finally:
-            self._agreeing = False
-        rows = {peer: inbound.rows.pop(0) for peer, inbound in self._inbound.items()}
-        return torch.stack([data if r == self.rank else rows[r] for r in range(len(rows) + 1)])
+            self._exchanging = False
+        return {p: self._inbound[p].rows.pop(0).view(data.dtype).view(data.shape) for p in sources}
 
     # -- failures ---------------------------------------------------------------------------
 
