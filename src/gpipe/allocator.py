@@ -46,14 +46,17 @@ _RETURN_MMAP_THRESHOLD = 64 * 2**10
 
 @cache
 def _glibc() -> ctypes.CDLL | None:
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name or "libc.so.6")
-        libc.gnu_get_libc_version  # noqa: B018 -- only glibc has it
-        libc.mallopt  # noqa: B018
-    except (OSError, AttributeError):
-        return None
-    return libc
+    # glibc's soname first: find_library runs a process (ldconfig) to look it up.
+    for find in (lambda: "libc.so.6", lambda: ctypes.util.find_library("c")):
+        name = find()
+        try:
+            libc = ctypes.CDLL(name)
+            libc.gnu_get_libc_version  # noqa: B018 -- only glibc has it
+            libc.mallopt  # noqa: B018
+        except (OSError, AttributeError, TypeError):
+            continue
+        return libc
+    return None
 
 
 def cpu_allocator(policy: str) -> None:

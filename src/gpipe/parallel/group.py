@@ -381,13 +381,11 @@ class MultiProcess:
         values = torch.tensor([drawn, -1 if batch is None else batch], dtype=torch.int64)
         self.steps += 1
         doing = f"starting step {self.steps} of this Pipe"
+        # On the group even where the transport carries the agreement: a rank that does not
+        # come to the step is then named at once by its peers' wait here.
         values = self._collective(
-            lambda: self._on_wire(
-                "the step-seed broadcast", doing,
-                lambda ops, op: ops.broadcast(values, op, doing=doing),
-                lambda transport: transport.broadcast_row(values),
-            )
-        )  # fmt: skip
+            lambda: self.ops.broadcast(values, "the step-seed broadcast", doing=doing)
+        )
         first_batch = int(values[1])
         return int(values[0]), (None if first_batch < 0 else first_batch)
 
@@ -418,28 +416,13 @@ class MultiProcess:
         row = torch.tensor([value, failed + 1, troubled, *(edit or Edit()).row()],
                            dtype=torch.float64)  # fmt: skip
         doing = f"ending step {self.steps} of this Pipe"
-        return self._on_wire(
-            "the end-of-step agreement (all-gather)", doing,
-            lambda ops, op: ops.all_gather(row, op, doing=doing),
-            lambda transport: transport.all_gather_row(row),
-        )  # fmt: skip
-
-    def _on_wire(
-        self,
-        operation: str,
-        doing: str,
-        collective: Callable[[Collectives, str], torch.Tensor],
-        through: Callable[[PeerTransport], torch.Tensor],
-    ) -> torch.Tensor:
-        """A step's own collective (seed, agreement): on the group, or through the transport
-        where it carries them (one machine: ``gpipe.transport.sockets``), its failures named
-        as the group's would be."""
+        operation = "the end-of-step agreement (all-gather)"
         transport = self.transport
         if transport is None or not transport.carries_agreement:
-            return collective(self.ops, operation)
-        try:
-            return through(transport)
-        except (TimeoutError, ConnectionError) as error:
+            return self.ops.all_gather(row, operation, doing=doing)
+        try:  # through the transport's own wire (one machine: gpipe.transport.sockets)
+            return transport.all_gather_row(row)
+        except (TimeoutError, ConnectionError) as error:  # named as the group's would be
             timed_out = isinstance(error, TimeoutError)
             raise self.ops.error(operation, error, doing=doing, timed_out=timed_out) from error
 

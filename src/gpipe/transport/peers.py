@@ -26,8 +26,7 @@ class PeerTransport:
     """
 
     wire_device: torch.device  # where the group's collectives take tensors
-    # Whether the step's seed and agreement go through broadcast_row and all_gather_row.
-    carries_agreement = False
+    carries_agreement = False  # whether the step's agreement goes through all_gather_row
 
     def __init__(
         self,
@@ -88,10 +87,6 @@ class PeerTransport:
         """Every rank's ``row``, stacked by rank, through this transport's own wire; only
         where :attr:`carries_agreement` (otherwise the group's collectives carry it)."""
         raise NotImplementedError(f"{type(self).__name__} leaves the agreement to the group")
-
-    def broadcast_row(self, row: torch.Tensor, src: int = 0) -> torch.Tensor:
-        """Rank ``src``'s ``row`` on every rank, as :meth:`all_gather_row`."""
-        raise NotImplementedError(f"{type(self).__name__} leaves the seed to the group")
 
     # -- failures ---------------------------------------------------------------------------
 

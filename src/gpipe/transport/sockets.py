@@ -13,10 +13,9 @@ Each pair of ranks holds one connected socket (:func:`connect`). A message is a 
 description), its description when it changed (``gpipe.transport.framing.History``, so
 shapes may change from step to step), then each tensor's bytes, received straight into the
 tensor that will hold it. A negative size announces a failure; the description that
-follows says what failed. The step's own collectives travel the same wires as rows of raw
-bytes (``_SEED``, ``_AGREEMENT``): rank 0's seed before the step's messages, every rank's row of
-the end-of-step agreement after them (``gpipe.parallel.group``), so that a step makes no
-gloo call at all.
+follows says what failed. The end-of-step agreement travels the same wires: every rank's row
+of it (raw bytes, position ``_AGREEMENT``) after its messages of the step
+(``gpipe.parallel.group``).
 
 Sends never wait on the peer's progress: a message goes into the socket's kernel buffer.
 When the buffer is full (a large activation), the sender keeps reading whatever every
@@ -54,9 +53,7 @@ __all__ = ["SocketTransport", "connect", "host_key", "listen"]
 
 _HEADER = struct.Struct("<qq")  # position in the sender's sequence to this peer; description size
 _NOTICE = -1  # the position of a failure notice, which may come in place of any message
-# Rows of raw bytes, each in its place among the messages: the step's seed (rank 0's, before
-# the step's messages) and every rank's row of the agreement (after them).
-_SEED, _AGREEMENT = -3, -2
+_AGREEMENT = -2  # the position of a rank's row of the step's agreement, after its messages
 _BUFFER = 4 << 20  # bytes of kernel buffer asked for each way (the system may cap it)
 _MAX_PARTS = 512  # buffers per sendmsg call (the system's limit is 1024)
 _READ = select.POLLIN | select.POLLPRI | select.POLLHUP | select.POLLERR
@@ -381,10 +378,10 @@ class SocketTransport(PeerTransport):
             inbound.parts = [memoryview(meta)]
             inbound.on_full = lambda: self._noticed(peer, pickle.loads(meta))
             return
-        if position in (_SEED, _AGREEMENT):
+        if position == _AGREEMENT:
             row = torch.empty(size, dtype=torch.uint8)
             inbound.parts = [_bytes_of(row)]
-            inbound.on_full = lambda: self._row_in(peer, row, ends_step=position == _AGREEMENT)
+            inbound.on_full = lambda: self._row_in(peer, row)
             return
         incoming = self._incoming.get(peer, [])
         if position != inbound.position or position >= len(incoming):
@@ -444,10 +441,10 @@ class SocketTransport(PeerTransport):
         if not self._exchanging or notice.get("gave_up"):
             super().check_notices()
 
-    def _row_in(self, peer: int, row: torch.Tensor, *, ends_step: bool) -> None:
+    def _row_in(self, peer: int, row: torch.Tensor) -> None:
         inbound = self._inbound[peer]
         inbound.rows.append(row)
-        inbound.hold = inbound.hold or ends_step  # its messages of this step are all in
+        inbound.hold = True  # its messages of this step are all in
         self._expect_header(peer)
 
     def _row_or_notice_next(self, peer: int) -> bool:
@@ -465,59 +462,48 @@ class SocketTransport(PeerTransport):
         if len(head) < _HEADER.size:
             return False  # the rest of the header is on its way
         position, size = _HEADER.unpack(head)
-        if position in (_SEED, _AGREEMENT) or size < 0:
+        if position == _AGREEMENT or size < 0:
             return True
         self._watch(peer, 0)
         return False
 
     # -- the step's agreement ------------------------------------------------------------------
 
-    carries_agreement = True  # MultiProcess sends the step's seed and agreement through here
+    carries_agreement = True  # MultiProcess gathers the step's agreement through here
 
     def all_gather_row(self, row: torch.Tensor) -> torch.Tensor:
         """Every rank's ``row`` (of one dtype and length on every rank), stacked by rank: the
         step's agreement, sent after this rank's messages of the step and received after the
-        peers'. One ``sendmsg`` per peer instead of a gloo collective's rendezvous."""
-        rows = self._exchange(row, _AGREEMENT, send=True, sources=list(self._links))
-        return torch.stack([rows.get(r, row) for r in range(len(self._links) + 1)])
-
-    def broadcast_row(self, row: torch.Tensor, src: int = 0) -> torch.Tensor:
-        """Rank ``src``'s ``row`` on every rank (the step's seed, before its messages)."""
-        return self._exchange(row, _SEED, send=self.rank == src, sources=[src]).get(src, row)
-
-    def _exchange(
-        self, row: torch.Tensor, kind: int, *, send: bool, sources: list[int]
-    ) -> dict[int, Any]:
-        """Send ``row`` to every peer (if ``send``); the row of each rank of ``sources`` but
-        this one, by rank. Rows travel in order with the messages, as raw bytes; ``kind``
-        says which (``_SEED``, ``_AGREEMENT``).
+        peers' (raw bytes, in order with the messages). One ``sendmsg`` per peer instead of
+        a gloo collective's rendezvous.
 
         A failure notice that comes meanwhile is kept, not raised: a rank that failed still
-        sends its row of the agreement, which says so. Raises ``TimeoutError`` when a row is
-        not in within the timeout, ``ConnectionError`` when its rank left, or gave up and
-        will send none."""
+        sends its row, which says so. Raises ``TimeoutError`` when a row is not in within
+        the timeout, ``ConnectionError`` when its rank left, or gave up and will send none.
+        """
         data = row.contiguous()
-        if send:
-            for peer in self._links:
-                self._write(peer, [memoryview(_HEADER.pack(kind, data.nbytes)), _bytes_of(data)])
-        sources = [p for p in sources if p != self.rank]
+        header = memoryview(_HEADER.pack(_AGREEMENT, data.nbytes))
+        for peer in self._links:
+            self._write(peer, [header, _bytes_of(data)])
         deadline = time.monotonic() + self.timeout
         self._exchanging = True
         try:
-            while missing := [p for p in sources if not self._inbound[p].rows]:
+            while missing := [p for p, inbound in self._inbound.items() if not inbound.rows]:
                 for peer in missing:
                     self._pump(peer)
                     if self._inbound[peer].closed is not None:
                         raise _PeerLost(peer, self._inbound[peer].closed)
                 if self.peer_gave_up():
                     raise ConnectionError(self._notices["message"])
-                if all(not self._inbound[p].rows for p in missing) and not self._wait_for(deadline):
+                arrived = any(self._inbound[p].rows for p in missing)
+                if not arrived and not self._wait_for(deadline):
                     raise TimeoutError("timed out")
         except _PeerLost as lost:
             raise ConnectionError(f"rank {self._global(lost.peer)}: {lost}") from lost
         finally:
             self._exchanging = False
-        return {p: self._inbound[p].rows.pop(0).view(data.dtype).view(data.shape) for p in sources}
+        rows = {p: inbound.rows.pop(0).view(data.dtype) for p, inbound in self._inbound.items()}
+        return torch.stack([rows.get(r, data) for r in range(len(rows) + 1)])
 
     # -- failures ---------------------------------------------------------------------------
 
