@@ -15,7 +15,7 @@ from datetime import timedelta
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_unflatten
 
 from gpipe.errors import PipelineError
 from gpipe.schedule.comm_plan import receive_points
@@ -25,7 +25,6 @@ from gpipe.transport.framing import (
     History,
     TensorMeta,
     bytes_tensor,
-    spec_text,
     tensors,
 )
 from gpipe.transport.peers import PeerTransport
@@ -130,10 +129,6 @@ class DistributedTransport(PeerTransport):
             }
         )
         self._cursor: dict[int, int] = {}
-        self._sent: dict[int, int] = {}
-        # What each message looked like last time, on both ends of its wire.
-        self._sent_meta: dict[tuple, History] = {}
-        self._recv_meta: dict[tuple, History] = {}
         self._pending: dict[int, deque[_Posted]] = {}  # posted, from each peer, in order
         self._arriving: dict[Message, _Posted] = {}  # header in, tensors not yet waited for
         members = tuple(dist.get_process_group_ranks(group))
@@ -192,17 +187,7 @@ class DistributedTransport(PeerTransport):
         if self._send_here(message, value):
             return
         dst = self.schedule.stage_to_rank[message.stage]
-        leaves, spec = tree_flatten(value)
-        described = [
-            TensorMeta(leaf.dtype, tuple(leaf.shape), leaf.requires_grad)
-            if isinstance(leaf, torch.Tensor)
-            else leaf
-            for leaf in leaves
-        ]
-        payload = [leaf.detach().contiguous() for leaf in leaves if isinstance(leaf, torch.Tensor)]
-        history = self._sent_meta.setdefault(self._key(dst, message), History())
-        meta = history.describe(spec_text(spec), described)  # pickled only when it changed
-        header = 0 if meta == history.last else len(meta)
+        history, meta, header, payload = self._described(dst, message, value)
         tag = self._sent[dst]
         if self.receive_ahead:
             self._post(dst, self._frames(dst, history, header, meta, payload), self.group, tag)

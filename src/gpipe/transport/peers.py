@@ -7,11 +7,13 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_flatten
 
 from gpipe._utils import to_device
 from gpipe.errors import PipelineError
 from gpipe.schedule.comm_plan import wire_order
 from gpipe.schedule.routes import Message, Routes
+from gpipe.transport.framing import History, TensorMeta, spec_text
 from gpipe.transport.inquest import blame, said_by
 
 __all__ = ["PeerTransport"]
@@ -58,6 +60,10 @@ class PeerTransport:
         self._incoming: dict[int, list[Message]] = {}
         self._outgoing: dict[int, list[Message]] = {}
         self._notices: dict[str, Any] | None = None  # a peer's failure, once noticed
+        self._sent: dict[int, int] = {}  # to each peer: messages of the step sent
+        # What each message looked like last time, on both ends of its wire.
+        self._sent_meta: dict[tuple, History] = {}
+        self._recv_meta: dict[tuple, History] = {}
 
     def _begin_plan(self, training: bool) -> None:
         self._training = training
@@ -75,6 +81,24 @@ class PeerTransport:
         device = self._devices[message.stage]
         self._mailbox[message] = to_device(value, device, as_leaves=message.channel.forward)
         return True
+
+    def _described(
+        self, dst: int, message: Message, value: Any
+    ) -> tuple[History, bytes, int, list[torch.Tensor]]:
+        """``message`` to rank ``dst`` as it goes on the wire: its history on that wire, its
+        description (pickled only when it changed), the size the header says (0: described
+        as last time), and its tensors (contiguous). Update the history once it is sent."""
+        leaves, spec = tree_flatten(value)
+        described = [
+            TensorMeta(leaf.dtype, tuple(leaf.shape), leaf.requires_grad)
+            if isinstance(leaf, torch.Tensor)
+            else leaf
+            for leaf in leaves
+        ]
+        payload = [leaf.detach().contiguous() for leaf in leaves if isinstance(leaf, torch.Tensor)]
+        history = self._sent_meta.setdefault(self._key(dst, message), History())
+        meta = history.describe(spec_text(spec), described)
+        return history, meta, 0 if meta == history.last else len(meta), payload
 
     def prepare(self, action: Any) -> None:
         """This rank is about to run ``action``; nothing to do unless receives are posted

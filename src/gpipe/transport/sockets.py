@@ -42,11 +42,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_unflatten
 
 from gpipe.errors import PipelineError
 from gpipe.schedule.routes import Message, Routes
-from gpipe.transport.framing import History, TensorMeta, spec_text
+from gpipe.transport.framing import History, TensorMeta
 from gpipe.transport.peers import PeerTransport
 
 __all__ = ["SocketTransport", "connect", "host_key", "listen"]
@@ -198,11 +198,7 @@ class SocketTransport(PeerTransport):
             self._poll.register(link, _READ)
         for peer in links:
             self._expect_header(peer)
-        self._sent: dict[int, int] = {}
         self._unsent: dict[int, list[memoryview]] = {}  # a frame interrupted by a failure
-        # What each message looked like last time, on both ends of its wire.
-        self._sent_meta: dict[tuple, History] = {}
-        self._recv_meta: dict[tuple, History] = {}
         self._exchanging = False
 
     def begin(self, training: bool) -> None:
@@ -244,21 +240,8 @@ class SocketTransport(PeerTransport):
         if self._send_here(message, value):
             return
         dst = self.schedule.stage_to_rank[message.stage]
-        leaves, spec = tree_flatten(value)
-        described = [
-            TensorMeta(leaf.dtype, tuple(leaf.shape), leaf.requires_grad)
-            if isinstance(leaf, torch.Tensor)
-            else leaf
-            for leaf in leaves
-        ]
-        payload = [
-            _bytes_of(leaf.detach().contiguous())
-            for leaf in leaves
-            if isinstance(leaf, torch.Tensor)
-        ]
-        history = self._sent_meta.setdefault(self._key(dst, message), History())
-        meta = history.describe(spec_text(spec), described)  # pickled only when it changed
-        size = 0 if meta == history.last else len(meta)
+        history, meta, size, tensors = self._described(dst, message, value)
+        payload = [_bytes_of(t) for t in tensors]
         header = _HEADER.pack(self._sent[dst], size)
         self._write(dst, [memoryview(header), *([memoryview(meta)] if size else []), *payload])
         history.update(meta)
