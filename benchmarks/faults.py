@@ -320,7 +320,7 @@ def rows_signals_more(work: Path) -> list[tuple]:
     job = _long_run(out, work)
     lines = _Lines(job)
     lines.wait_for(20)
-    ranks = _workers(job.pid)
+    ranks = _ranks(job.pid)
     last = lines.last
     os.kill(ranks[-1], signal.SIGTERM)
     started = time.monotonic()
