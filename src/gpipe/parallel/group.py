@@ -258,10 +258,11 @@ class MultiProcess:
         self.transport: PeerTransport | None = None
         self.ops = Collectives(group, timeout=timeout, device=self._own_device())
 
-    def _collective(self, run: Callable[[], T]) -> T:
-        """``run()``'s collectives, after any failure a peer announced; one that does not
-        complete breaks this pipeline, and the peers are told (they would wait in vain)."""
-        if self.transport is not None:
+    def _collective(self, run: Callable[[], T], *, notices: bool = True) -> T:
+        """``run()``'s collectives, after any failure a peer announced (unless ``notices``
+        is False: the collective itself carries the failures); one that does not complete
+        breaks this pipeline, and the peers are told (they would wait in vain)."""
+        if self.transport is not None and notices:
             self.transport.check_notices()
         try:
             return run()
@@ -441,8 +442,11 @@ class MultiProcess:
         ``refuse_nonfinite`` is False), or a per-stage clip of the last step's gradients
         (every rank's ``edit``), refuses the step on every rank."""
         value = loss_value if loss_value is not None else 0.0
+        # Through the transport, the rows themselves say who failed (a failed rank sends
+        # its row after its notice): a notice raised first would leave this rank's row out.
         rows = self._collective(
-            lambda: self._gather(value, -1, troubled=trouble is not None, edit=edit)
+            lambda: self._gather(value, -1, troubled=trouble is not None, edit=edit),
+            notices=self.transport is None or not self.transport.carries_agreement,
         )
         table = rows.tolist()  # one read of the agreement
         if any(row[1] for row in table):

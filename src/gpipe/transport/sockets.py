@@ -162,7 +162,7 @@ class _Inbound:
     on_full: Callable[[], None] | None = None  # what to do once the parts are full
     position: int = 0  # of the next message from this peer
     arrived: dict[Message, Any] = field(default_factory=dict)
-    rows: list[torch.Tensor] = field(default_factory=list)  # its rows (seed, agreement)
+    rows: list[torch.Tensor] = field(default_factory=list)  # its rows of agreements
     closed: BaseException | None = None
     # From its row of a step's agreement until this rank begins the next step, the peer's
     # next message belongs to that step: it stays in the socket (rows and notices are read).
@@ -173,7 +173,7 @@ class _Inbound:
 class SocketTransport(PeerTransport):
     """Point-to-point transport between processes of one machine (see the module's
     docstring); built by ``gpipe.parallel.group`` where every rank's stages are on the CPU
-    of one host. Collectives stay on the process group."""
+    of one host. Collectives stay on the process group, but for the step's agreement."""
 
     receive_ahead = True  # whatever a peer sends is taken as soon as the rank reads
 
