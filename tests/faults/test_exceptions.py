@@ -14,6 +14,7 @@ import gpipe
 from distributed_cases import BackwardFault, data_parallel_fault, faulty, faulty_backward
 from gpipe.parallel.launch import LaunchError, launch
 from gpipe.train.job import root_cause
+from gpipe.transport.inquest import grace
 from reference import even_balance, twin, worst_gradient_error
 from test_pipe import make_case
 
@@ -97,7 +98,8 @@ def test_exception_in_a_backward_reaches_every_rank_at_once(
     outcomes = launch(faulty_backward, stages, args=args, timeout=30)
     for rank, outcome in enumerate(outcomes):
         assert "injected fault in backward" in outcome["message"], outcome
-        assert outcome["seconds"] < timeout / 2, outcome  # not waiting the timeout out
+        # Not waiting the timeout out, nor the grace for a statement of a peer that left.
+        assert outcome["seconds"] < grace(timeout), outcome
         if rank == fault_stage:
             assert outcome["type"] == "KeyError"
         else:
