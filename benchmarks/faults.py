@@ -652,7 +652,9 @@ def main() -> None:
         args.out.write_text(
             "# Reliability: the fault matrix\n\n"
             "Each fault injected into a real run, the promise, and what was measured on this "
-            "machine (2 CPU cores, gloo). Library cases: K processes started by `gpipe.launch` "
+            "machine (2 CPU cores; messages between stages through the same-host sockets, "
+            "`gpipe.transport.sockets`, the default on one machine, collectives on gloo). "
+            "Library cases: K processes started by `gpipe.launch` "
             f"with a pipeline timeout of {TIMEOUT:g} s unless the row says otherwise "
             "(tests/distributed_cases.py); command-line cases: `gpipe train --size tiny`, "
             "stopped or damaged as a user or a scheduler would. "
