@@ -57,6 +57,7 @@ _AGREEMENT = -2  # the position of a rank's row of the step's agreement, after i
 _BUFFER = 4 << 20  # bytes of kernel buffer asked for each way (the system may cap it)
 _MAX_PARTS = 512  # buffers per sendmsg call (the system's limit is 1024)
 _READ = select.POLLIN | select.POLLPRI | select.POLLHUP | select.POLLERR
+_GONE = select.POLLHUP | select.POLLERR  # reported whatever the poll watches for
 
 
 def host_key() -> tuple[str, ...] | None:
@@ -247,13 +248,12 @@ class SocketTransport(PeerTransport):
         history.update(meta)
         self._sent[dst] += 1
 
-    def _write(self, dst: int, parts: list[memoryview], deadline: float | None = None) -> None:
+    def _write(self, dst: int, parts: list[memoryview]) -> None:
         """Put ``parts`` into ``dst``'s socket, reading every peer while the socket is full."""
         link = self._links[dst]
         parts = [p for p in parts if p.nbytes]
         self._unsent[dst] = parts
-        if deadline is None:
-            deadline = time.monotonic() + self.timeout
+        deadline = time.monotonic() + self.timeout
         while parts:
             try:
                 sent = link.sendmsg(parts[:_MAX_PARTS])
@@ -311,10 +311,13 @@ class SocketTransport(PeerTransport):
         finally:
             if writing is not None:
                 self._watch(writing, watched)
-        for fd, _ in events:
+        for fd, happened in events:
             peer = self._by_fd[fd]
             try:
                 self._pump(peer)
+                if happened & _GONE and self._inbound[peer].events == 0:
+                    # Its next step's message is held, and it hung up: it is gone all the same.
+                    raise _PeerLost(peer, ConnectionResetError("the connection was closed"))
             except _PeerLost as lost:  # a dead peer's socket stays readable: stop polling it
                 self._inbound[peer].closed = lost
                 self._poll.unregister(self._links[peer])
