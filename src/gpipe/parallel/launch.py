@@ -42,6 +42,7 @@ import contextlib
 import ctypes
 import os
 import pickle
+import random
 import select
 import signal
 import socket
@@ -191,10 +192,24 @@ def threads_per_process(processes: int) -> int:
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port on 127.0.0.1 that nothing listens on right now, below the kernel's
+    ephemeral range where it can: the ports it hands out there (gloo's own connections, of
+    this launch or a concurrent one) could take it before the store binds it."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as ports:
+            lowest = int(ports.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        lowest = 0
+    draw = random.SystemRandom()  # not the global generator, which scripts seed alike
+    candidates = [draw.randrange(lowest // 2, lowest) for _ in range(20)] if lowest > 4096 else []
+    for port in [*candidates, 0]:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    raise OSError("no free TCP port on 127.0.0.1")
 
 
 def _worker(
