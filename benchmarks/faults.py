@@ -117,31 +117,40 @@ def rows_stalls(work: Path) -> list[tuple]:
     """A rank alive but silent (it sleeps past the timeout) before each collective a Pipe's
     user reaches outside the schedule; a rank that carries on after its own error."""
     rows = []
+    # (before what, its words, the collective the waiting rank names, the stalled rank): rank
+    # 0 starts a step without waiting (its seed goes ahead of its messages), so the rank
+    # that waits at a step's start is one that waits for rank 0.
     cases = [
-        ("clip", "clip_grad_norm_", "the clip_grad_norm_ all-reduce"),
-        ("step", "the next step", "the step-seed broadcast"),
-        ("save", "gpipe train's checkpoint save", "the checkpoint barrier"),
+        ("clip", "clip_grad_norm_", "the clip_grad_norm_ all-reduce", 1),
+        ("step", "the next step", "the step-seed broadcast", 0),
+        ("save", "gpipe train's checkpoint save", "the checkpoint barrier", 1),
     ]
     os.environ["GPIPE_CACHE_DIR"] = str(work / "cache")
-    for before, where, operation in cases:
+    for before, where, operation, who in cases:
         messages: list[str] = []
-        args = (before, "stall", TIMEOUT, str(work / f"stall-{before}"))
+        args = (before, "stall", TIMEOUT, str(work / f"stall-{before}"), who)
         worst, wall, types, left = library_case(stalled, 2, args, messages=messages)
-        named = operation in messages[0] and "rank 1 did not arrive" in messages[0]
+        waiting = messages[1 - who]
+        named = operation in waiting and f"rank {who} did not arrive" in waiting
         promise = (
-            f"the other rank raises within timeout + 5 s, naming {operation} and rank 1; "
+            f"the other rank raises within timeout + 5 s, naming {operation} and rank {who}; "
             "the stalled one as soon as it wakes"
         )
-        rows.append((f"rank 1 stalled before {where}", promise, worst, wall, types, left,
+        rows.append((f"rank {who} stalled before {where}", promise, worst, wall, types, left,
                      worst <= TIMEOUT + 5 and named and left == 0))  # fmt: skip
-    for before, where, operation in cases[:2]:
+    # Rank 1 dies (rank 0 holds the group's store). Before the next step, rank 0 finds it
+    # gone as it sends to it or waits for its gradients: "... rank 1 died or left" (or
+    # "which left").
+    dying = [("clip", "clip_grad_norm_", "the clip_grad_norm_ all-reduce", "the clip_grad_norm_ "
+              "all-reduce"), ("step", "the next step", "left", "rank 1 as gone")]  # fmt: skip
+    for before, where, said, naming in dying:
         messages = []
         args = (before, "die", TIMEOUT)
         worst, wall, types, left = library_case(
             stalled, 2, args, expect_kill=True, messages=messages
         )
-        named = operation in messages[0] and "rank 1" in messages[0]
-        promise = f"the other rank raises a PipelineError within timeout + 5 s, naming {operation}"
+        named = said in messages[0] and "rank 1" in messages[0]
+        promise = f"the other rank raises a PipelineError within timeout + 5 s, naming {naming}"
         rows.append((f"rank 1 dead (os._exit) right before {where}", promise, worst, wall, types,
                      left, types.startswith("PipelineError") and named and worst <= TIMEOUT + 5
                      and left == 0))  # fmt: skip

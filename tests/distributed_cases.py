@@ -419,10 +419,11 @@ def _stall_or_die(how: str, timeout: float) -> float:
     return time.monotonic()
 
 
-def stalled(rank, before, how, timeout, out=None):
-    """Rank 1 stalls (alive, silent) or dies right before ``before``: "step" (the next
-    step's seed broadcast), "clip" (``clip_grad_norm_``'s all-reduce) or "save" (the first
-    barrier of ``gpipe train``'s checkpoint save into ``out``), after one good step.
+def stalled(rank, before, how, timeout, out=None, who=1):
+    """Rank ``who`` stalls (alive, silent) or dies right before ``before``: "step" (the next
+    step's seed broadcast, which rank 0 starts), "clip" (``clip_grad_norm_``'s all-reduce) or
+    "save" (the first barrier of ``gpipe train``'s checkpoint save into ``out``), after one
+    good step.
 
     Returns what this rank raised there and after how long; the stalled rank, once awake,
     what its own call raised and how long that took.
@@ -444,7 +445,7 @@ def stalled(rank, before, how, timeout, out=None):
         call = (lambda: pipe.step(x, y, F.mse_loss)) if before == "step" else (
             lambda: pipe.clip_grad_norm_(1.0)
         )  # fmt: skip
-    return _outcome(call, start=_stall_or_die(how, timeout) if rank == 1 else None)
+    return _outcome(call, start=_stall_or_die(how, timeout) if rank == who else None)
 
 
 def data_parallel_stalled(rank, timeout):

@@ -382,11 +382,16 @@ class MultiProcess:
         values = torch.tensor([drawn, -1 if batch is None else batch], dtype=torch.int64)
         self.steps += 1
         doing = f"starting step {self.steps} of this Pipe"
-        # On the group even where the transport carries the agreement: a rank that does not
-        # come to the step is then named at once by its peers' wait here.
-        values = self._collective(
-            lambda: self.ops.broadcast(values, "the step-seed broadcast", doing=doing)
-        )
+        operation = "the step-seed broadcast"
+        transport = self.transport
+        if transport is not None and transport.carries_step_rows:
+            # Rank 0's row goes ahead of its first message: no rank waits for the others to
+            # come to the step (one that does not is named by whoever waits on it first).
+            values = self._collective(
+                lambda: self._on_wire(lambda: transport.broadcast_row(values), operation, doing)
+            )
+        else:
+            values = self._collective(lambda: self.ops.broadcast(values, operation, doing=doing))
         first_batch = int(values[1])
         return int(values[0]), (None if first_batch < 0 else first_batch)
 
@@ -419,11 +424,16 @@ class MultiProcess:
         doing = f"ending step {self.steps} of this Pipe"
         operation = "the end-of-step agreement (all-gather)"
         transport = self.transport
-        if transport is None or not transport.carries_agreement:
+        if transport is None or not transport.carries_step_rows:
             return self.ops.all_gather(row, operation, doing=doing)
-        try:  # through the transport's own wire (one machine: gpipe.transport.sockets)
-            return transport.all_gather_row(row)
-        except (TimeoutError, ConnectionError) as error:  # named as the group's would be
+        return self._on_wire(lambda: transport.all_gather_row(row), operation, doing)
+
+    def _on_wire(self, run: Callable[[], T], operation: str, doing: str) -> T:
+        """``run()``: a row of the step through the transport's own wire (one machine:
+        ``gpipe.transport.sockets``), its failures named as the group's collective's would be."""
+        try:
+            return run()
+        except (TimeoutError, ConnectionError) as error:
             timed_out = isinstance(error, TimeoutError)
             raise self.ops.error(operation, error, doing=doing, timed_out=timed_out) from error
 
@@ -446,7 +456,7 @@ class MultiProcess:
         # its row after its notice): a notice raised first would leave this rank's row out.
         rows = self._collective(
             lambda: self._gather(value, -1, troubled=trouble is not None, edit=edit),
-            notices=self.transport is None or not self.transport.carries_agreement,
+            notices=self.transport is None or not self.transport.carries_step_rows,
         )
         table = rows.tolist()  # one read of the agreement
         if any(row[1] for row in table):

@@ -28,7 +28,8 @@ class PeerTransport:
     """
 
     wire_device: torch.device  # where the group's collectives take tensors
-    carries_agreement = False  # whether the step's agreement goes through all_gather_row
+    # Whether the step's seed and agreement go through broadcast_row and all_gather_row
+    carries_step_rows = False
 
     def __init__(
         self,
@@ -107,10 +108,15 @@ class PeerTransport:
     def ready(self, message: Message) -> bool:
         return True  # receiving blocks until the message is here
 
+    def broadcast_row(self, row: torch.Tensor) -> torch.Tensor:
+        """Rank 0's ``row`` on every rank, through this transport's own wire; only where
+        :attr:`carries_step_rows` (otherwise the group's collectives carry it)."""
+        raise NotImplementedError(f"{type(self).__name__} leaves the step's rows to the group")
+
     def all_gather_row(self, row: torch.Tensor) -> torch.Tensor:
         """Every rank's ``row``, stacked by rank, through this transport's own wire; only
-        where :attr:`carries_agreement` (otherwise the group's collectives carry it)."""
-        raise NotImplementedError(f"{type(self).__name__} leaves the agreement to the group")
+        where :attr:`carries_step_rows` (otherwise the group's collectives carry it)."""
+        raise NotImplementedError(f"{type(self).__name__} leaves the step's rows to the group")
 
     # -- failures ---------------------------------------------------------------------------
 

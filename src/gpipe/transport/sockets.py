@@ -13,9 +13,10 @@ Each pair of ranks holds one connected socket (:func:`connect`). A message is a 
 description), its description when it changed (``gpipe.transport.framing.History``, so
 shapes may change from step to step), then each tensor's bytes, received straight into the
 tensor that will hold it. A negative size announces a failure; the description that
-follows says what failed. The end-of-step agreement travels the same wires: every rank's row
-of it (raw bytes, position ``_AGREEMENT``) after its messages of the step
-(``gpipe.parallel.group``).
+follows says what failed. The step's own rows travel the same wires (raw bytes,
+``gpipe.parallel.group``): rank 0's row of the step's seed (position ``_START``) ahead of its
+messages of the step, and every rank's row of the end-of-step agreement (``_AGREEMENT``) after
+its messages.
 
 Sends never wait on the peer's progress: a message goes into the socket's kernel buffer.
 When the buffer is full (a large activation), the sender keeps reading whatever every
@@ -54,6 +55,7 @@ __all__ = ["SocketTransport", "connect", "host_key", "listen"]
 _HEADER = struct.Struct("<qq")  # position in the sender's sequence to this peer; description size
 _NOTICE = -1  # the position of a failure notice, which may come in place of any message
 _AGREEMENT = -2  # the position of a rank's row of the step's agreement, after its messages
+_START = -3  # the position of rank 0's row of the step's seed, before its messages
 _BUFFER = 4 << 20  # bytes of kernel buffer asked for each way (the system may cap it)
 _MAX_PARTS = 512  # buffers per sendmsg call (the system's limit is 1024)
 _READ = select.POLLIN | select.POLLPRI | select.POLLHUP | select.POLLERR
@@ -164,6 +166,7 @@ class _Inbound:
     position: int = 0  # of the next message from this peer
     arrived: dict[Message, Any] = field(default_factory=dict)
     rows: list[torch.Tensor] = field(default_factory=list)  # its rows of agreements
+    start: torch.Tensor | None = None  # rank 0's row of the step's seed, once in
     closed: BaseException | None = None
     # From its row of a step's agreement until this rank begins the next step, the peer's
     # next message belongs to that step: it stays in the socket (rows and notices are read).
@@ -364,10 +367,10 @@ class SocketTransport(PeerTransport):
             inbound.parts = [memoryview(meta)]
             inbound.on_full = lambda: self._noticed(peer, pickle.loads(meta))
             return
-        if position == _AGREEMENT:
+        if position in (_AGREEMENT, _START):
             row = torch.empty(size, dtype=torch.uint8)
             inbound.parts = [_bytes_of(row)]
-            inbound.on_full = lambda: self._row_in(peer, row)
+            inbound.on_full = lambda: self._row_in(peer, row, position)
             return
         incoming = self._incoming.get(peer, [])
         if position != inbound.position or position >= len(incoming):
@@ -427,10 +430,13 @@ class SocketTransport(PeerTransport):
         if not self._exchanging or notice.get("gave_up"):
             super().check_notices()
 
-    def _row_in(self, peer: int, row: torch.Tensor) -> None:
+    def _row_in(self, peer: int, row: torch.Tensor, position: int) -> None:
         inbound = self._inbound[peer]
-        inbound.rows.append(row)
-        inbound.hold = True  # its messages of this step are all in
+        if position == _START:
+            inbound.start = row
+        else:
+            inbound.rows.append(row)
+            inbound.hold = True  # its messages of this step are all in
         self._expect_header(peer)
 
     def _row_or_notice_next(self, peer: int) -> bool:
@@ -453,9 +459,34 @@ class SocketTransport(PeerTransport):
         self._watch(peer, 0)
         return False
 
-    # -- the step's agreement ------------------------------------------------------------------
+    # -- the step's rows --------------------------------------------------------------------
 
-    carries_agreement = True  # MultiProcess gathers the step's agreement through here
+    carries_step_rows = True  # MultiProcess sends the step's seed and agreement through here
+
+    def broadcast_row(self, row: torch.Tensor) -> torch.Tensor:
+        """Rank 0's ``row`` (of one dtype and length on every rank): the step's seed, which
+        rank 0 sends ahead of its messages of the step, without waiting for anyone; the
+        other ranks wait for it. Raises ``TimeoutError`` when it is not in within the
+        timeout, ``ConnectionError`` when rank 0 left."""
+        data = row.contiguous()
+        if self.rank == 0:
+            header = memoryview(_HEADER.pack(_START, data.nbytes))
+            for peer in self._links:
+                self._write(peer, [header, _bytes_of(data)])
+            return row
+        inbound = self._inbound[0]
+        deadline = time.monotonic() + self.timeout
+        try:
+            self._pump(0)
+            while inbound.start is None:
+                if inbound.closed is not None:
+                    raise _PeerLost(0, inbound.closed)
+                if not self._wait_for(deadline):
+                    raise TimeoutError("timed out")
+        except _PeerLost as lost:
+            raise ConnectionError(f"rank {self._global(lost.peer)}: {lost}") from lost
+        start, inbound.start = inbound.start, None
+        return start.view(data.dtype).reshape(data.shape)
 
     def all_gather_row(self, row: torch.Tensor) -> torch.Tensor:
         """Every rank's ``row`` (of one dtype and length on every rank), stacked by rank: the
