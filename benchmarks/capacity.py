@@ -90,7 +90,10 @@ class Row:
     def exact(self) -> bool:
         """Measured exact to one block: the found depth fits, the next size up does not."""
         ran = self.found is not None and self.bigger is not None and self.bigger.ran
-        return ran and self.found.fits and not self.bigger.fits
+        return (
+            ran and self.found.fits and not self.bigger.fits
+            and self.bigger.fit.depth == self.found.fit.depth + 1
+        )  # fmt: skip
 
 
 def search(family: Family, budget: float, overhead: float) -> list[Row]:
@@ -279,6 +282,30 @@ def sharded_check(budget: float, stages: tuple[int, ...]) -> str:
     return "\n".join(lines)
 
 
+def rows_alone(name: str, stages: int, mode: str, budget: float) -> str:
+    """A family's row of ``stages`` and ``mode`` measured and refined on its own (a run of
+    the whole family takes over an hour here)."""
+    start = time.perf_counter()
+    family = families()[name]
+    kind = {"no-remat": "no remat", "remat": "remat", "sharded": "2 sharded replicas"}[mode]
+    overhead = calibrate(family, processes=8)
+    rows = [
+        r for r in search(family, budget, overhead)
+        if r.kind == kind and r.fit.layout.stages == stages
+    ]  # fmt: skip
+    measure(family, rows, (stages,), (stages,), moves=16)
+    elapsed = time.perf_counter() - start
+    return "\n".join([
+        f"{name}: {family.describe()}, {budget / MiB:.0f} MiB per process (calibrated: "
+        f"{overhead}).",
+        "",
+        *table(rows),
+        "",
+        f"Measured by `python benchmarks/capacity.py --rows {name} {stages} {mode}` in "
+        f"{elapsed / 60:.1f} min on this machine.",
+    ])  # fmt: skip
+
+
 def plot(results: dict[str, list[Row]], path: Path, budget: float) -> None:
     from matplotlib.figure import Figure
 
@@ -325,11 +352,23 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument("--k1", action="store_true", help="one process against plain PyTorch")
     parser.add_argument("--sharded", action="store_true", help="the sharded rows alone")
+    parser.add_argument(
+        "--rows", nargs=3, default=None, metavar=("FAMILY", "K", "MODE"),
+        help="one family's rows of K stages and MODE (no-remat, remat, sharded) alone, "
+        "measured and refined, e.g. --rows ResNet 8 remat",
+    )  # fmt: skip
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.k1:
         return one_process(args.out)
     budget = args.budget * MiB
+    if args.rows:
+        name, k, mode = args.rows
+        text = rows_alone(name, int(k), mode, budget)
+        print(text)
+        if args.out:
+            write_doc(args.out, text, part=f"{name} rows measured alone")
+        return None
     if args.sharded:
         text = sharded_check(budget, tuple(args.measure_sharded))
         print(text)

@@ -4,6 +4,7 @@ sharded memory by hand, the answer when nothing fits, and a measured two-process
 from __future__ import annotations
 
 import itertools
+import math
 
 import pytest
 import torch
@@ -233,10 +234,11 @@ def _growth_ratios(measured, calibration: Calibration) -> list[float]:
     return [g / (p - calibration.baseline) for g, p in zip(growth, measured.fit.peaks, strict=True)]
 
 
-@pytest.mark.parametrize("predicted", [3, 5, 8])
+@pytest.mark.parametrize("predicted", [3, 5, 8, 40, 130])
 def test_refine_settles_on_the_measured_answer(monkeypatch, predicted):
     # The machine says depth <= 5 fits; wherever the prediction starts, refine ends with the
-    # found depth measured within the budget and the next one over it.
+    # found depth measured within the budget and the next one over it, in about two runs
+    # per doubling of the prediction's error (it gallops, then halves the bracket).
     from gpipe.planner import measured as module
 
     family = tiny_gpt()
@@ -250,7 +252,8 @@ def test_refine_settles_on_the_measured_answer(monkeypatch, predicted):
 
     monkeypatch.setattr(module, "measure_fit", fake)
     fit = fit_of(family, layout, predicted, budget=100 * MiB)
-    check = verify_capacity(family, fit, refine=True)
+    check = verify_capacity(family, fit, refine=True, moves=16)
     assert check.exact and check.found.fit.depth == 5 and check.next_size.fit.depth == 6
     assert check.predicted_depth == predicted and len(ran) == len(set(ran))  # none twice
+    assert len(ran) <= 3 + 2 * math.log2(abs(predicted - 5) + 1), ran
     assert ("off by" in check.describe()) == (predicted != 5)

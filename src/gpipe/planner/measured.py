@@ -134,9 +134,12 @@ class CapacityCheck:
 
     @property
     def exact(self) -> bool:
-        """Measured: the found member fits and the next size up does not."""
+        """Measured: the found member fits and the next size up (one block deeper) does not."""
         bigger = self.next_size
-        return self.found.ran and self.found.fits and bigger is not None and not bigger.fits
+        return (
+            self.found.ran and self.found.fits and bigger is not None and not bigger.fits
+            and bigger.fit.depth == self.found.fit.depth + 1
+        )  # fmt: skip
 
     @property
     def predicted_depth(self) -> int:
@@ -265,12 +268,15 @@ def verify_capacity(
     """Measure ``fit`` (a row of a capacity search) and, with ``next_size``, the same
     layout at depth + 1 (cut as lightly as it can be; predicted not to fit).
 
-    ``refine``: the answer exact to one block, measured. A found member measured over the
-    budget steps down a block at a time, a next size up measured within it steps up, until
-    the found one fits and the next does not (at most ``moves`` steps; ``exact`` says
-    whether it got there). The prediction is where the measuring starts, typically the
-    answer or one block off: the model's error is a few MiB, about one block of a small
-    model.
+    ``refine``: the answer exact to one block, measured. From the prediction, the search
+    gallops (1, 2, 4, ... blocks down while it measures over the budget, up while within)
+    until a depth within and one over bracket the answer, then halves the bracket, until
+    the found depth fits and the next one does not: about 2·log2 of the prediction's error
+    in runs, at most ``moves`` after the first (``exact`` says whether it got there).
+    Where it ran out of moves, ``found`` is the deepest measured within the budget (or the
+    shallowest over it, if none fit) and ``next_size`` the shallowest deeper one measured,
+    which may still fit. The prediction is typically the answer or a few blocks off: the
+    model's error is a few MiB, a block of a small model, and deep stages add theirs up.
     """
 
     def measure(depth: int) -> Measured:
@@ -284,15 +290,36 @@ def verify_capacity(
     if not (refine and found.ran):
         bigger = measure(fit.depth + 1) if next_size else None
         return CapacityCheck(found, bigger, fit)
-    bigger = None
-    while not found.fits and moves > 0 and found.fit.depth > 1:
-        bigger, found = found, measure(found.fit.depth - 1)
+    measured = {fit.depth: found}
+    within = [found] if found.fits else []  # measured within the budget, shallow to deep
+    over = [] if found.fits else [found]  # measured over it, deep to shallow
+    stride = 1
+    while moves > 0:
+        if within and over:  # bracketed: halve it
+            low, high = within[-1].fit.depth, over[-1].fit.depth
+            if high - low <= 1:
+                break
+            depth = (low + high) // 2
+        elif within:  # gallop up
+            depth, stride = within[-1].fit.depth + stride, stride * 2
+        else:  # gallop down
+            depth, stride = max(over[-1].fit.depth - stride, 1), stride * 2
+            if depth in measured:
+                break  # depth 1 is over the budget
+        measured[depth] = run = measure(depth)
         moves -= 1
-    if bigger is None:
-        bigger = measure(found.fit.depth + 1)
-        while bigger.fits and moves > 0:
-            found, bigger = bigger, measure(bigger.fit.depth + 1)
-            moves -= 1
+        (within if run.fits else over).append(run)
+        within.sort(key=lambda m: m.fit.depth)
+        over.sort(key=lambda m: -m.fit.depth)
+    if within:
+        found = within[-1]
+        deeper = [m for m in measured.values() if m.fit.depth > found.fit.depth]
+        if not deeper:
+            deeper = [measure(found.fit.depth + 1)]
+        bigger = min(deeper, key=lambda m: m.fit.depth) if deeper else None
+    else:  # nothing measured fits
+        found = over[-1]
+        bigger = min((m for m in over if m is not found), key=lambda m: m.fit.depth, default=None)
     return CapacityCheck(found, bigger, fit)
 
 

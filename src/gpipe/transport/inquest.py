@@ -29,8 +29,9 @@ _gone: list[bool] = []  # not empty once the store could not be reached
 
 def grace(timeout: float) -> float:
     """How long a rank waits for the others' statements: ranks stuck on one another time
-    out within moments of each other; a rank that never answers costs this once."""
-    return min(5.0, max(0.5, timeout / 2))
+    out within moments of each other; a rank that never answers costs this once. At most
+    4.5 s: a wait, its inquest and its error end within the timeout + 5 s."""
+    return min(4.5, max(0.5, timeout / 2))
 
 
 def _store() -> Any:
