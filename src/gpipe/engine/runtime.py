@@ -73,6 +73,19 @@ class StepResult:
     loss: torch.Tensor | None = None  # the mini-batch loss, filled in by the front end
 
 
+@dataclass(frozen=True, slots=True)
+class _Planned:
+    """One action with what running it looks up, found once per runtime instead of at every
+    step (a step of small micro-batches is mostly such bookkeeping)."""
+
+    action: Action
+    stage: Stage
+    incoming: tuple[Message, ...]
+    outgoing: tuple[Message, ...]
+    final: bool  # its stage's last backward-side action of the step: gradients final after
+    split: bool  # a backward of input gradients only (a W computes the weights')
+
+
 class Runtime:
     """Executes ``schedule`` for the stages this process holds."""
 
@@ -96,14 +109,33 @@ class Runtime:
         # gradients are final (data parallelism reduces them as they become so).
         self._before_final_backward = before_final_backward
         self._after_backward = after_backward
-        self._final_backward: set[Action] = set()
+        final_backward: set[Action] = set()
         for stage in self.stages:
             rank = schedule.stage_to_rank[stage]
             done = [
                 a for a in schedule.actions[rank] if a.stage == stage and a.kind is not Kind.FORWARD
             ]
             if done:
-                self._final_backward.add(done[-1])
+                final_backward.add(done[-1])
+        # Each rank's actions, of a training step and of a forward-only one
+        self._plans = {
+            training: {
+                rank: [
+                    self._planned(a, final=a in final_backward)
+                    for a in schedule.actions[rank]
+                    if training or a.kind is Kind.FORWARD
+                ]
+                for rank in self.ranks
+            }
+            for training in (True, False)
+        }
+
+    def _planned(self, action: Action, *, final: bool) -> _Planned:
+        split = action.kind is Kind.BACKWARD and self.schedule.splits_backward(
+            action.stage, action.microbatch
+        )
+        incoming, outgoing = self.routes.incoming(action), self.routes.outgoing(action)
+        return _Planned(action, self.stages[action.stage], incoming, outgoing, final, split)
 
     def run(
         self, step: StepInputs, *, trace: bool = False, clock_origin: float | None = None
@@ -116,10 +148,7 @@ class Runtime:
         several ranks that line up.
         """
         training = step.losses is not None
-        lists = {
-            rank: [a for a in self.schedule.actions[rank] if training or a.kind is Kind.FORWARD]
-            for rank in self.ranks
-        }
+        lists = self._plans[training]
         cursors = dict.fromkeys(self.ranks, 0)
         result = StepResult()
         origin = time.perf_counter() if clock_origin is None else clock_origin
@@ -130,25 +159,24 @@ class Runtime:
                 actions = lists[rank]
                 if cursors[rank] == len(actions) or not self._ready(actions[cursors[rank]]):
                     continue
-                action = actions[cursors[rank]]
-                final = action in self._final_backward
-                if self._before_final_backward is not None and final:
-                    self._before_final_backward(self.stages[action.stage])
-                self._execute(action, step, result, training)
-                if self._after_backward is not None and final:
-                    self._after_backward(self.stages[action.stage])
+                planned = actions[cursors[rank]]
+                if self._before_final_backward is not None and planned.final:
+                    self._before_final_backward(planned.stage)
+                self._execute(planned, step, result, training)
+                if self._after_backward is not None and planned.final:
+                    self._after_backward(planned.stage)
                 if trace:
-                    synchronize(self.stages[action.stage].device)
+                    synchronize(planned.stage.device)
                     end = time.perf_counter() - origin
                     # From the moment its inputs were there: waiting is idle, not work.
                     start = self._inputs_ready_at - origin
-                    result.trace.append(TimedAction(rank, action, start, end))
+                    result.trace.append(TimedAction(rank, planned.action, start, end))
                 cursors[rank] += 1
                 remaining -= 1
                 progressed = True
             if not progressed:
                 waiting = ", ".join(
-                    f"rank {r}: {lists[r][cursors[r]]}"
+                    f"rank {r}: {lists[r][cursors[r]].action}"
                     for r in self.ranks
                     if cursors[r] < len(lists[r])
                 )
@@ -158,17 +186,16 @@ class Runtime:
                 )
         return result
 
-    def _ready(self, action: Action) -> bool:
-        return all(self.transport.ready(message) for message in self.routes.incoming(action))
+    def _ready(self, planned: _Planned) -> bool:
+        return all(self.transport.ready(message) for message in planned.incoming)
 
     def _execute(
-        self, action: Action, step: StepInputs, result: StepResult, training: bool
+        self, planned: _Planned, step: StepInputs, result: StepResult, training: bool
     ) -> None:
-        stage, m = self.stages[action.stage], action.microbatch
+        action, stage, m = planned.action, planned.stage, planned.action.microbatch
         self.transport.prepare(action)
-        received = [self.transport.recv(message) for message in self.routes.incoming(action)]
+        received = [self.transport.recv(message) for message in planned.incoming]
         self._inputs_ready_at = time.perf_counter()
-        outgoing = self.routes.outgoing(action)
         if action.kind is Kind.FORWARD:
             if stage.index == 0:
                 received.insert(0, step.microbatches[m])
@@ -193,8 +220,7 @@ class Runtime:
             if received:
                 head = [] if stage.is_last else list(received.pop(0))
                 grads = head + [g for (g,) in received]
-            split = self.schedule.splits_backward(stage.index, m)
-            grad_inputs = stage.backward(m, grads, split=split)
+            grad_inputs = stage.backward(m, grads, split=planned.split)
             popped = len(stage.skips.inputs) if stage.skips is not None else 0
             value_grads = grad_inputs[: len(grad_inputs) - popped]
             sent = ([value_grads] if stage.index > 0 else []) + [
@@ -203,5 +229,5 @@ class Runtime:
         else:
             stage.backward_weight(m)
             sent = []
-        for message, value in zip(outgoing, sent, strict=True):
+        for message, value in zip(planned.outgoing, sent, strict=True):
             self.transport.send(message, value)
