@@ -7,7 +7,7 @@ import pickle
 import torch
 from torch.utils._pytree import tree_flatten, treespec_dumps
 
-from gpipe.transport.framing import ALIGN, History, TensorMeta
+from gpipe.transport.framing import ALIGN, History, TensorMeta, flatten
 
 
 def test_a_packed_message_holds_every_dtype_and_shape_as_views():
@@ -41,3 +41,22 @@ def test_a_packed_message_holds_every_dtype_and_shape_as_views():
         else:
             assert received == original
     assert history.pack(-5, None, torch.device("cpu"))[:8].view(torch.int64).item() == -5
+
+
+def test_flatten_and_rebuild_are_pytree_s_own_for_every_kind_of_value():
+    """The short path (a tensor, a list or tuple of tensors) and pytree's walk for the rest
+    give the same leaves and description, and rebuild the same value."""
+    t = torch.randn(2, 3)
+    values = [
+        t, [t], (t, t), [], (), [t, None], (t, 3), {"a": t}, [[t], t],
+        torch.nn.Parameter(t.clone()), [torch.nn.Parameter(t.clone())],
+    ]  # fmt: skip
+    for value in values:
+        leaves, text = flatten(value)
+        expected_leaves, spec = tree_flatten(value)
+        assert text == treespec_dumps(spec) and len(leaves) == len(expected_leaves), value
+        assert all(a is b for a, b in zip(leaves, expected_leaves, strict=True)), value
+        history = History()
+        history.update(pickle.dumps((text, [None] * len(leaves))))
+        rebuilt = history.rebuild(leaves)
+        assert type(rebuilt) is type(value) and tree_flatten(rebuilt)[1] == spec, value

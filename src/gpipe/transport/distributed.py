@@ -15,7 +15,6 @@ from datetime import timedelta
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_unflatten
 
 from gpipe.errors import PipelineError
 from gpipe.schedule.comm_plan import receive_points
@@ -338,13 +337,13 @@ class DistributedTransport(PeerTransport):
         """Wait for a message's tensors; its value, with inputs that require grad."""
         message = posted.message
         self._wait(posted.works, src, message)
-        spec, described = posted.history.decoded
+        _, described = posted.history.decoded
         leaves = posted.leaves
         assert leaves is not None
         for leaf, d in zip(leaves, described, strict=True):
             if isinstance(d, TensorMeta) and d.requires_grad and message.channel.forward:
                 leaf.requires_grad_(True)
-        return tree_unflatten(leaves, spec)
+        return posted.history.rebuild(leaves)
 
     def _irecv(self, ops: list[tuple[torch.Tensor, Any]], src: int, tag: int) -> list[Any]:
         if not ops:

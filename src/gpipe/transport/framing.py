@@ -9,9 +9,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils._pytree import treespec_dumps, treespec_loads
+from torch.utils._pytree import tree_flatten, tree_unflatten, treespec_dumps, treespec_loads
 
-__all__ = ["ALIGN", "HEADER", "History", "TensorMeta", "bytes_tensor", "spec_text", "tensors"]
+__all__ = [
+    "ALIGN", "HEADER", "History", "TensorMeta", "bytes_tensor", "flatten", "spec_text", "tensors",
+]  # fmt: skip
 
 ALIGN = 64  # bytes: a cache line, so that vectorized kernels see aligned tensors
 # A message's header, in int64s: the size of its description (0: as last time; negative: a
@@ -35,12 +37,13 @@ class History:
     description the last two times).
     """
 
-    __slots__ = ("_decoded", "_described", "_layout", "last", "stable")
+    __slots__ = ("_decoded", "_described", "_flat", "_layout", "last", "stable")
 
     def __init__(self) -> None:
         self.last: bytes | None = None
         self.stable = False
         self._decoded: Any = None
+        self._flat: type | None = None  # the decoded spec's: a leaf (object), list or tuple
         self._layout: Any = None
         self._described: tuple[Any, bytes] | None = None  # sender: (description, pickled)
 
@@ -63,7 +66,18 @@ class History:
         if self._decoded is None:
             spec, described = pickle.loads(self.last)
             self._decoded = (treespec_loads(spec), described)
+            self._flat = _flat_kind(self._decoded[0])
         return self._decoded
+
+    def rebuild(self, leaves: list[Any]) -> Any:
+        """The last message's value from its leaves (as ``tree_unflatten``; a tensor, or a
+        list or tuple of them, without pytree's walk)."""
+        spec, _ = self.decoded
+        if self._flat is object:
+            return leaves[0]
+        if self._flat is not None:
+            return self._flat(leaves)
+        return tree_unflatten(leaves, spec)
 
     @property
     def layout(self) -> tuple[list[tuple[int, int]], int]:
@@ -112,6 +126,36 @@ class History:
 def spec_text(spec: Any) -> str:
     # Serializing a tree spec costs ~0.1 ms; a pipeline sends the same few over and over.
     return treespec_dumps(spec)
+
+
+def flatten(value: Any) -> tuple[list[Any], str]:
+    """A message's leaves and its tree spec's text, as ``tree_flatten`` gives them. What
+    stages send is mostly a tensor, or a list or tuple of tensors: those skip pytree's walk,
+    which costs more than the rest of a small message's send."""
+    if type(value) is torch.Tensor:
+        return [value], _LEAF
+    kind = type(value)
+    if (kind is list or kind is tuple) and all(type(v) is torch.Tensor for v in value):
+        return list(value), _sequence_text(kind, len(value))
+    leaves, spec = tree_flatten(value)
+    return leaves, spec_text(spec)
+
+
+@functools.lru_cache(maxsize=64)
+def _sequence_text(kind: type, n: int) -> str:
+    return treespec_dumps(tree_flatten(kind([0] * n))[1])
+
+
+_LEAF = treespec_dumps(tree_flatten(0)[1])
+
+
+def _flat_kind(spec: Any) -> type | None:
+    """``object`` for a leaf, ``list`` or ``tuple`` for one of leaves, else None."""
+    if spec.is_leaf():
+        return object
+    if spec.type in (list, tuple) and all(c.is_leaf() for c in spec.children()):
+        return spec.type
+    return None
 
 
 def tensors(leaves: list[Any]) -> list[torch.Tensor]:

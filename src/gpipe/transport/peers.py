@@ -7,13 +7,12 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten
 
 from gpipe._utils import to_device
 from gpipe.errors import PipelineError
 from gpipe.schedule.comm_plan import wire_order
 from gpipe.schedule.routes import Message, Routes
-from gpipe.transport.framing import History, TensorMeta, spec_text
+from gpipe.transport.framing import History, TensorMeta, flatten
 from gpipe.transport.inquest import blame, said_by
 
 __all__ = ["PeerTransport"]
@@ -89,7 +88,7 @@ class PeerTransport:
         """``message`` to rank ``dst`` as it goes on the wire: its history on that wire, its
         description (pickled only when it changed), the size the header says (0: described
         as last time), and its tensors (contiguous). Update the history once it is sent."""
-        leaves, spec = tree_flatten(value)
+        leaves, spec = flatten(value)
         described = [
             TensorMeta(leaf.dtype, tuple(leaf.shape), leaf.requires_grad)
             if isinstance(leaf, torch.Tensor)
@@ -98,7 +97,7 @@ class PeerTransport:
         ]
         payload = [leaf.detach().contiguous() for leaf in leaves if isinstance(leaf, torch.Tensor)]
         history = self._sent_meta.setdefault(self._key(dst, message), History())
-        meta = history.describe(spec_text(spec), described)
+        meta = history.describe(spec, described)
         return history, meta, 0 if meta == history.last else len(meta), payload
 
     def prepare(self, action: Any) -> None:

@@ -43,7 +43,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_unflatten
 
 from gpipe.errors import PipelineError
 from gpipe.schedule.routes import Message, Routes
@@ -127,8 +126,12 @@ def connect(
 
 
 def _bytes_of(tensor: torch.Tensor) -> memoryview:
-    """A contiguous CPU tensor's bytes, without a copy (any dtype: viewed as bytes)."""
-    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+    """A contiguous CPU tensor's bytes, without a copy (any dtype: viewed as bytes; a view
+    of the last dimension costs a third of a reshape's)."""
+    if not tensor.numel():
+        return memoryview(b"")
+    flat = tensor.view(torch.uint8) if tensor.dim() else tensor.reshape(1).view(torch.uint8)
+    return memoryview(flat.numpy()).cast("B")
 
 
 def _drop(parts: list[memoryview], sent: int) -> None:
@@ -394,7 +397,7 @@ class SocketTransport(PeerTransport):
     def _tensors_of(self, peer: int, message: Message, history: History, meta: bytes) -> None:
         """Receive the message's tensors straight into the tensors that will hold them."""
         history.update(meta)
-        spec, described = history.decoded
+        _, described = history.decoded
         leaves = [
             torch.empty(d.shape, dtype=d.dtype) if isinstance(d, TensorMeta) else d
             for d in described
@@ -405,7 +408,7 @@ class SocketTransport(PeerTransport):
             for leaf, d in zip(leaves, described, strict=True):
                 if isinstance(d, TensorMeta) and d.requires_grad and message.channel.forward:
                     leaf.requires_grad_(True)
-            inbound.arrived[message] = tree_unflatten(leaves, spec)
+            inbound.arrived[message] = history.rebuild(leaves)
             inbound.position += 1
             self._expect_header(peer)
 
