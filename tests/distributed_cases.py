@@ -637,3 +637,24 @@ def told_transports(rank, transports):
         return {"error": str(error)}
     pipe.step(torch.randn(4, 4), torch.randn(4, 4), F.mse_loss)
     return {"transport": type(pipe._transport).__name__}
+
+
+FLAKY_MESH = "gpipe-flaky-mesh"  # a backend whose first mesh of a launch does not form
+
+
+def _flaky_mesh(store, rank, size, timeout):
+    """Gloo, but the first time in a folder (``GPIPE_FLAKY_MESH``) every rank fails as
+    gloo's full mesh does on a busy machine."""
+    marker = Path(os.environ["GPIPE_FLAKY_MESH"]) / f"tried-{rank}"
+    if not marker.exists():
+        marker.touch()
+        raise RuntimeError("Gloo connectFullMesh failed with [pair.cc:553] Connection closed "
+                           "by peer [127.0.0.1]:4794 (simulated)")  # fmt: skip
+    return dist.ProcessGroupGloo(store, rank, size, timeout)
+
+
+dist.Backend.register_backend(FLAKY_MESH, _flaky_mesh, devices=["cpu"])
+
+
+def rank_of(rank):
+    return rank

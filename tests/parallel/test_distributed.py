@@ -6,6 +6,7 @@ every configuration is compared, parameter by parameter, with the un-split model
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +16,7 @@ import torch
 
 from distributed_cases import (
     FACTORIES,
+    FLAKY_MESH,
     GPT,
     GPT_TIED,
     INIT_SEED,
@@ -22,11 +24,13 @@ from distributed_cases import (
     data_and_pipeline,
     environment_and_output,
     loss_of,
+    rank_of,
     thread_count,
     train_steps,
 )
 from gpipe.materialize import build_full
-from gpipe.parallel.launch import free_port, launch, threads_per_process
+from gpipe.parallel import launch as launch_module
+from gpipe.parallel.launch import LaunchError, free_port, launch, threads_per_process
 from reference import reference_step, relative_error, running_stats_of_unsplit_batch
 
 pytestmark = pytest.mark.timeout(600)
@@ -349,6 +353,31 @@ def test_launch_shares_the_cores_unless_told(monkeypatch):
     if threads_per_process(1) >= 2:  # torch takes no more threads than there are cores
         monkeypatch.setenv("OMP_NUM_THREADS", "2")
         assert launch(thread_count, 2, timeout=60) == [2, 2]
+
+
+@pytest.mark.slow
+def test_a_mesh_that_does_not_form_is_started_once_more(monkeypatch, tmp_path):
+    """Gloo's full mesh sometimes fails to connect on a busy machine, before anything ran:
+    the job starts once more (a warning says so); a second such failure is raised."""
+    monkeypatch.setenv("GPIPE_FLAKY_MESH", str(tmp_path))
+    with pytest.warns(UserWarning, match="gloo's connections did not form"):
+        assert launch(rank_of, 2, backend=FLAKY_MESH, timeout=30) == [0, 1]
+    for marker in tmp_path.iterdir():
+        marker.unlink()
+    monkeypatch.setattr(launch_module, "_launch", _once_without_retry(launch_module._launch))
+    with pytest.raises(LaunchError, match="connectFullMesh"):
+        launch(rank_of, 2, backend=FLAKY_MESH, timeout=30)
+
+
+def _once_without_retry(run):
+    """Both attempts fail: the first one's failure is the only one."""
+
+    def attempt(*args, again=True, **kwargs):
+        for marker in Path(os.environ["GPIPE_FLAKY_MESH"]).iterdir():
+            marker.unlink()
+        return run(*args, again=again, **kwargs)
+
+    return attempt
 
 
 @pytest.mark.slow

@@ -50,6 +50,7 @@ import sys
 import threading
 import time
 import traceback
+import warnings
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -245,17 +246,19 @@ def _worker(
     threads = os.environ.get("OMP_NUM_THREADS", "")  # read here: a fork's torch is running
     torch.set_num_threads(int(threads) if threads.isdigit() and int(threads) > 0
                           else threads_per_process(world_size))  # fmt: skip
+    failure = "start"  # the group did not form: the launcher may start the job again
     try:
         dist.init_process_group(
             backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout)
         )
+        failure = "error"
         value = fn(rank, *args)
         # Pickled by value here: tensors sent through shared memory would vanish with
         # this process before the parent reads them.
         results.put((rank, "ok", pickle.dumps(value)))
     except BaseException as error:  # reported to the parent, which decides what to raise
         text = f"{type(error).__name__}: {error}\n{traceback.format_exc()}"
-        results.put((rank, "error", text))
+        results.put((rank, failure, text))
         raise SystemExit(1) from None
     finally:
         if dist.is_initialized():
@@ -277,7 +280,37 @@ def launch(
     defaults to NCCL when CUDA offers ``nprocs`` devices, else gloo. ``timeout`` is the
     process group's; ``grace`` (default ``timeout + 10``) is how long the others may run
     on after a process has failed.
+
+    Gloo's full mesh of connections sometimes fails to form on a busy machine ("Gloo
+    connectFullMesh failed ... Connection closed by peer", pytorch/pytorch#53270): when
+    that is all that went wrong, before any process ran ``fn``, the job is started once
+    more on a fresh port, with a warning.
     """
+    try:
+        return _launch(fn, nprocs, args, backend, timeout, grace)
+    except _MeshFailed as failed:
+        warnings.warn(
+            f"gloo's connections did not form ({failed}); starting the {nprocs} processes "
+            "once more on a fresh port",
+            stacklevel=2,
+        )
+        return _launch(fn, nprocs, args, backend, timeout, grace, again=False)
+
+
+class _MeshFailed(Exception):
+    """The process group did not form: gloo's full mesh failed, and nothing else."""
+
+
+def _launch(
+    fn: Callable[..., Any],
+    nprocs: int,
+    args: tuple,
+    backend: str | None,
+    timeout: float,
+    grace: float | None,
+    *,
+    again: bool = True,
+) -> list[Any]:
     if not isinstance(nprocs, int) or nprocs < 1:
         raise ValueError(f"nprocs must be a positive int, got {nprocs!r}")
     timeout = seconds(timeout, "timeout")
@@ -322,8 +355,10 @@ def launch(
                 outcomes[rank] = (status, value)
             alive = [p for p in processes if p.is_alive()]
             failed = [r for r, p in enumerate(processes) if p.exitcode not in (None, 0)] + [
-                r for r, (status, _) in outcomes.items() if status == "error"
+                r for r, (status, _) in outcomes.items() if status in ("error", "start")
             ]
+            if any(status == "start" for status, _ in outcomes.values()):
+                break  # the group cannot form: the others wait in vain
             if failed and first_failure is None:
                 first_failure = time.monotonic()
             if not alive:
@@ -345,10 +380,14 @@ def launch(
             rank, status, value = results.get()
             outcomes[rank] = (status, value)
 
+    started = {r: text for r, (status, text) in outcomes.items() if status == "start"}
+    mesh = [text for text in started.values() if "connectFullMesh" in text]
+    if again and mesh and len(mesh) == len(outcomes):  # that, and nothing else, went wrong
+        raise _MeshFailed(mesh[0].splitlines()[0])
     failures: dict[int, str] = {}
     for rank, process in enumerate(processes):
         status, value = outcomes.get(rank, (None, None))
-        if status == "error":
+        if status in ("error", "start"):
             failures[rank] = value
         elif status != "ok":
             code = process.exitcode
