@@ -283,8 +283,8 @@ def launch(
 
     Gloo's full mesh of connections sometimes fails to form on a busy machine ("Gloo
     connectFullMesh failed ... Connection closed by peer", pytorch/pytorch#53270): when
-    that is all that went wrong, before any process ran ``fn``, the job is started once
-    more on a fresh port, with a warning.
+    that is all any process reported (the group never formed, so ``fn`` can have done no
+    more than begin), the job is started once more on a fresh port, with a warning.
     """
     try:
         return _launch(fn, nprocs, args, backend, timeout, grace)
@@ -380,8 +380,11 @@ def _launch(
             rank, status, value = results.get()
             outcomes[rank] = (status, value)
 
-    started = {r: text for r, (status, text) in outcomes.items() if status == "start"}
-    mesh = [text for text in started.values() if "connectFullMesh" in text]
+    mesh = [
+        text
+        for status, text in outcomes.values()
+        if status == "start" and "connectFullMesh" in text
+    ]
     if again and mesh and len(mesh) == len(outcomes):  # that, and nothing else, went wrong
         raise _MeshFailed(mesh[0].splitlines()[0])
     failures: dict[int, str] = {}
