@@ -291,35 +291,30 @@ def verify_capacity(
         bigger = measure(fit.depth + 1) if next_size else None
         return CapacityCheck(found, bigger, fit)
     measured = {fit.depth: found}
-    within = [found] if found.fits else []  # measured within the budget, shallow to deep
-    over = [] if found.fits else [found]  # measured over it, deep to shallow
     stride = 1
     while moves > 0:
+        within = [d for d, m in measured.items() if m.fits]
+        over = [d for d, m in measured.items() if not m.fits]
         if within and over:  # bracketed: halve it
-            low, high = within[-1].fit.depth, over[-1].fit.depth
+            low, high = max(within), min(over)
             if high - low <= 1:
                 break
             depth = (low + high) // 2
         elif within:  # gallop up
-            depth, stride = within[-1].fit.depth + stride, stride * 2
+            depth, stride = max(within) + stride, stride * 2
         else:  # gallop down
-            depth, stride = max(over[-1].fit.depth - stride, 1), stride * 2
+            depth, stride = max(min(over) - stride, 1), stride * 2
             if depth in measured:
                 break  # depth 1 is over the budget
-        measured[depth] = run = measure(depth)
+        measured[depth] = measure(depth)
         moves -= 1
-        (within if run.fits else over).append(run)
-        within.sort(key=lambda m: m.fit.depth)
-        over.sort(key=lambda m: -m.fit.depth)
-    if within:
-        found = within[-1]
-        deeper = [m for m in measured.values() if m.fit.depth > found.fit.depth]
-        if not deeper:
-            deeper = [measure(found.fit.depth + 1)]
-        bigger = min(deeper, key=lambda m: m.fit.depth) if deeper else None
+    runs = sorted(measured.values(), key=lambda m: m.fit.depth)
+    if any(m.fits for m in runs):
+        found = [m for m in runs if m.fits][-1]
+        deeper = [m for m in runs if m.fit.depth > found.fit.depth]
+        bigger = deeper[0] if deeper else measure(found.fit.depth + 1)
     else:  # nothing measured fits
-        found = over[-1]
-        bigger = min((m for m in over if m is not found), key=lambda m: m.fit.depth, default=None)
+        found, bigger = runs[0], (runs[1] if len(runs) > 1 else None)
     return CapacityCheck(found, bigger, fit)
 
 
