@@ -3,6 +3,9 @@
     python benchmarks/capacity.py --out docs/capacity.md --plot docs/img/capacity.png
     python benchmarks/capacity.py --k1 --out docs/capacity.md   # K=1 against plain PyTorch
     python benchmarks/capacity.py --sharded --out docs/capacity.md  # 2 sharded replicas alone
+    # a family per run, each kept, then the doc and plot from both:
+    python benchmarks/capacity.py --family GPT --save gpt.pickle
+    python benchmarks/capacity.py --load gpt.pickle resnet.pickle --out docs/capacity.md ...
 
 GPipe's Table 1: with re-materialization the largest trainable model grows about linearly
 with the number of stages K. For the GPT and the ResNet of ``gpipe.models`` (by depth), one
@@ -32,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import pickle
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -344,7 +348,11 @@ def main() -> None:
         help="K whose depth + 1 is run, and the depth refined until exact",
     )
     parser.add_argument(
-        "--measure-sharded", type=int, nargs="*", default=[1, 2], help="K of sharded rows run"
+        "--measure-sharded",
+        type=int,
+        nargs="*",
+        default=list(SHARDED_STAGES),
+        help="K of sharded rows run",
     )
     parser.add_argument(
         "--predict-only", nargs="*", default=None, metavar="FAMILY",
@@ -356,6 +364,14 @@ def main() -> None:
         "--rows", nargs=3, default=None, metavar=("FAMILY", "K", "MODE"),
         help="one family's rows of K stages and MODE (no-remat, remat, sharded) alone, "
         "measured and refined, e.g. --rows ResNet 8 remat",
+    )  # fmt: skip
+    parser.add_argument(
+        "--save", type=Path, default=None,
+        help="keep the measured rows here (pickled), rewritten as each family ends",
+    )  # fmt: skip
+    parser.add_argument(
+        "--load", type=Path, nargs="+", default=None,
+        help="write the doc and plot from rows kept by --save, measuring nothing",
     )  # fmt: skip
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -375,25 +391,31 @@ def main() -> None:
         if args.out:
             write_doc(args.out, text, part="sharded replicas, measured")
         return None
-    start = time.perf_counter()
-    results, overheads, doc = {}, {}, []
+    results: dict[str, tuple[str, list[Row], float]] = {}  # calibration, rows, minutes
+    for saved in args.load or []:
+        results.update(pickle.loads(saved.read_bytes()))
     for name, family in families().items():
-        if args.family and name not in args.family:
+        if args.load or (args.family and name not in args.family):
             continue
         print(f"{family.describe()}:", flush=True)
-        overheads[name] = calibrate(family, processes=8)
-        print(f"  calibrated: {overheads[name]}", flush=True)
-        rows = search(family, budget, overheads[name])
+        begun = time.perf_counter()
+        overhead = calibrate(family, processes=8)
+        print(f"  calibrated: {overhead}", flush=True)
+        rows = search(family, budget, overhead)
         predict_only = args.predict_only is not None and (
             not args.predict_only or name in args.predict_only
         )
         if not predict_only:
             measure(family, rows, tuple(args.next_size), tuple(args.measure_sharded))
-        results[name] = rows
+        results[name] = (str(overhead), rows, (time.perf_counter() - begun) / 60)
+        if args.save:  # each family as it ends: a later family's failure loses nothing
+            args.save.write_bytes(pickle.dumps(results))
+    doc = []
+    for name, (overhead, rows, _) in results.items():
         doc += [
-            f"### {name}: {family.describe()}",
+            f"### {name}: {families()[name].describe()}",
             "",
-            f"Beyond the model's terms (calibrated): {overheads[name]}.",
+            f"Beyond the model's terms (calibrated): {overhead}.",
             "",
             *table(rows),
             "",
@@ -410,14 +432,14 @@ def main() -> None:
             *paper(rows),
             "",
         ]
-    elapsed = time.perf_counter() - start
-    doc.append(f"Benchmark wall time: {elapsed / 60:.1f} min on this machine.")
+    minutes = ", ".join(f"{name} {m:.1f} min" for name, (_, _, m) in results.items())
+    doc.append(f"Benchmark wall time: {minutes} on this machine.")
     text = "\n".join(doc)
     print(text)
     if args.out:
         write_doc(args.out, text)
     if args.plot:
-        plot(results, args.plot, budget)
+        plot({name: rows for name, (_, rows, _) in results.items()}, args.plot, budget)
 
 
 def write_doc(path: Path, results: str, part: str = "capacity results") -> None:
