@@ -122,7 +122,7 @@ def train_steps(rank, cases, group=None, data_parallel_group=None, replica=0, ke
                 "buffers": {n: b.clone() for n, b in pipe.named_buffers()},
                 "params": {n: full_value(p.detach()).clone() for n, p in pipe.named_parameters()},
                 "receive_ahead": pipe._transport.receive_ahead,
-                "transport": type(pipe._transport).__name__,
+                "transport": pipe.transport,
                 "elements": sum(p.numel() for p in pipe.parameters()),
                 "local_elements": sum(local_value(p).numel() for p in pipe.parameters()),
                 "buckets_started_during_backward": early,
@@ -636,7 +636,7 @@ def told_transports(rank, transports):
     except PartitionError as error:
         return {"error": str(error)}
     pipe.step(torch.randn(4, 4), torch.randn(4, 4), F.mse_loss)
-    return {"transport": type(pipe._transport).__name__}
+    return {"transport": pipe.transport}
 
 
 FLAKY_MESH = "gpipe-flaky-mesh"  # a backend whose first mesh of a launch does not form

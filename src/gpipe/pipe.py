@@ -289,6 +289,12 @@ class Pipe(ModelNames, nn.Module):
         return len(self.balance)
 
     @property
+    def transport(self) -> str:
+        """How this rank's stages reach the others: ``"local"`` (one process),
+        ``"sockets"`` or ``"group"`` (what ``transport="auto"`` chose, or what was asked)."""
+        return self._transport.kind
+
+    @property
     def chunks(self) -> int:
         return self.layout.chunks
 

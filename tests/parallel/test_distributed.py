@@ -62,7 +62,7 @@ def check(case, per_rank_results, replicas=(0,)):
         assert result["receive_ahead"] is not case.get("ordered", False)
         # One machine, CPU stages on gloo: Unix sockets, unless told the process group.
         by_group = case.get("ordered") or case.get("transport") == "group"
-        assert result["transport"] == ("DistributedTransport" if by_group else "SocketTransport")
+        assert result["transport"] == ("group" if by_group else "sockets")
         merged.update(result["grads"])
         assert (
             relative_error(torch.tensor(result["losses"][-1], dtype=torch.float64), losses[0])

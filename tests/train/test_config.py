@@ -59,6 +59,7 @@ GIVEN = {
     "threads": (["--threads", "1"], 1),
     "cpu_allocator": (["--cpu-allocator", "cache"], "cache"),
     "timeout": (["--timeout", "30"], 30.0),
+    "transport": (["--transport", "group"], "group"),
     "init": (["--init", "random"], "random"),
     "model_config": (["--model-config", "n_layers=8"], "n_layers=8"),
     "family": (["--family", "causal-lm"], "causal-lm"),

@@ -87,6 +87,16 @@ def test_a_bad_key_or_value_names_the_key_the_file_and_the_remedy(tmp_path, text
     assert f"--config {file}: " in str(error.value) and expected in str(error.value)
 
 
+def test_a_value_outside_an_options_choices_is_named_with_them(tmp_path, capsys):
+    file = tmp_path / "run.toml"
+    file.write_text('transport = "tcp"\nschedule = "1F1B"\nsize = "tiny"\n')
+    assert main(["train", "--config", str(file), "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err
+    assert "--transport 'tcp': choose one of auto, sockets, group" in err
+    assert "--schedule '1F1B': choose one of gpipe, 1f1b," in err
+    assert not (tmp_path / "x").exists()
+
+
 def test_every_problem_of_a_file_is_listed_and_a_missing_file_is_named(tmp_path, capsys):
     file = tmp_path / "bad.toml"
     file.write_text('stagez = 2\nchunks = "4"\n')

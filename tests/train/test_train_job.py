@@ -89,15 +89,18 @@ def test_resuming_reproduces_the_uninterrupted_run_bitwise(tiny_run, in_process,
     middle = out / "checkpoints" / "step-000005"
     done = in_process(
         "train", "--resume", str(middle), "--out", str(resumed), "--sample-tokens", "0",
-        "--progress", "bar",
+        "--progress", "bar", "--transport", "group",
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert "resumed from step 5" in done.stdout
     assert "train ━" in done.stdout and "10/10 loss" in done.stdout  # rich's bar, at its end
     before, after = losses(out), losses(resumed)
     assert list(after) == list(range(1, 11))  # steps 1-5 carried over from the first run
-    # Same K, M and schedule on CPU: the same floating-point operations in the same order.
+    # Same K, M and schedule on CPU: the same floating-point operations in the same order,
+    # whatever carries the messages (the first run's sockets, gloo here).
     assert [after[s] for s in range(6, 11)] == [before[s] for s in range(6, 11)]
+    ran = [json.loads((run / "summary.json").read_text())["transport"] for run in (out, resumed)]
+    assert ran == ["sockets", "group"]
 
 
 @pytest.mark.slow

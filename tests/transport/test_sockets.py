@@ -42,9 +42,9 @@ def test_the_ranks_choose_the_transport_together():
     """Chosen by every rank at once: a rank told otherwise stops the build on every rank
     (never one rank on sockets and its peer on gloo, waiting for each other)."""
     chosen = launch(told_transports, 2, args=(["sockets", "sockets"],), timeout=60)
-    assert chosen == [{"transport": "SocketTransport"}] * 2
+    assert chosen == [{"transport": "sockets"}] * 2
     chosen = launch(told_transports, 2, args=(["group", "group"],), timeout=60)
-    assert chosen == [{"transport": "DistributedTransport"}] * 2
+    assert chosen == [{"transport": "group"}] * 2
     refused = launch(told_transports, 2, args=(["group", "auto"],), timeout=60)
     for outcome in refused:
         assert "given different transports (rank 0: 'group', rank 1: 'auto')" in outcome["error"]

@@ -17,6 +17,7 @@ import gpipe.train.hooks as hooks
 from gpipe import checkpoint as ckpt
 from gpipe.allocator import POLICIES
 from gpipe.layout import FLAGS, Layout
+from gpipe.parallel.group import TRANSPORTS
 from gpipe.remat import REMAT_MODES
 from gpipe.schedule import SCHEDULES
 from gpipe.train.hf import (
@@ -300,6 +301,12 @@ class TrainConfig:
         "starts with it; see gpipe.allocator", _PROCESSES, choices=POLICIES,
     )  # fmt: skip
     timeout: float = _option(120.0, "seconds a rank waits for another", _PROCESSES)
+    transport: str = _option(
+        "auto", "what carries messages between stages: 'auto' Unix sockets where every rank "
+        "is on this machine (the CPU's fastest), else the process group; 'sockets' or "
+        "'group' (gloo, NCCL) to insist; see Pipe(transport=...)", _PROCESSES,
+        choices=TRANSPORTS,
+    )  # fmt: skip
     # The model's own arguments (width, depth; a Hugging Face model's whole configuration):
     # from the preset or the --model folder, or the checkpoint on resume.
     model_args: dict[str, Any] = field(default_factory=dict)
@@ -579,8 +586,10 @@ def _problems(c: TrainConfig, start: int, world_size: int | None, *, fresh: bool
     ):
         if getattr(c, name) < 0:
             problems.append(f"{flag(name)} must be >= 0, got {getattr(c, name)}")
-    if c.cpu_allocator not in POLICIES:
-        problems.append(f"--cpu-allocator {c.cpu_allocator!r}: choose one of {', '.join(POLICIES)}")
+    for f in fields(TrainConfig):  # argparse checks a flag's choices, not a file's values
+        how, value = option(f), getattr(c, f.name)
+        if how is not None and how.choices is not None and value not in how.choices:
+            problems.append(f"{flag(f.name)} {value!r}: choose one of {', '.join(how.choices)}")
     if c.lr <= 0 or c.grad_clip < 0 or c.weight_decay < 0 or c.temperature <= 0:
         problems.append("--lr and --temperature must be > 0, --grad-clip and --weight-decay >= 0")
     problems += optimizer_problems(c, TrainConfig())

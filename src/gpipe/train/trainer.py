@@ -76,6 +76,7 @@ class Trainer:
             shard="all" if c.shard else None,
             init_seed=c.seed,
             timeout=c.timeout,
+            transport=c.transport,
         )
         if c.compile:
             compile_stages(self.pipe.stages)
@@ -249,6 +250,7 @@ class Trainer:
             f"{self.task.unit}_per_s": c.batch * self.task.samples() * len(warm) / sum(warm),
             "seconds": seconds,
             "bubble": None,
+            "transport": self.pipe.transport,
             **self.measured,
             "sample": sample,
         }

@@ -95,6 +95,8 @@ class DistributedTransport(PeerTransport):
     failed, and the receiver raises :class:`PipelineError` and passes the news on.
     """
 
+    kind = "group"  # what Pipe.transport says
+
     def __init__(
         self,
         schedule: Any,

@@ -15,6 +15,8 @@ __all__ = ["LocalTransport"]
 class LocalTransport:
     """Mailboxes for stages that all live in this process."""
 
+    kind = "local"  # what Pipe.transport says
+
     def __init__(self, devices: list[torch.device]) -> None:
         self._devices = devices  # device of each stage
         self._mailbox: dict[Message, Any] = {}

@@ -182,6 +182,7 @@ class SocketTransport(PeerTransport):
     docstring); built by ``gpipe.parallel.group`` where every rank's stages are on the CPU
     of one host. Collectives stay on the process group, but for the step's agreement."""
 
+    kind = "sockets"  # what Pipe.transport says
     receive_ahead = True  # whatever a peer sends is taken as soon as the rank reads
 
     def __init__(
