@@ -251,6 +251,10 @@ def _worker(
         dist.init_process_group(
             backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout)
         )
+        # gloo's init returns once this rank's side of each connection is made; a rank
+        # that then ran a quick fn and left would close a peer's connection while the peer
+        # still formed it ("connectFullMesh failed ... Connection closed by peer").
+        dist.barrier(device_ids=[rank] if backend == "nccl" else None)
         failure = "error"
         value = fn(rank, *args)
         # Pickled by value here: tensors sent through shared memory would vanish with
