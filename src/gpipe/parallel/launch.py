@@ -251,9 +251,7 @@ def _worker(
         dist.init_process_group(
             backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout)
         )
-        # gloo's init returns once this rank's side of each connection is made; a rank
-        # that then ran a quick fn and left would close a peer's connection while the peer
-        # still formed it ("connectFullMesh failed ... Connection closed by peer").
+        # init returns when this rank's side of gloo's mesh is made, not every peer's (launch)
         dist.barrier(device_ids=[rank] if backend == "nccl" else None)
         failure = "error"
         value = fn(rank, *args)
@@ -285,10 +283,12 @@ def launch(
     process group's; ``grace`` (default ``timeout + 10``) is how long the others may run
     on after a process has failed.
 
-    Gloo's full mesh of connections sometimes fails to form on a busy machine ("Gloo
-    connectFullMesh failed ... Connection closed by peer", pytorch/pytorch#53270): when
-    that is all any process reported (the group never formed, so ``fn`` can have done no
-    more than begin), the job is started once more on a fresh port, with a warning.
+    Every process passes a barrier once the group forms, before ``fn``: gloo's full mesh
+    fails ("Gloo connectFullMesh failed ... Connection closed by peer", pytorch/pytorch#53270)
+    when a peer leaves while a process still connects, as one whose ``fn`` returned at once
+    did. Should the mesh fail all the same, and that be all any process reported (the group
+    never formed, so ``fn`` can have done no more than begin), the job is started once more
+    on a fresh port, with a warning.
     """
     try:
         return _launch(fn, nprocs, args, backend, timeout, grace)

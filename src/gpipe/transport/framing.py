@@ -12,7 +12,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten, treespec_dumps, treespec_loads
 
 __all__ = [
-    "ALIGN", "HEADER", "History", "TensorMeta", "bytes_tensor", "flatten", "spec_text", "tensors",
+    "ALIGN", "HEADER", "History", "TensorMeta", "bytes_tensor", "flatten", "tensors",
 ]  # fmt: skip
 
 ALIGN = 64  # bytes: a cache line, so that vectorized kernels see aligned tensors
@@ -123,7 +123,7 @@ class History:
 
 
 @functools.lru_cache(maxsize=256)
-def spec_text(spec: Any) -> str:
+def _spec_text(spec: Any) -> str:
     # Serializing a tree spec costs ~0.1 ms; a pipeline sends the same few over and over.
     return treespec_dumps(spec)
 
@@ -138,15 +138,15 @@ def flatten(value: Any) -> tuple[list[Any], str]:
     if (kind is list or kind is tuple) and all(type(v) is torch.Tensor for v in value):
         return list(value), _sequence_text(kind, len(value))
     leaves, spec = tree_flatten(value)
-    return leaves, spec_text(spec)
+    return leaves, _spec_text(spec)
 
 
 @functools.lru_cache(maxsize=64)
 def _sequence_text(kind: type, n: int) -> str:
-    return treespec_dumps(tree_flatten(kind([0] * n))[1])
+    return _spec_text(tree_flatten(kind([0] * n))[1])
 
 
-_LEAF = treespec_dumps(tree_flatten(0)[1])
+_LEAF = _spec_text(tree_flatten(0)[1])
 
 
 def _flat_kind(spec: Any) -> type | None:
