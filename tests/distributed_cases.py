@@ -658,3 +658,42 @@ dist.Backend.register_backend(FLAKY_MESH, _flaky_mesh, devices=["cpu"])
 
 def rank_of(rank):
     return rank
+
+
+def _leaving_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4), nn.ReLU())
+
+
+def _leaving_batch():
+    generator = torch.Generator().manual_seed(1)
+    return torch.randn(4, 4, generator=generator), torch.randn(4, 4, generator=generator)
+
+
+def leaves_after_its_last_row(rank, wait):
+    """One 2-stage step over the sockets. Rank 1 sends its row of the step's agreement
+    ``wait`` s late, after rank 0 has read its last message; rank 0 reads that row only
+    ``3 * wait`` s after sending its own, by when rank 1, done, has left. The loss (rank
+    1's) and this rank's gradients by name."""
+    from gpipe.transport.sockets import _AGREEMENT, _HEADER
+
+    torch.set_num_threads(1)
+    pipe = gpipe.Pipe(_leaving_model(), balance=[2, 2], chunks=2, group=dist.group.WORLD,
+                      timeout=20, transport="sockets")  # fmt: skip
+    transport, write = pipe._transport, pipe._transport._write
+
+    def row_late(dst, parts):
+        row = _HEADER.unpack(parts[0])[0] == _AGREEMENT
+        if row and rank == 1:
+            time.sleep(wait)
+        write(dst, parts)
+        if row and rank == 0:
+            time.sleep(3 * wait)
+
+    transport._write = row_late
+    x, y = _leaving_batch()
+    loss = pipe.step(x, y, F.mse_loss, seed=3)
+    return {
+        "loss": None if loss is None else float(loss),
+        "grads": {name: p.grad.clone() for name, p in pipe.named_parameters()},
+    }

@@ -231,8 +231,7 @@ class SocketTransport(PeerTransport):
         """Raise the failure a peer announced, if one has (read without waiting)."""
         if not self._notices:
             for peer in self._inbound:
-                with contextlib.suppress(_PeerLost):
-                    self._pump(peer)
+                self._pump(peer)
         super().check_notices()
 
     def _watch(self, peer: int, events: int) -> None:
@@ -320,23 +319,31 @@ class SocketTransport(PeerTransport):
                 self._watch(writing, watched)
         for fd, happened in events:
             peer = self._by_fd[fd]
-            try:
-                self._pump(peer)
-                if happened & _GONE and self._inbound[peer].events == 0:
-                    # Its next step's message is held, and it hung up: it is gone all the same.
-                    raise _PeerLost(peer, ConnectionResetError("the connection was closed"))
-            except _PeerLost as lost:  # a dead peer's socket stays readable: stop polling it
-                self._inbound[peer].closed = lost
-                self._poll.unregister(self._links[peer])
-                if writing is not None and peer == writing:
-                    raise
+            self._pump(peer)
+            inbound = self._inbound[peer]
+            if inbound.closed is None and happened & _GONE and inbound.events == 0:
+                # Its next step's message is held, and it hung up: it is gone all the same.
+                self._lost(peer, _PeerLost(peer, ConnectionResetError("the connection was closed")))
+            if peer == writing and inbound.closed is not None:
+                raise inbound.closed
         return bool(events)
 
     def _pump(self, peer: int) -> None:
-        """Read whatever ``peer`` has sent, without waiting; keep each complete message."""
+        """Read whatever ``peer`` has sent, without waiting; keep each complete message. A
+        peer that left is marked ``closed`` once what it sent before is read: its last
+        messages and row count, the wait for a next one fails."""
+        if self._inbound[peer].closed is None:
+            try:
+                self._read(peer)
+            except _PeerLost as lost:
+                self._lost(peer, lost)
+
+    def _lost(self, peer: int, lost: _PeerLost) -> None:
+        self._inbound[peer].closed = lost
+        self._poll.unregister(self._links[peer])  # a dead peer's socket stays readable
+
+    def _read(self, peer: int) -> None:
         inbound = self._inbound[peer]
-        if inbound.closed is not None:
-            return
         link = inbound.link
         while True:
             if inbound.hold and _idle(inbound) and not self._row_or_notice_next(peer):
@@ -512,8 +519,9 @@ class SocketTransport(PeerTransport):
             while missing := [p for p, inbound in self._inbound.items() if not inbound.rows]:
                 for peer in missing:
                     self._pump(peer)
-                    if self._inbound[peer].closed is not None:
-                        raise _PeerLost(peer, self._inbound[peer].closed)
+                    inbound = self._inbound[peer]
+                    if not inbound.rows and inbound.closed is not None:
+                        raise _PeerLost(peer, inbound.closed)
                 if self.peer_gave_up():
                     raise ConnectionError(self._notices["message"])
                 arrived = any(self._inbound[p].rows for p in missing)
