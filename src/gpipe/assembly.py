@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
@@ -294,7 +294,8 @@ def _build_local(
     except Exception as error:
         failure = error
     said = None if failure is None else f"{type(failure).__name__}: {failure}"
-    everyone = ranks.gather((report, said), "what each rank built")
+    mine = None if report is None else asdict(report)  # plain values across processes
+    everyone = ranks.gather((mine, said), "what each rank built")
     if failure is not None:
         raise failure
     for rank, (_, message) in enumerate(everyone):
@@ -302,7 +303,7 @@ def _build_local(
             raise PipelineError(
                 f"rank {rank} could not build its stages, so no rank starts: {message}", rank=rank
             )
-    reports = [r for r, _ in everyone if r is not None]
+    reports = [LoadReport(**r) for r, _ in everyone if r is not None]
     if reports and not LoadReport.merged(reports).complete:
         if model.origin.strict:
             raise LoadReport.merged(reports).error()

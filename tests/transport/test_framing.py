@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import pickle
-
 import torch
 from torch.utils._pytree import tree_flatten, treespec_dumps
 
+from gpipe.transport.codec import encode
 from gpipe.transport.framing import ALIGN, History, TensorMeta, flatten
 
 
@@ -27,7 +26,7 @@ def test_a_packed_message_holds_every_dtype_and_shape_as_views():
         for x in leaves
     ]
     history = History()
-    history.update(pickle.dumps((treespec_dumps(spec), described)))
+    history.update(encode((treespec_dumps(spec), described)))
     tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
     packed = history.pack(0, tensors, torch.device("cpu"))
     assert packed[:8].view(torch.int64).item() == 0
@@ -57,6 +56,6 @@ def test_flatten_and_rebuild_are_pytree_s_own_for_every_kind_of_value():
         assert text == treespec_dumps(spec) and len(leaves) == len(expected_leaves), value
         assert all(a is b for a, b in zip(leaves, expected_leaves, strict=True)), value
         history = History()
-        history.update(pickle.dumps((text, [None] * len(leaves))))
+        history.update(encode((text, [None] * len(leaves))))
         rebuilt = history.rebuild(leaves)
         assert type(rebuilt) is type(value) and tree_flatten(rebuilt)[1] == spec, value

@@ -12,13 +12,13 @@ or fails because a peer left the group (gloo: "Connection reset by peer"), raise
 the timeout, the ranks that did not arrive (with two ranks, the other one; else "a peer":
 a collective does not tell who is missing), each by its global rank, and the remedy.
 
-Objects travel as pickled bytes in tensors, as in torch's ``all_gather_object``, whose
-object collectives take no timeout.
+Values travel as bytes in tensors, as in torch's ``all_gather_object`` (whose object
+collectives take no timeout), but never pickled: plain values only (``gpipe.transport.codec``),
+so that no peer's bytes are run.
 """
 
 from __future__ import annotations
 
-import pickle
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import AllgatherOptions  # not re-exported by dist
 
 from gpipe.errors import PipelineError
+from gpipe.transport.codec import decode, encode
 from gpipe.transport.inquest import blame
 
 __all__ = ["Collectives"]
@@ -189,12 +190,12 @@ class Collectives:
     # -- objects ------------------------------------------------------------------------------
 
     def all_gather_object(self, value: Any, operation: str, *, doing: str = "") -> list[Any]:
-        """Every rank's ``value`` (picklable), by group rank.
+        """Every rank's ``value`` (plain data: ``gpipe.transport.codec``), by group rank.
 
         Each rank writes its bytes into its own slice of a zeroed buffer and the buffers
         are summed: an all-reduce, whose options carry a timeout on every backend.
         """
-        data = torch.frombuffer(bytearray(pickle.dumps(value)), dtype=torch.uint8)
+        data = torch.frombuffer(bytearray(encode(value, operation)), dtype=torch.uint8)
         sizes = torch.zeros(self.size, dtype=torch.int64)
         sizes[self.rank] = len(data)
         sizes = self.all_reduce(sizes, operation, doing=doing)
@@ -203,16 +204,17 @@ class Collectives:
         slices[self.rank, : len(data)] = data
         slices = self.all_reduce(slices, operation, doing=doing)
         return [
-            pickle.loads(row[: int(size)].numpy().tobytes())
+            decode(row[: int(size)].numpy().tobytes())
             for row, size in zip(slices, sizes, strict=True)
         ]
 
     def broadcast_object(self, value: Any, operation: str, *, src: int = 0, doing: str = "") -> Any:
-        """Group rank ``src``'s ``value`` (picklable) on every rank."""
-        data = pickle.dumps(value) if self.rank == src else b""
+        """Group rank ``src``'s ``value`` (plain data: ``gpipe.transport.codec``) on every
+        rank."""
+        data = encode(value, operation) if self.rank == src else b""
         size = self.broadcast(torch.tensor([len(data)]), operation, src=src, doing=doing)
         buffer = torch.zeros(int(size), dtype=torch.uint8)
         if self.rank == src:
             buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         buffer = self.broadcast(buffer, operation, src=src, doing=doing)
-        return pickle.loads(buffer.numpy().tobytes())
+        return decode(buffer.numpy().tobytes())

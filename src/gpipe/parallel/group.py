@@ -37,7 +37,7 @@ from gpipe.parallel.collectives import Collectives
 from gpipe.parallel.tied import TiedParameters
 from gpipe.schedule.ir import Schedule
 from gpipe.schedule.routes import Routes
-from gpipe.transport import sockets
+from gpipe.transport import handshake
 from gpipe.transport.distributed import DistributedTransport
 from gpipe.transport.inquest import state
 from gpipe.transport.local import LocalTransport
@@ -93,7 +93,7 @@ class PipelineGroup(Protocol):
         """``choose()``, one answer for every rank."""
 
     def gather(self, value: Any, what: str) -> list[Any]:
-        """Every rank's ``value`` (picklable), by rank, while building: what each rank found
+        """Every rank's ``value`` (plain data), by rank, while building: what each rank found
         (``what`` names it in a timeout's error)."""
 
     def tie(self, tied: TiedParameters) -> None:
@@ -317,56 +317,14 @@ class MultiProcess:
     def _socket_links(
         self, schedule: Schedule, stage_devices: list[torch.device]
     ) -> dict[int, Any] | None:
-        """A Unix socket to every peer (``gpipe.transport.sockets``), where the pipeline can
-        use them and was not told otherwise: every rank on this machine, its stages on the
-        CPU, the group on gloo. None: the process group carries the messages."""
+        """A Unix socket to every peer, or None: the process group carries the messages
+        (``gpipe.transport.handshake``)."""
         # NCCL's order on gloo (receive_ahead=False) is the group's transport's alone.
         wanted = "group" if self.receive_ahead is False else self.wanted_transport
         mine = [stage_devices[s] for s in schedule.stages_of(self.rank)]
         on_cpu = self.backend == "gloo" and all(d.type == "cpu" for d in mine)
-        key = sockets.host_key() if on_cpu and wanted != "group" else None
-        listener, address = sockets.listen(self.num_ranks) if key is not None else (None, "")
-        # Every rank takes part, whatever it was told: the ranks decide together.
-        everyone = self.gather((wanted, key, address), "where each rank runs")
-        if {w for w, _, _ in everyone} != {wanted} or wanted == "group":
-            if listener is not None:
-                listener.close()
-            if wanted == "group" and all(w == "group" for w, _, _ in everyone):
-                return None
-            told = ", ".join(f"rank {r}: {w!r}" for r, (w, _, _) in enumerate(everyone))
-            raise PartitionError(
-                f"the ranks of this pipeline were given different transports ({told}); every "
-                "rank must run the same script with the same Pipe arguments (transport, "
-                "receive_ahead)"
-            )
-        problems = [
-            f"rank {rank} "
-            + ("has stages off the CPU or a group off gloo" if k is None else "runs elsewhere")
-            for rank, (_, k, _) in enumerate(everyone)
-            if k is None or k != everyone[0][1]
-        ]
-        links: dict[int, Any] = {}
-        if not problems:
-            try:
-                addresses = [a for _, _, a in everyone]
-                links = sockets.connect(listener, addresses, self.rank, self.timeout)
-            except OSError as error:
-                problems.append(f"rank {self.rank} could not connect its sockets: {error}")
-        elif listener is not None:
-            listener.close()
-        problems = [p for said in self.gather(problems, "the socket connections") for p in said]
-        if not problems:
-            return links
-        for link in links.values():
-            link.close()
-        if wanted == "sockets":
-            raise PartitionError(
-                "transport='sockets' needs every rank of the pipeline on one machine, its "
-                "stages on the CPU and the group on gloo: "
-                + "; ".join(dict.fromkeys(problems))
-                + "; use transport='auto' or 'group'"
-            )
-        return None
+        return handshake.links(wanted, on_cpu, self.rank, self.num_ranks, self.timeout,
+                               self.gather)  # fmt: skip
 
     # -- what every rank must agree on ----------------------------------------------------
 

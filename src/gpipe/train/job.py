@@ -118,7 +118,8 @@ def run_under_torchrun(config: TrainConfig) -> dict[str, Any] | None:
     try:
         # Every rank resolved the same options; only rank 0's clock named the output folder.
         everyone = world_collectives(config.timeout)
-        config = everyone.broadcast_object(config, "the broadcast of rank 0's options")
+        options = everyone.broadcast_object(asdict(config), "the broadcast of rank 0's options")
+        config = TrainConfig(**options)
         if rank == 0:
             prepare(config)
         everyone.barrier("the barrier after preparing the data", doing="starting")

@@ -37,6 +37,7 @@ from gpipe.errors import NonFiniteError
 from gpipe.parallel.launch import threads_per_process
 from gpipe.parallel.mesh import Mesh
 from gpipe.parallel.sharded import sharded_optimizer_state
+from gpipe.schedule.actions import Action, TimedAction
 from gpipe.train.compiling import compile_stages, split_backward_note
 from gpipe.train.config import TrainConfig, model_spec, num_layers
 from gpipe.train.report import Metrics, Reporter, TensorBoard, plot_losses, write_json
@@ -352,8 +353,10 @@ class Trainer:
 
     def _save_timeline(self) -> float | None:
         """Rank 0 saves the traced step's timeline; returns its measured bubble fraction."""
-        traces = self.mesh.pipeline.all_gather_object(self.pipe.last_trace, "the timeline gather")
-        events = [e for trace in traces for e in trace]
+        # Plain values across processes: each action as its text, "F3@1"
+        mine = [(e.rank, str(e.action), e.start, e.end) for e in self.pipe.last_trace]
+        traces = self.mesh.pipeline.all_gather_object(mine, "the timeline gather")
+        events = [TimedAction(r, Action.parse(a), s, e) for t in traces for r, a, s, e in t]
         if self.rank != 0:
             return None
         start, end = min(e.start for e in events), max(e.end for e in events)

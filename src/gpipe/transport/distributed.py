@@ -6,7 +6,6 @@ The one story of how receives are posted is :class:`DistributedTransport`'s docs
 from __future__ import annotations
 
 import contextlib
-import pickle
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -19,11 +18,14 @@ import torch
 from gpipe.errors import PipelineError
 from gpipe.schedule.comm_plan import receive_points
 from gpipe.schedule.routes import Message, Routes
+from gpipe.transport.codec import CodecError
 from gpipe.transport.framing import (
     HEADER,
     History,
     TensorMeta,
     bytes_tensor,
+    notice,
+    read_notice,
     tensors,
 )
 from gpipe.transport.peers import PeerTransport
@@ -57,7 +59,7 @@ class DistributedTransport(PeerTransport):
     """Point-to-point transport between processes through ``torch.distributed``.
 
     Every message to another rank is framed as an ``int64`` header (``framing.HEADER``), the
-    pickled description of the value (its structure, and each tensor's dtype, shape and
+    encoded description of the value (its structure, and each tensor's dtype, shape and
     ``requires_grad``) when it differs from the last time this message was sent, then the
     tensors themselves. Shapes may therefore change from step to step.
 
@@ -319,7 +321,7 @@ class DistributedTransport(PeerTransport):
                 self._wait(received, src, message)
                 data = meta.cpu().numpy().tobytes()
                 if size < 0:
-                    failure = pickle.loads(data)
+                    failure = _notice_of(data, src)
                     raise PipelineError(failure["message"], rank=failure["rank"],
                                         global_rank=failure.get("global_rank"))  # fmt: skip
                 history.update(data)
@@ -366,7 +368,7 @@ class DistributedTransport(PeerTransport):
 
     def announce_failure(self, description: dict) -> None:
         """Tell every peer still expecting a message from this rank in this step."""
-        meta = pickle.dumps(description)
+        meta = notice(description)
         for dst, sequence in self._outgoing.items():
             position = self._sent.get(dst, 0)
             if position >= len(sequence):
@@ -378,10 +380,9 @@ class DistributedTransport(PeerTransport):
             with contextlib.suppress(Exception):
                 self._post(dst, frames, self._meta_group, position)
         # And every peer, which may be waiting for its sends to this rank to complete.
-        text = pickle.dumps({**description, "message": description["message"][:3000]})
         frame = torch.zeros(_NOTICE_BYTES, dtype=torch.uint8)
-        frame[:8].view(torch.int64)[0] = len(text)
-        frame[8 : 8 + len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
+        frame[:8].view(torch.int64)[0] = len(meta)
+        frame[8 : 8 + len(meta)] = torch.frombuffer(bytearray(meta), dtype=torch.uint8)
         for peer in range(self.schedule.num_ranks):
             if peer != self.rank:
                 with contextlib.suppress(Exception):
@@ -400,7 +401,17 @@ def _wait_for_notice(work: Any, frame: torch.Tensor, notices: dict[str, Any]) ->
     except Exception:
         return
     length = int(frame[:8].view(torch.int64).item())
-    notices.update(pickle.loads(frame[8 : 8 + length].numpy().tobytes()))
+    notices.update(_notice_of(frame[8 : 8 + length].numpy().tobytes(), None))
+
+
+def _notice_of(data: bytes, src: int | None) -> dict[str, Any]:
+    """A peer's failure notice, or one that says it could not be read."""
+    try:
+        return read_notice(data)
+    except CodecError as error:
+        who = "a peer" if src is None else f"rank {src}"
+        return {"rank": src, "message": f"{who} failed, and its notice is not gpipe's wire "
+                f"format ({error})"}  # fmt: skip
 
 
 def _gloo_twin(group: Any) -> Any:

@@ -1,18 +1,20 @@
-"""How one message looks on the wire: header, description, tensors (packed when stable)."""
+"""How one message looks on the wire: header, description, tensors (packed when stable); and
+a failure notice. Descriptions and notices are plain values (``gpipe.transport.codec``)."""
 
 from __future__ import annotations
 
 import functools
 import math
-import pickle
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten, treespec_dumps, treespec_loads
 
+from gpipe.transport.codec import CodecError, TensorMeta, decode, encode
+
 __all__ = [
-    "ALIGN", "HEADER", "History", "TensorMeta", "bytes_tensor", "flatten", "tensors",
+    "ALIGN", "HEADER", "History", "TensorMeta", "bytes_tensor", "flatten", "notice", "read_notice",
+    "tensors",
 ]  # fmt: skip
 
 ALIGN = 64  # bytes: a cache line, so that vectorized kernels see aligned tensors
@@ -20,13 +22,7 @@ ALIGN = 64  # bytes: a cache line, so that vectorized kernels see aligned tensor
 # failure), and how many of the peer's messages of the step this rank has posted receives
 # for (``gpipe.transport.sender``).
 HEADER = 2
-
-
-@dataclass(frozen=True)
-class TensorMeta:
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    requires_grad: bool
+_NOTICE_TEXT = 3000  # bytes of a failure notice's message (its start names the cause)
 
 
 class History:
@@ -45,14 +41,15 @@ class History:
         self._decoded: Any = None
         self._flat: type | None = None  # the decoded spec's: a leaf (object), list or tuple
         self._layout: Any = None
-        self._described: tuple[Any, bytes] | None = None  # sender: (description, pickled)
+        self._described: tuple[Any, bytes] | None = None  # sender: (description, encoded)
 
     def describe(self, spec: str, described: list[Any]) -> bytes:
         """A message's description (its tree spec's text, its leaves with a ``TensorMeta``
-        for each tensor), pickled; not pickled again while it stays the same."""
+        for each tensor), encoded; not encoded again while it stays the same. A leaf that
+        cannot cross processes raises :class:`~gpipe.transport.codec.CodecError`."""
         key = (spec, described)
         if self._described is None or self._described[0] != key:
-            self._described = (key, pickle.dumps(key))
+            self._described = (key, encode((_checked(spec), described)))
         return self._described[1]
 
     def update(self, meta: bytes) -> None:
@@ -64,8 +61,8 @@ class History:
     def decoded(self) -> tuple[Any, list[Any]]:
         """(tree spec, leaves with a ``TensorMeta`` for each tensor) of the last message."""
         if self._decoded is None:
-            spec, described = pickle.loads(self.last)
-            self._decoded = (treespec_loads(spec), described)
+            spec, described = _description(self.last)
+            self._decoded = (treespec_loads(_checked(spec)), described)
             self._flat = _flat_kind(self._decoded[0])
         return self._decoded
 
@@ -156,6 +153,37 @@ def _flat_kind(spec: Any) -> type | None:
     if spec.type in (list, tuple) and all(c.is_leaf() for c in spec.children()):
         return spec.type
     return None
+
+
+def _checked(spec: str) -> str:
+    # Loading a spec with an enum in it imports the module it names: none crosses processes.
+    if "__enum__" in spec:
+        raise CodecError(f"a tree spec with an enum in it cannot cross processes: {spec[:200]}")
+    return spec
+
+
+def _description(data: bytes) -> tuple[str, list[Any]]:
+    value = decode(data)
+    if not (type(value) is tuple and len(value) == 2 and type(value[0]) is str
+            and type(value[1]) is list):  # fmt: skip
+        raise CodecError(f"not a message's description: {type(value).__name__}")
+    return value
+
+
+def notice(description: dict[str, Any]) -> bytes:
+    """A failure notice on the wire: ``rank``, ``global_rank``, ``message`` (its first
+    ``_NOTICE_TEXT`` bytes), ``gave_up`` when the rank left the pipeline."""
+    text = description["message"].encode()[:_NOTICE_TEXT].decode(errors="ignore")
+    return encode({**description, "message": text}, "a failure notice")
+
+
+def read_notice(data: bytes | memoryview) -> dict[str, Any]:
+    """A peer's failure notice; :class:`~gpipe.transport.codec.CodecError` if it is none."""
+    said = decode(data)
+    if not (type(said) is dict and type(said.get("message")) is str
+            and type(said.get("rank")) is int):  # fmt: skip
+        raise CodecError(f"not a failure notice: {str(said)[:200]}")
+    return said
 
 
 def tensors(leaves: list[Any]) -> list[torch.Tensor]:

@@ -9,16 +9,20 @@ the ranks it waited on: a rank that failed by itself is the cause, with its own 
 rank that left no statement within a short grace (``grace``) stalled or died. The grace is
 paid only on a failure, once per rank; a step that succeeds never touches the store.
 
-Ranks are global (the store is the whole job's), as a user knows them.
+Ranks are global (the store is the whole job's), as a user knows them. Statements are plain
+values (``gpipe.transport.codec``): any process that reaches the store can write there, and
+what is not a statement is ignored, with a warning.
 """
 
 from __future__ import annotations
 
-import pickle
 import time
+import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
+
+from gpipe.transport.codec import CodecError, decode, encode
 
 __all__ = ["Verdict", "blame", "grace", "said_by", "state"]
 
@@ -55,7 +59,7 @@ def state(rank: int, waits_on: Iterable[int], what: str) -> None:
         return
     # The store's host may have died with its process: then there is no one to tell.
     try:
-        store.set(_PREFIX + str(rank), pickle.dumps((time.time(), tuple(waits_on), what)))
+        store.set(_PREFIX + str(rank), encode((time.time(), tuple(waits_on), what)))
     except Exception:
         _gone.append(True)
 
@@ -162,8 +166,25 @@ def _read(store: Any, rank: int, since: float) -> tuple[tuple[int, ...], str] | 
     try:
         if not store.check([key]):
             return None
-        written, waits_on, what = pickle.loads(store.get(key))
+        data = store.get(key)
     except Exception as error:
         _gone.append(True)  # torch logs each failed call: try no more in this process
         raise _StoreGone from error
-    return (tuple(waits_on), what) if written >= since else None
+    try:
+        written, waits_on, what = _statement(data)
+    except CodecError as error:
+        warnings.warn(f"gpipe: the job's store holds something else than rank {rank}'s "
+                      f"statement under {key!r}, ignored ({error}): another process wrote "
+                      "there (the store takes any connection: docs/reliability.md)",
+                      RuntimeWarning, stacklevel=2)  # fmt: skip
+        return None
+    return (waits_on, what) if written >= since else None
+
+
+def _statement(data: bytes) -> tuple[float, tuple[int, ...], str]:
+    said = decode(data)
+    if not (type(said) is tuple and len(said) == 3 and type(said[0]) is float
+            and type(said[1]) is tuple and all(type(r) is int for r in said[1])
+            and type(said[2]) is str):  # fmt: skip
+        raise CodecError(f"not a statement: {str(said)[:200]}")
+    return said

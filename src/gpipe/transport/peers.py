@@ -12,6 +12,7 @@ from gpipe._utils import to_device
 from gpipe.errors import PipelineError
 from gpipe.schedule.comm_plan import wire_order
 from gpipe.schedule.routes import Message, Routes
+from gpipe.transport.codec import CodecError
 from gpipe.transport.framing import History, TensorMeta, flatten
 from gpipe.transport.inquest import blame, said_by
 
@@ -86,7 +87,7 @@ class PeerTransport:
         self, dst: int, message: Message, value: Any
     ) -> tuple[History, bytes, int, list[torch.Tensor]]:
         """``message`` to rank ``dst`` as it goes on the wire: its history on that wire, its
-        description (pickled only when it changed), the size the header says (0: described
+        description (encoded only when it changed), the size the header says (0: described
         as last time), and its tensors (contiguous). Update the history once it is sent."""
         leaves, spec = flatten(value)
         described = [
@@ -97,7 +98,11 @@ class PeerTransport:
         ]
         payload = [leaf.detach().contiguous() for leaf in leaves if isinstance(leaf, torch.Tensor)]
         history = self._sent_meta.setdefault(self._key(dst, message), History())
-        meta = history.describe(spec, described)
+        try:
+            meta = history.describe(spec, described)
+        except CodecError as error:  # on the sending side, where the value was made
+            raise CodecError(f"the {message.channel} of micro-batch {message.microbatch} for "
+                             f"stage {message.stage}: {error}") from None  # fmt: skip
         return history, meta, 0 if meta == history.last else len(meta), payload
 
     def prepare(self, action: Any) -> None:

@@ -30,14 +30,10 @@ once.
 from __future__ import annotations
 
 import contextlib
-import os
-import pickle
 import select
 import socket
 import struct
-import sys
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,83 +42,19 @@ import torch
 
 from gpipe.errors import PipelineError
 from gpipe.schedule.routes import Message, Routes
-from gpipe.transport.framing import History, TensorMeta
+from gpipe.transport.codec import CodecError
+from gpipe.transport.framing import History, TensorMeta, notice, read_notice
 from gpipe.transport.peers import PeerTransport
 
-__all__ = ["SocketTransport", "connect", "host_key", "listen"]
+__all__ = ["SocketTransport"]
 
 _HEADER = struct.Struct("<qq")  # position in the sender's sequence to this peer; description size
 _NOTICE = -1  # the position of a failure notice, which may come in place of any message
 _AGREEMENT = -2  # the position of a rank's row of the step's agreement, after its messages
 _START = -3  # the position of rank 0's row of the step's seed, before its messages
-_BUFFER = 4 << 20  # bytes of kernel buffer asked for each way (the system may cap it)
 _MAX_PARTS = 512  # buffers per sendmsg call (the system's limit is 1024)
 _READ = select.POLLIN | select.POLLPRI | select.POLLHUP | select.POLLERR
 _GONE = select.POLLHUP | select.POLLERR  # reported whatever the poll watches for
-
-
-def host_key() -> tuple[str, ...] | None:
-    """What processes must share to reach each other's abstract Unix sockets: the machine
-    (host name and boot) and the network namespace; None where there are none (not Linux)."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as boot:
-            boot_id = boot.read().strip()
-        namespace = os.stat("/proc/self/ns/net").st_ino
-    except OSError:
-        return None
-    return (socket.gethostname(), boot_id, str(namespace))
-
-
-def listen(num_ranks: int) -> tuple[socket.socket, str]:
-    """A listening socket for this rank's peers, and its (abstract) address."""
-    address = f"\0gpipe/{uuid.uuid4().hex}"
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(address)
-    listener.listen(max(num_ranks, 1))
-    return listener, address
-
-
-def connect(
-    listener: socket.socket, addresses: list[str], rank: int, timeout: float
-) -> dict[int, socket.socket]:
-    """Connect this rank with every other: it calls every lower rank's listener, and takes
-    the calls of the higher ones (each says its rank first). Raises ``OSError`` if that
-    does not complete within ``timeout`` seconds."""
-    links: dict[int, socket.socket] = {}
-    try:
-        for peer in range(rank):
-            link = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            link.settimeout(timeout)
-            link.connect(addresses[peer])
-            link.sendall(struct.pack("<q", rank))
-            links[peer] = link
-        deadline = time.monotonic() + timeout
-        while len(links) < len(addresses) - 1:
-            listener.settimeout(max(deadline - time.monotonic(), 0.001))
-            link, _ = listener.accept()
-            link.settimeout(max(deadline - time.monotonic(), 0.001))
-            hello = b""
-            while len(hello) < 8:
-                part = link.recv(8 - len(hello))
-                if not part:
-                    raise ConnectionError("a peer closed its connection before saying its rank")
-                hello += part
-            (peer,) = struct.unpack("<q", hello)
-            links[peer] = link
-    except BaseException:
-        for link in links.values():
-            link.close()
-        raise
-    finally:
-        listener.close()
-    for link in links.values():
-        link.setblocking(False)
-        with contextlib.suppress(OSError):
-            link.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _BUFFER)
-            link.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _BUFFER)
-    return links
 
 
 def _bytes_of(tensor: torch.Tensor) -> memoryview:
@@ -376,7 +308,7 @@ class SocketTransport(PeerTransport):
         if size < 0:  # a failure: what it says, then raise it
             meta = bytearray(-size)
             inbound.parts = [memoryview(meta)]
-            inbound.on_full = lambda: self._noticed(peer, pickle.loads(meta))
+            inbound.on_full = lambda: self._noticed(peer, meta)
             return
         if position in (_AGREEMENT, _START):
             row = torch.empty(size, dtype=torch.uint8)
@@ -427,11 +359,16 @@ class SocketTransport(PeerTransport):
         else:
             complete()
 
-    def _noticed(self, peer: int, notice: dict[str, Any]) -> None:
+    def _noticed(self, peer: int, data: bytearray) -> None:
         """A peer's failure notice: raise it, and on every later check (while the rank
         gathers the step's agreement, only if nobody is left to agree with)."""
         self._expect_header(peer)
         me, other = self._global(self.rank), self._global(peer)
+        try:
+            notice = read_notice(data)
+        except CodecError as error:
+            notice = {"rank": peer, "global_rank": other, "message": f"rank {me}: rank {other} "
+                      f"failed, and its notice is not gpipe's wire format ({error})"}  # fmt: skip
         if notice.get("global_rank") == me and peer != self.rank:
             # It gave up waiting on this rank (which stalled): say so, in its words.
             notice = {**notice, "rank": peer, "global_rank": other,
@@ -539,11 +476,11 @@ class SocketTransport(PeerTransport):
     def announce_failure(self, description: dict) -> None:
         """Tell every peer (each may be waiting on this rank, directly or not), after the
         rest of any frame a failure interrupted; for at most a second."""
-        text = pickle.dumps({**description, "message": description["message"][:3000]})
-        notice = [memoryview(_HEADER.pack(_NOTICE, -len(text))), memoryview(text)]
+        text = notice(description)
+        frame = [memoryview(_HEADER.pack(_NOTICE, -len(text))), memoryview(text)]
         deadline = time.monotonic() + min(1.0, self.timeout)
         for peer, link in self._links.items():
-            parts = [*self._unsent.pop(peer, []), *notice]
+            parts = [*self._unsent.pop(peer, []), *frame]
             with contextlib.suppress(OSError, PipelineError, _PeerLost):
                 while parts and time.monotonic() < deadline:
                     try:

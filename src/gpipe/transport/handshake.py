@@ -1,0 +1,249 @@
+"""How the ranks of one machine connect their sockets (``gpipe.transport.sockets``), and who may.
+
+The sockets are abstract Unix sockets: no file, no permission bits, and their names are
+listed in ``/proc/net/unix`` for anyone to see. So a rank's listener takes a connection only
+from a process of the same user (``SO_PEERCRED``, where the system tells) that presents the
+listener's token: 32 random bytes shared with the other ranks through the process group's
+own all-gather (never through the job's store, which anyone who reaches its port can read),
+compared in constant time. Anything else is closed and reported (a warning naming its user
+and process), and the listener keeps waiting for its genuine peers within the timeout: a
+stranger cannot take a rank's place, nor change the transport. If the peers do not all
+connect, the build fails, naming the strangers.
+
+:func:`links` is where the ranks decide together which transport carries the messages.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import logging
+import os
+import secrets
+import socket
+import struct
+import sys
+import time
+import uuid
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+from gpipe.errors import PartitionError, PipelineError
+
+__all__ = ["RefusedConnection", "connect", "host_key", "links", "listen"]
+
+_HELLO = struct.Struct("<q32s")  # the caller's rank, the listener's token
+_BUFFER = 4 << 20  # bytes of kernel buffer asked for each way (the system may cap it)
+_log = logging.getLogger(__name__)
+
+
+class RefusedConnection(ConnectionError):
+    """A rank's peers did not all connect, and processes not of the job tried to."""
+
+
+def host_key() -> tuple[str, ...] | None:
+    """What processes must share to reach each other's abstract Unix sockets: the machine
+    (host name and boot) and the network namespace; None where there are none (not Linux)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as boot:
+            boot_id = boot.read().strip()
+        namespace = os.stat("/proc/self/ns/net").st_ino
+    except OSError:
+        return None
+    return (socket.gethostname(), boot_id, str(namespace))
+
+
+def listen(num_ranks: int) -> tuple[socket.socket, str, bytes]:
+    """A listening socket for this rank's peers, its (abstract) address, and its token.
+    The backlog is the system's largest, so that strangers calling do not fill it."""
+    address = f"\0gpipe/{uuid.uuid4().hex}"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        listener.bind(address)
+        listener.listen(max(num_ranks, socket.SOMAXCONN))
+    except OSError:
+        listener.close()
+        raise
+    return listener, address, secrets.token_bytes(32)
+
+
+def connect(
+    listener: socket.socket, peers: list[tuple[str, bytes]], rank: int, timeout: float
+) -> dict[int, socket.socket]:
+    """Connect this rank with every other (``peers``: each rank's address and token): it
+    calls every lower rank's listener, and takes the calls of the higher ones, each of which
+    says its rank and this listener's token. Raises :class:`RefusedConnection` if strangers
+    called and the peers did not all, ``OSError`` if that does not complete within
+    ``timeout`` seconds for another reason."""
+    links: dict[int, socket.socket] = {}
+    strangers: list[str] = []
+    try:
+        deadline = time.monotonic() + timeout
+        for peer in range(rank):
+            link = _call(peers[peer][0], deadline)
+            if (stranger := _stranger(link)) is not None:  # the name was taken before ours
+                raise ConnectionError(f"rank {peer}'s socket is held by {stranger}")
+            link.sendall(_HELLO.pack(rank, peers[peer][1]))
+            links[peer] = link
+        while len(links) < len(peers) - 1:
+            listener.settimeout(max(deadline - time.monotonic(), 0.001))
+            try:
+                link, _ = listener.accept()
+            except TimeoutError as error:
+                if strangers:
+                    raise RefusedConnection(_refused(rank, strangers)) from error
+                raise
+            peer = _hello(link, peers[rank][1], rank, len(peers), deadline)
+            if isinstance(peer, str) or peer in links:
+                stranger = peer if isinstance(peer, str) else f"a second rank {peer}"
+                strangers.append(stranger)
+                warnings.warn(f"gpipe: rank {rank} refused a connection to its socket from "
+                              f"{stranger}", RuntimeWarning, stacklevel=2)  # fmt: skip
+                link.close()
+                continue
+            links[peer] = link
+    except BaseException:
+        for link in links.values():
+            link.close()
+        raise
+    finally:
+        listener.close()
+    for link in links.values():
+        link.setblocking(False)
+        with contextlib.suppress(OSError):
+            link.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _BUFFER)
+            link.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _BUFFER)
+    return links
+
+
+def _call(address: str, deadline: float) -> socket.socket:
+    """A socket connected to ``address``, trying again while its backlog is full (strangers
+    calling too: the listener closes on them)."""
+    while True:
+        link = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        link.settimeout(max(deadline - time.monotonic(), 0.001))
+        try:
+            link.connect(address)
+            return link
+        except BlockingIOError:
+            link.close()
+            if time.monotonic() >= deadline:
+                raise TimeoutError("its listener took no call (its backlog stayed full)") from None
+            time.sleep(0.005)
+
+
+def _credentials(link: socket.socket) -> tuple[int, int] | None:
+    """(pid, uid) of the process at the other end; None where the system does not tell."""
+    option = getattr(socket, "SO_PEERCRED", None)
+    if option is None:
+        return None
+    try:
+        pid, uid, _ = struct.unpack("3i", link.getsockopt(socket.SOL_SOCKET, option, 12))
+    except OSError:
+        return None
+    return pid, uid
+
+
+def _stranger(link: socket.socket) -> str | None:
+    """Who is at the other end, if not a process of this user (None also where the system
+    does not tell: the token decides alone)."""
+    known = _credentials(link)
+    if known is None or known[1] == os.geteuid():
+        return None
+    return f"uid {known[1]} (pid {known[0]}), not this job's user"
+
+
+def _hello(link: socket.socket, token: bytes, rank: int, size: int, deadline: float) -> int | str:
+    """The rank a caller says it is, or who it is when it is no rank of this job."""
+    if (stranger := _stranger(link)) is not None:
+        return stranger
+    link.settimeout(max(deadline - time.monotonic(), 0.001))
+    hello = b""
+    with contextlib.suppress(OSError):
+        while len(hello) < _HELLO.size and (part := link.recv(_HELLO.size - len(hello))):
+            hello += part
+    pid = (_credentials(link) or ("unknown",))[0]
+    if len(hello) < _HELLO.size:
+        return f"pid {pid}, which did not say its rank and token"
+    peer, said = _HELLO.unpack(hello)
+    if not hmac.compare_digest(said, token):
+        return f"pid {pid}, which did not present the job's token"
+    return peer if rank < peer < size else f"pid {pid}, which said it is rank {peer}"
+
+
+def _refused(rank: int, strangers: list[str]) -> str:
+    return (
+        f"rank {rank} refused connections to its socket from processes not of this job "
+        f"({'; '.join(strangers)}), and its peers did not all connect"
+    )
+
+
+def links(
+    wanted: str,
+    on_cpu: bool,
+    rank: int,
+    num_ranks: int,
+    timeout: float,
+    gather: Callable[[Any, str], list[Any]],
+) -> dict[int, socket.socket] | None:
+    """A Unix socket to every peer, where the pipeline can use them and was not told
+    otherwise (``wanted``: 'auto', 'sockets' or 'group'): every rank on this machine, its
+    stages on the CPU (``on_cpu``, the group on gloo). None: the process group carries the
+    messages. Every rank takes part, whatever it was told: the ranks decide together
+    (``gather``: one bounded all-gather of the group)."""
+    key = host_key() if on_cpu and wanted != "group" else None
+    listener, address, token, cannot = None, "", b"", None
+    if key is not None:
+        try:
+            listener, address, token = listen(num_ranks)
+        except OSError as error:
+            key, cannot = None, f"cannot open a Unix socket here ({error})"
+    everyone = gather((wanted, key, address, token, cannot), "where each rank runs")
+    if {told for told, *_ in everyone} != {wanted} or wanted == "group":
+        if listener is not None:
+            listener.close()
+        if wanted == "group" and all(told == "group" for told, *_ in everyone):
+            return None
+        told = ", ".join(f"rank {r}: {w!r}" for r, (w, *_) in enumerate(everyone))
+        raise PartitionError(
+            f"the ranks of this pipeline were given different transports ({told}); every "
+            "rank must run the same script with the same Pipe arguments (transport, "
+            "receive_ahead)"
+        )
+    unavailable = [
+        f"rank {r} "
+        + (c or ("runs elsewhere" if k else "has stages off the CPU or a group off gloo"))
+        for r, (_, k, _, _, c) in enumerate(everyone)
+        if k is None or k != everyone[0][1]
+    ]
+    formed, failed = {}, ""
+    if not unavailable:
+        try:
+            formed = connect(listener, [(a, t) for _, _, a, t, _ in everyone], rank, timeout)
+        except OSError as error:
+            failed = f"rank {rank} could not connect its sockets: {error}"
+    elif listener is not None:
+        listener.close()
+    failures = [f for f in gather(failed, "the socket connections") if f]
+    if not failures and not unavailable:
+        return formed
+    for link in formed.values():
+        link.close()
+    if failures:  # on one machine, sockets that should work did not: never a silent switch
+        raise PipelineError(
+            f"rank {rank}: the same-host sockets did not form: {'; '.join(failures)}; if a "
+            "process not of this job connected, find it (its pid); or use transport='group'"
+        )
+    if wanted == "sockets":
+        raise PartitionError(
+            "transport='sockets' needs every rank of the pipeline on one machine, its "
+            "stages on the CPU and the group on gloo: "
+            + "; ".join(dict.fromkeys(unavailable))
+            + "; use transport='auto' or 'group'"
+        )
+    if rank == 0:
+        _log.info("transport='auto' uses the process group: %s", "; ".join(unavailable))
+    return None
