@@ -27,6 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
 from fault_cases import carries_on, faulty_in  # noqa: E402
+from fault_security import SECTION, rows_security  # noqa: E402
 
 from distributed_cases import (  # noqa: E402
     data_parallel_fault,
@@ -643,7 +644,7 @@ def main() -> None:
     else:
         rows = rows_library() + rows_stalls(work) + rows_signals(work) + rows_signals_more(work)
         rows += rows_torchrun(work) + rows_checkpoints(work) + rows_kill_while_saving(work)
-        rows += rows_refused(work) + rows_errors(work)
+        rows += rows_refused(work) + rows_errors(work) + rows_security(work)
     shutil.rmtree(work, ignore_errors=True)
     lines = [
         "| case | promise | every rank raised (s) | whole run, start-up included (s) | outcome | "
@@ -686,7 +687,7 @@ def main() -> None:
             "outcome what it prints now (`gpipe.transport.inquest`; the grace for a rank's "
             "statement is half the timeout, at most 4.5 s).\n\n"
             "Regenerate: `python benchmarks/faults.py --out docs/reliability.md` (the last rows "
-            "alone: `--only-errors`)\n\n" + "\n".join(lines) + f"\n\n{summary}\n"
+            "alone: `--only-errors`)\n\n" + "\n".join(lines) + f"\n\n{summary}\n" + SECTION
         )
 
 

@@ -91,10 +91,10 @@ def test_a_planted_description_or_notice_runs_nothing(tmp_path):
     history.update(planted)
     with pytest.raises(CodecError):
         history.decoded  # noqa: B018 (the property decodes)
-    with pytest.raises(CodecError):
-        read_notice(planted)
+    said = read_notice(planted, 1, "rank 3")
+    assert said["rank"] == 1 and "rank 3 failed; its failure notice is not" in said["message"]
     assert not marker.exists()
-    said = read_notice(notice({"rank": 1, "global_rank": 3, "message": "é" * 5000}))
+    said = read_notice(notice({"rank": 1, "global_rank": 3, "message": "é" * 5000}), 0, "")
     assert said["rank"] == 1 and len(said["message"].encode()) <= 3000
 
 

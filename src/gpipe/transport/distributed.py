@@ -18,7 +18,6 @@ import torch
 from gpipe.errors import PipelineError
 from gpipe.schedule.comm_plan import receive_points
 from gpipe.schedule.routes import Message, Routes
-from gpipe.transport.codec import CodecError
 from gpipe.transport.framing import (
     HEADER,
     History,
@@ -321,7 +320,7 @@ class DistributedTransport(PeerTransport):
                 self._wait(received, src, message)
                 data = meta.cpu().numpy().tobytes()
                 if size < 0:
-                    failure = _notice_of(data, src)
+                    failure = read_notice(data, src, f"rank {self._global(src)}")
                     raise PipelineError(failure["message"], rank=failure["rank"],
                                         global_rank=failure.get("global_rank"))  # fmt: skip
                 history.update(data)
@@ -401,17 +400,7 @@ def _wait_for_notice(work: Any, frame: torch.Tensor, notices: dict[str, Any]) ->
     except Exception:
         return
     length = int(frame[:8].view(torch.int64).item())
-    notices.update(_notice_of(frame[8 : 8 + length].numpy().tobytes(), None))
-
-
-def _notice_of(data: bytes, src: int | None) -> dict[str, Any]:
-    """A peer's failure notice, or one that says it could not be read."""
-    try:
-        return read_notice(data)
-    except CodecError as error:
-        who = "a peer" if src is None else f"rank {src}"
-        return {"rank": src, "message": f"{who} failed, and its notice is not gpipe's wire "
-                f"format ({error})"}  # fmt: skip
+    notices.update(read_notice(frame[8 : 8 + length].numpy().tobytes(), None, "a peer"))
 
 
 def _gloo_twin(group: Any) -> Any:

@@ -177,12 +177,17 @@ def notice(description: dict[str, Any]) -> bytes:
     return encode({**description, "message": text}, "a failure notice")
 
 
-def read_notice(data: bytes | memoryview) -> dict[str, Any]:
-    """A peer's failure notice; :class:`~gpipe.transport.codec.CodecError` if it is none."""
-    said = decode(data)
+def read_notice(data: bytes | memoryview, rank: int | None, named: str) -> dict[str, Any]:
+    """A failure notice from group rank ``rank`` (``named``: in words), or one that says it
+    failed when its notice is not gpipe's format."""
+    try:
+        said = decode(data)
+    except CodecError as error:
+        said = error
     if not (type(said) is dict and type(said.get("message")) is str
             and type(said.get("rank")) is int):  # fmt: skip
-        raise CodecError(f"not a failure notice: {str(said)[:200]}")
+        return {"rank": rank, "message": f"{named} failed; its failure notice is not gpipe's "
+                f"wire format ({str(said)[:200]})"}  # fmt: skip
     return said
 
 

@@ -202,30 +202,16 @@ def links(
         except OSError as error:
             key, cannot = None, f"cannot open a Unix socket here ({error})"
     everyone = gather((wanted, key, address, token, cannot), "where each rank runs")
-    if {told for told, *_ in everyone} != {wanted} or wanted == "group":
-        if listener is not None:
-            listener.close()
-        if wanted == "group" and all(told == "group" for told, *_ in everyone):
-            return None
-        told = ", ".join(f"rank {r}: {w!r}" for r, (w, *_) in enumerate(everyone))
-        raise PartitionError(
-            f"the ranks of this pipeline were given different transports ({told}); every "
-            "rank must run the same script with the same Pipe arguments (transport, "
-            "receive_ahead)"
-        )
-    unavailable = [
-        f"rank {r} "
-        + (c or ("runs elsewhere" if k else "has stages off the CPU or a group off gloo"))
-        for r, (_, k, _, _, c) in enumerate(everyone)
-        if k is None or k != everyone[0][1]
-    ]
+    unavailable = _unavailable(wanted, everyone, listener)
+    if unavailable is None:  # all told 'group'
+        return None
     formed, failed = {}, ""
     if not unavailable:
         try:
             formed = connect(listener, [(a, t) for _, _, a, t, _ in everyone], rank, timeout)
         except OSError as error:
             failed = f"rank {rank} could not connect its sockets: {error}"
-    elif listener is not None:
+    elif listener is not None:  # sockets not to be, or another rank's failure
         listener.close()
     failures = [f for f in gather(failed, "the socket connections") if f]
     if not failures and not unavailable:
@@ -247,3 +233,26 @@ def links(
     if rank == 0:
         _log.info("transport='auto' uses the process group: %s", "; ".join(unavailable))
     return None
+
+
+def _unavailable(wanted: str, everyone: list[tuple], listener: Any) -> list[str] | None:
+    """Why the sockets cannot exist, from what each rank found (none: they can); None when
+    every rank was told 'group'. Ranks told different transports stop the build (and this
+    rank's ``listener`` closes)."""
+    if {told for told, *_ in everyone} != {wanted}:
+        if listener is not None:
+            listener.close()
+        told = ", ".join(f"rank {r}: {w!r}" for r, (w, *_) in enumerate(everyone))
+        raise PartitionError(
+            f"the ranks of this pipeline were given different transports ({told}); every "
+            "rank must run the same script with the same Pipe arguments (transport, "
+            "receive_ahead)"
+        )
+    if wanted == "group":
+        return None
+    off = "has stages off the CPU or a group off gloo"
+    return [
+        f"rank {r} " + (cannot or ("runs elsewhere" if key else off))
+        for r, (_, key, _, _, cannot) in enumerate(everyone)
+        if key is None or key != everyone[0][1]
+    ]

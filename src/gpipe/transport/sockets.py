@@ -42,7 +42,6 @@ import torch
 
 from gpipe.errors import PipelineError
 from gpipe.schedule.routes import Message, Routes
-from gpipe.transport.codec import CodecError
 from gpipe.transport.framing import History, TensorMeta, notice, read_notice
 from gpipe.transport.peers import PeerTransport
 
@@ -364,11 +363,7 @@ class SocketTransport(PeerTransport):
         gathers the step's agreement, only if nobody is left to agree with)."""
         self._expect_header(peer)
         me, other = self._global(self.rank), self._global(peer)
-        try:
-            notice = read_notice(data)
-        except CodecError as error:
-            notice = {"rank": peer, "global_rank": other, "message": f"rank {me}: rank {other} "
-                      f"failed, and its notice is not gpipe's wire format ({error})"}  # fmt: skip
+        notice = read_notice(data, peer, f"rank {other}")
         if notice.get("global_rank") == me and peer != self.rank:
             # It gave up waiting on this rank (which stalled): say so, in its words.
             notice = {**notice, "rank": peer, "global_rank": other,
