@@ -572,13 +572,19 @@ class Stall(nn.Module):
         return x
 
 
+def _long_stall(timeout: float) -> float:
+    """Longer than a failed wait, its inquest, and the same again: the failure's agreement
+    once waited for the stalled rank a second time, and ended only when it woke."""
+    from gpipe.transport.inquest import grace
+
+    return 2 * (timeout + grace(timeout)) + 1
+
+
 def stalled_two_hops(rank, timeout, folder):
     """K=3; in the second step rank 2 hangs in a forward for longer than everyone's
     timeout. Rank 1 waits on rank 2, rank 0 on rank 1: what each raised, and when."""
     torch.set_num_threads(1)
-    from gpipe.transport.inquest import grace
-
-    stall = Stall(at=0, seconds=timeout + grace(timeout) + 3)
+    stall = Stall(at=0, seconds=_long_stall(timeout))
 
     def factory():
         layers = [nn.Linear(8, 8) if i % 2 == 0 else nn.ReLU() for i in range(6)]
@@ -617,9 +623,7 @@ def data_parallel_fault(rank, how, shard, timeout, folder):
     pipe.step(x, y, F.mse_loss)
     start = None
     if rank == 3 and how == "stall":
-        from gpipe.transport.inquest import grace
-
-        time.sleep(timeout + grace(timeout) + 3)
+        time.sleep(_long_stall(timeout))
         start = time.monotonic()
     outcome = _outcome(lambda: pipe.step(x, y, F.mse_loss), start=start)
     _alive_until_all_have_raised(folder, rank, 4, longest=3 * timeout + 10)
