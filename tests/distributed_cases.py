@@ -6,6 +6,7 @@ Every function returns plain data; the references are computed by the tests.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -557,6 +558,44 @@ def environment_and_output(rank, name):
     return os.environ.get(name)
 
 
+def listening(port: int) -> list[tuple[str, str]]:
+    """(local address in /proc/net's hex, socket inode) of each TCP socket listening at
+    ``port`` on this machine."""
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for row in Path(table).read_text().splitlines()[1:]:
+            fields = row.split()
+            address, hexport = fields[1].rsplit(":", 1)
+            if fields[3] == "0A" and int(hexport, 16) == port:
+                found.append((address, fields[9]))
+    return found
+
+
+def _sockets_of(pid: int) -> set[str]:
+    held = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):
+            held.add(os.readlink(fd))
+    return held
+
+
+def job_store(rank, launcher):
+    """Where the job's store listens (``listening``), and which process holds it: the
+    launcher (pid ``launcher``), this rank, or neither."""
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    store = _get_default_store()
+    while not isinstance(store, dist.TCPStore):  # under the group's prefixes
+        store = store.underlying_store
+    found = listening(store.port)
+    inodes = {f"socket:[{inode}]" for _, inode in found}
+    return {
+        "addresses": [address for address, _ in found],
+        "launcher": bool(inodes) and inodes <= _sockets_of(launcher),
+        "rank": bool(inodes & _sockets_of(os.getpid())),
+    }
+
+
 class Stall(nn.Module):
     """Identity that sleeps ``seconds`` in its ``at``-th forward (alive, silent: a hang)."""
 
@@ -647,9 +686,10 @@ FLAKY_MESH = "gpipe-flaky-mesh"  # a backend whose first mesh of a launch does n
 
 
 def _flaky_mesh(store, rank, size, timeout):
-    """Gloo, but the first time in a folder (``GPIPE_FLAKY_MESH``) every rank fails as
-    gloo's full mesh does on a busy machine."""
-    marker = Path(os.environ["GPIPE_FLAKY_MESH"]) / f"tried-{rank}"
+    """Gloo, but the first time in a folder (``GPIPE_FLAKY_MESH``) the ranks that come fail
+    as gloo's full mesh does on a busy machine (one marker for all: a rank the launcher
+    stopped before it came must not fail the next attempt)."""
+    marker = Path(os.environ["GPIPE_FLAKY_MESH"]) / "tried"
     if not marker.exists():
         marker.touch()
         raise RuntimeError("Gloo connectFullMesh failed with [pair.cc:553] Connection closed "
