@@ -228,3 +228,69 @@ def test_a_signal_saves_the_step_in_flight_and_leaves_no_process(cache, tmp_path
             break
         time.sleep(0.2)
     assert not leftover.stdout.strip(), leftover.stdout.decode()
+
+
+STEPPING_JOB = """
+import os, sys, time, torch, torch.distributed as dist, gpipe
+from torch import nn
+from torch.nn import functional as F
+
+TIMEOUT = float(sys.argv[1])
+
+def work(rank):
+    torch.set_num_threads(1)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+    pipe = gpipe.Pipe(model, balance=[2, 1], chunks=2, group=dist.group.WORLD, timeout=TIMEOUT)
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    pipe.step(x, y, F.mse_loss)
+    print(f"rank {rank} working as {os.getpid()};", flush=True)
+    while True:
+        pipe.step(x, y, F.mse_loss)
+        time.sleep(0.01)
+
+if __name__ == "__main__":
+    gpipe.launch(work, 2, timeout=TIMEOUT)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.timeout(120)
+@pytest.mark.slow
+def test_a_stopped_rank_0_ends_the_job_within_the_timeout_naming_it(tmp_path):
+    """SIGSTOP of rank 0, which held the job's store once (then the others could not tell
+    who stopped, and every process waited on, 150 s and more): the launcher holds it now,
+    rank 1 names rank 0 within the timeout + 5 s, and the stopped rank is killed."""
+    timeout = 6.0
+    script = tmp_path / "job.py"
+    script.write_text(STEPPING_JOB)
+    env = {**os.environ, "PYTHONPATH": str(SRC)}
+    began = time.monotonic()
+    launcher = subprocess.Popen(
+        [sys.executable, str(script), str(timeout)], env=env, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    ranks = {}
+    try:
+        seen = ""
+        while seen.count("working") < 2:
+            line = launcher.stdout.readline()
+            assert line, f"the launcher ended before both ranks started: {seen!r}"
+            seen += line
+        ranks = {int(r): int(p) for r, p in re.findall(r"rank (\d) working as (\d+);", seen)}
+        start_up = time.monotonic() - began  # this machine's load, in the same test
+        started = descendants(launcher.pid)
+        os.kill(ranks[0], signal.SIGSTOP)
+        stopped = time.monotonic()
+        _, stderr = launcher.communicate(timeout=90)
+        seconds = time.monotonic() - stopped
+        assert launcher.returncode == 1, stderr
+        assert seconds < timeout + 5 + start_up, (seconds, start_up, stderr)
+        assert "- rank 0: stopped (SIGSTOP, or a debugger)" in stderr, stderr
+        said = next(line for line in stderr.splitlines() if line.startswith("- rank 1: "))
+        assert "rank 0" in said and "PipelineError" in said, said
+        assert not _gone_within(started, 10.0)
+    finally:
+        launcher.kill()
+        for pid in ranks.values():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)

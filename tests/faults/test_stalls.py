@@ -1,7 +1,8 @@
-"""A rank that stalls (alive, silent) or dies before a collective outside the schedule:
-every other rank raises once the pipeline's timeout has passed — not the process group's far
-longer one — naming the operation. Bounds are multiples of the timeout, so load cannot break
-them: ``LATE`` (a loaded machine adds seconds) is still far below any other timeout."""
+"""A rank that stalls (alive, silent) or dies: every other rank raises once the pipeline's
+timeout has passed — not the process group's far longer one — naming the operation and the
+rank, within the timeout + 5 s (``LATE``: a wait, its inquest, its notice and its error; the
+failure's agreement once waited for the stalled rank a second time). Bounds are relative to
+the timeout; a stalled rank sleeps for longer than twice them, so that a second wait shows."""
 
 from __future__ import annotations
 
@@ -9,10 +10,9 @@ import pytest
 
 from distributed_cases import data_parallel_fault, data_parallel_stalled, stalled, stalled_two_hops
 from gpipe.parallel.launch import LaunchError, launch
-from gpipe.transport.inquest import grace
 
 TIMEOUT = 4.0  # the pipeline's; the process group's is far longer, as torchrun's 30 minutes
-LATE = 4 * TIMEOUT  # the latest a waiting rank may raise
+LATE = TIMEOUT + 5  # the latest a waiting rank may raise (TIMEOUT + grace + 3 s of load)
 AT_ONCE = TIMEOUT / 2  # a woken rank learns what happened without waiting a timeout in turn
 
 
@@ -94,21 +94,22 @@ def test_a_rank_two_hops_from_a_hung_one_names_the_hung_one_not_its_neighbour(tm
     ), first
     assert second["rank"] == 2 and "from rank 2 without an answer" in second["message"], second
     for outcome in (first, second):  # the timeout, and the grace to hear from the others
-        assert TIMEOUT - 0.5 <= outcome["seconds"] <= LATE + grace(TIMEOUT), outcome
+        assert TIMEOUT - 0.5 <= outcome["seconds"] <= LATE, outcome
     # Awake, the hung rank learns why the others gave up (from rank 1's statement).
     assert "rank 1 gave up on this pipeline: rank 1 waited" in outcomes[2]["message"]
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.parametrize("shard", [True, False], ids=["sharded", "replicas"])
 @pytest.mark.slow
-def test_a_stalled_sharded_replica_is_named_by_every_rank(tmp_path):
-    # 2 sharded replicas x 2 stages; rank 3 sleeps before its second step
-    outcomes = launch(data_parallel_fault, 4, args=("stall", True, TIMEOUT, str(tmp_path)),
+def test_a_stalled_replica_is_named_by_every_rank(tmp_path, shard):
+    # 2 (sharded) replicas x 2 stages; rank 3 sleeps before its second step
+    outcomes = launch(data_parallel_fault, 4, args=("stall", shard, TIMEOUT, str(tmp_path)),
                       timeout=600)  # fmt: skip
     for rank in (0, 1, 2):
         outcome = outcomes[rank]
         assert outcome["type"] == "PipelineError", outcome
-        assert outcome["seconds"] <= LATE + grace(TIMEOUT), outcome
+        assert outcome["seconds"] <= LATE, outcome
         message = outcome["message"]
         # did not arrive / did not answer / waited ... from rank 3 without an answer
         silent = ("did not a", "from rank 3 without an answer")

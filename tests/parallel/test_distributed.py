@@ -23,6 +23,8 @@ from distributed_cases import (
     batch,
     data_and_pipeline,
     environment_and_output,
+    job_store,
+    listening,
     loss_of,
     rank_of,
     thread_count,
@@ -31,6 +33,7 @@ from distributed_cases import (
 from gpipe.materialize import build_full
 from gpipe.parallel import launch as launch_module
 from gpipe.parallel.launch import LaunchError, free_port, launch, threads_per_process
+from gpipe.parallel.mesh import _store
 from reference import reference_step, relative_error, running_stats_of_unsplit_batch
 
 pytestmark = pytest.mark.timeout(600)
@@ -393,3 +396,26 @@ def test_each_launch_gives_its_processes_the_environment_and_outputs_of_the_call
     assert launch(environment_and_output, 2, args=("GPIPE_TEST_VALUE",)) == ["second"] * 2
     printed = capfd.readouterr().out
     assert "rank 0 says hello" in printed and "rank 1 says hello" in printed
+
+
+# 127.0.0.1 and ::1 as /proc/net writes them
+LOOPBACK = {"0100007F", "00000000000000000000000001000000"}
+
+
+@pytest.mark.slow
+def test_the_launched_jobs_store_is_the_launchers_on_loopback_only():
+    """torch's store listens on every interface, in rank 0 (SIGSTOP of rank 0 took it, and
+    every process waited on): under launch it is the launcher's, on 127.0.0.1 alone."""
+    for seen in launch(job_store, 2, args=(os.getpid(),), timeout=30):
+        assert seen["addresses"] and set(seen["addresses"]) <= LOOPBACK, seen
+        assert seen["launcher"] and not seen["rank"], seen
+
+
+@pytest.mark.parametrize("address", ["127.0.0.1", "localhost"])
+def test_rank_0s_store_listens_on_loopback_when_master_addr_is_loopback(address):
+    """MASTER_ADDR set by hand: a loopback address means every process is on this host."""
+    store = _store(0, 1, address, free_port(), timeout=5)
+    try:
+        assert [a for a, _ in listening(store.port)] == ["0100007F"]
+    finally:
+        del store

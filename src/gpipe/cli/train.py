@@ -8,6 +8,8 @@
     gpipe train --stages 2 --replicas 2           # 2 replicas x 2 stages = 4 processes
     gpipe train --stages 2 --replicas 2 --shard   # the same, each stage sharded over its 2
     gpipe train --resume runs/gpt-small-...       # continue from the newest checkpoint
+    torchrun --nproc-per-node 2 --max-restarts 3 -m gpipe train --out runs/a --resume auto
+                                                  # a restarted job continues by itself
     gpipe train --config run.toml --steps 100     # options from a TOML file, flags win
     gpipe train --compile                         # each stage's layers through torch.compile
     torchrun --nproc-per-node 2 -m gpipe train    # the same, launched by torchrun
@@ -49,7 +51,7 @@ import sys
 from dataclasses import MISSING, fields
 from typing import Any
 
-from gpipe.checkpoint import CheckpointError
+from gpipe.checkpoint import CheckpointError, find
 from gpipe.checkpoint_integrity import choose
 from gpipe.parallel.mesh import WorldError, job_environment
 from gpipe.train import (
@@ -125,6 +127,18 @@ def _shown(default: Any) -> str:
     return str(default)
 
 
+def _resume_auto(out: str | None) -> str | None:
+    """``--resume auto``: ``out``, when it holds a complete checkpoint (the newest intact
+    one is resumed, as with ``--resume OUT``), else None: a fresh start."""
+    if not out:
+        raise ConfigError(["--resume auto continues the run in --out: give --out"])
+    try:
+        find(out)
+    except CheckpointError:
+        return None
+    return out
+
+
 # RANK and WORLD_SIZE make gpipe train one process of a job started elsewhere.
 _OR_ALONE = " (or unset RANK and WORLD_SIZE: gpipe train then starts its processes itself)"
 
@@ -143,6 +157,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         options = config_file.merge(args.config, vars(args))
         resume = options.get("resume")
+        if resume == "auto":  # a job started again (torchrun --max-restarts) continues
+            resume = _resume_auto(options.get("out"))
+            options = {**options, "resume": resume}
         if resume:
             folder, notes = choose(resume, strict=args.strict_resume)
             options = {**options, "resume": str(folder)}

@@ -39,7 +39,7 @@ from gpipe.schedule.ir import Schedule
 from gpipe.schedule.routes import Routes
 from gpipe.transport import handshake
 from gpipe.transport.distributed import DistributedTransport
-from gpipe.transport.inquest import state
+from gpipe.transport.inquest import state, waited_out
 from gpipe.transport.local import LocalTransport
 from gpipe.transport.peers import PeerTransport
 from gpipe.transport.sockets import SocketTransport
@@ -392,6 +392,8 @@ class MultiProcess:
         try:
             return run()
         except (TimeoutError, ConnectionError) as error:
+            if self.transport is not None and self.transport.peer_gave_up():
+                self.transport.check_notices()  # its words: it looked for the cause already
             timed_out = isinstance(error, TimeoutError)
             raise self.ops.error(operation, error, doing=doing, timed_out=timed_out) from error
 
@@ -456,9 +458,15 @@ class MultiProcess:
                 error.add_note(f"raised in pipeline rank {self.rank} (stage {held})")
             state(me, [], message)  # before the news: whoever asks finds the cause
         self.broken = message
+        # Its own wait failed: it waited a timeout for a rank that may never answer. It gives
+        # up (and says so) instead of waiting for that rank again in the agreement.
+        gave_up = waited_out(me, timeout=self.timeout)
         self.transport.announce_failure(
             {"rank": origin, "global_rank": culprit, "message": message}
+            | ({"gave_up": True} if gave_up else {})
         )
+        if gave_up:
+            return
         try:
             self._gather(0.0, failed=origin)
             self._share_failures(message if origin == self.rank else "")

@@ -21,11 +21,14 @@ Each process computes with its share of this machine's cores (:func:`threads_per
 unless ``OMP_NUM_THREADS`` says otherwise: torch's default, every core in every process,
 oversubscribes them (torchrun sets one thread per process for the same reason).
 
-When a process fails, the others are given ``grace`` seconds to notice and raise their own
-error (the pipeline's ``timeout`` bounds that), then any still alive are killed: no process
-outlives :func:`launch`. The error raised names each failed rank and its message. SIGTERM to
-the launcher stops it as Ctrl-C does (exit code 143), and a launcher killed outright takes
-its processes with it at once (each watches its launcher through a Linux pidfd, or asks the
+The job's store (torch's ``TCPStore``) is held by the launcher, on loopback, and every rank
+is its client (``gpipe.parallel.store``): a rank that stops cannot take it with it. When a
+process fails, the others are given ``grace`` seconds to notice and raise their own error
+(the pipeline's ``timeout`` bounds that), then any still alive are killed (at once, with
+SIGKILL, those stopped: SIGSTOP, a debugger): no process outlives :func:`launch`. The
+error raised names each failed rank and its message. SIGTERM to the launcher stops it as
+Ctrl-C does (exit code 143), and a launcher killed outright takes its processes with it at
+once (each watches its launcher through a Linux pidfd, or asks the
 kernel for a signal when its parent dies: :func:`die_with`).
 
 On Linux the processes are forked from a server that imported torch and gpipe once
@@ -42,10 +45,8 @@ import contextlib
 import ctypes
 import os
 import pickle
-import random
 import select
 import signal
-import socket
 import sys
 import threading
 import time
@@ -59,6 +60,8 @@ import torch
 import torch.multiprocessing as mp
 
 from gpipe._utils import seconds
+from gpipe.parallel import store as job_store
+from gpipe.parallel.store import free_port
 
 __all__ = ["LaunchError", "die_with", "free_port", "launch", "threads_per_process"]
 
@@ -192,27 +195,6 @@ def threads_per_process(processes: int) -> int:
     return max(1, (cores or 1) // processes)
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now, below the kernel's
-    ephemeral range where it can: the ports it hands out there (gloo's own connections, of
-    this launch or a concurrent one) could take it before the store binds it."""
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as ports:
-            lowest = int(ports.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        lowest = 0
-    draw = random.SystemRandom()  # not the global generator, which scripts seed alike
-    candidates = [draw.randrange(lowest // 2, lowest) for _ in range(20)] if lowest > 4096 else []
-    for port in [*candidates, 0]:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return s.getsockname()[1]
-    raise OSError("no free TCP port on 127.0.0.1")
-
-
 def _worker(
     rank: int,
     fn: Callable[..., Any],
@@ -248,9 +230,12 @@ def _worker(
                           else threads_per_process(world_size))  # fmt: skip
     failure = "start"  # the group did not form: the launcher may start the job again
     try:
+        # The launcher holds the store (gpipe.parallel.store): every rank is its client.
+        store = job_store.client("127.0.0.1", port, world_size, timeout)
         dist.init_process_group(
-            backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout)
-        )
+            backend, store=store, rank=rank, world_size=world_size,
+            timeout=timedelta(seconds=timeout),
+        )  # fmt: skip
         # init returns when this rank's side of gloo's mesh is made, not every peer's (launch)
         dist.barrier(device_ids=[rank] if backend == "nccl" else None)
         failure = "error"
@@ -324,7 +309,9 @@ def _launch(
     grace = timeout + 10.0 if grace is None else grace
     context = _context()
     results = context.SimpleQueue()
-    port = free_port()
+    # Held here, on loopback: a rank that stops cannot take it (gpipe.parallel.store).
+    store = job_store.serve("127.0.0.1", None, nprocs, timeout)
+    port = store.port
     processes = [
         context.Process(
             target=_worker,
@@ -383,6 +370,7 @@ def _launch(
         while not results.empty():
             rank, status, value = results.get()
             outcomes[rank] = (status, value)
+        del store  # its server stops: nobody is left to reach it
 
     mesh = [
         text

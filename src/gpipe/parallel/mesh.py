@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from gpipe.parallel.collectives import Collectives
+from gpipe.parallel.store import loopback, serve
 
 __all__ = [
     "Mesh",
@@ -132,9 +133,7 @@ def _join(rank: int, size: int, address: str, port: int, timeout: float) -> Any:
     note.start()
     try:
         try:
-            store = dist.TCPStore(address, port, size, is_master=rank == 0,
-                                  timeout=timedelta(seconds=timeout),
-                                  wait_for_workers=False)  # fmt: skip
+            store = _store(rank, size, address, port, timeout)
         except (RuntimeError, OSError) as error:
             text = str(error).splitlines()[0] if str(error) else type(error).__name__
             if rank == 0:
@@ -165,6 +164,16 @@ def _join(rank: int, size: int, address: str, port: int, timeout: float) -> Any:
     finally:
         note.cancel()
     return store
+
+
+def _store(rank: int, size: int, address: str, port: int, timeout: float) -> Any:
+    """Rank 0's store, or a client of it. Every process on this host (MASTER_ADDR a loopback
+    address): it listens on loopback only (``gpipe.parallel.store``)."""
+    local = loopback(address) if rank == 0 else None
+    if local is not None:
+        return serve(local, port, size, timeout)
+    return dist.TCPStore(address, port, size, is_master=rank == 0,
+                         timeout=timedelta(seconds=timeout), wait_for_workers=False)  # fmt: skip
 
 
 def leave_world() -> None:

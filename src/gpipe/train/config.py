@@ -265,8 +265,9 @@ class TrainConfig:
         True, "on Ctrl-C or SIGTERM, save the step it stops after", _CHECKPOINTS
     )
     resume: str | None = _option(
-        None, "a checkpoint, or a run folder to continue (its newest intact checkpoint)",
-        _CHECKPOINTS, metavar="DIR",
+        None, "a checkpoint, or a run folder to continue (its newest intact checkpoint); "
+        "auto: --out's, if it holds one, else a fresh start (a job started again, as by "
+        "torchrun --max-restarts, continues by itself)", _CHECKPOINTS, metavar="DIR",
     )  # fmt: skip
     out: str = _option(
         "", "output folder", _OUTPUT, flags=("-o",), default_text="runs/MODEL-SIZE-TIME"

@@ -24,7 +24,7 @@ from typing import Any
 
 from gpipe.transport.codec import CodecError, decode, encode
 
-__all__ = ["Verdict", "blame", "grace", "said_by", "state"]
+__all__ = ["Verdict", "blame", "grace", "said_by", "state", "waited_out"]
 
 _PREFIX = "gpipe/inquest/"
 _last_blame: dict[int, float] = {}  # rank -> when it last waited for statements
@@ -34,8 +34,17 @@ _gone: list[bool] = []  # not empty once the store could not be reached
 def grace(timeout: float) -> float:
     """How long a rank waits for the others' statements: ranks stuck on one another time
     out within moments of each other; a rank that never answers costs this once. At most
-    4.5 s: a wait, its inquest and its error end within the timeout + 5 s."""
-    return min(4.5, max(0.5, timeout / 2))
+    3.5 s: a wait, its inquest, its notice to the peers (at most a second) and its error
+    end within the timeout + 5 s."""
+    return min(3.5, max(0.5, timeout / 2))
+
+
+def waited_out(me: int, *, timeout: float) -> bool:
+    """Whether rank ``me`` is in a failure of its own waits (it waited the timeout, or lost
+    the rank it waited on, and looked for the cause within a timeout and a grace): it gives
+    up on the pipeline then, rather than wait for that rank again in the failure's
+    agreement, which doubled the time to the error."""
+    return time.monotonic() - _last_blame.get(me, -1e9) < timeout + grace(timeout)
 
 
 def _store() -> Any:
@@ -106,11 +115,11 @@ def blame(me: int, waits_on: Iterable[int], what: str, *, timeout: float) -> Ver
     its statement, then follow the others' (for at most :func:`grace` seconds) to the ranks
     that caused it. A verdict that found nobody (no store) names no one."""
     waits_on = [r for r in waits_on if r != me]
+    waited_before = waited_out(me, timeout=timeout)  # a later wait of the same failure
+    _last_blame[me] = time.monotonic()
     store = _store()
     if store is None:
         return Verdict({}, [], {})
-    waited_before = time.monotonic() - _last_blame.get(me, -1e9) < timeout + grace(timeout)
-    _last_blame[me] = time.monotonic()
     if not waited_before:  # else its first statement stands: the nearer to the cause
         state(me, waits_on, what)
     since = time.time() - timeout - grace(timeout)  # older statements: an earlier failure
@@ -158,7 +167,7 @@ def said_by(rank: int, *, timeout: float) -> str | None:
 
 
 class _StoreGone(Exception):
-    """The store's host (rank 0's process, with gpipe.launch) has exited."""
+    """The store's host (rank 0's process, or torchrun's agent) has exited."""
 
 
 def _read(store: Any, rank: int, since: float) -> tuple[tuple[int, ...], str] | None:
