@@ -18,6 +18,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import filesystem
+from torch.distributed.checkpoint.metadata import StorageMeta
 
 import gpipe
 from gpipe import checkpoint as ckpt
@@ -337,13 +338,13 @@ def test_metadata_pointing_outside_its_folder_is_refused(tmp_path):
 
 def test_metadata_that_sets_attributes_of_a_class_is_refused_and_undone(tmp_path):
     folder = save(tmp_path, 1, make_model())
-    module = gpipe_dcp.md.StorageMeta.__module__.encode()
+    module = StorageMeta.__module__.encode()
     # GLOBAL StorageMeta; BUILD it (the class itself) with (None, {"evil": "boom"}); POP.
     sets = b"c" + module + b"\nStorageMeta\nN}\x8c\x04evil\x8c\x04booms\x86b0"
     (folder / ".metadata").write_bytes(b"\x80\x04" + sets + pickle.dumps(None)[2:])
     with pytest.raises(gpipe_dcp.Refused, match="sets attributes of StorageMeta"):
         gpipe_dcp.read_metadata(folder)
-    assert not hasattr(gpipe_dcp.md.StorageMeta, "evil")
+    assert not hasattr(StorageMeta, "evil")
 
 
 def test_a_stored_object_that_is_not_data_is_refused(tmp_path):
@@ -356,3 +357,10 @@ def test_a_stored_object_that_is_not_data_is_refused(tmp_path):
     with pytest.raises(ckpt.CheckpointError, match=r"its optimizer\.param_groups\.#0\.lr refers"):
         ckpt.load(ckpt.read_manifest(folder), model=names, optimizer=names)
     assert not marker.exists()
+
+
+def test_a_refused_global_is_named_without_its_control_characters(tmp_path):
+    folder = save(tmp_path, 1, make_model())
+    (folder / ".metadata").write_bytes(b"\x80\x04cos\nsys\x1b[2Jtem\nN\x85R.")  # os.system(None)
+    with pytest.raises(gpipe_dcp.Refused, match=r"refers to 'os\.sys\\x1b\[2Jtem', which"):
+        gpipe_dcp.read_metadata(folder)

@@ -41,7 +41,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 
-__all__ = ["METADATA", "DcpFailure", "Reader", "Refused", "save"]
+__all__ = ["METADATA", "DcpFailure", "Reader", "Refused", "read_metadata", "save"]
 
 METADATA = ".metadata"  # DCP's global metadata file, written last by the coordinator
 
@@ -155,9 +155,14 @@ class _MetadataUnpickler(pickle.Unpickler):
             return _ALLOWED[module, name]
         except KeyError:
             raise Refused(
-                f"checkpoint {self.path} refers to {module}.{name}, which a DCP checkpoint "
-                "never holds: refusing to read it"
+                f"checkpoint {self.path} refers to {_shown(f'{module}.{name}')}, which a DCP "
+                "checkpoint never holds: refusing to read it"
             ) from None
+
+
+def _shown(text: str) -> str:
+    """A name from the file as it may be printed: no control characters, not too long."""
+    return text[:120] if text.isprintable() else ascii(text[:120])
 
 
 def read_metadata(folder: str | Path) -> md.Metadata:
@@ -252,7 +257,7 @@ class _DataOnlyPlanner(DefaultLoadPlanner):
             what = re.search(r"Unsupported global: GLOBAL (\S+)", str(error))
             raise Refused(
                 f"checkpoint {self.folder}: its {key} refers to "
-                f"{what[1] if what else 'what weights_only refuses'}, which is not data: "
+                f"{_shown(what[1]) if what else 'what weights_only refuses'}, which is not data: "
                 "refusing to read it"
             ) from None
         set_element(self.original_state_dict, self.mappings[key], loaded)  # as DCP's does
