@@ -345,10 +345,8 @@ def read_manifest_file(folder: str | Path) -> Manifest:
 def _reader(manifest: Manifest) -> dcp.Reader:
     try:
         return dcp.Reader(manifest.path)
-    except Exception as error:  # DCP raises whatever its unpickling of .metadata does
-        raise CheckpointError(
-            f"cannot read {Path(manifest.path) / dcp.METADATA} (damaged?): {error}"
-        ) from error
+    except dcp.DcpFailure as error:  # damaged, unreadable or refused: it names the file
+        raise CheckpointError(str(error)) from error
 
 
 def names(manifest: Manifest) -> list[str]:
@@ -404,6 +402,8 @@ def load(
         state["rng"] = {str(rng): empty(f"rng.{rng}")}
     try:
         reader.load(state)
+    except dcp.Refused as error:  # names the checkpoint and what is not data in it
+        raise CheckpointError(str(error)) from error
     except Exception as error:
         raise CheckpointError(
             f"cannot read checkpoint {manifest.path} (damaged, or not written by gpipe?): {error}"

@@ -2,9 +2,10 @@
 
 ``gpipe.checkpoint`` records the SHA-256 of each file DCP wrote in the manifest, and the
 manifest's own; :func:`problems` checks a checkpoint against them (and its step against its
-folder's name), :func:`listing` reports every
-checkpoint of a run (``gpipe checkpoints DIR``), and :func:`choose` picks the newest intact one
-to resume from, saying which newer ones it skipped and why.
+folder's name) and, since anyone can recompute a SHA-256, reads what DCP stored as data only
+(:mod:`gpipe.parallel.dcp` refuses a checkpoint that holds anything else); :func:`listing`
+reports every checkpoint of a run (``gpipe checkpoints DIR``), and :func:`choose` picks the
+newest intact one to resume from, saying which newer ones it skipped and why.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from gpipe.checkpoint import (
     sha256_of,
     step_folder,
 )
+from gpipe.parallel import dcp
 
 __all__ = ["choose", "listing", "problems"]
 
@@ -28,7 +30,8 @@ _UNFINISHED = (".tmp", ".old")
 def problems(folder: str | Path) -> list[str]:
     """What is wrong with the checkpoint in ``folder`` (empty: intact): a missing,
     unreadable or edited manifest (or one of the former format), a step that is not the
-    folder's, files missing or whose bytes are not those saved (SHA-256 of the manifest)."""
+    folder's, files missing, unreadable or whose bytes are not those saved (SHA-256 of the
+    manifest), and, if the bytes are those saved, anything in them that is not DCP's data."""
     folder = Path(folder)
     try:
         manifest = read_manifest_file(folder)
@@ -41,11 +44,23 @@ def problems(folder: str | Path) -> list[str]:
     if not manifest.files:
         found.append(f"its {MANIFEST} lists no files")
     for file, digest in manifest.files.items():
-        if not (folder / file).is_file():
-            found.append(f"{file} is missing")
-        elif sha256_of(folder / file) != digest:
-            found.append(f"{file} is not the file saved (checksum differs)")
+        found += _file_problems(folder / file, digest)
+    if not found:
+        try:
+            dcp.Reader(folder).check_objects()
+        except dcp.DcpFailure as error:
+            found.append(str(error))
     return found
+
+
+def _file_problems(path: Path, digest: str) -> list[str]:
+    if not path.is_file():
+        return [f"{path.name} is missing"]
+    try:
+        same = sha256_of(path) == digest
+    except OSError as error:  # no permission, an I/O error: damage like any other
+        return [f"{path.name} is unreadable ({error.strerror or type(error).__name__})"]
+    return [] if same else [f"{path.name} is not the file saved (checksum differs)"]
 
 
 def listing(path: str | Path) -> list[tuple[Path, list[str]]]:
@@ -53,15 +68,18 @@ def listing(path: str | Path) -> list[tuple[Path, list[str]]]:
     (an unfinished save: ``["incomplete: ..."]``)."""
     path = Path(path)
     root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
-    rows = []
-    for folder in sorted(p for p in root.glob("step-*") if p.is_dir()):
-        if folder.name.endswith(_UNFINISHED):
-            rows.append((folder, ["incomplete: a save that did not finish"]))
-        elif not (folder / MANIFEST).is_file():
-            rows.append((folder, [f"incomplete: no {MANIFEST}"]))
-        else:
-            rows.append((folder, problems(folder)))
-    return rows
+    return [(folder, _state(folder)) for folder in sorted(root.glob("step-*")) if folder.is_dir()]
+
+
+def _state(folder: Path) -> list[str]:
+    if folder.name.endswith(_UNFINISHED):
+        return ["incomplete: a save that did not finish"]
+    try:
+        if not (folder / MANIFEST).is_file():
+            return [f"incomplete: no {MANIFEST}"]
+        return problems(folder)
+    except OSError as error:  # a folder this user may not search
+        return [f"{error.filename or folder} is unreadable ({error.strerror or error})"]
 
 
 def choose(path: str | Path, *, strict: bool = False) -> tuple[Path, list[str]]:

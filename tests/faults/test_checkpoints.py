@@ -1,16 +1,20 @@
-"""Damaged and incomplete checkpoints are found, named, and skipped when resuming."""
+"""Damaged, unreadable, crafted and incomplete checkpoints are found, named, and skipped
+when resuming."""
 
 from __future__ import annotations
 
+import builtins
 import json
+import os
 import shutil
+from pathlib import Path
 
 import pytest
 
 from gpipe import checkpoint as ckpt
 from gpipe.__main__ import main
 from gpipe.checkpoint_integrity import choose, listing, problems
-from test_checkpoint import make_model, save
+from test_checkpoint import make_model, plant, save
 
 
 @pytest.fixture
@@ -139,3 +143,78 @@ def test_resume_falls_back_from_a_damaged_checkpoint_with_a_warning(tiny_run, in
     assert done.returncode == 0, done.stderr
     assert "warning:" in done.stderr and "__1_0.distcp is not the file saved" in done.stderr
     assert "resumed from step 5" in done.stdout
+
+
+def test_a_crafted_newest_checkpoint_is_refused_listed_and_skipped(run, capsys):
+    """Its .metadata carries a payload and the manifest's SHA-256 are recomputed, as an
+    attacker would: resume, export and the listing refuse it and nothing of it runs."""
+    marker = run / "marker"
+    plant(newest(run), marker)
+    refused = ".metadata refers to pathlib.Path.touch, which a DCP checkpoint never holds"
+    assert any(refused in p for p in problems(newest(run)))
+    folder, notes = choose(run)
+    assert folder.name == "step-000010" and refused in notes[0] and "resuming from" in notes[0]
+    assert main(["checkpoints", str(run)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "intact" in lines[0] and refused in lines[1] and "intact" not in lines[1]
+    assert main(["export", str(newest(run)), "-o", str(run / "out.pt")]) == 2
+    assert refused in capsys.readouterr().err and not (run / "out.pt").exists()
+    assert not marker.exists()
+
+
+def unreadable_by_permission(path: Path, monkeypatch) -> None:
+    """chmod 000 as a user (root reads anyway): opening ``path`` raises PermissionError."""
+    real_open = builtins.open
+
+    def open_(file, *args, **kwargs):
+        if os.fspath(file) == os.fspath(path):
+            raise PermissionError(13, "Permission denied", os.fspath(file))
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", open_)
+
+
+def unreadable_by_io_error(path: Path, monkeypatch) -> None:
+    """A regular file whose read fails, for root too: this process's memory at offset 0."""
+    path.unlink()
+    path.symlink_to("/proc/self/mem")
+
+
+@pytest.mark.parametrize("make", [unreadable_by_permission, unreadable_by_io_error])
+@pytest.mark.parametrize("file", [DATA, ".metadata"])
+def test_an_unreadable_newest_checkpoint_falls_back_with_a_warning(
+    run, make, file, monkeypatch, capsys
+):
+    if make is unreadable_by_io_error and not Path("/proc/self/mem").exists():
+        pytest.skip("needs Linux's /proc")
+    make(newest(run) / file, monkeypatch)
+    found = problems(newest(run))
+    assert len(found) == 1 and found[0].startswith(f"{file} is unreadable (")
+    skipped = f"{newest(run)} is skipped: {found[0]}; resuming from step-000010"
+    folder, notes = choose(run)
+    assert folder.name == "step-000010" and len(notes) == 1 and notes[0].startswith(skipped)
+    assert main(["checkpoints", str(run)]) == 0
+    assert f"{file} is unreadable" in capsys.readouterr().out
+    # gpipe train says so in one line, then stops: these checkpoints hold no run to resume.
+    assert main(["train", "--resume", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert f"warning: {skipped}" in err and "holds no run configuration" in err
+    assert "Traceback" not in err
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.slow
+def test_resume_skips_a_crafted_checkpoint_and_runs_nothing_of_it(tiny_run, in_process, tmp_path):
+    out, marker = tmp_path / "copy", tmp_path / "marker"
+    shutil.copytree(tiny_run[0], out)
+    plant(out / "checkpoints" / "step-000010", marker)
+    refused = ".metadata refers to pathlib.Path.touch, which a DCP checkpoint never holds"
+    listed = in_process("checkpoints", str(out))
+    assert listed.returncode == 0 and refused in listed.stdout.splitlines()[1]
+    exported = in_process("export", str(out / "checkpoints" / "step-000010"))
+    assert exported.returncode == 2 and refused in exported.stderr
+    done = in_process("train", "--resume", str(out), "--steps", "11", "--sample-tokens", "0")
+    assert done.returncode == 0, done.stderr
+    assert "warning:" in done.stderr and refused in done.stderr
+    assert "resumed from step 5" in done.stdout
+    assert not marker.exists()
