@@ -25,8 +25,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
+import gpipe.train.config_file as config_file
 from gpipe.checkpoint import LATEST, MANIFEST
-from gpipe.train import config_file
 from gpipe.train.report import OUTPUT_FILES
 
 __all__ = [
