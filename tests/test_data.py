@@ -1,9 +1,7 @@
-"""The data sets of ``gpipe train``: the stdlib corpus, digits, the user's files, their
-windows, and the resumable sampler."""
+"""The data sets of ``gpipe train``: the stdlib corpus, digits, token documents and their
+windows, and the resumable sampler (the user's files: test_texts.py)."""
 
 from __future__ import annotations
-
-import json
 
 import pytest
 import torch
@@ -104,83 +102,6 @@ def test_digits_are_normalized_and_split_once():
     assert set(digits.train_labels.tolist()) == set(range(10))
     again = data.digits()
     assert torch.equal(again.val_images, digits.val_images)  # the same split every time
-
-
-# -- your files: read as plain Python reads them ------------------------------------------
-
-
-def test_a_text_file_is_one_document_of_its_bytes(tmp_path):
-    (tmp_path / "notes.txt").write_bytes("café\nline two\n".encode() + b"\xff")
-    texts = data.read_texts(tmp_path / "notes.txt")
-    assert texts.train == [(tmp_path / "notes.txt").read_bytes()] and texts.val is None
-    assert "1 document, 16 bytes" in texts.description
-
-
-def test_jsonl_records_give_their_text_field(tmp_path):
-    rows = [{"text": "first", "n": 1}, {"text": "second é", "n": 2}]
-    (tmp_path / "d.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
-    assert data.read_texts(tmp_path / "d.jsonl").train == [r["text"].encode() for r in rows]
-    (tmp_path / "a.json").write_text(json.dumps(rows))  # a JSON array of records too
-    assert data.read_texts(tmp_path / "a.json").train == [b"first", "second é".encode()]
-    pairs = [{"src": "a", "tgt": "b"}, {"src": "c", "tgt": "d"}]
-    (tmp_path / "p.jsonl").write_text("\n".join(json.dumps(r) for r in pairs))
-    assert data.read_texts(tmp_path / "p.jsonl", field="src", target="tgt").train == [
-        (b"a", b"b"), (b"c", b"d"),
-    ]  # fmt: skip
-    with pytest.raises(
-        ValueError,
-        match=r"d\.jsonl, record 1: no text in field 'body' "
-        r"\(it has \['n', 'text'\]\); name the field",
-    ):
-        data.read_texts(tmp_path / "d.jsonl", field="body")
-    with pytest.raises(ValueError, match="no text in field 'tgt'"):
-        data.read_texts(tmp_path / "d.jsonl", target="tgt")
-    (tmp_path / "notes.txt").write_text("x")
-    with pytest.raises(ValueError, match="is plain text, but pairs"):
-        data.read_texts(tmp_path / "notes.txt", target="tgt")
-
-
-def test_a_folder_is_every_file_under_it_in_order(tmp_path):
-    (tmp_path / "b").mkdir()
-    (tmp_path / "b" / "2.txt").write_text("two")
-    (tmp_path / "1.md").write_text("one")
-    (tmp_path / "c.jsonl").write_text(json.dumps({"text": "three"}) + "\n")
-    (tmp_path / ".hidden").write_text("never")
-    texts = data.read_texts(tmp_path)
-    assert texts.train == [b"one", b"two", b"three"]  # 1.md, b/2.txt, c.jsonl
-    assert "3 documents, 11 bytes (3 files in" in texts.description
-    with pytest.raises(FileNotFoundError, match="does not exist"):
-        data.read_texts(tmp_path / "missing")
-
-
-def test_a_saved_dataset_gives_its_rows_and_its_validation_split(tmp_path):
-    datasets = pytest.importorskip("datasets")
-    rows = {"text": [f"row {i}" for i in range(5)], "label": list(range(5))}
-    datasets.Dataset.from_dict(rows).save_to_disk(str(tmp_path / "one"))
-    texts = data.read_texts(tmp_path / "one")
-    assert texts.train == [t.encode() for t in rows["text"]] and texts.val is None
-    both = datasets.DatasetDict(
-        train=datasets.Dataset.from_dict(rows),
-        validation=datasets.Dataset.from_dict({"text": ["held"], "label": [9]}),
-    )
-    both.save_to_disk(str(tmp_path / "two"))
-    texts = data.read_texts(tmp_path / "two")
-    assert len(texts.train) == 5 and texts.val == [b"held"]
-    with pytest.raises(ValueError, match=r"has no column 'body' \(its columns"):
-        data.read_texts(tmp_path / "one", field="body")
-
-
-def test_holding_out_takes_whole_documents_or_the_end_of_one():
-    records = [f"doc {i}".encode() for i in range(20)]
-    train, val = data.hold_out(records, 0.2)
-    assert len(val) == 4 and sorted(train + val) == sorted(records)
-    assert train == [r for r in records if r not in val]  # in their order
-    assert data.hold_out(records, 0.2) == (train, val)  # the same every time
-    text = b"".join(f"line {i}\n".encode() for i in range(10))
-    head, tail = data.hold_out([text], 0.25)
-    assert head[0] + tail[0] == text and tail[0].startswith(b"line ") and len(tail[0]) < 25
-    with pytest.raises(ValueError, match="one record cannot be split"):
-        data.hold_out([(b"a", b"b")], 0.5)
 
 
 def test_windows_packed_and_padded_are_the_documents_cut_as_written():

@@ -27,6 +27,7 @@ LAYERS = [
         "estimate",
         "models",
         "data",
+        "texts",
         "checkpoint",
         "checkpoint_integrity",
         "timeline",

@@ -8,9 +8,8 @@
   ``~/.cache/gpipe``).
 * **digits** (the CNN's): scikit-learn's bundled 8x8 handwritten digits, 1,797 images in
   10 classes (``pip install 'gpipe[digits]'``), split once with a fixed permutation.
-* **your files** (:func:`read_texts`): a plain text file, a JSONL file (one record per line,
-  its text in a named field), a folder of such files, or a ``datasets`` dataset saved with
-  ``save_to_disk``; as documents of bytes, tokenized by the caller into :class:`Documents`.
+* **your files**: read as documents of bytes by :mod:`gpipe.texts`, tokenized by the caller
+  into :class:`Documents`.
 
 A language model reads token documents as windows: :class:`PackedWindows` (the documents
 joined, cut into windows of equal length, no padding) or :class:`PaddedWindows` (each document
@@ -31,7 +30,6 @@ data position and a resumed run sees exactly the batches an uninterrupted one wo
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import sys
 import sysconfig
@@ -39,7 +37,6 @@ import zlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -50,12 +47,9 @@ __all__ = [
     "EpochSampler",
     "PackedWindows",
     "PaddedWindows",
-    "Texts",
     "TokenWindows",
     "cache_dir",
     "digits",
-    "hold_out",
-    "read_texts",
     "readable",
     "stdlib_bytes",
     "stdlib_corpus",
@@ -203,149 +197,7 @@ class TokenWindows:
         return _evenly_spaced(len(self), count)
 
 
-# -- your files ------------------------------------------------------------------------------
-
-# A document: its bytes, or, for a sequence-to-sequence model, the (source, target) pair.
-Record = bytes | tuple[bytes, bytes]
-JSON_SUFFIXES = (".jsonl", ".ndjson", ".json")
-# The files of a saved ``datasets`` Dataset, and of a DatasetDict (``save_to_disk``).
-_DATASET_FILES, _DATASET_DICT_FILE = ("dataset_info.json", "state.json"), "dataset_dict.json"
-_VALIDATION_SPLITS = ("validation", "valid", "val", "test")
-
-
-@dataclass(frozen=True)
-class Texts:
-    """Documents read from what a user named: ``train``, and ``val`` where the source has a
-    split of its own (a saved DatasetDict's ``validation``); None: hold some out."""
-
-    train: list[Record]
-    val: list[Record] | None
-    description: str
-    files: tuple[Path, ...]  # what they were read from (what a cache of their tokens depends on)
-
-
-def read_texts(path: str | Path, *, field: str = "text", target: str | None = None) -> Texts:
-    """The documents at ``path``: a text file (one document), a JSONL file (a document per
-    line, its text in ``field``; also a ``.json`` array of records), a folder of such files
-    (every file under it, sorted by path, hidden ones skipped), or a dataset saved by
-    ``datasets``' ``save_to_disk`` (a record per row). With ``target`` each record is a
-    (``field``, ``target``) pair, for a sequence-to-sequence model."""
-    path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(
-            f"{path} does not exist: name a text or JSONL file, a folder "
-            "of them, or a dataset folder saved by datasets' save_to_disk"
-        )
-    if path.is_dir() and _is_saved_dataset(path):
-        return _read_saved_dataset(path, field, target)
-    files = [path] if path.is_file() else sorted(
-        p for p in path.rglob("*")
-        if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts)
-    )  # fmt: skip
-    if not files:
-        raise FileNotFoundError(f"{path} holds no files")
-    records: list[Record] = []
-    for file in files:
-        records += _read_file(file, field, target)
-    if not records:
-        raise ValueError(f"{path}: no documents in {len(files)} file(s)")
-    size = sum(len(r) if isinstance(r, bytes) else len(r[0]) + len(r[1]) for r in records)
-    where = str(path) if path.is_file() else f"{len(files)} files in {path}"
-    documents = f"{len(records):,} document{'s' if len(records) > 1 else ''}"
-    return Texts(records, None, f"{documents}, {size:,} bytes ({where})", tuple(files))
-
-
-def _read_file(file: Path, field: str, target: str | None) -> list[Record]:
-    if file.suffix.lower() not in JSON_SUFFIXES:
-        if target is not None:
-            raise ValueError(
-                f"{file} is plain text, but pairs of --text-field {field} and --target-field "
-                f"{target} come from JSONL records or a saved dataset: name those instead"
-            )
-        return [file.read_bytes()]
-    text = file.read_text(encoding="utf-8")
-    if file.suffix.lower() == ".json" and text.lstrip().startswith("["):
-        rows = [(i + 1, row) for i, row in enumerate(json.loads(text))]
-    else:
-        rows = [(i + 1, json.loads(line)) for i, line in enumerate(text.splitlines())
-                if line.strip()]  # fmt: skip
-    return [_record(row, field, target, f"{file}, record {n}") for n, row in rows]
-
-
-def _record(row: Any, field: str, target: str | None, where: str) -> Record:
-    wanted = (field,) if target is None else (field, target)
-    if not isinstance(row, dict) or any(not isinstance(row.get(k), str) for k in wanted):
-        keys = sorted(row) if isinstance(row, dict) else type(row).__name__
-        missing = [k for k in wanted if not isinstance(row, dict) or k not in row]
-        raise ValueError(
-            f"{where}: no text in field {missing[0] if missing else wanted!r} (it has {keys}); "
-            f"name the field that holds the text with --text-field"
-            + (" and --target-field" if target is not None else "")
-        )
-    if target is None:
-        return row[field].encode()
-    return row[field].encode(), row[target].encode()
-
-
-def _is_saved_dataset(folder: Path) -> bool:
-    return (folder / _DATASET_DICT_FILE).exists() or all(
-        (folder / name).exists() for name in _DATASET_FILES
-    )
-
-
-def _read_saved_dataset(folder: Path, field: str, target: str | None) -> Texts:
-    try:
-        import datasets
-    except ImportError as error:
-        raise ImportError(
-            f"{folder} is a dataset saved by datasets' save_to_disk: reading it needs the "
-            "datasets library: pip install 'gpipe[datasets]'"
-        ) from error
-    loaded = datasets.load_from_disk(str(folder))
-    splits = dict(loaded) if isinstance(loaded, datasets.DatasetDict) else {"train": loaded}
-    train_name = "train" if "train" in splits else sorted(splits)[0]
-    val_name = next((n for n in _VALIDATION_SPLITS if n in splits and n != train_name), None)
-
-    def records(name: str) -> list[Record]:
-        rows = splits[name]
-        missing = [k for k in (field, target) if k is not None and k not in rows.column_names]
-        if missing:
-            raise ValueError(
-                f"{folder} (split {name}) has no column {missing[0]!r} (its columns: "
-                f"{rows.column_names}); name the text's column with --text-field"
-            )
-        if target is None:
-            return [text.encode() for text in rows[field]]
-        return [(s.encode(), t.encode()) for s, t in zip(rows[field], rows[target], strict=True)]
-
-    train = records(train_name)
-    val = records(val_name) if val_name else None
-    files = tuple(sorted(p for p in folder.rglob("*") if p.is_file()))
-    held = f", {len(val):,} in its {val_name} split" if val else ""
-    description = f"{len(train):,} records of the saved dataset {folder} ({train_name}{held})"
-    return Texts(train, val, description, files)
-
-
-def hold_out(records: list[Record], fraction: float) -> tuple[list[Record], list[Record]]:
-    """(train, validation): ``fraction`` of the documents, chosen by a fixed permutation (the
-    same on every machine) and kept in their order; a single document is cut instead, at the
-    line that ends before ``1 - fraction`` of its bytes."""
-    if not 0 < fraction < 1:
-        raise ValueError(f"the validation fraction must be in (0, 1), got {fraction}")
-    if len(records) == 1 and isinstance(records[0], bytes):
-        text = records[0]
-        cut = int(len(text) * (1 - fraction))
-        line = text.rfind(b"\n", 0, cut)
-        cut = line + 1 if line > 0 else cut
-        return [text[:cut]], [text[cut:]]
-    if len(records) < 2:
-        raise ValueError("one record cannot be split into train and validation: name a "
-                         "separate validation set")  # fmt: skip
-    count = min(len(records) - 1, max(1, round(fraction * len(records))))
-    order = torch.randperm(len(records), generator=torch.Generator().manual_seed(0))
-    held = set(order[:count].tolist())
-    train = [r for i, r in enumerate(records) if i not in held]
-    return train, [r for i, r in enumerate(records) if i in held]
+# -- token documents, cut into windows ------------------------------------------------------
 
 
 class Documents:

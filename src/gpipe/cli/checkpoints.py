@@ -9,10 +9,9 @@ unfinished save shows as incomplete. ``gpipe train --resume`` takes the newest i
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
-from gpipe.checkpoint import LATEST
+from gpipe.checkpoint import LATEST, CheckpointError
 from gpipe.checkpoint_integrity import listing
 
 __all__ = ["configure", "run"]
@@ -26,8 +25,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     rows = listing(args.folder)
     if not rows:
-        print(f"gpipe checkpoints: error: no checkpoint in {args.folder}", file=sys.stderr)
-        return 2
+        raise CheckpointError(
+            f"no checkpoint in {args.folder}: give a run folder or its checkpoints/"
+        )
     latest_file = rows[0][0].parent / LATEST
     latest = latest_file.read_text().strip() if latest_file.is_file() else None
     for folder, problems in rows:

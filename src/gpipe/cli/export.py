@@ -10,7 +10,9 @@ model built without gpipe::
     model = gpipe.models.gpt(gpipe.models.GPTConfig(...))   # printed by this command
     model.load_state_dict(torch.load("gpt.pt"))
 
-A ``.json`` file beside it records the model's kind and constructor arguments.
+A ``.json`` file beside it records the model's kind and constructor arguments. An existing
+``-o`` is replaced only where gpipe export wrote it (``--force`` replaces any other, but never a
+checkpoint's or a run's own files).
 
 A Hugging Face model (``gpipe train --model DIR``) is exported as its own kind of folder:
 ``save_pretrained``'s (its configuration, safetensors and tokenizer), which
@@ -23,15 +25,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
-import sys
 from pathlib import Path
 
 import torch
 
 from gpipe import checkpoint as ckpt
 from gpipe.checkpoint_integrity import problems
+from gpipe.train.outputs import EXPORT_RECORD, OutputError, export_problem, write_file, write_folder
 
 __all__ = ["configure", "export", "run"]
 
@@ -48,11 +48,24 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--dtype", choices=["float32", "bfloat16", "float16"], help="cast floating tensors"
     )
+    parser.add_argument(
+        "--force", action="store_true",
+        help="replace an existing -o that gpipe export did not write (never a checkpoint's or "
+        "a run's own files)",
+    )  # fmt: skip
 
 
-def export(checkpoint: str | Path, out: str | Path | None = None, dtype: str | None = None) -> Path:
+def export(
+    checkpoint: str | Path,
+    out: str | Path | None = None,
+    dtype: str | None = None,
+    *,
+    force: bool = False,
+) -> Path:
     """Write the merged state dict of ``checkpoint`` to ``out`` (and its ``.json``), or a
-    Hugging Face model's ``save_pretrained`` folder; return it."""
+    Hugging Face model's ``save_pretrained`` folder; return it. Never into a checkpoint or
+    over a run's files; over what exists only where gpipe export wrote it, or ``force``
+    (``gpipe.train.outputs``)."""
     manifest = ckpt.read_manifest(checkpoint)
     folder = manifest.path
     damage = problems(folder)  # DCP itself checks no bytes: the manifest's SHA-256 do
@@ -65,49 +78,45 @@ def export(checkpoint: str | Path, out: str | Path | None = None, dtype: str | N
         out = run_folder / (name if pretrained else f"{name}.pt")
     out = Path(out)
     if not pretrained and out.suffix == ".json":
-        raise ckpt.CheckpointError(
+        raise OutputError(
             f"-o {out}: the weights need another name than the .json file written beside "
             "them (e.g. model.pt)"
         )
+    record = out / EXPORT_RECORD if pretrained else out.with_suffix(".json")
+    problem = export_problem(out, record, force=force)
+    if problem is not None:
+        raise OutputError(f"-o {out}: {problem}")
     state = ckpt.export_state_dict(folder)
     if dtype is not None:
         cast = getattr(torch, dtype)
         state = {k: v.to(cast) if v.is_floating_point() else v for k, v in state.items()}
-    tmp = out.with_name(out.name + ".tmp")
+    info = json.dumps({"model": manifest.model, "step": manifest.step, "source": str(folder)},
+                      indent=1) + "\n"  # fmt: skip
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         if pretrained:  # transformers' save_pretrained: config.json, safetensors, tokenizer
-            from gpipe.train.hf import save_pretrained
-
-            tokenizer = manifest.config.get("tokenizer")
-            tokenizer = tokenizer if tokenizer and Path(tokenizer).is_dir() else None
-            shutil.rmtree(tmp, ignore_errors=True)
-            save_pretrained(manifest.model, state, tmp, tokenizer=tokenizer)
-            shutil.rmtree(out, ignore_errors=True)
+            write_folder(out, lambda into: _save_pretrained(manifest, state, into, info))
         else:
-            with open(tmp, "wb") as f:  # an OSError names an unwritable path
-                torch.save(state, f)
-            info = {"model": manifest.model, "step": manifest.step, "source": str(folder)}
-            out.with_suffix(".json").write_text(json.dumps(info, indent=1) + "\n")
-        os.replace(tmp, out)
+            write_file(out, lambda f: torch.save(state, f))
+            write_file(record, lambda f: f.write(info.encode()))
     except OSError as error:
-        raise ckpt.CheckpointError(
+        raise OutputError(
             f"-o {out}: cannot write there ({error.strerror or error}); choose a writable path"
         ) from None
-    finally:
-        if tmp.is_dir():
-            shutil.rmtree(tmp, ignore_errors=True)
-        elif tmp.exists():
-            tmp.unlink()
     return out
 
 
+def _save_pretrained(manifest: ckpt.Manifest, state: dict, folder: Path, info: str) -> None:
+    from gpipe.train.hf import save_pretrained
+
+    tokenizer = manifest.config.get("tokenizer") if manifest.config else None
+    tokenizer = tokenizer if tokenizer and Path(tokenizer).is_dir() else None
+    save_pretrained(manifest.model, state, folder, tokenizer=tokenizer)
+    (folder / EXPORT_RECORD).write_text(info)
+
+
 def run(args: argparse.Namespace) -> int:
-    try:
-        out = export(args.checkpoint, args.out, args.dtype)
-    except ckpt.CheckpointError as error:
-        print(f"gpipe export: error: {error}", file=sys.stderr)
-        return 2
+    out = export(args.checkpoint, args.out, args.dtype, force=args.force)
     manifest = ckpt.read_manifest(args.checkpoint)
     spec = manifest.model
     if out.is_dir():  # a Hugging Face model's save_pretrained folder

@@ -43,6 +43,9 @@ from dataclasses import replace
 
 import torch
 
+from gpipe.remat import REMAT_MODES
+from gpipe.schedule import SCHEDULES
+
 __all__ = ["configure", "parse_bytes", "run"]
 
 _UNITS = {
@@ -117,34 +120,40 @@ def build(args: argparse.Namespace):
 def configure(p: argparse.ArgumentParser) -> None:
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.add_argument("--model", choices=["gpt", "resnet"], default="gpt")
-    p.add_argument("--devices", type=int, default=2, help="devices (processes) available")
+    p.add_argument("--devices", type=_positive, default=2, help="devices (processes) available")
     p.add_argument(
         "--memory", type=parse_bytes, default=None,
         help="with --capacity: each process's whole peak (Python, torch and the process group "
         "included; see --baseline-memory), e.g. 600MiB; otherwise: per device, for the "
         "model's terms alone (parameters, optimizer state, activations), e.g. 2GiB",
     )  # fmt: skip
-    p.add_argument("--batch", type=int, default=32, help="samples per mini-batch")
+    p.add_argument("--batch", type=_positive, default=32, help="samples per mini-batch")
     g = p.add_argument_group("gpt preset")
-    g.add_argument("--layers", type=int, default=6, help="transformer blocks")
-    g.add_argument("--d-model", type=int, default=128)
-    g.add_argument("--heads", type=int, default=4)
-    g.add_argument("--seq", type=int, default=64)
-    g.add_argument("--vocab", type=int, default=4096, help="a large vocabulary: heavy head")
+    g.add_argument("--layers", type=_positive, default=6, help="transformer blocks")
+    g.add_argument("--d-model", type=_positive, default=128)
+    g.add_argument("--heads", type=_positive, default=4)
+    g.add_argument("--seq", type=_positive, default=64)
+    g.add_argument("--vocab", type=_positive, default=4096, help="a large vocabulary: heavy head")
     g = p.add_argument_group("resnet preset")
-    g.add_argument("--blocks", type=int, default=2, help="residual blocks per resolution")
-    g.add_argument("--channels", type=int, default=32, help="width at full resolution")
-    g.add_argument("--image", type=int, default=32, help="image side in pixels")
+    g.add_argument("--blocks", type=_positive, default=2, help="residual blocks per resolution")
+    g.add_argument("--channels", type=_positive, default=32, help="width at full resolution")
+    g.add_argument("--image", type=_positive, default=32, help="image side in pixels")
     g = p.add_argument_group("search")
-    g.add_argument("--chunks", type=int, nargs="+", help="micro-batch counts M to try")
-    g.add_argument("--schedules", nargs="+", help="schedules to try (default: all)")
-    g.add_argument("--checkpoints", nargs="+", help="checkpoint modes to try (default: all)")
+    g.add_argument("--chunks", type=_positive, nargs="+", help="micro-batch counts M to try")
+    g.add_argument(
+        "--schedules", nargs="+", choices=list(SCHEDULES), metavar="SCHEDULE",
+        help=f"schedules to try: {', '.join(SCHEDULES)} (default: all but zb-auto)",
+    )  # fmt: skip
+    g.add_argument(
+        "--checkpoints", nargs="+", choices=REMAT_MODES, metavar="MODE",
+        help=f"checkpoint modes to try: {', '.join(REMAT_MODES)} (default: all)",
+    )  # fmt: skip
     g.add_argument(
         "--checkpoint-layers", nargs="+", type=_layers_at_a_time, metavar="N|stage",
         help="--capacity: layers a re-materialized micro-batch recomputes at a time, or stage "
         "(all of it) (default: stage 1 2 4)",
     )  # fmt: skip
-    g.add_argument("--virtual", type=int, nargs="+", default=[1, 2], help="virtual stages")
+    g.add_argument("--virtual", type=_positive, nargs="+", default=[1, 2], help="virtual stages")
     g.add_argument("--optimizer-state", type=float, default=2.0, help="x parameter bytes")
     g.add_argument("--latency", type=float, default=100e-6, help="seconds per transfer")
     g.add_argument("--bandwidth", type=parse_bytes, default=2e9, help="bytes/s between devices")
@@ -158,23 +167,25 @@ def configure(p: argparse.ArgumentParser) -> None:
     )
     g = p.add_argument_group("measuring")
     g.add_argument("--device", default="cpu", help="where to profile")
-    g.add_argument("--threads", type=int, default=1, help="torch threads while profiling")
-    g.add_argument("--repeats", type=int, default=5, help="timed runs per layer (median)")
+    g.add_argument("--threads", type=_positive, default=1, help="torch threads while profiling")
+    g.add_argument("--repeats", type=_positive, default=5, help="timed runs per layer (median)")
     g.add_argument("--warmup", type=int, default=2)
-    g.add_argument("--top", type=int, default=10, help="rows to print")
+    g.add_argument("--top", type=_positive, default=10, help="rows to print")
     g.add_argument(
         "--write-config", metavar="FILE",
         help="write the first choice as options of gpipe train (TOML): gpipe train --config FILE",
     )  # fmt: skip
     g.add_argument("--verify", type=int, default=0, metavar="N", help="run the top N for real")
-    g.add_argument("--steps", type=int, default=10, help="timed steps per verified run")
+    g.add_argument("--steps", type=_positive, default=10, help="timed steps per verified run")
     g.add_argument("--seed", type=int, default=0)
     g = p.add_argument_group("capacity: the largest model of the family that fits --memory")
     g.add_argument("--capacity", action="store_true", help="search depth x layout instead")
-    g.add_argument("--processes", type=int, help="processes available (default: --devices)")
+    g.add_argument("--processes", type=_positive, help="processes available (default: --devices)")
     g.add_argument("--optimizer", default="adamw", help="adamw (2 states), sgd-momentum, sgd")
-    g.add_argument("--stages", type=int, nargs="+", help="stage counts K to try (default: all)")
-    g.add_argument("--replicas", type=int, nargs="+", help="replica counts R to try")
+    g.add_argument(
+        "--stages", type=_positive, nargs="+", help="stage counts K to try (default: all)"
+    )
+    g.add_argument("--replicas", type=_positive, nargs="+", help="replica counts R to try")
     g.add_argument(
         "--shard", choices=["both", "yes", "no"], default="both", help="shard replicas' state"
     )
@@ -214,7 +225,7 @@ def run_capacity(args: argparse.Namespace) -> int:
     from gpipe.planner import calibrate, capacity, verify_capacity
 
     if args.memory is None:
-        raise SystemExit("gpipe plan --capacity needs --memory (bytes per process, e.g. 2GiB)")
+        raise ValueError("--capacity needs --memory (bytes per process, e.g. 2GiB)")
     models = family(args)
     processes = args.processes or args.devices
     baseline = args.baseline_memory
@@ -266,6 +277,12 @@ def _resident_bytes() -> float:
         return 0.0
 
 
+def _positive(text: str) -> int:
+    if text.strip().isdigit() and int(text) >= 1:
+        return int(text)
+    raise argparse.ArgumentTypeError(f"{text!r}: give a whole number >= 1")
+
+
 def _layers_at_a_time(text: str) -> int | None:
     if text == "stage":
         return None
@@ -276,9 +293,15 @@ def _layers_at_a_time(text: str) -> int | None:
 
 def run(args: argparse.Namespace) -> int:
     if args.write_config and (args.capacity or args.model != "gpt"):
-        raise SystemExit(
-            "gpipe plan --write-config writes the plan of --model gpt (gpipe train's GPT); "
+        raise ValueError(
+            "--write-config writes the plan of --model gpt (gpipe train's GPT); "
             "the ResNet here and --capacity's rows are other models: drop --write-config"
+        )
+    too_many = [m for m in args.chunks or [] if m > args.batch]
+    if too_many:
+        raise ValueError(
+            f"--chunks {' '.join(map(str, too_many))}: a micro-batch holds at least one sample "
+            f"of --batch {args.batch}; give at most {args.batch}"
         )
     if args.capacity:
         return run_capacity(args)

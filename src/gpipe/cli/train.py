@@ -144,45 +144,53 @@ _OR_ALONE = " (or unset RANK and WORLD_SIZE: gpipe train then starts its process
 
 
 def run(args: argparse.Namespace) -> int:
+    """Bad input raises :class:`ConfigError` (one line by ``gpipe.__main__``) before anything
+    starts; under torchrun rank 0 says it, or every process where each may differ."""
+    try:
+        return _run(args)
+    except WorldError as error:  # each process says it: its own environment, or peers missing
+        raise ConfigError([f"{error}{_OR_ALONE}"]) from None
+
+
+def _run(args: argparse.Namespace) -> int:
     torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     world_size, speaks = None, True
-    if torchrun:
-        try:  # checked before anything waits for the other processes
-            rank, world_size, _, _ = job_environment()
-        except WorldError as error:  # every process says it: each has its own environment
-            print(f"gpipe train: error: {error}{_OR_ALONE}", file=sys.stderr)
-            return 2
+    if torchrun:  # checked before anything waits for the other processes
+        rank, world_size, _, _ = job_environment()
         speaks = rank == 0
-    resume = args.resume
     try:
-        options = config_file.merge(args.config, vars(args))
-        resume = options.get("resume")
-        if resume == "auto":  # a job started again (torchrun --max-restarts) continues
-            resume = _resume_auto(options.get("out"))
-            options = {**options, "resume": resume}
-        if resume:
-            folder, notes = choose(resume, strict=args.strict_resume)
-            options = {**options, "resume": str(folder)}
-            for note in notes if speaks else []:
-                print(f"gpipe train: warning: {note}", file=sys.stderr)
-        config = resolve(options, world_size=world_size)
-    except (ConfigError, CheckpointError) as error:
-        if speaks:
-            text = f"--resume {resume}: {error}" if isinstance(error, CheckpointError) else error
-            print(f"gpipe train: error:\n{text}", file=sys.stderr)
-        return 2
-    if torchrun:
-        try:
+        config = _config(args, world_size=world_size, speaks=speaks)
+        if torchrun:
             run_under_torchrun(config)
-        except WorldError as error:  # each process says it: the others may not have come
-            print(f"gpipe train: error: {error}{_OR_ALONE}", file=sys.stderr)
-            return 2
-        return 0
+            return 0
+        return _launched(config)
+    except ConfigError:
+        if speaks:
+            raise
+        return 2
+
+
+def _config(args: argparse.Namespace, *, world_size: int | None, speaks: bool) -> TrainConfig:
+    options = config_file.merge(args.config, vars(args))
+    resume = options.get("resume")
+    if resume == "auto":  # a job started again (torchrun --max-restarts) continues
+        resume = _resume_auto(options.get("out"))
+        options = {**options, "resume": resume}
+    if resume:
+        try:
+            folder, notes = choose(resume, strict=args.strict_resume)
+        except CheckpointError as error:
+            raise ConfigError([f"--resume {resume}: {error}"]) from None
+        options = {**options, "resume": str(folder)}
+        for note in notes if speaks else []:
+            print(f"gpipe train: warning: {note}", file=sys.stderr)
+    return resolve(options, world_size=world_size)
+
+
+def _launched(config: TrainConfig) -> int:
+    """Train in processes started here; a failed rank's cause in a few lines (exit 1)."""
     try:
         run_job(config)
-    except ConfigError as error:
-        print(f"gpipe train: error:\n{error}", file=sys.stderr)
-        return 2
     except TrainingError as error:
         if error.signal_exit is not None:
             print("gpipe train: stopped by a signal", file=sys.stderr)

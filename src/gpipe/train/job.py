@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import gpipe.train.config_file as config_file
+import gpipe.train.inputs as inputs
 from gpipe.allocator import started_with
 from gpipe.errors import COMMUNICATION_FAILURES
 from gpipe.parallel.launch import LaunchError, die_with, launch
@@ -20,7 +21,7 @@ from gpipe.train.config import ConfigError, TrainConfig
 from gpipe.train.report import write_json
 from gpipe.train.trainer import Trainer
 
-__all__ = ["TrainingError", "prepare", "root_cause", "run", "run_under_torchrun", "train"]
+__all__ = ["TrainingError", "root_cause", "run", "run_under_torchrun", "train"]
 
 
 class TrainingError(RuntimeError):
@@ -47,16 +48,15 @@ class TrainingError(RuntimeError):
 
 def train(rank: int, config: TrainConfig, prepared: Any = None) -> dict[str, Any] | None:
     """The training run of one rank (inside a process of the job's group); ``prepared``:
-    what :func:`prepare` returned, or None to let each rank load its data."""
+    what :func:`gpipe.train.inputs.check` returned, or None to let each rank load its data."""
     return Trainer(rank, config, prepared).run()
 
 
-def prepare(config: TrainConfig) -> Any:
-    """Once, before the ranks start: the output folder and the data (or its cache)."""
+def _write_run(config: TrainConfig) -> None:
+    """The run's folder and its options (once the inputs are known to be good)."""
     Path(config.out).mkdir(parents=True, exist_ok=True)
     write_json(Path(config.out) / "config.json", asdict(config))
     config_file.write(Path(config.out) / config_file.FILE, config)
-    return config.task.prepare()
 
 
 @contextlib.contextmanager
@@ -80,15 +80,18 @@ def _claimed(out: str) -> Iterator[None]:
 def run(config: TrainConfig) -> dict[str, Any]:
     """Train ``config`` in K × R new local processes; rank 0's summary.
 
-    Raises :class:`TrainingError` when a rank fails (the others stop with it), and
-    :class:`ConfigError` when another run is writing to the same output folder.
+    Raises :class:`ConfigError`, before any process starts and before the output folder is
+    made, for what cannot run (``gpipe.train.inputs.check``: the folder, the data, the
+    memory), or when another run is writing to the same output folder; and
+    :class:`TrainingError` when a rank fails (the others stop with it).
     """
+    prepared = inputs.check(config, processes=config.world_size)  # before the folder
     with _claimed(config.out):
-        return _run(config)
+        return _run(config, prepared)
 
 
-def _run(config: TrainConfig) -> dict[str, Any]:
-    prepared = prepare(config)
+def _run(config: TrainConfig, prepared: Any) -> dict[str, Any]:
+    _write_run(config)
     try:
         # gloo: the main job trains on CPU, and its own collectives carry CPU tensors. The
         # allocator policy is also read at each rank's start (Python's, glibc's defaults).
@@ -113,6 +116,9 @@ def run_under_torchrun(config: TrainConfig) -> dict[str, Any] | None:
     other processes do not all come within ``config.timeout``."""
     if "TORCHELASTIC_RUN_ID" in os.environ:  # torchrun killed outright: stop with it
         die_with(os.getppid())
+    # Each rank checks before any waits for another: bad input stops every one at once.
+    local = os.environ.get("LOCAL_WORLD_SIZE")  # torchrun's ranks on this machine
+    prepared = inputs.check(config, processes=int(local) if local and local.isdigit() else None)
     # CPU training, as when run() spawns the ranks; every wait bounded by --timeout
     rank = ensure_world("gloo", timeout=config.timeout)
     try:
@@ -121,9 +127,9 @@ def run_under_torchrun(config: TrainConfig) -> dict[str, Any] | None:
         options = everyone.broadcast_object(asdict(config), "the broadcast of rank 0's options")
         config = TrainConfig(**options)
         if rank == 0:
-            prepare(config)
+            _write_run(config)
         everyone.barrier("the barrier after preparing the data", doing="starting")
-        return train(rank, config)
+        return train(rank, config, prepared)
     finally:
         leave_world()
 

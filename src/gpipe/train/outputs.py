@@ -1,0 +1,169 @@
+"""Where gpipe writes, and never over what it did not write: a run's folder (``gpipe train
+--out``) and an exported model (``gpipe export -o``).
+
+A folder is a gpipe run when it holds the options gpipe wrote for it (``config.toml``, read
+back as options of ``gpipe train``) or a checkpoint; ``--out`` takes such a folder or an empty
+one (or makes it), nothing else: a model's folder holds a ``config.json`` too. An export goes
+anywhere but into a checkpoint or over a run's own files, and replaces only an export (its
+record: the ``.json`` beside the weights, ``gpipe-export.json`` in a ``save_pretrained``
+folder), unless forced. Files are written to a temporary name made afresh beside the
+target (``tempfile``: created exclusively, so a link planted there is never followed), then
+renamed over it::
+
+    problems = run_folder_problems("runs/x")        # [] or one line
+    write_file(Path("model.pt"), lambda f: torch.save(state, f))
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO, Any
+
+import gpipe.train.config_file as config_file
+from gpipe.checkpoint import LATEST, MANIFEST
+from gpipe.train.report import OUTPUT_FILES
+
+__all__ = [
+    "EXPORT_RECORD",
+    "OutputError",
+    "export_problem",
+    "exported_by_gpipe",
+    "is_run",
+    "run_folder_problems",
+    "write_file",
+    "write_folder",
+]
+
+CHECKPOINTS = "checkpoints"  # a run's checkpoints, each a step-NNNNNN/ folder
+EXPORT_RECORD = "gpipe-export.json"  # in an exported save_pretrained folder
+_RUN_NAMES = (*OUTPUT_FILES, CHECKPOINTS)
+_TENSORBOARD = "events.out.tfevents."
+
+
+class OutputError(ValueError):
+    """A place gpipe will not write to: what is there, and where to write instead."""
+
+
+def is_run(folder: str | Path) -> bool:
+    """Whether ``folder`` is a run of ``gpipe train``: its ``config.toml`` or a checkpoint."""
+    folder = Path(folder)
+    if any(folder.glob(f"{CHECKPOINTS}/step-*/{MANIFEST}")):
+        return True
+    options = folder / config_file.FILE
+    try:
+        return options.is_file() and bool(config_file.read(options))
+    except (ValueError, OSError):  # not TOML, or not gpipe's options
+        return False
+
+
+def run_folder_problems(out: str | Path) -> list[str]:
+    """Why ``gpipe train --out out`` must not write there ([] when it may)."""
+    folder = Path(out)
+    if not folder.is_dir() or is_run(folder):
+        return []
+    held = sorted(p.name for p in folder.iterdir())
+    if not held:
+        return []
+    shown = ", ".join(held[:3]) + (f" and {len(held) - 3} more" if len(held) > 3 else "")
+    return [
+        f"--out {out} holds {shown}, and is not a gpipe run: gpipe writes a run only into "
+        "a new or empty folder or its own run's; choose another --out"
+    ]
+
+
+def export_problem(out: Path, record: Path, *, force: bool) -> str | None:
+    """Why an export must not write ``out`` (and its ``record``), or None."""
+    parent = out.parent.resolve()
+    for folder in (out, parent, *parent.parents):
+        if _is_checkpoint(folder):
+            return (
+                f"{folder} is a checkpoint or a folder of them: gpipe export never writes into "
+                "one; choose a path outside it"
+            )
+    if out.is_dir() and is_run(out):
+        return f"{out} is a run's folder: choose a new name (the default: model-step-NNNNNN/ in it)"
+    if is_run(out.parent):
+        for path in (out, record):
+            if path.parent == out.parent and (
+                path.name in _RUN_NAMES or path.name.startswith(_TENSORBOARD)
+            ):
+                return (
+                    f"{path} is a file of the run {out.parent}: choose another name (the "
+                    "default: model-step-NNNNNN.pt in it)"
+                )
+    if force:
+        return None
+    for path in (out, record):
+        if os.path.lexists(path) and not exported_by_gpipe(record):
+            return (
+                f"{path} exists and gpipe export did not write it: choose another -o, or pass "
+                "--force to replace it"
+            )
+    return None
+
+
+def _is_checkpoint(folder: Path) -> bool:
+    """A checkpoint (its manifest) or a folder of them (``latest``, step-NNNNNN/)."""
+    return (
+        (folder / MANIFEST).is_file()
+        or (folder / LATEST).is_file()
+        or any(folder.glob(f"step-*/{MANIFEST}"))
+    )
+
+
+def exported_by_gpipe(record: Path) -> bool:
+    """Whether ``record`` is what gpipe export writes beside (or in) what it exported."""
+    try:
+        written = json.loads(record.read_text()) if not record.is_symlink() else None
+    except (OSError, ValueError):
+        return False
+    return isinstance(written, dict) and {"model", "step", "source"} <= set(written)
+
+
+def write_file(path: Path, write: Callable[[IO[bytes]], Any]) -> None:
+    """``write`` a file into a new temporary file beside ``path``, then rename it over
+    ``path`` (a link at ``path`` is replaced, never followed)."""
+    fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp's 0600: as open() would have made it
+        with os.fdopen(fd, "wb") as file:
+            write(file)
+        os.replace(temporary, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+        raise
+
+
+def write_folder(path: Path, write: Callable[[Path], Any]) -> None:
+    """``write`` a folder into a new temporary one beside ``path``, then put it in place
+    of ``path`` (what was there is removed once the new one is in place)."""
+    temporary = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"))
+    aside = None
+    try:
+        os.chmod(temporary, 0o777 & ~_umask())
+        write(temporary)
+        if path.is_dir() and not path.is_symlink():
+            aside = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".old"))
+            os.replace(path, aside / path.name)
+        elif os.path.lexists(path):
+            os.unlink(path)
+        os.replace(temporary, path)
+    except BaseException:
+        shutil.rmtree(temporary, ignore_errors=True)
+        raise
+    finally:
+        if aside is not None:
+            shutil.rmtree(aside, ignore_errors=True)
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)  # read by setting it: put back at once
+    os.umask(mask)
+    return mask
