@@ -381,11 +381,7 @@ class Stage:
             roots, grads = self._roots(stored, grad_outputs, microbatch)
             inputs = tensors_of(stored.inputs)
             if split:
-                params = (
-                    self.autograd_parameters()
-                    if self.autograd_parameters is not None
-                    else list(self.parameters())
-                )
+                params = self.autograd_parameters() if self.autograd_parameters else []
                 grad_inputs, work = backward_input(roots, grads, inputs, params)
                 work.held = stored.held  # activations stay until W has run
                 self._weight_work[microbatch] = work
