@@ -135,3 +135,119 @@ def test_memory_released_as_soon_as_unneeded():
     module(x).logsumexp(dim=1).sum().backward()
     for got, want in zip(expected, module.parameters(), strict=True):
         assert relative_error(got, want.grad) <= 1e-12
+
+
+# -- every leaf the graph reaches, along every path -----------------------------------------
+
+
+def _passed_on(x, lin, p, t):
+    bias = p.tanh()  # from the parameter alone: used here and passed on
+    return [lin(x) * bias, bias], [None, None]
+
+
+def _parameter_as_output(x, lin, p, t):
+    return [lin(x) + p, p], [None, None]
+
+
+def _loss_with_a_temperature(x, lin, p, t):
+    loss = torch.nn.functional.cross_entropy(lin(x) / t, torch.tensor([0, 1, 2, 3]))
+    return [loss + (p * p).sum()], [1.0]
+
+
+def _weight_at_two_depths_and_passed_on(x, lin, p, t):
+    h = lin(torch.tanh(lin(x)) + p)
+    return [h, (p * lin.weight.sum()).exp()], [None, None]
+
+
+def _tensor_hook_on_a_start(x, lin, p, t):
+    h = lin(x)
+    h.register_hook(lambda g: g * 3)  # run in B; W's start must not apply it again
+    return [torch.tanh(h) + p], [None]
+
+
+def _output_reused_by_another(x, lin, p, t):
+    bias = p.tanh()
+    return [lin(x) + bias, bias * 2, bias], [None, None, None]
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        _passed_on,
+        _parameter_as_output,
+        _loss_with_a_temperature,
+        _weight_at_two_depths_and_passed_on,
+        _tensor_hook_on_a_start,
+        _output_reused_by_another,
+    ],
+    ids=lambda f: f.__name__.strip("_"),
+)
+def test_w_delivers_every_leaf_as_the_full_backward(build):
+    """Only the Linear is named as the stage's parameters: the bias parameter and the
+    temperature are found in the graph."""
+    torch.manual_seed(0)
+    lin = nn.Linear(6, 6).double()
+    p = nn.Parameter(torch.randn(6, dtype=torch.float64))
+    t = torch.tensor(1.5, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(4, 6, dtype=torch.float64)
+    leaves = [lin.weight, lin.bias, p, t]
+
+    def run(split: bool):
+        for leaf in leaves:
+            leaf.grad = None
+        leaf = x.clone().requires_grad_()
+        roots, kinds = build(leaf, lin, p, t)
+        torch.manual_seed(1)
+        grads = [
+            None if k is not None else torch.randn_like(r)
+            for r, k in zip(roots, kinds, strict=True)
+        ]
+        if not split:
+            torch.autograd.backward(roots, [g if g is not None else torch.ones(()) for g in grads])
+            return leaf.grad, [leaf_.grad for leaf_ in leaves]
+        (grad_input,), work = backward_input(roots, grads, [leaf], [lin.weight, lin.bias])
+        assert all(leaf_.grad is None for leaf_ in leaves), "B must not touch weights"
+        backward_weight(work)
+        return grad_input, [leaf_.grad for leaf_ in leaves]
+
+    expected_input, expected = run(split=False)
+    grad_input, got = run(split=True)
+    assert relative_error(grad_input, expected_input) <= 1e-12
+    for name, ours, theirs in zip(["weight", "bias", "p", "t"], got, expected, strict=True):
+        assert (ours is None) == (theirs is None), name
+        if theirs is not None:
+            assert relative_error(ours, theirs) <= 1e-12, name
+
+
+class _Checkpointed(nn.Module):
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.inner = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+        self.reentrant = reentrant
+
+    def forward(self, x):
+        return torch.utils.checkpoint.checkpoint(self.inner, x, use_reentrant=self.reentrant)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_a_graph_autograd_cannot_split_runs_whole_in_b(reentrant):
+    """A reentrant checkpoint runs a backward of its own and refuses .grad: B then runs the
+    whole backward (and says why), W nothing; the non-reentrant one splits."""
+    module = _Checkpointed(reentrant).double()
+    x = torch.randn(3, 4, dtype=torch.float64)
+    leaf = x.clone().requires_grad_()
+    out = module(leaf)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    expected_input, expected = leaf.grad, [p.grad.clone() for p in module.parameters()]
+    module.zero_grad(set_to_none=True)
+
+    leaf = x.clone().requires_grad_()
+    (grad_input,), work = backward_input([module(leaf)], [grad], [leaf], [])
+    assert (work.whole is not None) == reentrant
+    if reentrant:
+        assert "use_reentrant=False" in work.whole and not work.groups
+    backward_weight(work)
+    assert relative_error(grad_input, expected_input) <= 1e-12
+    for p, theirs in zip(module.parameters(), expected, strict=True):
+        assert relative_error(p.grad, theirs) <= 1e-12

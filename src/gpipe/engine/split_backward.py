@@ -1,36 +1,51 @@
-"""Split one backward pass into B (input gradient) and W (weight gradients).
+"""Split one backward pass into B (input gradient) and W (weight gradients), exact by
+construction.
 
 Zero-bubble schedules (Qi et al., ICLR 2024) run B as soon as the next stage's gradient
 arrives, since the previous stage waits for it, and defer W into the bubbles. Running
 autograd twice — once for inputs, once for weights — would compute every activation
-gradient twice. Instead:
+gradient twice. Instead, with *S* the nodes of the stage's autograd graph from which an
+input can be reached (exactly the nodes autograd runs for the input gradient):
 
-* **B** walks the stage's autograd graph once to find, for each parameter, the
-  *intermediates*: the nodes on the path from the outputs to the inputs from which
-  the parameter hangs (e.g. the ``AddmmBackward`` of a ``Linear``). It runs
-  ``torch.autograd.grad`` for the inputs only — autograd then computes only the
-  input-side outputs of every node — while pre-hooks record the gradient arriving at
-  each intermediate.
-* **W** starts autograd at those intermediates (``GradientEdge``) with the recorded
-  gradients, restricted to their parameters: each node computes only its weight-side
-  outputs. Parameters are grouped by the intermediates they share so that every group
-  is one autograd call.
+* **B** walks the graph once — every node's parents, every leaf's gradient accumulator —
+  and runs ``torch.autograd.grad`` for the inputs only, while pre-hooks record the
+  gradient arriving at the *starts*: the nodes of S directly above a node outside S (e.g.
+  the ``AddmmBackward`` of a ``Linear``, above its weight's ``TBackward``).
+* **W** delivers every leaf that requires grad and that the graph reaches: the leaves are
+  those the walk met (the ``AccumulateGrad`` nodes' variables), not a list of parameters,
+  so a loss's own parameters, or the user's input on the first stage, are not missed.
+  For each leaf, every path up from it leaves the nodes outside S at a start, or ends at
+  a root outside S — an output computed from parameters alone (a position bias the stage
+  uses and also passes on). W starts autograd there (``GradientEdge``), with the
+  recorded gradient resp. the root's own, restricted to the leaves: each node computes
+  only its weight-side outputs. Leaves that share a start are one autograd call.
 
-A stage whose inputs need no gradient (the first stage) has nothing to send back: its
-B does nothing and its W is the whole backward.
+Why that is the full gradient: S is closed upwards (a node above one in S reaches the
+input through it), so when B runs a node of S all that will ever flow into it has
+arrived — what a start records is complete. Below S, nothing is in S: W runs every node
+between a leaf and its starts with all of their gradient. A start may still receive more
+in W (a start below another, a tensor hook applied again): a pre-hook puts the recorded
+gradient back.
 
-Known cost: a parameter used at two depths of one stage (a weight applied twice) has two
-intermediates, one above the other; W then re-derives the activation gradient between
-them. Weights used once — every ordinary layer — cost nothing extra.
+A stage whose inputs need no gradient (the first stage) has nothing to send back: its B
+does nothing and its W is the whole backward. A graph that autograd cannot split
+(``torch.utils.checkpoint(..., use_reentrant=True)`` runs a backward of its own and
+refuses ``.grad``) is not split: B runs the whole backward, W nothing, and a warning says
+why (as does :attr:`WeightWork.whole`).
+
+Known cost: a weight used at two depths of one stage has two starts, one above the
+other; W then re-derives the activation gradient between them. Weights used once — every
+ordinary layer — cost nothing extra.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
-from torch.autograd.graph import GradientEdge, Node
+from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 from torch.overrides import has_torch_function
 
 try:  # what torch.autograd.backward calls once it has checked its arguments
@@ -38,21 +53,29 @@ try:  # what torch.autograd.backward calls once it has checked its arguments
 except ImportError:  # a private name: other torch versions take the public path
     _engine_run_backward = None
 
-__all__ = ["WeightWork", "backward_input", "backward_weight"]
+__all__ = ["WeightWork", "backward_input", "backward_weight", "leaves_below"]
+
+# Nodes whose backward runs autograd itself and refuses to run under ``.grad``.
+_UNSPLITTABLE = {
+    "CheckpointFunctionBackward": "torch.utils.checkpoint(use_reentrant=True) runs a "
+    "backward of its own inside B; use_reentrant=False splits",
+}
 
 
 def _node(tensor: torch.Tensor) -> Node:
     """A tensor's grad_fn, or for a leaf its gradient accumulator."""
     if tensor.grad_fn is not None:
         return tensor.grad_fn
-    return tensor.view_as(tensor).grad_fn.next_functions[0][0]
+    return get_gradient_edge(tensor).node
 
 
 @dataclass
 class _Group:
     params: list[torch.Tensor]
-    intermediates: list[Node]
+    intermediates: list[Node]  # starts in S: recorded in B
+    roots: list[int]  # starts outside S: roots, by index
     grads: dict[Node, tuple] = field(default_factory=dict)  # recorded in B
+    root_starts: list[tuple[GradientEdge, torch.Tensor]] = field(default_factory=list)
 
 
 @dataclass
@@ -60,10 +83,89 @@ class WeightWork:
     """What W needs from B: the graph (kept alive) and the recorded gradients."""
 
     groups: list[_Group]
-    roots: list[torch.Tensor]  # W's start for parameters B never reached (else empty)
+    roots: list[torch.Tensor]  # the whole backward's roots (``full``), else empty
     root_grads: list[torch.Tensor | None]
     full: bool = False  # no input needed a gradient: W is the whole backward
     held: list = field(default_factory=list)  # memory-meter tokens of the stage
+    whole: str | None = None  # why B ran the whole backward (W has nothing left)
+
+
+@dataclass
+class _Graph:
+    """One walk down from the roots."""
+
+    parents: dict[Node, list[Node]]
+    accumulators: dict[int, Node]  # id(leaf) -> its AccumulateGrad
+    leaves: list[torch.Tensor]  # in the order met
+    root_nodes: dict[Node, list[int]]  # node -> the roots it computes
+    unsplittable: str | None = None
+
+
+def _walk(roots: Sequence[torch.Tensor], stop: frozenset[Node] = frozenset()) -> _Graph:
+    """Parents and leaves of the graph below ``roots``; nothing below a node of ``stop``."""
+    graph = _Graph({}, {}, [], {})
+    stack = []
+    for index, root in enumerate(roots):
+        node = _node(root)
+        graph.root_nodes.setdefault(node, []).append(index)
+        stack.append(node)
+    visited = set(stack)
+    while stack:
+        node = stack.pop()
+        below = node.next_functions
+        if not below:
+            variable = getattr(node, "variable", None)  # an AccumulateGrad's leaf
+            if variable is not None:
+                graph.accumulators[id(variable)] = node
+                graph.leaves.append(variable)
+            continue
+        if node in stop:
+            continue
+        if graph.unsplittable is None:
+            graph.unsplittable = _UNSPLITTABLE.get(type(node).__name__)
+        for child, _ in below:
+            if child is None:
+                continue
+            graph.parents.setdefault(child, []).append(node)
+            if child not in visited:
+                visited.add(child)
+                stack.append(child)
+    return graph
+
+
+def leaves_below(roots: Sequence[torch.Tensor], stop: Sequence[torch.Tensor]) -> list:
+    """The leaves that require grad and that ``roots`` depend on other than through the
+    tensors of ``stop`` (e.g. what a loss reads besides the stage's outputs)."""
+    nodes = frozenset(t.grad_fn for t in stop if t.grad_fn is not None)
+    return _walk([r for r in roots if r.requires_grad], nodes).leaves
+
+
+def _starts(node: Node, graph: _Graph, on_input_path: set[Node]) -> tuple[set[Node], set[int]]:
+    """Where W starts for the leaf of ``node``: the nodes of S and the roots outside S at
+    which the paths up from it leave the nodes outside S."""
+    found: set[Node] = set()
+    roots: set[int] = set(graph.root_nodes.get(node, ()))
+    seen, frontier = {node}, [node]
+    while frontier:
+        below = frontier.pop()
+        for parent in graph.parents.get(below, ()):
+            if parent in seen:
+                continue
+            seen.add(parent)
+            if parent in on_input_path:
+                found.add(parent)
+            else:
+                frontier.append(parent)
+                roots.update(graph.root_nodes.get(parent, ()))
+    return found, roots
+
+
+def _whole(roots, grads, inputs, reason: str) -> tuple[list, WeightWork]:
+    """B as the whole backward, for a graph that cannot be split."""
+    warnings.warn(f"a split backward runs whole in B (no W to defer): {reason}", stacklevel=4)
+    torch.autograd.backward(list(roots), list(grads))
+    grad_inputs = [t.grad if t.requires_grad and t.is_leaf else None for t in inputs]
+    return grad_inputs, WeightWork([], [], [], whole=reason)
 
 
 def backward_input(
@@ -72,78 +174,72 @@ def backward_input(
     inputs: Sequence[torch.Tensor],
     params: Sequence[torch.Tensor],
 ) -> tuple[list[torch.Tensor | None], WeightWork]:
-    """B: gradients of ``inputs`` from ``roots`` (with ``grads``); W's work for later."""
-    params = [p for p in params if p.requires_grad]
-    wanted = [t for t in inputs if t.requires_grad]
+    """B: gradients of ``inputs`` from ``roots`` (with ``grads``); W's work for later.
+
+    W delivers ``params`` (tensors autograd differentiates that the walk may not meet as
+    leaves, e.g. gathered shards) and every leaf the graph reaches but ``inputs``. An
+    input that is not a leaf (the user's tensor that requires grad, on the first stage)
+    is differentiated through, as part of W."""
+    wanted = [t for t in inputs if t.requires_grad and t.is_leaf]
     if not wanted or not roots:
         return [None] * len(inputs), WeightWork([], list(roots), list(grads), full=True)
-
-    # One walk down from the roots: every node's parents, and the leaves' accumulators
-    # (found here rather than through a view of each tensor: it runs once per B).
-    parents: dict[Node, list[Node]] = {}
-    accumulators: dict[int, Node] = {}
-    stack = [_node(r) for r in roots]
-    visited = set(stack)
-    while stack:
-        node = stack.pop()
-        below = node.next_functions
-        if not below:
-            variable = getattr(node, "variable", None)  # an AccumulateGrad's leaf
-            if variable is not None:
-                accumulators[id(variable)] = node
-            continue
-        for child, _ in below:
-            if child is None:
-                continue
-            parents.setdefault(child, []).append(node)
-            if child not in visited:
-                visited.add(child)
-                stack.append(child)
+    graph = _walk(roots)
+    if graph.unsplittable is not None:
+        return _whole(roots, grads, inputs, graph.unsplittable)
 
     def node_of(tensor: torch.Tensor) -> Node | None:
         if tensor.grad_fn is not None:
             return tensor.grad_fn
-        return accumulators.get(id(tensor))  # None: the graph does not use this leaf
+        return graph.accumulators.get(id(tensor))  # None: the graph does not use this leaf
 
-    # Nodes B executes: those from which an input's accumulator can be reached, i.e.
-    # the inputs' ancestors.
+    # S: the inputs' ancestors, the nodes B executes.
     on_input_path: set[Node] = set()
     frontier = [n for n in map(node_of, wanted) if n is not None]
     while frontier:
         node = frontier.pop()
         if node not in on_input_path:
             on_input_path.add(node)
-            frontier.extend(parents.get(node, ()))
+            frontier.extend(graph.parents.get(node, ()))
 
-    # Climb from each parameter towards the roots; stop at the first input-path nodes.
-    groups: dict[Node, _Group] = {}
-    unreached = []
-    for param in params:
-        accumulator = node_of(param)
-        if accumulator not in parents:
+    inputs_seen = {id(t) for t in wanted}
+    targets = {id(p): p for p in params if p.requires_grad and id(p) not in inputs_seen}
+    for leaf in graph.leaves:
+        if id(leaf) not in inputs_seen:
+            targets.setdefault(id(leaf), leaf)
+    groups = _grouped(targets.values(), node_of, graph, on_input_path)
+    grad_inputs = _run_input_part(roots, grads, wanted, inputs, groups)
+    # The starts keep the graph below them alive; what lies above them (e.g. the loss and
+    # its softmax) is freed when the caller lets the roots go, unless a start is a root.
+    for group in groups:
+        for index in group.roots:
+            grad = grads[index] if grads[index] is not None else torch.ones_like(roots[index])
+            group.root_starts.append((get_gradient_edge(roots[index]), grad))
+    return grad_inputs, WeightWork(groups, [], [])
+
+
+def _grouped(targets, node_of, graph: _Graph, on_input_path: set[Node]) -> list[_Group]:
+    """One group per set of leaves that share a start."""
+    groups: dict[object, _Group] = {}  # start (node, or ("root", index)) -> its group
+    for target in targets:
+        node = node_of(target)
+        if node is None or (node not in graph.parents and node not in graph.root_nodes):
             continue  # not used by this micro-batch's graph
-        found, seen, frontier = set(), {accumulator}, [accumulator]
-        while frontier:
-            node = frontier.pop()
-            for parent in parents.get(node, ()):
-                if parent in seen:
-                    continue
-                seen.add(parent)
-                if parent in on_input_path:
-                    found.add(parent)
-                else:
-                    frontier.append(parent)
-        if not found:
-            unreached.append(param)  # hangs only from outputs that do not reach inputs
-            continue
-        shared = [groups[n] for n in found if n in groups]
-        group = _merge(shared, param, found)
-        for node in group.intermediates:
-            groups[node] = group
-    unique = list({id(g): g for g in groups.values()}.values())
+        found, roots = _starts(node, graph, on_input_path)
+        keys = [*found, *(("root", i) for i in roots)]
+        group = _Group([target], list(found), sorted(roots))
+        for other in {id(g): g for k in keys if (g := groups.get(k)) is not None}.values():
+            group.params = other.params + group.params
+            group.intermediates = list(dict.fromkeys(other.intermediates + group.intermediates))
+            group.roots = sorted(set(other.roots) | set(group.roots))
+        for key in [*group.intermediates, *(("root", i) for i in group.roots)]:
+            groups[key] = group
+    return list({id(g): g for g in groups.values()}.values())
 
+
+def _run_input_part(roots, grads, wanted, inputs, groups: list[_Group]) -> list:
+    """autograd for the inputs only, recording what arrives at each start in S."""
     handles = []
-    for group in unique:
+    for group in groups:
         for node in group.intermediates:
 
             def record(grad_outputs, group=group, node=node):
@@ -151,41 +247,18 @@ def backward_input(
 
             handles.append(node.register_prehook(record))
     try:
-        pairs = [(r, g) for r, g in zip(roots, grads, strict=True)]
         computed = torch.autograd.grad(
-            [r for r, _ in pairs],
-            wanted,
-            [g for _, g in pairs],
-            retain_graph=True,
-            allow_unused=True,
+            list(roots), wanted, list(grads), retain_graph=True, allow_unused=True
         )
     finally:
         for handle in handles:
             handle.remove()
     by_input = dict(zip(map(id, wanted), computed, strict=True))
-    grad_inputs = [by_input.get(id(t)) for t in inputs]
-    # The intermediates keep the graph below them alive; what lies above them (e.g. the
-    # loss and its softmax) is freed now unless W must start from the roots, as the
-    # peer's detach of the stage outputs does.
-    work = WeightWork(unique, [], [])
-    if unreached:
-        # Parameters feeding only outputs that do not depend on the inputs: W runs
-        # autograd from the roots for them (B never touched those nodes).
-        work.groups.append(_Group(unreached, []))
-        work.roots, work.root_grads = list(roots), list(grads)
-    return grad_inputs, work
-
-
-def _merge(shared: list[_Group], param: torch.Tensor, found: set[Node]) -> _Group:
-    group = _Group([param], list(found))
-    for other in {id(g): g for g in shared}.values():
-        group.params = other.params + group.params
-        group.intermediates = list(dict.fromkeys(other.intermediates + group.intermediates))
-    return group
+    return [by_input.get(id(t)) for t in inputs]
 
 
 def backward_weight(work: WeightWork) -> None:
-    """W: accumulate the parameters' gradients into ``.grad``."""
+    """W: accumulate the gradients of every leaf B left into ``.grad``."""
     if work.full:
         pairs = [(r, g) for r, g in zip(work.roots, work.root_grads, strict=True)]
         if pairs:
@@ -196,27 +269,25 @@ def backward_weight(work: WeightWork) -> None:
     # them all to the end made W 10–20% slower on CPU (benchmarks/split_backward.py).
     groups, work.groups = work.groups, []
     groups.reverse()
-    roots, root_grads = work.roots, work.root_grads
     while groups:
         group = groups.pop()
-        if group.intermediates:
-            edges, grad_outputs = [], []
-            for node in group.intermediates:
-                for index, grad in enumerate(group.grads.get(node, ())):
-                    if grad is not None:
-                        edges.append(GradientEdge(node, index))
-                        grad_outputs.append(grad)
-        else:
-            edges, grad_outputs = list(roots), list(root_grads)
-        handles = []
-        if len(group.intermediates) > 1:
-            # One intermediate may lie below another: the gradient flowing into it is
-            # the one recorded in B, not that plus what arrives from above.
-            for node in group.intermediates:
-                recorded = group.grads.get(node)
-                if recorded is not None:
-                    handles.append(node.register_prehook(lambda _, saved=recorded: saved))
-        params, group.grads = group.params, {}
+        edges, grad_outputs, handles = [], [], []
+        for node in group.intermediates:
+            recorded = group.grads.get(node)
+            if recorded is None:
+                continue  # nothing arrived there in B
+            for index, grad in enumerate(recorded):
+                if grad is not None:
+                    edges.append(GradientEdge(node, index))
+                    grad_outputs.append(grad)
+            # What arrives at a start in W (from a start above it, or a tensor hook run
+            # again on the recorded gradient) is replaced by what B recorded.
+            handles.append(node.register_prehook(lambda _, saved=recorded: saved))
+        for edge, grad in group.root_starts:
+            edges.append(edge)
+            grad_outputs.append(grad)
+        params = group.params
+        group.grads, group.root_starts = {}, []
         del group
         try:
             if edges:
@@ -225,8 +296,6 @@ def backward_weight(work: WeightWork) -> None:
             for handle in handles:
                 handle.remove()
         del edges, grad_outputs, handles
-    work.roots.clear()
-    work.root_grads.clear()
 
 
 def _accumulate(edges: list[GradientEdge], grads: list[torch.Tensor], params: list) -> None:

@@ -40,6 +40,7 @@ from torch.utils._pytree import tree_map
 
 from gpipe import microbatch, rng
 from gpipe._utils import tensors_of, to_device
+from gpipe.engine.loss_reads import ForeignParameters, check_loss
 from gpipe.engine.skip import SkipError, StageSkips, tracking
 from gpipe.engine.split_backward import WeightWork, backward_input, backward_weight
 from gpipe.engine.state import ModuleState, SavedState, running_stats_frozen
@@ -202,12 +203,13 @@ class Stage:
         # them all (for W, whose autograd call the sharding's own hooks do not see).
         self.autograd_parameters: Callable[[], list[torch.Tensor]] | None = None
         self.gathered: Callable[[], Any] = nullcontext
+        self.foreign = ForeignParameters()  # the other stages' parameters (the loss's check)
 
     def parameters(self) -> Iterator[nn.Parameter]:
         for layer in self.layers:
             yield from layer.parameters()
 
-    def _needs_grad(self, inputs: Any) -> bool:
+    def needs_grad(self, inputs: Any) -> bool:
         """Whether anything upstream of this stage's outputs needs a gradient."""
         return any(t.requires_grad for t in tensors_of(inputs)) or any(
             p.requires_grad for p in self.parameters()
@@ -296,16 +298,8 @@ class Stage:
             loss = _compute_loss(spec, self.value_of(stored.outputs))
             divisor = spec.divisor
             stored.loss_value = loss / divisor if divisor is not None else loss * spec.weight
-            if (
-                torch.is_grad_enabled()
-                and not stored.loss_value.requires_grad
-                and self._needs_grad(stored.inputs)
-            ):
-                raise RuntimeError(
-                    "loss_fn returned a loss that does not require grad (detached, or computed "
-                    "under no_grad), so no gradient would reach the model; return the loss "
-                    "tensor as computed from the output"
-                )
+            if torch.is_grad_enabled():  # the loss reaches the model, and the model only
+                check_loss(stored.loss_value, self, stored.outputs, stored.inputs)
 
     # -- actions ----------------------------------------------------------------------------
 
@@ -348,7 +342,7 @@ class Stage:
         if remat:
             # Computed without a graph: a float output will need a gradient whenever
             # anything upstream of it (an input or a parameter of this stage) does.
-            upstream = self._needs_grad(inputs)
+            upstream = self.needs_grad(inputs)
             return _detached(outputs, lambda t: upstream and t.is_floating_point()), detached_loss
         return _detached(outputs, lambda t: t.requires_grad), detached_loss
 
@@ -381,11 +375,7 @@ class Stage:
             roots, grads = self._roots(stored, grad_outputs, microbatch)
             inputs = tensors_of(stored.inputs)
             if split:
-                params = (
-                    self.autograd_parameters()
-                    if self.autograd_parameters is not None
-                    else list(self.parameters())
-                )
+                params = self.autograd_parameters() if self.autograd_parameters else []
                 grad_inputs, work = backward_input(roots, grads, inputs, params)
                 work.held = stored.held  # activations stay until W has run
                 self._weight_work[microbatch] = work
@@ -393,7 +383,7 @@ class Stage:
             if roots:
                 torch.autograd.backward(roots, grads)
         stored.held.clear()
-        return [t.grad if t.requires_grad else None for t in inputs]
+        return _grads_of(inputs)  # a user's input that requires grad: not a leaf, no .grad
 
     def _groups(self) -> list[range]:
         """The groups of ``checkpoint_layers`` layers a re-materialized backward recomputes
@@ -474,7 +464,7 @@ class Stage:
                     if roots:
                         torch.autograd.backward(roots, root_grads)
                     del roots, root_grads
-                grads = [t.grad if t.requires_grad else None for t in tensors_of(leaf)]
+                grads = _grads_of(tensors_of(leaf))
                 del leaf
         stored.held.clear()
         return grads
@@ -522,6 +512,10 @@ class Stage:
     def pending(self) -> list[int]:
         """Micro-batches whose backward (or weight gradient) has not run yet."""
         return sorted(set(self._stored) | set(self._weight_work))
+
+
+def _grads_of(inputs: list[torch.Tensor]) -> list[torch.Tensor | None]:
+    return [t.grad if t.requires_grad and t.is_leaf else None for t in inputs]
 
 
 def _copied(value: Any) -> Any:
