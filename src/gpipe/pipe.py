@@ -214,7 +214,7 @@ class Pipe(ModelNames, nn.Module):
         self._reducer, self._sharded = wiring.reducer, wiring.sharded
         self.last_trace: list[TimedAction] = []
         # Across processes torch's own clip sees one stage: gpipe notices it (clipping.py).
-        self._watch = GradientWatch() if self.rank is not None else None
+        self._watch = GradientWatch(self._ranks.check_edit) if self.rank is not None else None
         self._warned_uncounted = False
         if config.factory is not None:
             # The record of the whole model and its other layers (on meta) go now; the pages
@@ -469,9 +469,10 @@ class Pipe(ModelNames, nn.Module):
             trouble = local_trouble
             if self._sharded is not None and training:
                 trouble = self._sharded.nonfinite_anywhere(trouble, doing="ending a step")
-            edit = self._watch.take() if self._watch is not None and training else None
+            if self._watch is not None and training:
+                self._watch.forget()
             agreed = self._ranks.agree(
-                local_loss, verdict.loss, trouble, refuse_nonfinite=scale is None, edit=edit,
+                local_loss, verdict.loss, trouble, refuse_nonfinite=scale is None,
                 why=_why_not_finite(verdict, ignored, losses),
             )  # fmt: skip
             # Every rank has received all of its messages: no send can be waiting.
