@@ -673,7 +673,9 @@ def test_a_padded_mean_without_count_warns_once_and_an_empty_micro_batch_says_wh
         warnings.simplefilter("error")
         pipe.step(x, labels, token_loss)  # once per Pipe
     x, labels = _padded_batch(0)
-    with pytest.raises(gpipe.NonFiniteError, match=r"micro-batch 1's targets are all -100.*count="):
+    with pytest.raises(
+        gpipe.NonFiniteError, match=r"micro-batch 1's targets are all below 0.*count="
+    ):
         pipe.step(x, labels, token_loss)
 
 
