@@ -44,6 +44,7 @@ __all__ = [
     "declared",
     "masked_lm",
     "uncounted",
+    "warn_per_microbatch",
 ]
 
 IGNORE_INDEX = -100  # PyTorch's and Hugging Face's label for "does not count"
@@ -93,6 +94,21 @@ def auxiliary_loss(output: Any, coefficient: float | None) -> torch.Tensor | flo
     if coefficient is None:
         raise ValueError(_NO_COEFFICIENT)
     return coefficient * aux
+
+
+def warn_per_microbatch(coefficient: float | None, chunks: int) -> bool:
+    """Warn (and say so) where an auxiliary loss weighs in and ``chunks`` > 1: its value is
+    then each micro-batch's, not the mini-batch's (:func:`auxiliary_loss`)."""
+    if not coefficient or chunks <= 1:
+        return False
+    warnings.warn(
+        f"with chunks={chunks} the auxiliary loss (aux_loss_coef={coefficient}) is each "
+        "micro-batch's own, weighed by its tokens, as gradient accumulation computes it, not "
+        "the mini-batch's: a load-balancing loss is a product of means over all tokens, which "
+        "micro-batches cannot add up to (exact with chunks=1; see gpipe.losses.auxiliary_loss)",
+        stacklevel=4,
+    )
+    return True
 
 
 class TokenCrossEntropy:
@@ -222,16 +238,8 @@ def declared(
                 f"{loss_fn!r} is a token mean that counts its own tokens (shifted or not): "
                 "drop step()'s count= and reduction="
             )
-        if loss_fn.aux_loss_coef and chunks > 1 and not loss_fn._warned_chunks:
-            loss_fn._warned_chunks = True
-            warnings.warn(
-                f"with chunks={chunks} the auxiliary loss (aux_loss_coef="
-                f"{loss_fn.aux_loss_coef}) is each micro-batch's own, weighed by its tokens, "
-                "as gradient accumulation computes it, not the mini-batch's: a load-balancing "
-                "loss is a product of means over all tokens, which micro-batches cannot add "
-                "up to (exact with chunks=1; see gpipe.losses.auxiliary_loss)",
-                stacklevel=3,
-            )
+        if not loss_fn._warned_chunks:
+            loss_fn._warned_chunks = warn_per_microbatch(loss_fn.aux_loss_coef, chunks)
         return "mean", loss_fn.count
     own = _settings(loss_fn)
     if own is None:
