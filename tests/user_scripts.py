@@ -181,7 +181,7 @@ def clipping_script(rank: int, variants: list[tuple[str, float, str]]) -> dict:
     torch.nn.utils.clip_grad_norm_; ``"pipe"``: pipe.clip_grad_norm_; ``"halve"``: every
     gradient divided by 2). ``layout``: ``"pipeline"`` (2 ranks), ``"replicas"`` or
     ``"sharded"`` (2 replicas x 2 stages, 4 ranks). Returns, per variant, the error raised
-    (if any) and the parameters."""
+    (if any), where (``(step, "step" or "optimizer")``) and the parameters."""
     outcomes = {}
     for edit, max_norm, layout in variants:
         options: dict = {"group": dist.group.WORLD}
@@ -194,9 +194,10 @@ def clipping_script(rank: int, variants: list[tuple[str, float, str]]) -> dict:
                 options["shard"] = "params"
         pipe = gpipe.Pipe(mlp(), balance=[2, 3], chunks=2, **options)
         optimizer = torch.optim.SGD(pipe.parameters(), lr=0.5)
-        error = None
+        error = where = None
         try:
-            for x, y in clip_batches(3):
+            for step, (x, y) in enumerate(clip_batches(3)):
+                where = (step, "step")
                 pipe.step(x, y, F.cross_entropy)
                 if edit == "torch":
                     torch.nn.utils.clip_grad_norm_(pipe.parameters(), max_norm)
@@ -205,14 +206,16 @@ def clipping_script(rank: int, variants: list[tuple[str, float, str]]) -> dict:
                 else:
                     for p in pipe.parameters():
                         p.grad.div_(2)
+                where = (step, "optimizer")
                 optimizer.step()
                 optimizer.zero_grad()
+            where = None
         except Exception as raised:  # the test reads what was raised
             error = f"{type(raised).__name__}: {raised}"
         params = {n: p.detach().clone() for n, p in pipe.named_parameters()}
         if layout == "sharded":
             params = pipe.full_state_dict()
-        outcomes[(edit, max_norm, layout)] = {"error": error, "params": params}
+        outcomes[(edit, max_norm, layout)] = {"error": error, "where": where, "params": params}
     return outcomes
 
 

@@ -37,11 +37,11 @@ from gpipe._utils import (
 )
 from gpipe.engine import batchnorm
 from gpipe.engine.runtime import StepInputs, StepResult
-from gpipe.engine.stage import LossSpec, check_batch, ignored_targets, loss_specs
+from gpipe.engine.stage import LossSpec, check_batch, loss_specs
 from gpipe.errors import PartitionError, PipelineError
 from gpipe.frontend import CapturedModel, ModelNames, capture, origin_of
 from gpipe.layout import Layout
-from gpipe.losses import TokenCrossEntropy
+from gpipe.losses import NO_TOKEN, NOTHING_COUNTS, UNCOUNTED, declared, uncounted
 from gpipe.parallel.clipping import GradientWatch
 from gpipe.parallel.group import pipeline_group
 from gpipe.parallel.sharded import full_value, shard_like
@@ -50,24 +50,6 @@ from gpipe.schedule import Schedule, TimedAction
 __all__ = ["Pipe"]
 
 Reduction = Literal["mean", "sum"]
-_UNCOUNTED = (
-    "the targets hold -100 (labels that do not count) but step() was given no count=: each "
-    "micro-batch's mean is then weighed by its samples, not by its tokens, and the gradients "
-    "are not the un-split model's. Pass count=lambda y: (y != -100).sum() (for Hugging "
-    "Face-style labels, shifted inside the loss: count=lambda y: (y[:, 1:] != -100).sum()), or "
-    "use gpipe.losses.causal_lm() or masked_lm(), which count for themselves"
-)
-_NOTHING_COUNTS = (
-    "micro-batch {microbatch}'s targets are all -100 (labels that do not count), so its mean "
-    "loss is 0/0: a token mean needs step(..., count=...) to weigh each micro-batch by its "
-    "tokens, e.g. count=lambda y: (y != -100).sum() (for Hugging Face-style labels, shifted "
-    "inside the loss: (y[:, 1:] != -100).sum()); or use a loss of gpipe.losses (causal_lm(), "
-    "masked_lm()), which counts for you"
-)
-_NO_TOKEN = (
-    "no target of the mini-batch counts (every label is the loss's ignore_index), so its "
-    "token mean is 0/0; give batches with at least one label that is not -100"
-)
 _FIXED = "a Pipe cannot be moved with {}: each stage lives on its own device; build the Pipe \
 with devices=[{}] instead"
 
@@ -214,7 +196,7 @@ class Pipe(ModelNames, nn.Module):
         self._reducer, self._sharded = wiring.reducer, wiring.sharded
         self.last_trace: list[TimedAction] = []
         # Across processes torch's own clip sees one stage: gpipe notices it (clipping.py).
-        self._watch = GradientWatch() if self.rank is not None else None
+        self._watch = GradientWatch(self._ranks.check_edit) if self.rank is not None else None
         self._warned_uncounted = False
         if config.factory is not None:
             # The record of the whole model and its other layers (on meta) go now; the pages
@@ -317,7 +299,7 @@ class Pipe(ModelNames, nn.Module):
         targets: Any,
         loss_fn: Callable[[Any, Any], torch.Tensor],
         *,
-        reduction: Reduction = "mean",
+        reduction: Reduction | None = None,
         count: Callable[[Any], float | torch.Tensor] | None = None,
         seed: int | None = None,
         trace: bool = False,
@@ -327,20 +309,22 @@ class Pipe(ModelNames, nn.Module):
 
         ``loss_fn(output, target)`` returns the scalar loss of one micro-batch.
         ``reduction`` says how it reduces over samples, so that the gradient left in the
-        parameters is that of the whole mini-batch's loss:
+        parameters is that of the whole mini-batch's loss (``None``: what the loss shows,
+        ``gpipe.losses.declared``: an ``nn`` loss's ``reduction``; else ``"mean"``):
 
-        * ``"mean"`` (default, e.g. ``F.cross_entropy``): micro-batch losses are weighted
+        * ``"mean"`` (e.g. ``F.cross_entropy``): micro-batch losses are weighted
           by their share of the samples (uneven micro-batches included) or, with
           ``count``, by their share of ``count(target)`` over the mini-batch. A loss that
           averages over something else than samples needs ``count``: e.g. a token mean
           over a padded batch, which averages over the tokens that are not padding. The
-          losses of ``gpipe.losses`` count for themselves::
+          losses of ``gpipe.losses``, ``nn.CrossEntropyLoss`` and ``nn.NLLLoss`` (any
+          ``ignore_index``, class weights) count for themselves::
 
               pipe.step(input_ids, labels, gpipe.losses.causal_lm())  # shifted inside
               pipe.step(x, y, loss_fn, count=lambda y: (y != -100).sum())  # your own mean
 
-          A micro-batch whose count is 0 adds nothing. Targets that hold -100 without a
-          ``count`` warn (once per Pipe), with the recipe.
+          A micro-batch whose count is 0 adds nothing. Targets with labels below 0 (an
+          ignore index) and no ``count`` warn (once per Pipe), with the recipe.
         * ``"sum"``: micro-batch losses are added (a sum-reduced loss).
 
         ``seed`` fixes the random numbers (dropout) of this step (default: one draw from
@@ -368,16 +352,15 @@ class Pipe(ModelNames, nn.Module):
         bfloat16 loss exactly), the same on every rank when multi-process.
         """
         first, last = self._holds(0), self._holds(self.num_stages - 1)
-        if count is None and isinstance(loss_fn, TokenCrossEntropy):
-            count = loss_fn.count
+        reduction, count = declared(loss_fn, reduction, count, chunks=self.chunks)
         scale = _scale_of(scaler, self.stages[-1].device)
         inputs_mb = microbatch.split(inputs, self.chunks, name="inputs") if first else None
         losses: list[LossSpec | None] = [None] * self.chunks
-        ignored = None  # -100 in targets with no count=: read with the step's verdict
+        ignored = None  # labels < 0 in targets with no count=: read with the step's verdict
         if last:
             targets_mb = microbatch.split(targets, self.chunks, name="targets")
             if count is None and reduction == "mean":
-                ignored = ignored_targets(targets_mb)
+                ignored = uncounted(targets_mb)
             losses = loss_specs(
                 loss_fn, targets_mb, inputs_mb, reduction=reduction, count=count,
                 device=self.stages[-1].device, scale=scale,
@@ -467,13 +450,14 @@ class Pipe(ModelNames, nn.Module):
             )
             if verdict.ignored and not self._warned_uncounted:
                 self._warned_uncounted = True
-                warnings.warn(_UNCOUNTED, stacklevel=3)
+                warnings.warn(UNCOUNTED, stacklevel=3)
             trouble = local_trouble
             if self._sharded is not None and training:
                 trouble = self._sharded.nonfinite_anywhere(trouble, doing="ending a step")
-            edit = self._watch.take() if self._watch is not None and training else None
+            if self._watch is not None and training:
+                self._watch.forget()
             agreed = self._ranks.agree(
-                local_loss, verdict.loss, trouble, refuse_nonfinite=scale is None, edit=edit,
+                local_loss, verdict.loss, trouble, refuse_nonfinite=scale is None,
                 why=_why_not_finite(verdict, ignored, losses),
             )  # fmt: skip
             # Every rank has received all of its messages: no send can be waiting.
@@ -610,8 +594,8 @@ def _why_not_finite(
     if ignored is not None:
         empty = [m for m, flag in enumerate(ignored[1:].tolist()) if flag]
         if empty:
-            return _NOTHING_COUNTS.format(microbatch=empty[0])
+            return NOTHING_COUNTS.format(microbatch=empty[0])
     divisor = losses[0].divisor if losses and losses[0] is not None else None
     if divisor is not None and int(divisor) == 0:
-        return _NO_TOKEN
+        return NO_TOKEN
     return ""

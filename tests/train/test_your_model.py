@@ -274,3 +274,29 @@ def test_a_checkpoint_exports_to_a_folder_from_pretrained_loads_strictly(tmp_pat
     assert not any(info.values()), info  # missing, unexpected, mismatched, error messages
     for name, tensor in model.state_dict().items():
         assert torch.equal(loaded.state_dict()[name], tensor), name
+
+
+def test_a_mixtral_trains_with_its_load_balancing_loss(tmp_path):
+    """``output_router_logits=True``: the run's loss is the model's own, its auxiliary loss
+    included with its coefficient (exact with one micro-batch; several: warned)."""
+    mixture = mixtral()
+    mixture.output_router_logits, mixture.router_aux_loss_coef = True, 0.3
+    folder = model_folder(tmp_path / "mixtral", mixture)
+    (tmp_path / "t.txt").write_text(TEXT[:4000])
+    task = configure(tmp_path, model=str(folder), data=str(tmp_path / "t.txt")).task
+    units = task.units()
+    balance = [units // 2, units - units // 2]
+    with pytest.warns(UserWarning, match=r"chunks=3 the auxiliary loss \(aux_loss_coef=0.3\)"):
+        task.pipe(balance=balance, chunks=3)
+    pipe = task.pipe(balance=balance, chunks=1)
+    data = task.data(batch=BATCH, eval_batches=2, prepared=None)
+    x, y = task.batch(data.train, torch.arange(BATCH), seed=0)
+    loss = pipe.step(x, y, task.loss, count=task.count)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        folder, dtype=torch.float64, experts_implementation="batched_mm"
+    )
+    out = model(x)
+    expected = token_mean(out.logits, y) + 0.3 * out.aux_loss
+    expected.backward()
+    assert abs(float(loss) - expected.item()) <= 1e-12
+    assert_same_gradients(pipe, model)

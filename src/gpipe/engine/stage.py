@@ -44,13 +44,13 @@ from gpipe.engine.loss_reads import ForeignParameters, check_loss
 from gpipe.engine.skip import SkipError, StageSkips, tracking
 from gpipe.engine.split_backward import WeightWork, backward_input, backward_weight
 from gpipe.engine.state import ModuleState, SavedState, running_stats_frozen
-from gpipe.losses import IGNORE_INDEX, TokenCrossEntropy
+from gpipe.losses import TokenCrossEntropy
 from gpipe.remat import recomputing, replaying
 
 if TYPE_CHECKING:
     from gpipe.engine.memory import ActivationMeter
 
-__all__ = ["LossSpec", "Stage", "check_batch", "ignored_targets", "loss_specs"]
+__all__ = ["LossSpec", "Stage", "check_batch", "loss_specs"]
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 
@@ -118,23 +118,6 @@ def loss_specs(
         LossSpec(loss_fn, y, n / total if reduction == "mean" else 1.0, scale=scale)
         for y, n in zip(targets_mb, shares, strict=True)
     ]
-
-
-def ignored_targets(targets_mb: list[Any]) -> torch.Tensor | None:
-    """For integer targets: whether any holds the ignore index (-100), then for each
-    micro-batch whether all of its targets do (a mean over them is 0/0), as a bool tensor
-    on the first target's device (not read here); None for targets with no integer label."""
-    flags = []
-    for y in targets_mb:
-        labels = [t for t in tensors_of(y) if not t.is_floating_point() and t.numel()]
-        if not labels:
-            return None
-        ignored = [t == IGNORE_INDEX for t in labels]
-        device = labels[0].device
-        flags.append(torch.stack([m.any().to(device) for m in ignored]).any())
-        flags.append(torch.stack([m.all().to(device) for m in ignored]).all())
-    flags = torch.stack([f.to(flags[0].device) for f in flags]).view(-1, 2)
-    return torch.cat([flags[:, 0].any().reshape(1), flags[:, 1]])
 
 
 def check_batch(losses: list[LossSpec], inputs: int) -> None:

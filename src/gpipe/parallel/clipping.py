@@ -1,29 +1,29 @@
-"""Clipping across processes: noticing a script that clips each stage by its own norm.
+"""Clipping across processes: refusing a script that clips each stage by its own norm.
 
 ``torch.nn.utils.clip_grad_norm_(pipe.parameters(), max_norm)``, what every training script
 writes, sees only this process's gradients when the pipeline spans processes: each stage is
 clipped by its own norm, not the model's, and nothing in PyTorch can be asked to do otherwise.
 ``Pipe.clip_grad_norm_`` is the whole model's clip. So that the plain call does not train
-another model in silence, :class:`GradientWatch` notices it:
+another model in silence, :class:`GradientWatch` refuses it before the optimizer applies it:
 
 * at the end of each step it notes this process's gradients: each one's version counter and
   norm (the norms are the ones the step's non-finite check computes anyway);
 * when an optimizer that holds the Pipe's parameters steps (a global pre-step hook), it
   measures what the script did to them since: nothing, one factor on every gradient (how many
-  in-place writes each took), or something else;
-* the next step's end-of-step agreement carries every rank's :class:`Edit`, and
-  :func:`check_edits` refuses the step on every rank when the edits are a per-stage clip.
+  in-place writes each took), or something else; every rank's :class:`Edit` is gathered then
+  (one row each, the pipeline group's ``check_edit``) and :func:`check_edits` raises on every
+  rank, inside ``optimizer.step()`` and before it changes any weight, when the edits are a
+  per-stage clip. The last step of a run is checked as any other.
 
 ``clip_grad_norm_`` multiplies every gradient of a rank once, by min(1, max_norm / that rank's
 norm): ranks that clip get different factors, and when no stage's own norm reaches
 ``max_norm`` every rank multiplies by exactly 1 — though the whole model's norm may exceed it.
 Either is refused. A rescale that is the same on every rank (dividing by an accumulation count,
 a ``GradScaler`` unscaling: ``scale`` is taken out) is the un-split model's and passes, as do
-edits that are no rescale (``clip_grad_value_``). The refusal comes at the next step, after
-the optimizer step it names. Sharded gradients (``Pipe(shard=...)``) are measured by their
-norms at every optimizer step, their in-place writes being invisible (gradients left as they
-were count as scaled by 1): differing factors are refused, a clip that clipped no stage
-cannot be told from no clip.
+edits that are no rescale (``clip_grad_value_``). Sharded gradients (``Pipe(shard=...)``) are
+measured by their norms only: in-place ``foreach`` ops on a ``DTensor`` move no version
+counter (torch 2.13), so differing factors are refused but a clip that clipped no stage
+cannot be told from no clip (README, Traps).
 """
 
 from __future__ import annotations
@@ -71,11 +71,13 @@ class _Noted:
 
 class GradientWatch:
     """This process's gradients of one Pipe, noted after each step and measured when an
-    optimizer holding them steps."""
+    optimizer holding them steps; ``check(edit)`` gathers every rank's edit and raises
+    :class:`ClippedPerStageError` on every rank for a per-stage clip (``check_edit`` of the
+    Pipe's ranks)."""
 
-    def __init__(self) -> None:
+    def __init__(self, check: Callable[[Edit], None]) -> None:
         self._noted: _Noted | None = None
-        self._edit = Edit()
+        self._check = check
         this = weakref.ref(self)
 
         def before_step(optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
@@ -100,7 +102,6 @@ class GradientWatch:
             if p.grad is not None
         ]
         self._noted = _Noted(grads, norms, scale, {id(p) for p in parameters})
-        self._edit = Edit()
 
     def rebase(self) -> None:
         """gpipe edited the gradients itself (``Pipe.clip_grad_norm_``, after any unscaling):
@@ -111,11 +112,9 @@ class GradientWatch:
             self.note(parameters, gradient_norms([p.grad for p in parameters]), None)
             self._noted.owners = noted.owners
 
-    def take(self) -> Edit:
-        """What was done since the last step (measured when the optimizer stepped)."""
-        edit, self._edit = self._edit, Edit()
+    def forget(self) -> None:
+        """A step begins: what the last one left is no longer the optimizer's to check."""
         self._noted = None
-        return edit
 
     def _optimizer_steps(self, optimizer: torch.optim.Optimizer) -> None:
         noted = self._noted
@@ -123,8 +122,10 @@ class GradientWatch:
             id(p) in noted.owners for group in optimizer.param_groups for p in group["params"]
         ):
             return
-        self._noted = None  # a second optimizer of the same step measures nothing new
-        self._edit = _measure(noted)
+        # Every rank checks once per step, at its first optimizer holding its parameters; a
+        # second optimizer of the same step measures nothing new.
+        self._noted = None
+        self._check(_measure(noted))
 
 
 def _measure(noted: _Noted) -> Edit:
@@ -192,9 +193,9 @@ def check_edits(rows: torch.Tensor, describe: Callable[[int], str] = str) -> Non
         "norm reaches max_norm (the whole model's may)"
     )
     raise ClippedPerStageError(
-        f"between the last step and its optimizer step, the gradients were {what}: "
-        "torch.nn.utils.clip_grad_norm_(pipe.parameters(), max_norm) clips each pipeline stage "
-        "by its own norm, so that update was not the un-split model's. Clip with "
+        f"the optimizer step was refused (no weight changed): since the last step the "
+        f"gradients were {what}, and torch.nn.utils.clip_grad_norm_(pipe.parameters(), "
+        "max_norm) clips each pipeline stage by its own norm, not the un-split model. Clip with "
         "pipe.clip_grad_norm_(max_norm): the norm of every stage's gradients, on every rank "
         "(with a GradScaler: after scaler.unscale_(optimizer))"
     )

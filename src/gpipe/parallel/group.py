@@ -114,14 +114,16 @@ class PipelineGroup(Protocol):
         trouble: str | None,
         *,
         refuse_nonfinite: bool = True,
-        edit: Edit | None = None,
         why: str = "",
     ) -> Agreement:
         """The step's loss on every rank (``loss_value``: this rank's ``local_loss``, read
         already). A failure anywhere raises; so does a non-finite loss or gradient anywhere
         unless ``refuse_nonfinite`` is False (a GradScaler skips such steps; ``why`` says
-        what made the loss non-finite, when known), and a per-stage clip of the last step's
-        gradients (``edit``: what this rank's script did to them,
+        what made the loss non-finite, when known)."""
+
+    def check_edit(self, edit: Edit) -> None:
+        """Before an optimizer step: refuse, on every rank alike, a per-stage clip of the
+        step's gradients (``edit``: what this rank's script did to them since the step,
         ``gpipe.parallel.clipping``)."""
 
     def fail(self, error: BaseException, stages: list[Stage]) -> None:
@@ -199,14 +201,16 @@ class SingleProcess:
         trouble: str | None,
         *,
         refuse_nonfinite: bool = True,
-        edit: Edit | None = None,
         why: str = "",
     ) -> Agreement:
         loss = None if local_loss is None else local_loss.detach().to(torch.float64)
-        if refuse_nonfinite:  # one process: torch's own clip sees the whole model, no edit check
+        if refuse_nonfinite:
             found = f"a non-finite gradient of {trouble!r}" if trouble else ""
             _refuse_nonfinite(loss_value if loss_value is not None else 0.0, [why, found])
         return Agreement(loss, trouble is not None)
+
+    def check_edit(self, edit: Edit) -> None:
+        pass  # one process: torch's own clip sees the whole model
 
     def fail(self, error: BaseException, stages: list[Stage]) -> None:
         pass  # nobody else to tell
@@ -372,15 +376,15 @@ class MultiProcess:
                 "same script with the same model and Pipe arguments:\n" + "\n".join(differences)
             )
 
-    def _gather(
-        self, value: float, failed: int, troubled: bool = False, edit: Edit | None = None
-    ) -> torch.Tensor:
-        """Every rank's (value, failed rank + 1 or 0, non-finite gradient, then its
-        :class:`Edit` of the last step's gradients), one row per pipeline rank."""
-        row = torch.tensor([value, failed + 1, troubled, *(edit or Edit()).row()],
-                           dtype=torch.float64)  # fmt: skip
+    def _gather(self, value: float, failed: int, troubled: bool = False) -> torch.Tensor:
+        """Every rank's (value, failed rank + 1 or 0, non-finite gradient), one row per
+        pipeline rank."""
+        row = torch.tensor([value, failed + 1, troubled], dtype=torch.float64)
         doing = f"ending step {self.steps} of this Pipe"
-        operation = "the end-of-step agreement (all-gather)"
+        return self._gather_row(row, "the end-of-step agreement (all-gather)", doing)
+
+    def _gather_row(self, row: torch.Tensor, operation: str, doing: str) -> torch.Tensor:
+        """Every rank's ``row`` (float64, one length on every rank), one per pipeline rank."""
         transport = self.transport
         if transport is None or not transport.carries_step_rows:
             return self.ops.all_gather(row, operation, doing=doing)
@@ -404,24 +408,21 @@ class MultiProcess:
         trouble: str | None,
         *,
         refuse_nonfinite: bool = True,
-        edit: Edit | None = None,
         why: str = "",
     ) -> Agreement:
         """The loss on every rank (it lives on the last stage's), and a last health check:
-        a failure, a non-finite loss or gradient (``trouble``) anywhere (unless
-        ``refuse_nonfinite`` is False), or a per-stage clip of the last step's gradients
-        (every rank's ``edit``), refuses the step on every rank."""
+        a failure or a non-finite loss or gradient (``trouble``) anywhere (unless
+        ``refuse_nonfinite`` is False) refuses the step on every rank."""
         value = loss_value if loss_value is not None else 0.0
         # Through the transport, the rows themselves say who failed (a failed rank sends
         # its row after its notice): a notice raised first would leave this rank's row out.
         rows = self._collective(
-            lambda: self._gather(value, -1, troubled=trouble is not None, edit=edit),
+            lambda: self._gather(value, -1, troubled=trouble is not None),
             notices=self.transport is None or not self.transport.carries_step_rows,
         )
         table = rows.tolist()  # one read of the agreement
         if any(row[1] for row in table):
             self._raise_remote(rows)
-        check_edits(rows[:, 3:], describe=lambda rank: f"rank {rank}")
         loss = table[self.schedule.stage_to_rank[-1]][0]
         nonfinite_grads = any(row[2] for row in table)
         if refuse_nonfinite and (nonfinite_grads or not math.isfinite(loss)):
@@ -431,6 +432,14 @@ class MultiProcess:
             _refuse_nonfinite(loss, self._share_failures(found))
         # The same on every rank; float64 holds a float32 or float64 loss exactly.
         return Agreement(torch.tensor(loss, dtype=torch.float64), nonfinite_grads)
+
+    def check_edit(self, edit: Edit) -> None:
+        """Every rank's edit of the step's gradients, gathered when its optimizer steps (one
+        row each); a per-stage clip raises on every rank before any weight changes."""
+        doing = f"checking the gradients of step {self.steps} before the optimizer step"
+        row = torch.tensor(edit.row(), dtype=torch.float64)
+        rows = self._collective(lambda: self._gather_row(row, "the clip check (all-gather)", doing))
+        check_edits(rows, describe=lambda rank: f"rank {rank}")
 
     def fail(self, error: BaseException, stages: list[Stage]) -> None:
         """Tell the other ranks this step failed here (or upstream), then agree on who."""

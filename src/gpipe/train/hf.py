@@ -211,6 +211,12 @@ class HFModel(ModelSource):
     def logits(self, output: Any) -> torch.Tensor:
         return output.logits
 
+    def aux_loss_coef(self) -> float | None:
+        config = self.args["config"]
+        if not config.get("output_router_logits"):
+            return None  # the model returns no load-balancing loss, and its own loss has none
+        return _first(config, "router_aux_loss_coef")
+
     def constructor(self) -> str:
         auto = FAMILIES[self.family]
         return (

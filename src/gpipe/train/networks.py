@@ -50,6 +50,11 @@ class ModelSource:
     def logits(self, output: Any) -> torch.Tensor:
         return output
 
+    def aux_loss_coef(self) -> float | None:
+        """The weight of the auxiliary loss the model's output carries (a mixture of
+        experts' load balancing, ``gpipe.losses.auxiliary_loss``); None: it has none."""
+        return None
+
     def constructor(self) -> str:
         """Python code that builds the plain model, for ``gpipe export``."""
         raise NotImplementedError

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from gpipe.losses import auxiliary_loss, warn_per_microbatch
 from gpipe.pipe import Pipe
 from gpipe.train.hf import HFModel, decoder_start
 from gpipe.train.networks import GPT, ConvNet, ModelSource
@@ -212,6 +213,7 @@ class Task:
         checkpoint's are loaded next)."""
         weights = None if resume else self.weights
         example = self.objective.example(self.seq) if isinstance(self.source, TextData) else None
+        warn_per_microbatch(self.model.aux_loss_coef(), options.get("chunks", 1))
         previous = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:
@@ -272,7 +274,11 @@ class Task:
         return self.seq if self.unit == "tokens" else 1
 
     def loss(self, output: Any, target: torch.Tensor) -> torch.Tensor:
-        return self.objective.loss(self.model.logits(output), target)
+        """The objective's mean over ``target``, plus the model's auxiliary loss (a mixture
+        of experts' load balancing) as its own ``loss`` adds it."""
+        loss = self.objective.loss(self.model.logits(output), target)
+        aux = auxiliary_loss(output, self.model.aux_loss_coef())
+        return loss if isinstance(aux, float) else loss + aux.to(loss.dtype)
 
     def count(self, target: torch.Tensor) -> torch.Tensor:
         return self.objective.count(target)
