@@ -37,6 +37,32 @@ ROOT = Path(__file__).resolve().parent.parent
 OLD_REV = "9de4e29"  # the last commit of the torch.save format
 
 
+# What docs/checkpoints.md says after the table (told there once).
+CHECKED = """
+## What is checked before a checkpoint is used
+
+A checkpoint is data, never code. `gpipe train --resume`, `gpipe export` and `gpipe
+checkpoints` check each one (`gpipe.checkpoint_integrity.problems`) before using it:
+
+- the manifest: gpipe's format and version, its own SHA-256, a step that is its folder's;
+- every file DCP wrote: present, readable (a file that cannot be read, for its permissions or
+  an I/O error, is damage like any other: resume falls back with a warning naming it) and
+  holding the bytes saved (SHA-256);
+- DCP's `.metadata`, a pickle, read by `gpipe.parallel.dcp`'s restricted unpickler: it builds
+  only DCP's own types (its metadata dataclasses, `torch.Size`, dtypes and layouts,
+  `OrderedDict`, the checkpoint's path) and refuses any other global, naming the file and the
+  global; a pickle that sets a class's attributes is refused (and undone); every file it
+  points to must lie beside it, with no stream transforms;
+- the objects DCP stored (an optimizer's hyperparameters, `torch.save` bytes, which DCP's
+  own planner reads with `weights_only=False`) load with `weights_only=True`.
+
+A SHA-256 anyone can recompute proves only that no bytes changed by accident: the last two
+checks are what refuse a crafted checkpoint whose hashes were recomputed, instead of running
+it (benchmarks/faults.py's checkpoint rows; tests/faults/test_checkpoints.py). What stays the
+user's to protect is who may write the run folder: a checkpoint replaced by another genuine
+one (other weights) is read like any.
+"""
+
 NOTES = """\
 What the rows do. Both write the same tensors once (one file per rank; here one rank) and
 check every byte against the manifest's SHA-256 before loading. The former format hashed
@@ -226,7 +252,7 @@ def main() -> None:
         args.out.write_text(
             "# Checkpoints: the former format against DCP\n\n"
             "Regenerate: `PYTHONPATH=src python benchmarks/checkpoints.py --out "
-            "docs/checkpoints.md`\n\n" + table + "\n"
+            "docs/checkpoints.md`\n\n" + table + "\n" + CHECKED
         )
 
 

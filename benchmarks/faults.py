@@ -27,6 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
 from fault_cases import carries_on, faulty_in  # noqa: E402
+from fault_checkpoints import rows_checkpoints  # noqa: E402
 from fault_security import SECTION, rows_security  # noqa: E402
 
 from distributed_cases import (  # noqa: E402
@@ -447,43 +448,6 @@ def rows_refused(work: Path) -> list[tuple]:
     return rows
 
 
-def rows_checkpoints(work: Path) -> list[tuple]:
-    out = work / "ckpt"
-    job = gpipe_train("--size", "tiny", "--steps", "10", "--save-every", "5", "--sample-tokens",
-                      "0", "--out", str(out), cache=work / "cache")  # fmt: skip
-    job.communicate(timeout=300)
-    rows = []
-    for name, damage in [
-        ("a flipped byte in the newest shard", "flip"),
-        ("the newest manifest deleted", "manifest"),
-        ("the newest shard truncated to half its size", "truncate"),
-    ]:
-        copy = work / f"ckpt-{damage}"
-        shutil.copytree(out, copy)
-        newest = copy / "checkpoints" / "step-000010"
-        if damage == "flip":
-            shard = newest / "__1_0.distcp"  # rank 1's DCP file
-            data = bytearray(shard.read_bytes())
-            data[300] ^= 0xFF
-            shard.write_bytes(bytes(data))
-        elif damage == "truncate":
-            shard = newest / "__1_0.distcp"
-            shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
-        else:
-            (newest / ckpt.MANIFEST).unlink()
-        started = time.monotonic()
-        resumed = gpipe_train("--resume", str(copy), "--steps", "11", "--sample-tokens", "0",
-                              cache=work / "cache")  # fmt: skip
-        stdout, stderr = resumed.communicate(timeout=300)
-        seconds = time.monotonic() - started
-        warned = "warning:" in stderr and "resumed from step 5" in stdout
-        outcome = f"exit {resumed.returncode}" + (", warned, resumed from step 5" if warned else "")
-        rows.append((f"resume with {name}", "falls back to the newest intact one, with a warning",
-                     seconds, seconds, outcome, left_in(resumed.pid),
-                     warned and resumed.returncode == 0))  # fmt: skip
-    return rows
-
-
 # What each case of rows_errors printed before the errors named their cause (commit 9de4e29).
 _BEFORE = {
     "hops": "rank 0 blamed rank 1 (`rank 0 waited 10 s … from rank 1`), or in the agreement "
@@ -643,7 +607,8 @@ def main() -> None:
         args.out = None
     else:
         rows = rows_library() + rows_stalls(work) + rows_signals(work) + rows_signals_more(work)
-        rows += rows_torchrun(work) + rows_checkpoints(work) + rows_kill_while_saving(work)
+        rows += rows_torchrun(work) + rows_checkpoints(work, gpipe_train, left_in)
+        rows += rows_kill_while_saving(work)
         rows += rows_refused(work) + rows_errors(work) + rows_security(work)
     shutil.rmtree(work, ignore_errors=True)
     lines = [
