@@ -110,7 +110,8 @@ def _put(out: bytearray, value: Any, what: str, depth: int) -> None:
             _put(out, item, what, depth + 1)
     else:
         name = f"{kind.__module__}.{kind.__qualname__}".removeprefix("builtins.")
-        raise CodecError(f"{what} holds a {name}, which cannot cross processes: {REMEDY}")
+        raise CodecError(f"{what} holds a value of type {name}, which cannot cross processes: "
+                         f"{REMEDY}")  # fmt: skip
 
 
 def _sized(out: bytearray, tag: bytes, raw: bytes) -> None:
