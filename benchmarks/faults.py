@@ -28,6 +28,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from fault_cases import carries_on, faulty_in  # noqa: E402
 from fault_checkpoints import rows_checkpoints  # noqa: E402
+from fault_inputs import rows_inputs  # noqa: E402
 from fault_security import SECTION, rows_security  # noqa: E402
 
 from distributed_cases import (  # noqa: E402
@@ -434,7 +435,7 @@ def rows_refused(work: Path) -> list[tuple]:
         job = gpipe_train("--size", "tiny", "--steps", "5", *argv, cache=work / "cache")
         _, stderr = job.communicate(timeout=120)
         seconds = time.monotonic() - started
-        message = " ".join(stderr.split()).replace("gpipe train: error: - ", "")
+        message = " ".join(stderr.split()).replace("gpipe train: error: ", "")
         nothing = folder is None or not folder.exists()
         left = left_in(job.pid)
         held = job.returncode == 2 and expected in stderr and seconds < 5 and nothing
@@ -608,8 +609,8 @@ def main() -> None:
     else:
         rows = rows_library() + rows_stalls(work) + rows_signals(work) + rows_signals_more(work)
         rows += rows_torchrun(work) + rows_checkpoints(work, gpipe_train, left_in)
-        rows += rows_kill_while_saving(work)
-        rows += rows_refused(work) + rows_errors(work) + rows_security(work)
+        rows += rows_kill_while_saving(work) + rows_refused(work) + rows_inputs(work)
+        rows += rows_errors(work) + rows_security(work)
     shutil.rmtree(work, ignore_errors=True)
     lines = [
         "| case | promise | every rank raised (s) | whole run, start-up included (s) | outcome | "
@@ -645,7 +646,11 @@ def main() -> None:
             "that drops off the network (rather than a process), a stall before the "
             "tied-weight exchange (it waits through the same bounded path as the data-parallel "
             "all-reduce and clip_grad_norm_), and kill -9 of a single rank of `gpipe train` "
-            "(the library's kill -9 rows and the launcher's are covered). The last rows are "
+            "(the library's kill -9 rows and the launcher's are covered). Bad input to every "
+            "command (`benchmarks/fault_inputs.py`) must be one line before any process "
+            "starts, leaving nothing behind, and no command may write over what gpipe did not "
+            "write (a user's notes, a run's own files, a checkpoint, a planted link). The last "
+            "rows are "
             "errors that must name their cause (a rank that hung, raised or died, not a "
             "neighbour that only waited on it; a wrong environment; another model on resume); "
             "each says in its name what the same case printed before (commit 9de4e29), its "

@@ -289,3 +289,34 @@ def test_a_model_too_large_for_this_machine_is_refused_with_its_peak(tmp_path, m
         "with --replicas\n"
     )
     assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["plan", "--chunks", "0"], "gpipe plan: error: argument --chunks: '0': give a whole "
+         "number >= 1; see gpipe plan --help"),
+        (["plan", "--schedules", "fifo"], "gpipe plan: error: argument --schedules: invalid "
+         "choice: 'fifo' (choose from 'gpipe', '1f1b',"),
+        (["plan", "--checkpoints", "sometimes"], "gpipe plan: error: argument --checkpoints: "
+         "invalid choice: 'sometimes'"),
+        (["plan", "--batch", "8", "--chunks", "4", "16"], "gpipe plan: error: --chunks 16: a "
+         "micro-batch holds at least one sample of --batch 8; give at most 8"),
+        (["plan", "--capacity"], "gpipe plan: error: --capacity needs --memory"),
+        (["checkpoints", "/nonexistent"], "gpipe checkpoints: error: no checkpoint in "
+         "/nonexistent"),
+        (["export", "/nonexistent"], "gpipe export: error: /nonexistent does not exist"),
+        (["train", "--chunks", "0"], "gpipe train: error: --chunks must be a positive int"),
+        (["train", "--schedule", "fifo"], "gpipe train: error: argument --schedule: invalid "
+         "choice: 'fifo'"),
+        (["nothing"], "gpipe: error: argument COMMAND: invalid choice: 'nothing'"),
+    ],
+)  # fmt: skip
+def test_every_command_says_bad_input_in_one_line(capsys, argv, message):
+    try:
+        code = main(argv)
+    except SystemExit as exit_info:  # argparse's own refusals
+        code = exit_info.code
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith(message), err
+    assert err.count("\n") == 1 and "Traceback" not in err
