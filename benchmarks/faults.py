@@ -30,6 +30,7 @@ from fault_cases import carries_on, faulty_in  # noqa: E402
 from fault_checkpoints import rows_checkpoints  # noqa: E402
 from fault_inputs import rows_inputs  # noqa: E402
 from fault_security import SECTION, rows_security  # noqa: E402
+from fault_stops import rows_one_process  # noqa: E402
 
 from distributed_cases import (  # noqa: E402
     data_parallel_fault,
@@ -43,7 +44,6 @@ from distributed_cases import (  # noqa: E402
 )
 from gpipe import checkpoint as ckpt  # noqa: E402
 from gpipe.parallel.launch import LaunchError, launch  # noqa: E402
-from gpipe.transport.inquest import grace  # noqa: E402
 
 TIMEOUT = 20.0  # the pipeline's timeout in the library cases
 DP_TIMEOUT = 10.0  # the pipeline's timeout in the data-parallel stall
@@ -471,7 +471,7 @@ def rows_errors(work: Path) -> list[tuple]:
     """Errors that name the rank that caused them, not a neighbour that waited too; a wrong
     environment named before anything waits; ranks gone with a killed torchrun."""
     rows, timeout = [], 10.0
-    late = timeout + grace(timeout) + 5
+    late = timeout + 5
 
     def before(key: str) -> str:
         return f" (before: {_BEFORE[key]})"
@@ -492,7 +492,7 @@ def rows_errors(work: Path) -> list[tuple]:
         messages: list[str] = []
         worst, wall, _, left = library_case(fn, nprocs, args, messages=messages)
         rows.append((name + before(key), "every rank names the rank that caused it, within "
-                     "timeout + grace + 5 s", worst, wall, messages[0][:300], left,
+                     "timeout + 5 s", worst, wall, messages[0][:300], left,
                      named(messages) and worst <= late and left == 0))  # fmt: skip
     for key, argv, victim, signum, name, culprit in [
         ("stop", ("-K", "3"), 2, signal.SIGSTOP, "gpipe train -K 3: rank 2 stopped (kill -STOP)",
@@ -510,7 +510,7 @@ def rows_errors(work: Path) -> list[tuple]:
         seconds = time.monotonic() - started
         said = _first_error(job.stderr.read())
         rows.append((name + before(key), f"the job stops, naming {culprit}, within timeout + "
-                     "grace + 5 s", seconds, seconds, said, left_in(job.pid),
+                     "5 s", seconds, seconds, said, left_in(job.pid),
                      culprit in said and seconds <= late))  # fmt: skip
     env = _env(work / "cache")
     for name, variables, extra in [
@@ -610,7 +610,7 @@ def main() -> None:
         rows = rows_library() + rows_stalls(work) + rows_signals(work) + rows_signals_more(work)
         rows += rows_torchrun(work) + rows_checkpoints(work, gpipe_train, left_in)
         rows += rows_kill_while_saving(work) + rows_refused(work) + rows_inputs(work)
-        rows += rows_errors(work) + rows_security(work)
+        rows += rows_errors(work) + rows_security(work) + rows_one_process(work)
     shutil.rmtree(work, ignore_errors=True)
     lines = [
         "| case | promise | every rank raised (s) | whole run, start-up included (s) | outcome | "
@@ -655,7 +655,7 @@ def main() -> None:
             "neighbour that only waited on it; a wrong environment; another model on resume); "
             "each says in its name what the same case printed before (commit 9de4e29), its "
             "outcome what it prints now (`gpipe.transport.inquest`; the grace for a rank's "
-            "statement is half the timeout, at most 4.5 s).\n\n"
+            "statement is half the timeout, at most 3.5 s).\n\n"
             "Regenerate: `python benchmarks/faults.py --out docs/reliability.md` (the last rows "
             "alone: `--only-errors`)\n\n" + "\n".join(lines) + f"\n\n{summary}\n" + SECTION
         )

@@ -5,6 +5,7 @@
 * ``data_parallel``: gradients averaged over replicas of a stage, bucketed;
 * ``tied``: one parameter used by several stages, kept equal;
 * ``mesh``: the job's processes (pipeline × data parallel) and small collectives;
-* ``launch``: run a function in N local processes forming one group.
+* ``launch``: run a function in N local processes forming one group;
+* ``store``: the job's store, held by the launcher, on loopback when every process is here;
 * ``dcp``: checkpoints written and read by ``torch.distributed.checkpoint``.
 """
