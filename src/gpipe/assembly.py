@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from gpipe.engine.batchnorm import DeferredBatchNorm
+from gpipe.engine.loss_reads import ForeignParameters
 from gpipe.engine.runtime import Runtime
 from gpipe.engine.skip import SkipLayout
 from gpipe.engine.stage import Stage
@@ -261,6 +262,14 @@ def place(
                 skips=skips.get(index),
                 checkpoint_layers=config.layout.checkpoint_layers,
             )
+        )
+    if stages[-1].is_last:  # what its loss must not read (gpipe.engine.loss_reads)
+        as_placed = dict(placed_layers)
+        stages[-1].foreign = ForeignParameters(
+            (f"{name}.{key}", p)
+            for layers in stage_layers[:-1]
+            for name, layer in layers
+            for key, p in as_placed.get(name, layer).named_parameters()
         )
     stage_of_name = {name: s for s, layers in enumerate(stage_layers) for name, _ in layers}
     return Placed(model, placed_layers, stages, stage_of_name, Routes(len(balance), skips))

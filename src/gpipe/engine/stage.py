@@ -40,6 +40,7 @@ from torch.utils._pytree import tree_map
 
 from gpipe import microbatch, rng
 from gpipe._utils import tensors_of, to_device
+from gpipe.engine.loss_reads import ForeignParameters, check_loss
 from gpipe.engine.skip import SkipError, StageSkips, tracking
 from gpipe.engine.split_backward import WeightWork, backward_input, backward_weight
 from gpipe.engine.state import ModuleState, SavedState, running_stats_frozen
@@ -202,12 +203,13 @@ class Stage:
         # them all (for W, whose autograd call the sharding's own hooks do not see).
         self.autograd_parameters: Callable[[], list[torch.Tensor]] | None = None
         self.gathered: Callable[[], Any] = nullcontext
+        self.foreign = ForeignParameters()  # the other stages' parameters (the loss's check)
 
     def parameters(self) -> Iterator[nn.Parameter]:
         for layer in self.layers:
             yield from layer.parameters()
 
-    def _needs_grad(self, inputs: Any) -> bool:
+    def needs_grad(self, inputs: Any) -> bool:
         """Whether anything upstream of this stage's outputs needs a gradient."""
         return any(t.requires_grad for t in tensors_of(inputs)) or any(
             p.requires_grad for p in self.parameters()
@@ -296,16 +298,8 @@ class Stage:
             loss = _compute_loss(spec, self.value_of(stored.outputs))
             divisor = spec.divisor
             stored.loss_value = loss / divisor if divisor is not None else loss * spec.weight
-            if (
-                torch.is_grad_enabled()
-                and not stored.loss_value.requires_grad
-                and self._needs_grad(stored.inputs)
-            ):
-                raise RuntimeError(
-                    "loss_fn returned a loss that does not require grad (detached, or computed "
-                    "under no_grad), so no gradient would reach the model; return the loss "
-                    "tensor as computed from the output"
-                )
+            if torch.is_grad_enabled():  # the loss reaches the model, and the model only
+                check_loss(stored.loss_value, self, stored.outputs, stored.inputs)
 
     # -- actions ----------------------------------------------------------------------------
 
@@ -348,7 +342,7 @@ class Stage:
         if remat:
             # Computed without a graph: a float output will need a gradient whenever
             # anything upstream of it (an input or a parameter of this stage) does.
-            upstream = self._needs_grad(inputs)
+            upstream = self.needs_grad(inputs)
             return _detached(outputs, lambda t: upstream and t.is_floating_point()), detached_loss
         return _detached(outputs, lambda t: t.requires_grad), detached_loss
 
