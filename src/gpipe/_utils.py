@@ -41,11 +41,14 @@ def tensors_of(value: Any) -> list[torch.Tensor]:
     return [leaf for leaf in tree_flatten(value)[0] if isinstance(leaf, torch.Tensor)]
 
 
-def to_device(value: Any, device: torch.device, *, as_leaves: bool = False) -> Any:
+def to_device(
+    value: Any, device: torch.device, *, as_leaves: bool = False, differentiable: bool = False
+) -> Any:
     """Copy every tensor of ``value`` to ``device``.
 
     With ``as_leaves`` the copies are detached leaves that require grad exactly where the
-    originals did, ready to be a stage's inputs.
+    originals did, ready to be a stage's inputs. With ``differentiable`` a tensor that
+    requires grad keeps its graph (the user's inputs: their gradient flows back to them).
     """
     # A device-to-host copy must finish before the host reads it: only copies onto an
     # accelerator may be asynchronous.
@@ -54,6 +57,8 @@ def to_device(value: Any, device: torch.device, *, as_leaves: bool = False) -> A
     def move(leaf: Any) -> Any:
         if not isinstance(leaf, torch.Tensor):
             return leaf
+        if differentiable and leaf.requires_grad:
+            return leaf.to(device, non_blocking=non_blocking)
         if leaf.device == device and not as_leaves:
             return leaf.detach()  # already there: no copy (a step moves every micro-batch)
         moved = leaf.detach().to(device, non_blocking=non_blocking)

@@ -416,7 +416,9 @@ class Pipe(ModelNames, nn.Module):
         if self._tied is not None:
             self._tied.refresh()
         if inputs_mb is not None:
-            inputs_mb = [to_device(x, self.stages[0].device) for x in inputs_mb]
+            inputs_mb = [
+                to_device(x, self.stages[0].device, differentiable=True) for x in inputs_mb
+            ]
         # Gradients of earlier steps wait aside: a failed step must leave them as they were.
         earlier = set_aside_gradients(self.parameters()) if losses is not None else {}
         try:

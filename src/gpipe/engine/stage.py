@@ -383,7 +383,7 @@ class Stage:
             if roots:
                 torch.autograd.backward(roots, grads)
         stored.held.clear()
-        return [t.grad if t.requires_grad else None for t in inputs]
+        return _grads_of(inputs)  # a user's input that requires grad: not a leaf, no .grad
 
     def _groups(self) -> list[range]:
         """The groups of ``checkpoint_layers`` layers a re-materialized backward recomputes
@@ -464,7 +464,7 @@ class Stage:
                     if roots:
                         torch.autograd.backward(roots, root_grads)
                     del roots, root_grads
-                grads = [t.grad if t.requires_grad else None for t in tensors_of(leaf)]
+                grads = _grads_of(tensors_of(leaf))
                 del leaf
         stored.held.clear()
         return grads
@@ -512,6 +512,10 @@ class Stage:
     def pending(self) -> list[int]:
         """Micro-batches whose backward (or weight gradient) has not run yet."""
         return sorted(set(self._stored) | set(self._weight_work))
+
+
+def _grads_of(inputs: list[torch.Tensor]) -> list[torch.Tensor | None]:
+    return [t.grad if t.requires_grad and t.is_leaf else None for t in inputs]
 
 
 def _copied(value: Any) -> Any:
