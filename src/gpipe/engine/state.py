@@ -13,6 +13,10 @@ buffers the later forwards left are put back, so every micro-batch writes them o
 as in the un-split model. A stage whose forward writes nothing pays nothing after its first
 re-materialized forward.
 
+A layer's private ``torch.Generator`` (an attribute of one of its modules) is such state
+too: its draws advance it, so a recomputation puts back its state as the first forward found
+it, and afterwards the state the later forwards left.
+
 Restoring rebinds the buffers (``module._buffers[name]``) instead of copying into them: nothing
 that autograd saved in another micro-batch's graph is written to.
 
@@ -52,6 +56,7 @@ class SavedState:
 
     values: dict[_Slot, torch.Tensor]
     layers: frozenset[int]  # the layers whose buffers these are
+    generators: dict[torch.Generator, torch.Tensor]  # the layers' own, as found
 
 
 @dataclass
@@ -63,6 +68,7 @@ class _Learning:
     versions: dict[_Slot, int]
     copies: dict[_Slot, torch.Tensor]
     parameters: list[tuple[str, nn.Parameter, int]]
+    generators: dict[torch.Generator, torch.Tensor]
 
 
 class ModuleState:
@@ -72,6 +78,15 @@ class ModuleState:
         self._layers = list(layers)
         self._first_layer = first_layer
         self._written: dict[tuple[bool, ...], list[_Slot]] = {}
+        self.generators = list(
+            {
+                id(value): value
+                for layer in self._layers
+                for module in layer.modules()
+                for value in vars(module).values()
+                if isinstance(value, torch.Generator)
+            }.values()
+        )
 
     def _mode(self) -> tuple[bool, ...]:
         return tuple(layer.training for layer in self._layers)
@@ -80,11 +95,12 @@ class ModuleState:
         """Before a re-materialized forward: a copy of what it will write (None: nothing)."""
         mode = self._mode()
         written = self._written.get(mode)
+        generators = _states(self.generators)
         if written is None:
-            return self._start_learning(mode)
-        if not written:
+            return self._start_learning(mode, generators)
+        if not written and not generators:
             return None
-        return SavedState(_copies(written), frozenset(slot.layer for slot in written))
+        return SavedState(_copies(written), frozenset(s.layer for s in written), generators)
 
     def learned(self, saved: SavedState | _Learning | None) -> SavedState | None:
         """After that forward: what it wrote, as it found it (None: nothing)."""
@@ -105,14 +121,15 @@ class ModuleState:
             or tensor._version != saved.versions[slot]
         ]
         self._written[saved.mode] = written
-        if not written:
+        if not written and not saved.generators:
             return None
         return SavedState(
             {slot: saved.copies[slot] for slot in written},
             frozenset(slot.layer for slot in written),
+            saved.generators,
         )
 
-    def _start_learning(self, mode: tuple[bool, ...]) -> _Learning:
+    def _start_learning(self, mode: tuple[bool, ...], generators: dict) -> _Learning:
         frozen = {id(m) for m in frozen_batch_norms(self._layers)}
         slots = [
             _Slot(module, name, offset)
@@ -128,9 +145,8 @@ class ModuleState:
             for i, layer in enumerate(self._layers, start=self._first_layer)
             for name, p in layer.named_parameters()
         ]
-        return _Learning(
-            mode, before, {s: t._version for s, t in before.items()}, _copies(slots), parameters
-        )
+        versions = {s: t._version for s, t in before.items()}
+        return _Learning(mode, before, versions, _copies(slots), parameters, generators)
 
     @staticmethod
     @contextmanager
@@ -141,28 +157,41 @@ class ModuleState:
             yield frozenset()
             return
         later = {slot: slot.module._buffers[slot.name] for slot in saved.values}
-        for slot, value in saved.values.items():
-            slot.module._buffers[slot.name] = value
+        later_generators = _states(saved.generators)
+        ModuleState.rebind(_Snapshot(saved.values, saved.generators))
         try:
             yield saved.layers
         finally:
-            for slot, value in later.items():
-                slot.module._buffers[slot.name] = value
+            ModuleState.rebind(_Snapshot(later, later_generators))
 
     @staticmethod
-    def snapshot(saved: SavedState | None, layers: range) -> dict[_Slot, torch.Tensor]:
-        """While ``saved`` is restored: a copy of the buffers of ``layers`` as they are now,
-        for a recomputation of those layers alone (``checkpoint_layers``)."""
+    def snapshot(saved: SavedState | None, layers: range) -> _Snapshot:
+        """While ``saved`` is restored: a copy of the buffers of ``layers`` (and the state of
+        the generators) as they are now, for a recomputation of those layers alone
+        (``checkpoint_layers``)."""
         if saved is None:
-            return {}
-        return _copies([slot for slot in saved.values if slot.layer in layers])
+            return _Snapshot({}, {})
+        buffers = _copies([slot for slot in saved.values if slot.layer in layers])
+        return _Snapshot(buffers, _states(saved.generators))
 
     @staticmethod
-    def rebind(values: dict[_Slot, torch.Tensor]) -> None:
+    def rebind(snapshot: _Snapshot) -> None:
         """Put a :meth:`snapshot` back (inside :meth:`restored`, which puts the later
         buffers back at its end)."""
-        for slot, value in values.items():
+        for slot, value in snapshot.buffers.items():
             slot.module._buffers[slot.name] = value
+        for generator, state in snapshot.generators.items():
+            generator.set_state(state)
+
+
+@dataclass
+class _Snapshot:
+    buffers: dict[_Slot, torch.Tensor]
+    generators: dict[torch.Generator, torch.Tensor]
+
+
+def _states(generators) -> dict[torch.Generator, torch.Tensor]:
+    return {generator: generator.get_state() for generator in generators}
 
 
 def _copies(slots: list[_Slot]) -> dict[_Slot, torch.Tensor]:
