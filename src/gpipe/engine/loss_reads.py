@@ -1,12 +1,12 @@
 """The last stage's loss: it must reach the model, and what it may read besides the outputs.
 
 The loss is part of the last stage. A loss that does not require grad (detached, computed
-under ``no_grad``) would train nothing: refused. Besides the stage's outputs and the targets it may read
-the last stage's own parameters and tensors of its own — a learnable temperature, a criterion
-with parameters (``nn.AdaptiveLogSoftmaxWithLoss``): autograd reaches them from the loss,
-and the stage's backward accumulates their gradients as the plain model's does, split
-(``gpipe.engine.split_backward`` finds every leaf the graph reaches) or not. Give them to
-the optimizer as you would without gpipe.
+under ``no_grad``) would train nothing: refused. Besides the stage's outputs and the targets
+it may read the last stage's own parameters and tensors of its own — a learnable temperature,
+a criterion with parameters (``nn.AdaptiveLogSoftmaxWithLoss``): autograd reaches them from
+the loss, and the stage's backward accumulates their gradients as the plain model's does,
+split (``gpipe.engine.split_backward`` finds every leaf the graph reaches) or not. Give them
+to the optimizer as you would without gpipe.
 
 A parameter of *another* stage is different: across processes, the last stage's rank holds
 at best a copy that is never trained, and the gradient the loss gives it never reaches the

@@ -76,6 +76,7 @@ class _Group:
     roots: list[int]  # starts outside S: roots, by index
     grads: dict[Node, tuple] = field(default_factory=dict)  # recorded in B
     root_starts: list[tuple[GradientEdge, torch.Tensor]] = field(default_factory=list)
+    handles: list = field(default_factory=list)  # the starts' pre-hooks, from B to W
 
 
 @dataclass
@@ -219,42 +220,67 @@ def backward_input(
 
 def _grouped(targets, node_of, graph: _Graph, on_input_path: set[Node]) -> list[_Group]:
     """One group per set of leaves that share a start."""
-    groups: dict[object, _Group] = {}  # start (node, or ("root", index)) -> its group
+    by_start: dict[Node | int, _Group] = {}  # a start: a node of S, or a root's index
     for target in targets:
         node = node_of(target)
         if node is None or (node not in graph.parents and node not in graph.root_nodes):
             continue  # not used by this micro-batch's graph
         found, roots = _starts(node, graph, on_input_path)
-        keys = [*found, *(("root", i) for i in roots)]
-        group = _Group([target], list(found), sorted(roots))
-        for other in {id(g): g for k in keys if (g := groups.get(k)) is not None}.values():
-            group.params = other.params + group.params
-            group.intermediates = list(dict.fromkeys(other.intermediates + group.intermediates))
-            group.roots = sorted(set(other.roots) | set(group.roots))
-        for key in [*group.intermediates, *(("root", i) for i in group.roots)]:
-            groups[key] = group
-    return list({id(g): g for g in groups.values()}.values())
+        met = list(
+            {id(g): g for k in (*found, *roots) if (g := by_start.get(k)) is not None}.values()
+        )
+        group = met[0] if met else _Group([], [], [])
+        for other in met[1:]:  # this leaf joins their starts: one call for all
+            group.params += other.params
+            group.intermediates += other.intermediates
+            group.roots += other.roots
+            for start in (*other.intermediates, *other.roots):
+                by_start[start] = group
+        group.params.append(target)
+        for start in found:
+            if start not in by_start:
+                by_start[start] = group
+                group.intermediates.append(start)
+        for index in roots:
+            if index not in by_start:
+                by_start[index] = group
+                group.roots.append(index)
+    return list({id(g): g for g in by_start.values()}.values())
 
 
 def _run_input_part(roots, grads, wanted, inputs, groups: list[_Group]) -> list:
-    """autograd for the inputs only, recording what arrives at each start in S."""
-    handles = []
-    for group in groups:
-        for node in group.intermediates:
-
-            def record(grad_outputs, group=group, node=node):
-                group.grads[node] = grad_outputs
-
-            handles.append(node.register_prehook(record))
+    """autograd for the inputs only, while each start's pre-hook records what arrives there.
+    The hook stays until W: there it puts the recorded gradient back (see the module's
+    docstring), at no cost of a second hook."""
     try:
+        for group in groups:
+            for node in group.intermediates:
+                group.handles.append(node.register_prehook(_start_hook(group.grads, node)))
         computed = torch.autograd.grad(
             list(roots), wanted, list(grads), retain_graph=True, allow_unused=True
         )
-    finally:
-        for handle in handles:
-            handle.remove()
+    except BaseException:
+        for group in groups:
+            _remove(group)
+        raise
     by_input = dict(zip(map(id, wanted), computed, strict=True))
     return [by_input.get(id(t)) for t in inputs]
+
+
+def _start_hook(recorded: dict[Node, tuple], node: Node):
+    def hook(grad_outputs):
+        if node not in recorded:  # B
+            recorded[node] = grad_outputs
+            return None
+        return recorded[node]  # W: from a start above, or a tensor hook run again
+
+    return hook
+
+
+def _remove(group: _Group) -> None:
+    for handle in group.handles:
+        handle.remove()
+    group.handles.clear()
 
 
 def backward_weight(work: WeightWork) -> None:
@@ -271,31 +297,23 @@ def backward_weight(work: WeightWork) -> None:
     groups.reverse()
     while groups:
         group = groups.pop()
-        edges, grad_outputs, handles = [], [], []
+        edges, grad_outputs = [], []
         for node in group.intermediates:
-            recorded = group.grads.get(node)
-            if recorded is None:
-                continue  # nothing arrived there in B
-            for index, grad in enumerate(recorded):
+            for index, grad in enumerate(group.grads.get(node, ())):  # none: nothing arrived
                 if grad is not None:
                     edges.append(GradientEdge(node, index))
                     grad_outputs.append(grad)
-            # What arrives at a start in W (from a start above it, or a tensor hook run
-            # again on the recorded gradient) is replaced by what B recorded.
-            handles.append(node.register_prehook(lambda _, saved=recorded: saved))
         for edge, grad in group.root_starts:
             edges.append(edge)
             grad_outputs.append(grad)
-        params = group.params
-        group.grads, group.root_starts = {}, []
-        del group
         try:
             if edges:
-                _accumulate(edges, grad_outputs, params)
+                _accumulate(edges, grad_outputs, group.params)
         finally:
-            for handle in handles:
-                handle.remove()
-        del edges, grad_outputs, handles
+            _remove(group)
+            group.grads.clear()
+            group.root_starts.clear()
+        del group, edges, grad_outputs
 
 
 def _accumulate(edges: list[GradientEdge], grads: list[torch.Tensor], params: list) -> None:
