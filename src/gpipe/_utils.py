@@ -160,7 +160,7 @@ class Verdict:
 def read_verdict(
     loss: torch.Tensor | None, norms: torch.Tensor | None, ignored: torch.Tensor | None
 ) -> Verdict:
-    """The loss, which gradient norms are finite and whether targets hold -100
+    """The loss, which gradient norms are finite and whether targets hold labels below 0
     (``ignored``'s first flag), read from the device together: on an accelerator each read
     waits for all queued work, so a step reads once."""
     parts = []
