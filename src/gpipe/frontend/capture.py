@@ -5,8 +5,9 @@ every other dimension dynamic where export can keep them so), once in ``train()`
 ``eval()`` mode, and cuts both graphs at the split modules (``gpipe.frontend.cut``). Batch norm
 layers are kept as calls of the original modules, so that ``eval()`` and deferred batch norm
 act on them as on the model, and so are modules with forward hooks, so that their hooks run;
-gradient hooks are refused (``gpipe.frontend.hooks``). The result is a ``CapturedModel``: an ``nn.Sequential`` of units
-that ``Pipe`` trains like any other, its parameters the model's own tensors.
+gradient hooks are refused (``gpipe.frontend.hooks``). The result is a ``CapturedModel``: an
+``nn.Sequential`` of units that ``Pipe`` trains like any other, its parameters the model's own
+tensors.
 """
 
 from __future__ import annotations
@@ -147,6 +148,8 @@ def capture(
     captured = CapturedModel(*units, tied=_ties(train, evaluate), split=paths)
     captured.source, captured.order = source, positions
     captured.train(model.training)
+    for m, mode in was_training.items():  # the kept modules are the model's: as they were
+        m.training = mode
     return captured
 
 
@@ -353,7 +356,7 @@ def _add_other_names(model: nn.Module, *modes: list[Piece]) -> None:
 def _add_unused(model: nn.Module, paths: list[str], *modes: list[Piece]) -> None:
     """Parameters and buffers the forward never reads stay the model's (in its state dict, or
     its ``buffers()``): in the unit of the split module that owns them, else the first unit."""
-    held = {id(t) for pieces in modes for piece in pieces for _, t in piece.tensors.values()}
+    held = {id(t) for pieces in modes for piece in pieces for _, _, t in _read(piece)}
     persistent = dict(model.state_dict(keep_vars=True))
     for name, t in [*model.named_parameters(), *model.named_buffers()]:
         if id(t) in held:
@@ -365,6 +368,16 @@ def _add_unused(model: nn.Module, paths: list[str], *modes: list[Piece]) -> None
         for pieces in modes:
             pieces[index].tensors[name] = (kind, t)
         held.add(id(t))
+
+
+def _read(piece: Piece) -> list[tuple[str, str, torch.Tensor]]:
+    """(name, kind, tensor) of what a unit reads: its tensors, and those of the modules it
+    keeps as calls (a batch norm's weight is the module's, not the graph's)."""
+    read = [(name, kind, t) for name, (kind, t) in piece.tensors.items()]
+    for path, module in piece.modules.items():
+        read += [(f"{path}.{n}", "parameter", t) for n, t in module.named_parameters()]
+        read += [(f"{path}.{n}", "buffer", t) for n, t in module.named_buffers()]
+    return read
 
 
 def _owner(root: nn.Module, name: str) -> tuple[nn.Module, str]:
@@ -387,7 +400,7 @@ def _ties(*modes: list[Piece]) -> list[tuple[str, ...]]:
     holders: dict[int, dict[int, str]] = {}
     for pieces in modes:
         for u, piece in enumerate(pieces):
-            for name, (kind, tensor) in piece.tensors.items():
+            for name, kind, tensor in _read(piece):
                 if kind == "parameter":
                     holders.setdefault(id(tensor), {}).setdefault(u, name)
     return [

@@ -35,6 +35,7 @@ _REMEDY = (
     "before the optimizer steps"
 )
 _FORWARD = ("_forward_pre_hooks", "_forward_hooks")
+_KIND_FORWARD = ("forward hook", "forward pre-hook")
 _MODULE_GRADIENT = ("_backward_pre_hooks", "_backward_hooks")
 _TENSOR = ("_backward_hooks", "_post_accumulate_grad_hooks")
 _GLOBAL = (
@@ -84,7 +85,7 @@ def refuse_gradient_hooks(model: nn.Module) -> None:
     """CaptureError naming the first hook the pipeline cannot run as the model does, other
     than forward hooks on modules (those are kept as calls: :func:`forward_hooked`)."""
     for (kind, where, _), fn in _hooks(model):
-        if _ours(fn) or (kind in ("forward hook", "forward pre-hook") and where != "the model"):
+        if _ours(fn) or (kind in _KIND_FORWARD and not where.startswith("the model (")):
             continue
         if kind.startswith("global"):
             why = "it acts on the Pipe and every unit, not on the model's modules"
