@@ -39,7 +39,7 @@ from gpipe.engine import batchnorm
 from gpipe.engine.runtime import StepInputs, StepResult
 from gpipe.engine.stage import LossSpec, check_batch, loss_specs
 from gpipe.errors import PartitionError, PipelineError
-from gpipe.frontend import CapturedModel, ModelNames, capture, origin_of
+from gpipe.frontend import ModelNames, Original, calls, capture, origin_of
 from gpipe.layout import Layout
 from gpipe.losses import NO_TOKEN, NOTHING_COUNTS, UNCOUNTED, declared, uncounted
 from gpipe.parallel.clipping import GradientWatch
@@ -163,9 +163,8 @@ class Pipe(ModelNames, nn.Module):
     ) -> None:
         super().__init__()
         self.group, self.timeout = group, seconds(timeout, "timeout")
-        # A captured model's units hold the model's tensors under "<unit>.<model's name>";
-        # the Pipe shows the model's names.
-        self._captured = isinstance(module, CapturedModel)
+        # A captured model's: the Pipe shows its names and order, follows its mode and hooks.
+        self._original = Original.of(module)
         self._ranks = pipeline_group(
             group, timeout=self.timeout, receive_ahead=receive_ahead, transport=transport
         )
@@ -376,11 +375,11 @@ class Pipe(ModelNames, nn.Module):
         """
         first = self._holds(0)
         inputs_mb = microbatch.split(inputs, self.chunks, name="inputs") if first else None
-        with torch.no_grad():
+        with calls.without_autograd():  # under torch.inference_mode() too
             result = self._run(inputs_mb, None, None, False)
         if not self._holds(self.num_stages - 1):
             return None
-        return microbatch.join([result.outputs[m] for m in range(self.chunks)])
+        return calls.joined([result.outputs[m] for m in range(self.chunks)], self.training)
 
     def _run(
         self,
@@ -391,6 +390,7 @@ class Pipe(ModelNames, nn.Module):
         scale: torch.Tensor | None = None,
         ignored: torch.Tensor | None = None,
     ) -> StepResult:
+        self._follow_model()  # a captured model's mode, and no hook added since capture
         if self._ranks.broken is not None:
             raise PipelineError(
                 f"this pipeline failed in an earlier step ({self._ranks.broken}); "

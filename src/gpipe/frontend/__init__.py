@@ -9,6 +9,7 @@ from gpipe.frontend.capture import capture, fit_devices, split_points
 from gpipe.frontend.cut import CaptureError
 from gpipe.frontend.files import Checkpoint, CheckpointError
 from gpipe.frontend.names import ModelNames
+from gpipe.frontend.original import Original
 from gpipe.frontend.report import LoadReport, WeightsError
 from gpipe.frontend.units import CapturedModel, Unit
 from gpipe.frontend.weights import Origin, materialize_units, on_meta, origin_of
@@ -20,6 +21,7 @@ __all__ = [
     "CheckpointError",
     "LoadReport",
     "ModelNames",
+    "Original",
     "Origin",
     "Unit",
     "WeightsError",

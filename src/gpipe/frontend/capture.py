@@ -4,8 +4,10 @@
 every other dimension dynamic where export can keep them so), once in ``train()`` and once in
 ``eval()`` mode, and cuts both graphs at the split modules (``gpipe.frontend.cut``). Batch norm
 layers are kept as calls of the original modules, so that ``eval()`` and deferred batch norm
-act on them as on the model. The result is a ``CapturedModel``: an ``nn.Sequential`` of units
-that ``Pipe`` trains like any other, its parameters the model's own tensors.
+act on them as on the model, and so are modules with forward hooks, so that their hooks run;
+gradient hooks are refused (``gpipe.frontend.hooks``). The result is a ``CapturedModel``: an
+``nn.Sequential`` of units that ``Pipe`` trains like any other, its parameters the model's own
+tensors.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils import _pytree as pytree
 
 from gpipe.frontend.cut import CaptureError, Piece, cut_graph, keep_as_calls
+from gpipe.frontend.hooks import forward_hooked, refuse_gradient_hooks
 from gpipe.frontend.units import CapturedModel, Unit
 
 __all__ = ["CaptureError", "capture", "fit_devices", "split_points"]
@@ -78,6 +81,8 @@ def capture(
     picks ``histc``'s dtype by device type), so a model on meta, or on a device of another
     type, is exported on fake tensors of ``device``: shapes only, no memory."""
     paths = split_points(model, split)
+    refuse_gradient_hooks(model)
+    hooked = forward_hooked(model, paths)
     path_leaves, _ = pytree.tree_flatten_with_path(example)
     constants = [
         f"{pytree.keystr(path)}={leaf!r}"
@@ -105,7 +110,8 @@ def capture(
         for name, m in model.named_modules()
         if isinstance(m, _BatchNorm) and type(m).forward is _BatchNorm.forward
     ]
-    was_training = model.training
+    kept += [name for name in hooked if name not in kept]
+    was_training = {m: m.training for m in model.modules()}  # each module's, kept as it is
     pieces: dict[bool, list[Piece]] = {}
     try:
         for mode in (True, False):
@@ -116,10 +122,11 @@ def capture(
             placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
             for node, spec in zip(placeholders, specs, strict=True):
                 node.meta["gpipe_attr"] = spec.kind != InputKind.USER_INPUT
-            keep_as_calls(gm, model, kept)
+            keep_as_calls(gm, model, kept, hooked)
             pieces[mode] = cut_graph(program, gm, model, paths)
     finally:
-        model.train(was_training)
+        for m, mode in was_training.items():
+            m.training = mode
     train, evaluate = pieces[True], pieces[False]
     if [p.name for p in train] != [p.name for p in evaluate]:
         raise CaptureError(
@@ -128,9 +135,9 @@ def capture(
         )
     _add_other_names(model, train, evaluate)
     _add_unused(model, paths, train, evaluate)
-    order: dict[str, int] = {}  # a tensor's or a module's place in the model's state dict
-    keys = [*model.state_dict(keep_vars=True), *(n for n, _ in model.named_buffers())]
-    for index, key in enumerate(keys):
+    positions = _positions(model)
+    order: dict[str, int] = {}  # a tensor's or a module's place in the model's order
+    for key, index in positions.items():
         parts = key.split(".")
         for end in range(1, len(parts) + 1):
             order.setdefault(".".join(parts[:end]), index)
@@ -139,8 +146,10 @@ def capture(
         for t, e in zip(train, evaluate, strict=True)
     ]
     captured = CapturedModel(*units, tied=_ties(train, evaluate), split=paths)
-    captured.source = source
-    captured.train(was_training)
+    captured.source, captured.order = source, positions
+    captured.train(model.training)
+    for m, mode in was_training.items():  # the kept modules are the model's: as they were
+        m.training = mode
     return captured
 
 
@@ -295,6 +304,16 @@ def _explain(model: nn.Module, error: Exception) -> str:
     )
 
 
+def _positions(model: nn.Module) -> dict[str, int]:
+    """Each tensor's place in the model's own order (a module's parameters, then its buffers,
+    module by module): that of ``named_parameters()``, ``named_buffers()``, ``state_dict()``."""
+    positions: dict[str, int] = {}
+    for path, module in model.named_modules(remove_duplicate=False):
+        for name in (*module._parameters, *module._buffers):
+            positions.setdefault(f"{path}.{name}" if path else name, len(positions))
+    return positions
+
+
 def _holder(pieces: list[Piece], order: dict[str, int]) -> nn.Module:
     """The unit's tensors and kept modules at their paths in the model, in the model's
     order (so that state dicts list them as the model's does)."""
@@ -335,19 +354,30 @@ def _add_other_names(model: nn.Module, *modes: list[Piece]) -> None:
 
 
 def _add_unused(model: nn.Module, paths: list[str], *modes: list[Piece]) -> None:
-    """Parameters and persistent buffers the forward never reads stay in the state dict:
-    in the unit of the split module that owns them, else in the first unit."""
-    held = {id(t) for pieces in modes for piece in pieces for _, t in piece.tensors.values()}
+    """Parameters and buffers the forward never reads stay the model's (in its state dict, or
+    its ``buffers()``): in the unit of the split module that owns them, else the first unit."""
+    held = {id(t) for pieces in modes for piece in pieces for _, _, t in _read(piece)}
     persistent = dict(model.state_dict(keep_vars=True))
     for name, t in [*model.named_parameters(), *model.named_buffers()]:
-        if id(t) in held or name not in persistent:
+        if id(t) in held:
             continue
         kind = "parameter" if isinstance(t, nn.Parameter) else "buffer"
+        kind = kind if name in persistent or kind == "parameter" else "constant"
         owner = [p for p in paths if name.startswith(p + ".")]
         index = [piece.name for piece in modes[0]].index(owner[0]) if owner else 0
         for pieces in modes:
             pieces[index].tensors[name] = (kind, t)
         held.add(id(t))
+
+
+def _read(piece: Piece) -> list[tuple[str, str, torch.Tensor]]:
+    """(name, kind, tensor) of what a unit reads: its tensors, and those of the modules it
+    keeps as calls (a batch norm's weight is the module's, not the graph's)."""
+    read = [(name, kind, t) for name, (kind, t) in piece.tensors.items()]
+    for path, module in piece.modules.items():
+        read += [(f"{path}.{n}", "parameter", t) for n, t in module.named_parameters()]
+        read += [(f"{path}.{n}", "buffer", t) for n, t in module.named_buffers()]
+    return read
 
 
 def _owner(root: nn.Module, name: str) -> tuple[nn.Module, str]:
@@ -370,7 +400,7 @@ def _ties(*modes: list[Piece]) -> list[tuple[str, ...]]:
     holders: dict[int, dict[int, str]] = {}
     for pieces in modes:
         for u, piece in enumerate(pieces):
-            for name, (kind, tensor) in piece.tensors.items():
+            for name, kind, tensor in _read(piece):
                 if kind == "parameter":
                     holders.setdefault(id(tensor), {}).setdefault(u, name)
     return [

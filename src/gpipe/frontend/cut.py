@@ -55,13 +55,26 @@ def _within(node: fx.Node, path: str) -> bool:
     return inner == path or inner.startswith(path + ".")
 
 
-def keep_as_calls(gm: fx.GraphModule, model: nn.Module, paths: Sequence[str]) -> None:
+def keep_as_calls(
+    gm: fx.GraphModule, model: nn.Module, paths: Sequence[str], hooked: dict[str, str]
+) -> None:
     """Replace each module's inlined operations by one call of the module itself (batch
-    norm: so that ``eval()`` and deferred batch norm act on it as on the original)."""
+    norm: so that ``eval()`` and deferred batch norm act on it as on the original; a module
+    with forward hooks: so that they run, ``hooked`` naming them for an error)."""
     graph = gm.graph
-    for path in paths:
+    outer: list[str] = []  # a module inside one kept already is in its call
+    for path in sorted(paths, key=lambda p: p.count(".") if p else -1):
+        if any(path.startswith(o + ".") for o in outer):
+            continue
+        outer.append(path)
         inside = [n for n in graph.nodes if n.op == "call_function" and _within(n, path)]
         if not inside:
+            if path in hooked:
+                raise CaptureError(
+                    f"{hooked[path]}: the module does no work of its own in the captured "
+                    f"{'train' if model.training else 'eval'} graph, so the hook would not run; "
+                    "register it on a module that computes"
+                )
             continue
         members = set(inside)
         sources = {
@@ -71,11 +84,13 @@ def keep_as_calls(gm: fx.GraphModule, model: nn.Module, paths: Sequence[str]) ->
             if a not in members and not (a.op == "placeholder" and a.meta.get("gpipe_attr"))
         }
         results = [n for n in inside if any(u not in members for u in n.users)]
-        if len(sources) != 1 or len(results) != 1:
+        if len(sources) != 1 or len(results) != 1 or len(_calls(inside, path)) > 1:
+            said = hooked.get(path, f"module {path} ({type(model.get_submodule(path)).__name__})")
             raise CaptureError(
-                f"module {path} ({type(model.get_submodule(path)).__name__}) takes "
-                f"{len(sources)} values and gives {len(results)} in the captured graph; "
-                "gpipe can keep it as one call only with one input and one output"
+                f"{said}: the module takes {len(sources)} values and gives {len(results)} in "
+                "the captured graph (or runs twice); gpipe keeps it as one call (to run its "
+                "hooks) only with one input and one output"
+                + ("; remove the hook, or register it on such a module" if path in hooked else "")
             )
         (source,), (result,) = sources, results
         with graph.inserting_before(inside[0]):
@@ -84,6 +99,17 @@ def keep_as_calls(gm: fx.GraphModule, model: nn.Module, paths: Sequence[str]) ->
         result.replace_all_uses_with(call)
         for n in reversed(inside):
             graph.erase_node(n)
+
+
+def _calls(nodes: list[fx.Node], path: str) -> set[str]:
+    """The distinct calls of module ``path`` that ``nodes`` ran in (export marks a second
+    call of a module ``path@1``)."""
+    return {
+        raw
+        for n in nodes
+        for raw, _ in (n.meta.get("nn_module_stack") or {}).values()
+        if ".".join(part.split("@")[0] for part in raw.split(".")) == path
+    }
 
 
 def cut_graph(

@@ -1,0 +1,55 @@
+"""``pipe(x)`` where a call of the model would be: inside ``torch.inference_mode()`` it gives
+the model's output, and a backward through it says to train with ``pipe.step``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+import gpipe
+from captured_models import CASES
+
+CASE = CASES["resnet"]  # batch norm: buffers that a train-mode call updates
+
+
+def pipe_of(model: nn.Module) -> gpipe.Pipe:
+    return gpipe.Pipe.from_model(model, CASE.example(), split=CASE.split, chunks=3)
+
+
+@pytest.mark.parametrize("first", [True, False])
+def test_a_call_under_inference_mode_gives_the_models_output(first):
+    model = CASE.build()
+    pipe = pipe_of(model)
+    x, y = CASE.batch()
+    if not first:
+        pipe.step(x, y, CASE.loss)
+    pipe.eval()
+    with torch.inference_mode():
+        out = pipe(x)
+        expected = model(x)
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
+    pipe.train()
+    pipe.step(x, y, CASE.loss)  # and training goes on
+
+
+def test_a_backward_through_a_call_points_to_step():
+    pipe = gpipe.Pipe(nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2)), chunks=2)
+    x = torch.randn(6, 4)
+    with pytest.raises(RuntimeError, match=r"pipe\(x\) runs the stages without autograd.*step"):
+        F.mse_loss(pipe(x), torch.zeros(6, 2)).backward()
+    with torch.no_grad():
+        assert not pipe(x).requires_grad
+    assert not pipe.eval()(x).requires_grad  # evaluation: a plain tensor
+
+
+def test_a_captured_models_output_structure_is_kept():
+    model = CASES["skips"].build()
+    pipe = gpipe.Pipe.from_model(model, CASES["skips"].example(), split=CASES["skips"].split)
+    x, _ = CASES["skips"].batch()
+    out = pipe(x)
+    with torch.no_grad():
+        torch.testing.assert_close(out, model(x), rtol=0, atol=1e-12)
+    with pytest.raises(RuntimeError, match=r"pipe\.step"):
+        out.sum().backward()
