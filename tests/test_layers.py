@@ -34,7 +34,7 @@ LAYERS = [
     ["frontend"],
     ["assembly"],
     ["pipe"],
-    ["planner"],
+    ["planner", "exactness"],
     ["train"],
     ["cli", "__main__"],
     ["__init__"],
