@@ -146,9 +146,10 @@ def _twins(model, seed: int) -> tuple[nn.Module, nn.Module]:
             _copy_tensor_hooks(model, twin)
         return made[0], made[1]
     made = []
-    for _ in range(2):
-        torch.manual_seed(seed)
-        made.append(model().double())
+    with rng.preserved(torch.device("cpu")):  # the caller's generator as it was
+        for _ in range(2):
+            torch.manual_seed(seed)
+            made.append(model().double())
     return made[0], made[1]
 
 
@@ -364,7 +365,7 @@ def _written_buffers(model: nn.Module, inputs: Any) -> list[str]:
     if not before:
         return []
     probe = copy.deepcopy(model)
-    with torch.no_grad():
+    with torch.no_grad(), rng.preserved(torch.device("cpu")):
         _call(probe, inputs)
     written = [n for n, b in probe.named_buffers() if not torch.equal(b, before[n])]
     if not written:
