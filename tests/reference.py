@@ -12,7 +12,7 @@ from gpipe.layout import even_balance  # noqa: F401 - re-exported for the tests
 
 
 def reference_step(
-    model: nn.Sequential,
+    model: nn.Module,
     x: torch.Tensor,
     y: torch.Tensor,
     loss_fn,
@@ -20,24 +20,45 @@ def reference_step(
     chunks: int,
     seed: int,
     reduction: str = "mean",
+    units: dict[int, nn.Module] | None = None,
 ) -> torch.Tensor:
     """One plain step by gradient accumulation over the same micro-batches.
 
     Each layer is seeded as documented in ``gpipe.rng``, so dropout masks match; the
     gradient of the mini-batch loss is accumulated into ``.grad`` as nanoGPT does.
+    ``units``: for a model that is not an ``nn.Sequential`` (``Pipe.from_model``), the
+    modules that begin each unit, by unit index: the generator is seeded as each starts.
     """
     total = torch.zeros((), dtype=torch.float64)
     xs, ys = torch.tensor_split(x, chunks), torch.tensor_split(y, chunks)
     for m, (x_m, y_m) in enumerate(zip(xs, ys, strict=True)):
-        h = x_m
-        for i, layer in enumerate(model):
-            with rng.seeded(rng.layer_seed(seed, i, m), x_m.device):
-                h = layer(h)
+        h = _seeded_forward(model, x_m, seed, m, units)
         weight = len(x_m) / len(x) if reduction == "mean" else 1.0
         loss = loss_fn(h, y_m) * weight
         loss.backward()
         total += loss.detach().double()
     return total
+
+
+def _seeded_forward(model, x_m, seed: int, m: int, units) -> torch.Tensor:
+    if units is None:
+        h = x_m
+        for i, layer in enumerate(model):
+            with rng.seeded(rng.layer_seed(seed, i, m), x_m.device):
+                h = layer(h)
+        return h
+    generator = rng.device_generator(x_m.device)
+
+    def seed_unit(index):
+        return lambda *_: generator.manual_seed(rng.layer_seed(seed, index, m)) and None
+
+    handles = [u.register_forward_pre_hook(seed_unit(i), prepend=True) for i, u in units.items()]
+    try:
+        with rng.preserved(x_m.device):
+            return model(x_m)
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def full_batch_step(model: nn.Module, x, y, loss_fn) -> torch.Tensor:

@@ -35,7 +35,7 @@ LAYERS = [
     ["frontend"],
     ["assembly"],
     ["pipe"],
-    ["planner"],
+    ["planner", "exactness"],
     ["train"],
     ["cli", "__main__"],
     ["__init__"],

@@ -22,6 +22,7 @@ from gpipe.engine.skip import pop, skippable, stash
 from gpipe.errors import NonFiniteError, PartitionError, PipelineError
 from gpipe.estimate.balance import balance_by_size, balance_by_time
 from gpipe.estimate.profile import profile
+from gpipe.exactness import check
 from gpipe.parallel.launch import launch
 from gpipe.pipe import Pipe
 from gpipe.planner import plan
@@ -36,6 +37,7 @@ __all__ = [
     "PipelineError",
     "balance_by_size",
     "balance_by_time",
+    "check",
     "cpu_allocator",
     "is_recomputing",
     "launch",

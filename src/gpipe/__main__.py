@@ -27,6 +27,7 @@ COMMANDS = {
     "train": ("gpipe.cli.train", "the main job: train through K processes, with checkpoints"),
     "export": ("gpipe.cli.export", "merge a checkpoint's shards into one plain state dict"),
     "checkpoints": ("gpipe.cli.checkpoints", "list a run's checkpoints and whether each is intact"),
+    "check": ("gpipe.cli.check", "is a pipelined step of your model its plain step? (float64)"),
 }
 # What a command raises for input it cannot take (not a failure of gpipe itself).
 BAD_INPUT = (ValueError, CheckpointError)
