@@ -7,6 +7,11 @@ side is ``gpipe.engine.autograd_path``. This module is the Pipe's side: micro-ba
 tied copies, deferred batch norm committed once per call (one mini-batch), and the refusal
 across processes, where a graph cannot span the ranks and ``Pipe.step`` is the way.
 
+The order is GPipe's whatever the Pipe's ``schedule`` (all forwards now, all backwards in the
+caller's ``backward()``), and a re-materialized micro-batch recomputes a whole stage at a time
+(``checkpoint_layers`` is ``Pipe.step``'s): for 1F1B's or zero bubble's memory, use
+``Pipe.step``.
+
 Example::
 
     pipe = gpipe.Pipe(model, balance=[2, 2], devices=["cuda:0", "cuda:1"], chunks=4)
