@@ -14,7 +14,6 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 import gpipe
 from gpipe import microbatch, rng
-from gpipe.engine import autograd_path
 from gpipe.models import convnet, unet
 from reference import relative_error, running_stats_of_unsplit_batch
 
@@ -209,27 +208,26 @@ def test_a_layer_writing_its_input_gets_a_copy():
     assert worst(pipe, model) <= 1e-10
 
 
-def test_a_stand_in_sums_a_copys_gradient_into_its_source():
-    """What a tied tensor's copy on another device does (gpipe.through_output): the stage
-    reads the reference moved to its device, so autograd adds its use to the reference."""
+@pytest.mark.parametrize("checkpoint", REMAT)
+def test_a_tied_copy_on_another_device_adds_its_gradient_to_the_reference(checkpoint):
+    """Stages on two devices hold two copies of a tied tensor (gpipe.parallel.tied); here the
+    second copy is made by hand, as on another device. The stage reads the reference moved to
+    its device in the copy's place, so autograd sums both uses into the reference."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4)).double()
     model[2].weight = model[0].weight  # one tensor, used twice
     pipe = gpipe.Pipe(
         copy.deepcopy(model), balance=[2, 1], devices=["cpu", "cpu"], chunks=2,
-        tied=[("0.weight", "2.weight")],
+        checkpoint=checkpoint, tied=[("0.weight", "2.weight")],
     )  # fmt: skip
-    first, last = pipe.stages[0].layers[0], pipe.stages[1].layers[0]
-    last.weight = nn.Parameter(first.weight.detach().clone())  # as a copy on another device
+    tie = pipe._tied.ties[0]
+    tie.copies[1] = pipe.stages[1].layers[0].weight = nn.Parameter(torch.zeros(4, 4).double())
+    assert pipe._tied.extra_copies() == {id(tie.copies[1])}
     x = torch.randn(6, 4, dtype=torch.float64)
-    outputs = autograd_path.forward(
-        pipe.stages, microbatch.split(x, 2), seed=0, remat=[True, False],
-        stand_ins={1: [(last, "weight", first.weight)]},
-    )  # fmt: skip
-    microbatch.join(outputs).pow(2).sum().backward()
-    assert last.weight.grad is None  # its uses went to the reference
+    pipe(x).pow(2).sum().backward()
+    assert tie.copies[1].grad is None  # its uses went to the reference
     model(x).pow(2).sum().backward()
-    assert (first.weight.grad - model[0].weight.grad).abs().max() <= 1e-10
+    assert worst(pipe, model) <= 1e-10
 
 
 def test_a_captured_model_trains_through_its_output():
