@@ -19,7 +19,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from gpipe import allocator, assembly, microbatch, remat
+from gpipe import allocator, assembly, microbatch, remat, through_output
 from gpipe._utils import (
     DeviceLike,
     Verdict,
@@ -368,11 +368,15 @@ class Pipe(ModelNames, nn.Module):
         return result.loss
 
     def forward(self, inputs: Any) -> Any:
-        """Pipelined inference (no gradients): outputs joined on the last stage's device.
+        """Outputs joined on the last stage's device. In training mode with autograd on (one
+        process), connected to autograd: ``loss(pipe(x)).backward()`` trains
+        (``gpipe.through_output``); else pipelined inference, without gradients.
 
         Multi-process: every rank calls it; the rank of the last stage gets the output,
         the others ``None``.
         """
+        if self.training and torch.is_grad_enabled():
+            return through_output.forward(self, inputs)
         first = self._holds(0)
         inputs_mb = microbatch.split(inputs, self.chunks, name="inputs") if first else None
         with calls.without_autograd():  # under torch.inference_mode() too
