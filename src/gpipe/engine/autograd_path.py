@@ -29,6 +29,7 @@ autograd sums every use into the reference's gradient, as the un-split model's o
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager, nullcontext
 from typing import Any
@@ -160,7 +161,7 @@ def _fresh(saved: SavedState | None) -> SavedState | None:
         if id(tensor) not in clones:
             clones[id(tensor)] = tensor.clone()
     values = {slot: clones[id(tensor)] for slot, tensor in saved.values.items()}
-    return SavedState(values, saved.layers)
+    return dataclasses.replace(saved, values=values)  # generators' states are only read
 
 
 @contextmanager
