@@ -265,8 +265,9 @@ def place(
         )
     if stages[-1].is_last:  # what its loss must not read (gpipe.engine.loss_reads)
         as_placed = dict(placed_layers)
+        named = CapturedModel.original_name if isinstance(model, CapturedModel) else str
         stages[-1].foreign = ForeignParameters(
-            (f"{name}.{key}", p)
+            (named(f"{name}.{key}"), p)
             for layers in stage_layers[:-1]
             for name, layer in layers
             for key, p in as_placed.get(name, layer).named_parameters()

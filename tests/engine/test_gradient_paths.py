@@ -99,3 +99,12 @@ def test_two_processes_equal_the_plain_model():
         assert set(ours) == set(theirs), case
         worst, where = worst_error(ours, theirs)
         assert worst <= 1e-10, f"{case}: worst gradient error {worst:.3g} at {where}"
+
+
+def test_a_captured_models_parameter_in_the_loss_is_refused_by_the_models_name():
+    model = model_of("plain")
+    pipe = gpipe.Pipe.from_model(
+        model, batch(0)[0], split=["2", "4"], balance=[2, 2], chunks=2, schedule="zb-h1"
+    )
+    with pytest.raises(RuntimeError, match=r"loss_fn reads 2\.weight, which the last stage \(1\)"):
+        pipe.step(*batch(0), regularized(model))
