@@ -97,3 +97,51 @@ def test_sizes_export_found_equal_must_stay_equal():
         r"input 0 \(positional\) \(6 here\)",
     ):
         pipe.step((x, torch.ones(6, 1, dtype=torch.float64)), target, F.mse_loss)
+
+
+class Chunked(nn.Module):
+    """A state-space mixer's chunking (Bamba, Falcon-H1, Granite-4 hybrids): the length padded
+    to a multiple of the chunk, and a path for one chunk. Export keeps that path under a guard
+    that is no range of the length (its range stays [2, oo))."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
+
+    def forward(self, x, mask):  # x (batch, length, 4)
+        for block in self.blocks:
+            x = torch.tanh(block(x * mask[..., None]))
+        pad = (4 - x.shape[1] % 4) % 4
+        chunks = F.pad(x, (0, 0, 0, pad)).reshape(x.shape[0], -1, 4, 4)  # (b, chunks, 4, 4)
+        if chunks.shape[1] == 1:
+            return chunks.sum((1, 2))
+        return chunks.mean((1, 2)) * 3
+
+
+def test_an_assumption_that_is_no_range_is_refused_up_front():
+    """Before, two chunks ran the one-chunk path silently (Bamba's mixer, captured at 8 tokens,
+    failed inside the graph at 24: 'The expanded size of the tensor (2) must match ...')."""
+    torch.manual_seed(0)
+    model = Chunked().double()
+    pipe = _pipe(model, 3)
+    for length in (3, 4):  # one chunk, as captured
+        (x, mask), _ = _batch(length)
+        target = torch.randn(6, 4, dtype=torch.float64)
+        pipe.zero_grad()
+        pipe.step((x, mask), target, F.mse_loss)
+        plain = copy.deepcopy(model)
+        for m in range(2):
+            piece = slice(3 * m, 3 * m + 3)
+            F.mse_loss(plain(x[piece], mask[piece]), target[piece]).div(2).backward()
+        ours = dict(pipe.named_parameters())
+        for name, p in plain.named_parameters():
+            torch.testing.assert_close(ours[name].grad, p.grad, rtol=1e-10, atol=1e-12)
+    (x, mask), _ = _batch(5)
+    said = (
+        r"input 0 \(positional\) dimension 1 = 5: the model was captured assuming "
+        r"\(\(inputs\[0\]\.shape\[1\] .* // 4\) == 1 .*Capture again with an example"
+    )
+    with pytest.raises(ValueError, match=said):
+        pipe.step((x, mask), torch.randn(6, 4, dtype=torch.float64), F.mse_loss)
+    with pytest.raises(ValueError, match=said):
+        pipe((x, mask))

@@ -2,7 +2,10 @@
 
 ``gpipe.frontend.capture`` turns a model (a Hugging Face or torchvision network, anything
 ``torch.export`` can capture) into a ``CapturedModel``, the ``nn.Sequential`` of units that
-``Pipe`` takes; ``Pipe.from_model`` does both in one call.
+``Pipe`` takes; ``Pipe.from_model`` does both in one call. The Pipe keeps the model's
+behaviour: its forward hooks run (gradient hooks are refused, ``gpipe.frontend.hooks``), it
+follows the model's ``train()``/``eval()`` and lists its tensors in the model's order
+(``gpipe.frontend.original``).
 """
 
 from gpipe.frontend.capture import capture, fit_devices, split_points

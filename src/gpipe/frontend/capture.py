@@ -123,7 +123,7 @@ def capture(
             for node, spec in zip(placeholders, specs, strict=True):
                 node.meta["gpipe_attr"] = spec.kind != InputKind.USER_INPUT
             keep_as_calls(gm, model, kept, hooked)
-            pieces[mode] = cut_graph(program, gm, model, paths)
+            pieces[mode] = cut_graph(program, gm, model, paths, _sources(model, args, kwargs))
     finally:
         for m, mode in was_training.items():
             m.training = mode
@@ -218,6 +218,14 @@ def _check_present(device: torch.device) -> None:
 def _needs_fakes(model: nn.Module, target: torch.device) -> bool:
     tensors = [*model.parameters(), *model.buffers()]
     return any(t.is_meta or t.device.type != target.type for t in tensors)
+
+
+def _sources(model: nn.Module, args: tuple, kwargs: dict) -> list[str]:
+    """Export's name of each input, in the order of the flat inputs: ``L['input_ids']``."""
+    bound = inspect.signature(model.forward).bind(*args, **kwargs).arguments
+    paths, _ = pytree.tree_flatten_with_path(dict(bound))
+    names = {id(leaf): "L" + pytree.keystr(path) for path, leaf in paths}
+    return [names.get(id(leaf), "") for leaf in pytree.tree_leaves((args, kwargs))]
 
 
 def _export(model: nn.Module, args: tuple, kwargs: dict, dynamic: bool, fake: torch.device | None):

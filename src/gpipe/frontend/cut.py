@@ -117,8 +117,10 @@ def cut_graph(
     gm: fx.GraphModule,
     model: nn.Module,
     split: Sequence[str],
+    sources: Sequence[str] = (),
 ) -> list[Piece]:
-    """The units of ``gm`` (``ep``'s graph, maybe with modules kept as calls)."""
+    """The units of ``gm`` (``ep``'s graph, maybe with modules kept as calls); ``sources``:
+    export's name of each input (``L['input_ids']``), for its guards."""
     signature = ep.graph_signature
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     specs = dict(zip(placeholders, signature.input_specs, strict=True))
@@ -207,7 +209,8 @@ def cut_graph(
             piece.graph.int_outputs = _int_slots(live[u + 1])
         if u == 0:
             piece.graph.in_spec = ep.call_spec.in_spec
-            piece.graph.shapes = InputShapes.of(inputs, ep.range_constraints)
+            guards = getattr(ep, "_guards_code", None) or ()
+            piece.graph.shapes = InputShapes.of(inputs, ep.range_constraints, guards, sources)
         else:
             piece.graph.int_inputs = _int_slots(carried_in)
         g.lint()

@@ -78,7 +78,9 @@ class ModelNames:
             yield from super().named_buffers(prefix, recurse, remove_duplicate)
             return
         every = super().named_buffers(prefix, recurse, remove_duplicate=False)
-        yield from self._in_model_order(every, prefix, remove_duplicate)
+        for name, b in self._in_model_order(every, prefix, remove_duplicate):
+            if not name[len(prefix) :].startswith("_constants."):  # export's, not the model's
+                yield name, b
 
     def state_dict(self, *, destination=None, prefix: str = "", keep_vars: bool = False):
         if not self._captured:

@@ -8,11 +8,19 @@ never captured), so the first unit checks its inputs against :class:`InputShapes
 call (a few integer comparisons per micro-batch): every fixed size, every range, and equal sizes
 where export found them equal (one symbol). As in ``torch.export``'s own check, a size of 0 or 1
 passes a range whose lower end is 2 (export assumes sizes >= 2 only to avoid specializing).
+
+Some assumptions are no range: a state-space mixer that pads the length to a multiple of its
+chunk and was captured with one chunk assumed ``(length + pad) // chunk == 1``, and a longer
+input would fail deep inside the graph (or, worse, not fail). Export keeps every such guard as
+Python over the inputs' sizes (``ExportedProgram._guards_code``); they are compiled once into
+one function of the flat inputs and checked too, the verdict cached per shape.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+import re
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +31,7 @@ from torch.utils import _pytree as pytree
 __all__ = ["InputShapes"]
 
 _INFINITE = 2**62  # int_oo and friends, as an int
+_SIZE = re.compile(r"T\[(\d+)\]\.size\(\)\[(\d+)\]")
 
 
 @dataclass(frozen=True)
@@ -38,12 +47,22 @@ class _Dim:
 class InputShapes:
     """What a graph assumed of each dimension of its inputs (see the module doc)."""
 
-    def __init__(self, dims: Sequence[_Dim] = ()) -> None:
+    def __init__(self, dims: Sequence[_Dim] = (), guards: Sequence[str] = ()) -> None:
         self.dims = list(dims)
+        self.guards = list(guards)  # Python over ``T``, the flat inputs
+        self._first_broken: Callable[[list], int | None] | None = None
+        self._verdicts: dict[tuple, int | None] = {}  # the inputs' shapes -> a broken guard
 
     @classmethod
-    def of(cls, inputs: Sequence[fx.Node], ranges: dict[Any, Any]) -> InputShapes:
-        """From the exported graph's input placeholders and its ``range_constraints``."""
+    def of(
+        cls,
+        inputs: Sequence[fx.Node],
+        ranges: dict[Any, Any],
+        guards: Sequence[str] = (),
+        sources: Sequence[str] = (),
+    ) -> InputShapes:
+        """From the exported graph's input placeholders, its ``range_constraints`` and its
+        ``guards`` (export's code over ``sources``: ``L['input_ids']``, one per input)."""
         bounds = {
             str(symbol): (_int(r.lower, 0), _int(r.upper, _INFINITE))
             for symbol, r in ranges.items()
@@ -62,7 +81,14 @@ class InputShapes:
                 if expr.is_Symbol:  # a derived size (2 * s0) is checked through s0's dims
                     low, high = bounds.get(str(expr), (0, _INFINITE))
                     dims.append(_Dim(i, d, None, str(expr), low, high))
-        return cls(dims)
+        named = sorted(((i, s) for i, s in enumerate(sources) if s), key=lambda n: -len(n[1]))
+        ours = []
+        for guard in guards:
+            for i, source in named:
+                guard = guard.replace(source, f"T[{i}]")
+            if "L[" not in guard:  # every input it reads is one of ours
+                ours.append(guard)
+        return cls(dims, ours)
 
     def check(self, flat: Sequence[Any], in_spec: Any) -> None:
         """Raise ``ValueError`` (the input, the dimension, what was assumed, the remedy) for
@@ -86,6 +112,42 @@ class InputShapes:
                 name = _name(other.input, in_spec)
                 said = f"equal to dimension {other.dim} of {name} ({first[0]} here)"
                 self._refuse(d, got, said, in_spec)
+        if self.guards:
+            self._check_guards(flat, in_spec)
+
+    def _check_guards(self, flat: Sequence[Any], in_spec: Any) -> None:
+        key = tuple(tuple(t.shape) if isinstance(t, torch.Tensor) else t for t in flat)
+        if key not in self._verdicts:
+            if self._first_broken is None:
+                code = "".join(
+                    f"    if not ({g}):\n        return {i}\n" for i, g in enumerate(self.guards)
+                )
+                namespace: dict[str, Any] = {"math": math, "max": max, "min": min}
+                exec(
+                    compile(f"def first_broken(T):\n{code}    return None\n", "<guards>", "exec"),
+                    namespace,
+                )
+                self._first_broken = namespace["first_broken"]
+            if len(self._verdicts) > 256:  # shapes that change every step: bounded
+                self._verdicts.clear()
+            self._verdicts[key] = self._first_broken(list(flat))
+        broken = self._verdicts[key]
+        if broken is not None:
+            guard = self.guards[broken]
+            sizes = sorted({(int(i), int(d)) for i, d in _SIZE.findall(guard)})
+            where = ", ".join(
+                f"{_name(i, in_spec)} dimension {d} = {flat[i].shape[d]}" for i, d in sizes
+            )
+            readable = _SIZE.sub(
+                lambda m: f"{_short(int(m.group(1)), in_spec)}.shape[{m.group(2)}]", guard
+            )
+            readable = readable if len(readable) <= 160 else readable[:157] + "..."
+            raise ValueError(
+                f"{where or 'the inputs'}: the model was captured assuming {readable} (its "
+                "forward branched on these sizes; export kept that branch), which these inputs "
+                "break, so the graph would not compute what the model does. Capture again with "
+                "an example of these sizes, or pad the inputs to sizes the capture allows"
+            )
 
     @staticmethod
     def _refuse(d: _Dim, got: int, assumed: str, in_spec: Any) -> None:
@@ -103,6 +165,14 @@ def _int(bound: Any, unbounded: int) -> int:
         return int(bound)
     except (TypeError, ValueError, AttributeError):  # int_oo, -int_oo, oo
         return unbounded
+
+
+def _short(index: int, in_spec: Any) -> str:
+    """``input_ids`` for a keyword input, ``inputs[0]`` for a positional one."""
+    name = _name(index, in_spec)
+    if name.startswith("input '"):
+        return name[len("input '") : -1]
+    return f"inputs[{name.split()[1]}]" if name.endswith("(positional)") else name
 
 
 def _name(index: int, in_spec: Any) -> str:
