@@ -375,6 +375,7 @@ class Pipe(ModelNames, nn.Module):
         Multi-process: every rank calls it; the rank of the last stage gets the output,
         the others ``None``.
         """
+        self._follow_model()  # a captured model's mode, and no hook added since capture
         if self.training and torch.is_grad_enabled():
             return through_output.forward(self, inputs)
         first = self._holds(0)
@@ -383,7 +384,7 @@ class Pipe(ModelNames, nn.Module):
             result = self._run(inputs_mb, None, None, False)
         if not self._holds(self.num_stages - 1):
             return None
-        return calls.joined([result.outputs[m] for m in range(self.chunks)], self.training)
+        return microbatch.join([result.outputs[m] for m in range(self.chunks)])
 
     def _run(
         self,
