@@ -11,6 +11,7 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -306,6 +307,7 @@ def main() -> None:
         rows += rows_restart(work)
     if args.only not in ("store", "restart"):
         rows += rows_stops(work, args.only)
+    shutil.rmtree(work, ignore_errors=True)
     for name, promise, worst, wall, outcome, left, held in rows:
         print(f"| {name} | {promise} | {worst:.2f} | {wall:.2f} | {outcome} | {left} | {held} |",
               flush=True)  # fmt: skip
