@@ -30,7 +30,7 @@ from fault_cases import carries_on, faulty_in  # noqa: E402
 from fault_checkpoints import rows_checkpoints  # noqa: E402
 from fault_inputs import rows_inputs  # noqa: E402
 from fault_security import SECTION, rows_security  # noqa: E402
-from fault_stops import rows_one_process  # noqa: E402
+from fault_stops import STORE_NOTE, rows_one_process  # noqa: E402
 
 from distributed_cases import (  # noqa: E402
     data_parallel_fault,
@@ -640,9 +640,12 @@ def main() -> None:
             '"Every rank raised": library cases, the slowest rank\'s time from the start '
             "of the failing step to its exception; command-line cases, from the signal (or the "
             "resume command) until the job had exited. Processes left: the job's processes "
-            "still alive afterwards. A stalled rank sleeps for the timeout + 3 s; its own time "
+            "still alive afterwards. A stalled rank sleeps for the timeout + 3 s (one that hangs "
+            "in a forward: twice the timeout and the grace, + 1 s); its own time "
             "counts from when it wakes. Refusals of bad options: the whole command, Python's "
-            "start-up included. Not covered yet: these cases on NCCL (no GPU here), a machine "
+            "start-up included. "
+            + STORE_NOTE
+            + "Not covered yet: these cases on NCCL (no GPU here), a machine "
             "that drops off the network (rather than a process), a stall before the "
             "tied-weight exchange (it waits through the same bounded path as the data-parallel "
             "all-reduce and clip_grad_norm_), and kill -9 of a single rank of `gpipe train` "

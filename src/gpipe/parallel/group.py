@@ -471,8 +471,7 @@ class MultiProcess:
         # up (and says so) instead of waiting for that rank again in the agreement.
         gave_up = waited_out(me, timeout=self.timeout)
         self.transport.announce_failure(
-            {"rank": origin, "global_rank": culprit, "message": message}
-            | ({"gave_up": True} if gave_up else {})
+            {"rank": origin, "global_rank": culprit, "message": message, "gave_up": gave_up}
         )
         if gave_up:
             return

@@ -28,8 +28,8 @@ process fails, the others are given ``grace`` seconds to notice and raise their 
 SIGKILL, those stopped: SIGSTOP, a debugger): no process outlives :func:`launch`. The
 error raised names each failed rank and its message. SIGTERM to the launcher stops it as
 Ctrl-C does (exit code 143), and a launcher killed outright takes its processes with it at
-once (each watches its launcher through a Linux pidfd, or asks the
-kernel for a signal when its parent dies: :func:`die_with`).
+once (each watches its launcher through a Linux pidfd, or asks the kernel for a signal when
+its parent dies: :func:`die_with`).
 
 On Linux the processes are forked from a server that imported torch and gpipe once
 (multiprocessing's "forkserver"): a rank starts in a fraction of a second, not the seconds
