@@ -341,15 +341,11 @@ class MultiProcess:
         self.steps += 1
         doing = f"starting step {self.steps} of this Pipe"
         operation = "the step-seed broadcast"
-        transport = self.transport
-        if transport is not None and transport.carries_step_rows:
-            # Rank 0's row goes ahead of its first message: no rank waits for the others to
-            # come to the step (one that does not is named by whoever waits on it first).
-            values = self._collective(
-                lambda: self._on_wire(lambda: transport.broadcast_row(values), operation, doing)
-            )
-        else:
-            values = self._collective(lambda: self.ops.broadcast(values, operation, doing=doing))
+        # Rank 0's row goes ahead of its first message: no rank waits for the others to come
+        # to the step (one that does not is named by whoever waits on it first).
+        values = self._collective(
+            lambda: self._on_wire(lambda: self.transport.broadcast_row(values), operation, doing)
+        )
         first_batch = int(values[1])
         return int(values[0]), (None if first_batch < 0 else first_batch)
 
@@ -381,14 +377,11 @@ class MultiProcess:
                            dtype=torch.float64)  # fmt: skip
         doing = f"ending step {self.steps} of this Pipe"
         operation = "the end-of-step agreement (all-gather)"
-        transport = self.transport
-        if transport is None or not transport.carries_step_rows:
-            return self.ops.all_gather(row, operation, doing=doing)
-        return self._on_wire(lambda: transport.all_gather_row(row), operation, doing)
+        return self._on_wire(lambda: self.transport.all_gather_row(row), operation, doing)
 
     def _on_wire(self, run: Callable[[], T], operation: str, doing: str) -> T:
-        """``run()``: a row of the step through the transport's own wire (one machine:
-        ``gpipe.transport.sockets``), its failures named as the group's collective's would be."""
+        """``run()``: a row of the step through the transport's own wire, its failures named
+        as the group's collective's would be."""
         try:
             return run()
         except (TimeoutError, ConnectionError) as error:
@@ -410,11 +403,11 @@ class MultiProcess:
         ``refuse_nonfinite`` is False), or a per-stage clip of the last step's gradients
         (every rank's ``edit``), refuses the step on every rank."""
         value = loss_value if loss_value is not None else 0.0
-        # Through the transport, the rows themselves say who failed (a failed rank sends
-        # its row after its notice): a notice raised first would leave this rank's row out.
+        # The rows themselves say who failed (a failed rank sends its row after its
+        # notice): a notice raised first would leave this rank's row out.
         rows = self._collective(
             lambda: self._gather(value, -1, troubled=trouble is not None, edit=edit),
-            notices=self.transport is None or not self.transport.carries_step_rows,
+            notices=False,
         )
         table = rows.tolist()  # one read of the agreement
         if any(row[1] for row in table):
