@@ -345,15 +345,11 @@ class MultiProcess:
         self.steps += 1
         doing = f"starting step {self.steps} of this Pipe"
         operation = "the step-seed broadcast"
-        transport = self.transport
-        if transport is not None and transport.carries_step_rows:
-            # Rank 0's row goes ahead of its first message: no rank waits for the others to
-            # come to the step (one that does not is named by whoever waits on it first).
-            values = self._collective(
-                lambda: self._on_wire(lambda: transport.broadcast_row(values), operation, doing)
-            )
-        else:
-            values = self._collective(lambda: self.ops.broadcast(values, operation, doing=doing))
+        # Rank 0's row goes ahead of its first message: no rank waits for the others to come
+        # to the step (one that does not is named by whoever waits on it first).
+        values = self._collective(
+            lambda: self._on_wire(lambda: self.transport.broadcast_row(values), operation, doing)
+        )
         first_batch = int(values[1])
         return int(values[0]), (None if first_batch < 0 else first_batch)
 
@@ -381,18 +377,12 @@ class MultiProcess:
         pipeline rank."""
         row = torch.tensor([value, failed + 1, troubled], dtype=torch.float64)
         doing = f"ending step {self.steps} of this Pipe"
-        return self._gather_row(row, "the end-of-step agreement (all-gather)", doing)
-
-    def _gather_row(self, row: torch.Tensor, operation: str, doing: str) -> torch.Tensor:
-        """Every rank's ``row`` (float64, one length on every rank), one per pipeline rank."""
-        transport = self.transport
-        if transport is None or not transport.carries_step_rows:
-            return self.ops.all_gather(row, operation, doing=doing)
-        return self._on_wire(lambda: transport.all_gather_row(row), operation, doing)
+        operation = "the end-of-step agreement (all-gather)"
+        return self._on_wire(lambda: self.transport.all_gather_row(row), operation, doing)
 
     def _on_wire(self, run: Callable[[], T], operation: str, doing: str) -> T:
-        """``run()``: a row of the step through the transport's own wire (one machine:
-        ``gpipe.transport.sockets``), its failures named as the group's collective's would be."""
+        """``run()``: a row of the step through the transport's own wire, its failures named
+        as the group's collective's would be."""
         try:
             return run()
         except (TimeoutError, ConnectionError) as error:
@@ -414,11 +404,11 @@ class MultiProcess:
         a failure or a non-finite loss or gradient (``trouble``) anywhere (unless
         ``refuse_nonfinite`` is False) refuses the step on every rank."""
         value = loss_value if loss_value is not None else 0.0
-        # Through the transport, the rows themselves say who failed (a failed rank sends
-        # its row after its notice): a notice raised first would leave this rank's row out.
+        # The rows themselves say who failed (a failed rank sends its row after its
+        # notice): a notice raised first would leave this rank's row out.
         rows = self._collective(
             lambda: self._gather(value, -1, troubled=trouble is not None),
-            notices=self.transport is None or not self.transport.carries_step_rows,
+            notices=False,
         )
         table = rows.tolist()  # one read of the agreement
         if any(row[1] for row in table):
@@ -438,7 +428,10 @@ class MultiProcess:
         row each); a per-stage clip raises on every rank before any weight changes."""
         doing = f"checking the gradients of step {self.steps} before the optimizer step"
         row = torch.tensor(edit.row(), dtype=torch.float64)
-        rows = self._collective(lambda: self._gather_row(row, "the clip check (all-gather)", doing))
+        # A collective, not the transport's rows: those are posted ahead for the next step's
+        # agreement, which this row (between two steps, of another length) must not take.
+        operation = "the clip check (all-gather)"
+        rows = self._collective(lambda: self.ops.all_gather(row, operation, doing=doing))
         check_edits(rows, describe=lambda rank: f"rank {rank}")
 
     def fail(self, error: BaseException, stages: list[Stage]) -> None:

@@ -28,14 +28,11 @@ from gpipe.transport.framing import (
     tensors,
 )
 from gpipe.transport.peers import PeerTransport
+from gpipe.transport.rows import _AGREEMENT, _NOTICE_TAG, RowsOverP2P
 from gpipe.transport.sender import Outbox
 
 __all__ = ["DistributedTransport"]
 
-# A failure notice: one fixed-size frame per peer, on a tag no message of a step uses and
-# no other transport of this process uses (the n-th transport built on a group takes the
-# n-th tag, the same on every rank since every rank builds its pipelines in the same order).
-_NOTICE_TAG = 1 << 30
 _NOTICE_BYTES = 4096
 _transports_built: dict[tuple[int, ...], int] = {}
 
@@ -54,7 +51,7 @@ class _Posted:
     works: list[Any] = field(default_factory=list)  # receives of the tensors, when separate
 
 
-class DistributedTransport(PeerTransport):
+class DistributedTransport(RowsOverP2P, PeerTransport):
     """Point-to-point transport between processes through ``torch.distributed``.
 
     Every message to another rank is framed as an ``int64`` header (``framing.HEADER``), the
@@ -72,11 +69,10 @@ class DistributedTransport(PeerTransport):
     When receives are posted depends on the backend:
 
     * gloo (``receive_ahead``, the default for gloo): the next message from each peer is always
-      posted, and the one after it too while the rank waits, so a message lands while
-      the rank computes and posting costs no time on the critical path. When
-      the message is *stable* (same description the last two times, as when training at
-      a fixed shape) header and tensors travel packed in one buffer, which the receiver
-      posts ahead at the size of last time and reads its tensors from without copying;
+      posted, so a message lands while the rank computes and posting costs no time on the
+      critical path. When the message is *stable* (same description the last two times, as
+      when training at a fixed shape) header and tensors travel packed in one buffer, which
+      the receiver posts ahead at the size of last time and reads its tensors from without copying;
       otherwise only its header is posted and the rest follows. If a stable message
       changes after all, the sender fills the posted buffer with the header alone, then
       sends the description and real tensors: a rare extra transfer instead of a guess
@@ -134,8 +130,10 @@ class DistributedTransport(PeerTransport):
         self._pending: dict[int, deque[_Posted]] = {}  # posted, from each peer, in order
         self._arriving: dict[Message, _Posted] = {}  # header in, tensors not yet waited for
         members = tuple(dist.get_process_group_ranks(group))
-        self._notice_tag = _NOTICE_TAG + _transports_built.get(members, 0)
-        _transports_built[members] = self._notice_tag - _NOTICE_TAG + 1
+        built = _transports_built.get(members, 0)
+        _transports_built[members] = built + 1
+        self._notice_tag = _NOTICE_TAG + 4 * built  # then its seed's and agreement's
+        self._init_rows()
         self._outbox = Outbox(timeout)
         self._posted: dict[int, int] = {}  # from each peer: messages of the step fully posted
 
@@ -150,6 +148,7 @@ class DistributedTransport(PeerTransport):
         self._sent = dict.fromkeys(self._outgoing, 0)
         self._pending = {src: deque() for src in self._incoming}
         self._arriving.clear()
+        self._row_sent = False
         for src in self._incoming:
             self._post_next(src)  # raises PipelineError if src left
         self._listen_for_notices()
@@ -224,14 +223,17 @@ class DistributedTransport(PeerTransport):
             frames.append(bytes_tensor(meta, self._meta_device))
         return frames + payload
 
-    def _post(self, dst: int, frames: list[torch.Tensor], group: Any, tag: int) -> None:
+    def _post(
+        self, dst: int, frames: list[torch.Tensor], group: Any, tag: int, at: int | None = None
+    ) -> None:
+        """Send ``frames``; ``at``: its position in the outbox (its tag unless given)."""
         if not frames:
             return
         try:
             works = self._p2p([(self._dist.isend, t, group) for t in frames], dst, tag)
         except RuntimeError as error:  # gloo: "Connection closed by peer"
             raise self._left(error, dst, "send to") from error
-        self._outbox.add(dst, tag, works, frames)
+        self._outbox.add(dst, tag if at is None else at, works, frames)
 
     def _p2p(self, ops: list[tuple[Callable, torch.Tensor, Any]], peer: int, tag: int) -> list:
         """Post sends or receives (``dist.isend``/``dist.irecv``, tensor, group) with group
@@ -253,7 +255,6 @@ class DistributedTransport(PeerTransport):
         if message in self._mailbox:
             return self._mailbox.pop(message)
         src = self.schedule.stage_to_rank[self.routes.sender(message)]
-        self._post_while_waiting(src)
         # With receives ahead its header may still be on the way; under NCCL's plan it has
         # come in at prepare(), before this action.
         self._take_headers(src, until=message)
@@ -277,17 +278,6 @@ class DistributedTransport(PeerTransport):
             posted.header = torch.empty(HEADER, dtype=torch.int64, device=self._meta_device)
             (posted.header_work,) = self._irecv([(posted.header, self._meta_group)], src, position)
         self._pending[src].append(posted)
-
-    def _post_while_waiting(self, src: int) -> None:
-        """Gloo: if the next message from ``src`` is not in yet, post the one after it now.
-
-        Posting costs a little time; spent while the rank would wait anyway, it is off the
-        critical path. Tags keep the frames of the two messages apart.
-        """
-        pending = self._pending.get(src)
-        waiting = bool(pending) and not pending[0].header_work.is_completed()
-        if self.receive_ahead and waiting and len(pending) == 1:
-            self._post_next(src)
 
     def _take_headers(self, src: int, *, until: Message) -> None:
         """Receive the headers from ``src`` up to ``until``'s; post what else each brings."""
@@ -386,6 +376,11 @@ class DistributedTransport(PeerTransport):
             if peer != self.rank:
                 with contextlib.suppress(Exception):
                     self._post(peer, [frame], self._notice_group, self._notice_tag)
+        if description.get("gave_up") and not self._row_sent and self._row_like is not None:
+            # It will send no agreement row: the peers waiting for one learn at once.
+            peers = [p for p in range(self.schedule.num_ranks) if p != self.rank]
+            with contextlib.suppress(Exception):
+                self._send_row(_AGREEMENT, peers, self._row_like, at=1 << 61, flag=1)
         self._outbox.abandon()
 
     def clear(self) -> None:

@@ -28,8 +28,6 @@ class PeerTransport:
     """
 
     wire_device: torch.device  # where the group's collectives take tensors
-    # Whether the step's seed and agreement go through broadcast_row and all_gather_row
-    carries_step_rows = False
 
     def __init__(
         self,
@@ -113,14 +111,12 @@ class PeerTransport:
         return True  # receiving blocks until the message is here
 
     def broadcast_row(self, row: torch.Tensor) -> torch.Tensor:
-        """Rank 0's ``row`` on every rank, through this transport's own wire; only where
-        :attr:`carries_step_rows` (otherwise the group's collectives carry it)."""
-        raise NotImplementedError(f"{type(self).__name__} leaves the step's rows to the group")
+        """Rank 0's ``row`` (the step's seed) on every rank, ahead of its messages."""
+        raise NotImplementedError
 
     def all_gather_row(self, row: torch.Tensor) -> torch.Tensor:
-        """Every rank's ``row``, stacked by rank, through this transport's own wire; only
-        where :attr:`carries_step_rows` (otherwise the group's collectives carry it)."""
-        raise NotImplementedError(f"{type(self).__name__} leaves the step's rows to the group")
+        """Every rank's ``row`` (the step's agreement), stacked by rank, after its messages."""
+        raise NotImplementedError
 
     # -- failures ---------------------------------------------------------------------------
 

@@ -404,8 +404,6 @@ class SocketTransport(PeerTransport):
 
     # -- the step's rows --------------------------------------------------------------------
 
-    carries_step_rows = True  # MultiProcess sends the step's seed and agreement through here
-
     def broadcast_row(self, row: torch.Tensor) -> torch.Tensor:
         """Rank 0's ``row`` (of one dtype and length on every rank): the step's seed, which
         rank 0 sends ahead of its messages of the step, without waiting for anyone; the
