@@ -59,9 +59,12 @@ def _name(fn: object) -> str:
 
 
 def _ours(fn: object) -> bool:
-    """gpipe's own hooks (gradient reduction) and torch.distributed's (FSDP) are not the model's."""
+    """Hooks that are not the model's to keep: gpipe's own (gradient reduction),
+    torch.distributed's (FSDP), and transformers' output capture (``output_router_logits``,
+    ``output_hidden_states``), whose only effect, outputs collected into the model's return
+    value, the capture traced into the graph."""
     owner = getattr(getattr(fn, "func", fn), "__module__", None) or ""
-    return owner.startswith(("gpipe.", "torch.distributed"))
+    return owner.startswith(("gpipe.", "torch.distributed", "transformers.utils.output_capturing"))
 
 
 def _hooks(model: nn.Module) -> Iterator[tuple[Hook, object]]:
