@@ -50,19 +50,13 @@ _NOT_CAPTURED = {"private_gen"}  # not drawn for from_model: torch.export takes 
 # expected failures until the fix lands (the lead removes entries as fixes merge).
 # (feature, where) -> class; where: "split" (a split backward schedule), "from_model",
 # "2 processes", "remat" (re-materialization on), "any".
-KNOWN_GAPS: dict[tuple[str, str], str] = {
-    ("regularizer", "2 processes"): "class 1: the loss reads a copy of another rank's weight",
-    ("bias", "split"): "class 1: the split backward loses a parameter-only path (splitbw)",
-    ("loss_params", "split"): "class 1: the loss's own parameters get no gradient (splitbw)",
-    ("regularizer", "split"): "class 1: a regularizer in the loss, split backward (splitbw)",
-    ("hooks", "from_model"): "class 2: from_model drops the model's hooks (frontend)",
-    ("modes", "from_model"): "class 2: the model's eval()/train() miss the Pipe (frontend)",
-    ("private_gen", "remat"): "class 6: a private generator draws again in recomputation",
-}
+KNOWN_GAPS: dict[tuple[str, str], str] = {}
 
 # Refusals that are right (a gpipe error with the remedy): feature -> what the error says.
 REFUSABLE = {
     "regularizer": "",  # any: a loss reading parameters on another rank is refused (issue 41)
+    # from_model: gradient hooks see M partial gradients, refused by name at the build
+    "hooks": "gpipe cannot run it as the model does",
     "tied": "which this process holds together",  # a V puts a first-last tie on one rank
 }
 

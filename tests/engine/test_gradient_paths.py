@@ -19,6 +19,7 @@ from gradient_paths import (
 )
 
 import gpipe
+from gpipe.errors import PartitionError
 
 MODES = ["always", "except_last", "never"]
 
@@ -70,7 +71,9 @@ def test_a_loss_reading_another_stages_parameter_is_refused(schedule, devices, v
     pipe = gpipe.Pipe(
         model, balance=BALANCE, chunks=4, **_options(schedule, devices, virtual, "never")
     )
-    with pytest.raises(RuntimeError, match=r"loss_fn reads 2\.weight, which the last stage \(3\)"):
+    with pytest.raises(
+        PartitionError, match=r"loss_fn reads 2\.weight, which the last stage \(3\)"
+    ):
         pipe.step(*batch(0), regularized(model))
     assert all(p.grad is None for p in pipe.parameters()), "a refused step changed gradients"
 
@@ -106,5 +109,7 @@ def test_a_captured_models_parameter_in_the_loss_is_refused_by_the_models_name()
     pipe = gpipe.Pipe.from_model(
         model, batch(0)[0], split=["2", "4"], balance=[2, 2], chunks=2, schedule="zb-h1"
     )
-    with pytest.raises(RuntimeError, match=r"loss_fn reads 2\.weight, which the last stage \(1\)"):
+    with pytest.raises(
+        PartitionError, match=r"loss_fn reads 2\.weight, which the last stage \(1\)"
+    ):
         pipe.step(*batch(0), regularized(model))

@@ -25,6 +25,7 @@ import torch
 
 from gpipe._utils import tensors_of
 from gpipe.engine.split_backward import leaves_below
+from gpipe.errors import PartitionError
 
 __all__ = ["ForeignParameters", "check_loss"]
 
@@ -68,8 +69,8 @@ def check_loss(loss: torch.Tensor, stage: Any, outputs: Any, inputs: Any) -> Non
         return
     mine = {id(p) for p in stage.parameters()}  # a tied weight's tensor may sit in both
     names = [name for leaf, name in found if id(leaf) not in mine]
-    if names:
-        raise RuntimeError(
+    if names:  # the cut put them away from the loss: a configuration, like any other cut's
+        raise PartitionError(
             f"loss_fn reads {', '.join(sorted(names))}, which the last stage ({stage.index}) "
             "does not hold: across processes that is an untrained copy, so gpipe refuses it "
             "everywhere; compute the term in the stage that holds the parameter (a layer "
