@@ -87,7 +87,12 @@ BAD = [
         "{f}, line 2: not a JSON record (Expecting property name enclosed in double quotes at "
         "column 14); each line of a JSONL file is one record",
     ),
-    ("array.json", b'[{"text": "a"},\n {"text"}]', {}, "{f}: not JSON (Expecting ':' delimiter at line 2, column 9)"),
+    (
+        "array.json",
+        b'[{"text": "a"},\n {"text"}]',
+        {},
+        "{f}: not JSON (Expecting ':' delimiter at line 2, column 9)",
+    ),
     ("record.json", b'[{"text": "a"}, {"n": 1}]', {}, "{f}, record 2: no field 'text'"),
     (
         "weights.bin",

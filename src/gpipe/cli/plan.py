@@ -138,6 +138,24 @@ def configure(p: argparse.ArgumentParser) -> None:
     g.add_argument("--blocks", type=_positive, default=2, help="residual blocks per resolution")
     g.add_argument("--channels", type=_positive, default=32, help="width at full resolution")
     g.add_argument("--image", type=_positive, default=32, help="image side in pixels")
+    _search_options(p)
+    g = p.add_argument_group("measuring")
+    g.add_argument("--device", default="cpu", help="where to profile")
+    g.add_argument("--threads", type=_positive, default=1, help="torch threads while profiling")
+    g.add_argument("--repeats", type=_positive, default=5, help="timed runs per layer (median)")
+    g.add_argument("--warmup", type=int, default=2)
+    g.add_argument("--top", type=_positive, default=10, help="rows to print")
+    g.add_argument(
+        "--write-config", metavar="FILE",
+        help="write the first choice as options of gpipe train (TOML): gpipe train --config FILE",
+    )  # fmt: skip
+    g.add_argument("--verify", type=int, default=0, metavar="N", help="run the top N for real")
+    g.add_argument("--steps", type=_positive, default=10, help="timed steps per verified run")
+    g.add_argument("--seed", type=int, default=0)
+    _capacity_options(p)
+
+
+def _search_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("search")
     g.add_argument("--chunks", type=_positive, nargs="+", help="micro-batch counts M to try")
     g.add_argument(
@@ -165,19 +183,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--overhead", type=float, default=100e-6, help="seconds of runtime cost per action"
     )
-    g = p.add_argument_group("measuring")
-    g.add_argument("--device", default="cpu", help="where to profile")
-    g.add_argument("--threads", type=_positive, default=1, help="torch threads while profiling")
-    g.add_argument("--repeats", type=_positive, default=5, help="timed runs per layer (median)")
-    g.add_argument("--warmup", type=int, default=2)
-    g.add_argument("--top", type=_positive, default=10, help="rows to print")
-    g.add_argument(
-        "--write-config", metavar="FILE",
-        help="write the first choice as options of gpipe train (TOML): gpipe train --config FILE",
-    )  # fmt: skip
-    g.add_argument("--verify", type=int, default=0, metavar="N", help="run the top N for real")
-    g.add_argument("--steps", type=_positive, default=10, help="timed steps per verified run")
-    g.add_argument("--seed", type=int, default=0)
+
+
+def _capacity_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("capacity: the largest model of the family that fits --memory")
     g.add_argument("--capacity", action="store_true", help="search depth x layout instead")
     g.add_argument("--processes", type=_positive, help="processes available (default: --devices)")
