@@ -144,7 +144,7 @@ def test_cli_prints_the_capacity_table(in_process):
     done = in_process(
         "plan", "--capacity", "--model", "gpt", "--d-model", "16", "--heads", "2", "--seq", "8",
         "--vocab", "64", "--batch", "4", "--memory", "2MiB", "--processes", "2", "--chunks", "2",
-        "--top", "4", "--baseline-memory", "0",
+        "--top", "4", "--baseline-memory", "0", "--process-memory", "0",
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert "capacity of GPT d_model 16" in done.stdout
@@ -154,13 +154,36 @@ def test_cli_prints_the_capacity_table(in_process):
 
 
 def test_cli_budget_is_the_whole_process(in_process):
-    # Without --baseline-memory the process's own memory counts: 2 MiB holds nothing.
+    # Without --baseline-memory the process's own memory counts: 2 MiB holds nothing, and
+    # the answer names that fixed cost.
     done = in_process(
         "plan", "--capacity", "--model", "gpt", "--d-model", "16", "--heads", "2", "--seq", "8",
         "--vocab", "64", "--batch", "4", "--memory", "2MiB", "--processes", "2", "--chunks", "2",
+        "--process-memory", "1MiB",
     )  # fmt: skip
     assert done.returncode == 1
     assert "MiB before its model" in done.stdout and "nothing fits 2.0 MiB" in done.stdout
+    assert "fixed per process" in done.stdout
+
+
+def test_cli_calibrates_unless_given_and_prints_the_flags(monkeypatch, in_process):
+    # No depth without the fixed cost per process: it is measured, with progress, and
+    # printed as the flags that give it next time.
+    import gpipe.planner
+
+    def fake(family, *, processes, optimizer, progress):
+        progress("calibrating 1/2: K=1 M=4 gpipe always at depth 1 ...")
+        return Calibration(3 * MiB, 0.25 * MiB, 0.5 * MiB, 7 * MiB)
+
+    monkeypatch.setattr(gpipe.planner, "calibrate", fake)
+    out = in_process(
+        "plan", "--capacity", "--model", "gpt", "--d-model", "16", "--heads", "2", "--seq", "8",
+        "--vocab", "64", "--batch", "4", "--memory", "64MiB", "--processes", "1",
+        "--chunks", "2",
+    ).stdout  # fmt: skip
+    assert "calibrating 1/2" in out
+    assert ("--baseline-memory 7.0MiB --process-memory 3.0MiB --model-layer-memory 0.2500MiB "
+            "--stage-layer-memory 0.5000MiB") in out  # fmt: skip
 
 
 @pytest.fixture(scope="module")

@@ -20,13 +20,14 @@ per process on ``--processes`` processes, and the layout that achieves it (stage
 replicas, sharding, micro-batches, schedule, re-materialization, balance)::
 
     gpipe plan --capacity --model gpt --d-model 256 --seq 128 --vocab 2048 --batch 16 \
-        --memory 600MiB --processes 8 --optimizer adamw --calibrate --verify 1
+        --memory 600MiB --processes 8 --optimizer adamw --verify 1
 
 There ``--memory`` is what each process may hold at its peak, the *whole* process (Python,
 torch and the process group: about 230 MiB on a CPU before any model), as ``top`` shows
-it. ``--calibrate`` measures what a training process holds before its model and needs
-beyond the model's terms (or give them: ``--baseline-memory 230MiB --process-memory 95MiB
---layer-memory 0.3MiB``); ``--verify N`` trains the N largest for real, and each one's
+it. It first measures what a training process holds before its model and needs beyond
+the model's terms, in a few short runs (minutes; it prints the flags that give the same
+numbers next time: ``--baseline-memory 230MiB --process-memory 95MiB --model-layer-memory
+0.03MiB --stage-layer-memory 0.2MiB``); ``--verify N`` trains the N largest for real, and each one's
 next size up, and prints measured peaks next to predicted ones (``docs/capacity.md``).
 Measured and planned with the allocator policy ``return`` (``gpipe.allocator``), which a
 run must use to fit what was measured: ``gpipe train --cpu-allocator return``.
@@ -197,23 +198,33 @@ def _capacity_options(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--shard", choices=["both", "yes", "no"], default="both", help="shard replicas' state"
     )
+    # the four terms of gpipe.planner.calibrate's answer (Calibration), one flag each
     g.add_argument(
         "--baseline-memory", type=parse_bytes, default=None,
         help="what a training process holds before its model, part of --memory (default: "
-        "measured by --calibrate, else this process's resident memory after importing torch)",
+        "calibrated; with --process-memory given: this process's, after importing torch)",
     )  # fmt: skip
     g.add_argument(
-        "--process-memory", type=parse_bytes, default=0.0, help="per process beyond the model"
-    )
+        "--process-memory", type=parse_bytes, default=None,
+        help="the fixed cost of a training process beyond its baseline and the model's terms "
+        "(calibrated's 'MiB per process'); given, nothing is calibrated",
+    )  # fmt: skip
     g.add_argument(
-        "--layer-memory", type=parse_bytes, default=0.0, help="per layer held beyond the model"
-    )
+        "--model-layer-memory", type=parse_bytes, default=0.0,
+        help="per layer of the whole model, in every process (calibrated's 'per layer of the "
+        "model'; with --process-memory)",
+    )  # fmt: skip
+    g.add_argument(
+        "--stage-layer-memory", type=parse_bytes, default=0.0,
+        help="per layer of a process's own stage (calibrated's 'per layer of its stage'; with "
+        "--process-memory)",
+    )  # fmt: skip
     g.add_argument(
         "--calibrate",
         action="store_true",
-        help="measure this machine first: with --capacity the memory a process needs, "
-        "otherwise the time per action and per step, the link and the compute slowdown "
-        "of K processes at once",
+        help="measure this machine first: the time per action and per step, the link and the "
+        "compute slowdown of K processes at once (--capacity always calibrates its memory "
+        "unless --process-memory is given)",
     )
 
 
@@ -229,24 +240,13 @@ def family(args: argparse.Namespace):
 
 
 def run_capacity(args: argparse.Namespace) -> int:
-    from gpipe.estimate.memory_model import Calibration
-    from gpipe.planner import calibrate, capacity, verify_capacity
+    from gpipe.planner import capacity, verify_capacity
 
     if args.memory is None:
         raise ValueError("--capacity needs --memory (bytes per process, e.g. 2GiB)")
     models = family(args)
     processes = args.processes or args.devices
-    baseline = args.baseline_memory
-    if baseline is None and not args.calibrate:
-        baseline = _resident_bytes()
-        print(f"a process holds {baseline / 2**20:.1f} MiB before its model (this one, after "
-              "importing torch; --calibrate measures training processes)")  # fmt: skip
-    overhead = Calibration(args.process_memory, args.layer_memory, baseline=baseline or 0.0)
-    if args.calibrate:
-        overhead = calibrate(models, processes=processes, optimizer=args.optimizer)
-        if args.baseline_memory is not None:
-            overhead = replace(overhead, baseline=args.baseline_memory)
-        print(f"calibrated: a training process needs {overhead} beyond the model's terms")
+    overhead = _calibration(args, models, processes)
     shard = {"both": None, "yes": [True], "no": [False]}[args.shard]
     start = time.perf_counter()
     with _threads(args.threads):
@@ -272,6 +272,34 @@ def run_capacity(args: argparse.Namespace) -> int:
         print()
         print(verify_capacity(models, row, optimizer=args.optimizer, steps=2).describe())
     return 0 if fitting else 1
+
+
+def _calibration(args: argparse.Namespace, models, processes: int):
+    """What a process needs beyond the model's terms: given, or measured (minutes; each run
+    is printed as it goes) and printed as the flags that give it next time."""
+    from gpipe.estimate.memory_model import Calibration
+    from gpipe.planner import calibrate
+
+    if args.process_memory is not None:
+        baseline = args.baseline_memory
+        if baseline is None:
+            baseline = _resident_bytes()
+            print(f"a process holds {baseline / 2**20:.1f} MiB before its model (this one, "
+                  "after importing torch)")  # fmt: skip
+        return Calibration(args.process_memory, args.model_layer_memory,
+                           args.stage_layer_memory, baseline)  # fmt: skip
+    print(f"calibrating on {processes} processes (2-4 short training runs, a few minutes; "
+          "--process-memory and the flags printed after skip this)", flush=True)  # fmt: skip
+    overhead = calibrate(models, processes=processes, optimizer=args.optimizer,
+                         progress=lambda line: print(f"  {line}", flush=True))  # fmt: skip
+    if args.baseline_memory is not None:
+        overhead = replace(overhead, baseline=args.baseline_memory)
+    print(f"calibrated: a training process needs {overhead} beyond the model's terms; next "
+          f"time: --baseline-memory {overhead.baseline / 2**20:.1f}MiB --process-memory "
+          f"{overhead.process / 2**20:.1f}MiB --model-layer-memory "
+          f"{overhead.per_layer / 2**20:.4f}MiB --stage-layer-memory "
+          f"{overhead.per_stage_layer / 2**20:.4f}MiB")  # fmt: skip
+    return overhead
 
 
 def _resident_bytes() -> float:

@@ -43,6 +43,8 @@ import gc
 import inspect
 import os
 import resource
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -326,6 +328,7 @@ def calibrate(
     optimizer: str | float = "adamw",
     steps: int = 2,
     timeout: float = 300.0,
+    progress: Callable[[str], None] | None = None,
 ) -> Calibration:
     """What a training process needs beyond the memory model's terms, measured in
     micro-batches of one sample with re-materialization (where the terms are smallest, so
@@ -340,7 +343,8 @@ def calibrate(
     per layer of the whole model: its own layers do not change. The baseline is the most
     any process held before its model was built; the constant is the largest excess of a
     stage's whole-process peak over its terms and the baseline, less its layers' share.
-    With one process the whole slope is charged to the stage's layers.
+    With one process the whole slope is charged to the stage's layers. ``progress``, if
+    given, is called with a line before and after each of the (2 or 4) runs.
     """
     batch = family.batch_size
 
@@ -363,10 +367,15 @@ def calibrate(
         for depth in (first_depth(processes), first_depth(4 * layers)):
             runs.append((pipeline, depth, last_alone(depth, processes)))
     rows = []
-    for layout, depth, balance in runs:
+    say = progress or (lambda line: None)
+    for i, (layout, depth, balance) in enumerate(runs, 1):
         row = fit_of(family, layout, depth, optimizer=optimizer, budget=float("inf"),
                      balance=balance)  # fmt: skip
+        say(f"calibrating {i}/{len(runs)}: {layout.label()} at depth {depth} ...")
+        start = time.perf_counter()
         rows.append(measure_fit(family, row, optimizer=optimizer, steps=steps, timeout=timeout))
+        say(f"calibrating {i}/{len(runs)}: peak {max(rows[-1].per_stage) / MiB:.1f} MiB "
+            f"in {time.perf_counter() - start:.0f} s")  # fmt: skip
     baseline = max(b for measured in rows for b in measured.before)
     stages = []  # per run: (model layers, [(excess, stage layers) per stage])
     for measured in rows:
