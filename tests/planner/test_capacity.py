@@ -275,8 +275,33 @@ def test_refine_settles_on_the_measured_answer(monkeypatch, predicted):
 
     monkeypatch.setattr(module, "measure_fit", fake)
     fit = fit_of(family, layout, predicted, budget=100 * MiB)
-    check = verify_capacity(family, fit, refine=True, moves=16)
+    check = verify_capacity(family, fit, refine=True, moves=16, repeats=1)
     assert check.exact and check.found.fit.depth == 5 and check.next_size.fit.depth == 6
     assert check.predicted_depth == predicted and len(ran) == len(set(ran))  # none twice
     assert len(ran) <= 3 + 2 * math.log2(abs(predicted - 5) + 1), ran
     assert ("off by" in check.describe()) == (predicted != 5)
+
+
+@pytest.mark.parametrize(("over", "exact"), [(3.0, True), (0.5, False)])
+def test_exact_means_the_next_size_up_is_over_by_more_than_the_scatter(monkeypatch, over, exact):
+    # Peaks move by 1 MiB between runs of one depth: a next size up 0.5 MiB over the budget
+    # may fit in another run, so the row is the range 5-6, not "exact".
+    from gpipe.planner import measured as module
+
+    family = tiny_gpt()
+    runs: dict[int, int] = {}
+
+    def fake(family, fit, **options):
+        runs[fit.depth] = runs.get(fit.depth, 0) + 1
+        wobble = MiB * (runs[fit.depth] - 1)  # 0, then 1 MiB more
+        peak = fit.budget - 2 * MiB if fit.depth <= 5 else fit.budget + over * MiB
+        return module.Measured(fit, (peak + wobble,), 2, before=(0.0,))
+
+    monkeypatch.setattr(module, "measure_fit", fake)
+    layout = Layout(stages=1, chunks=1, checkpoint="always")
+    fit = fit_of(family, layout, 5, budget=100 * MiB)
+    check = verify_capacity(family, fit, refine=True, moves=16)
+    assert runs == {5: 2, 6: 2}  # each depth measured again
+    assert check.scatter == MiB and check.exact == exact
+    assert check.depths == ((5, 5) if exact else (5, 6))
+    assert ("exact: depth 5" if exact else "depth 5-6") in check.describe()
