@@ -119,7 +119,11 @@ def test_the_command_line_spells_settings_as_flags():
 
 
 def test_canonical_layouts_train_alike():
-    assert Layout(stages=1, chunks=4, schedule="zb-h1").canonical() == Layout(stages=1, chunks=4)
+    # one rank: gpipe holds every micro-batch, any other schedule one at a time (as 1f1b)
+    one_at_a_time = Layout(stages=1, chunks=4, schedule="1f1b")
+    assert Layout(stages=1, chunks=4, schedule="zb-h1").canonical() == one_at_a_time
+    assert one_at_a_time.canonical() is one_at_a_time
+    assert Layout(stages=1, schedule="1f1b").canonical() == Layout(stages=1, checkpoint="never")
     assert Layout(stages=1, schedule="interleaved-1f1b").canonical().virtual_stages == 1
     assert Layout(stages=2, chunks=1).canonical().checkpoint == "never"
     layout = Layout(stages=2, chunks=4, schedule="1f1b", checkpoint="always")
@@ -153,7 +157,8 @@ def test_layouts_enumerates_the_valid_canonical_ones_once():
     }  # fmt: skip
     assert set(found) == valid
     assert Layout(stages=2, chunks=4, schedule="zb-v") in found
-    assert not any(x.stages == 1 and x.schedule != "gpipe" for x in found)
+    assert Layout(stages=1, chunks=4, schedule="1f1b") in found
+    assert not any(x.stages == 1 and x.schedule not in ("gpipe", "1f1b") for x in found)
 
 
 def test_even_balance():

@@ -168,16 +168,10 @@ def test_cli_prints_a_ranked_table(capsys):
             "plan",
             "--model",
             "gpt",
-            "--layers",
-            "1",
-            "--d-model",
-            "16",
-            "--heads",
-            "2",
+            "--model-config",
+            "n_layers=1,d_model=16,n_heads=2",
             "--seq",
             "8",
-            "--vocab",
-            "64",
             "--batch",
             "4",
             "--devices",
@@ -198,7 +192,8 @@ def test_cli_prints_a_ranked_table(capsys):
     out = capsys.readouterr().out
     assert code == 0
     assert torch.get_num_threads() == threads
-    assert "gpipe plan: GPT 1 blocks" in out and "budget 1,024 MiB per device" in out
+    assert "gpipe plan: gpt (small, seq 8, batch 4) (3 layers" in out
+    assert "budget 1,024 MiB per device" in out
     assert "samples/s" in out and "peak MiB per device" in out
     rows = [line for line in out.splitlines() if line[:3].strip().isdigit()]
     assert len(rows) == 3

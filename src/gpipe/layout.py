@@ -324,11 +324,17 @@ class Layout:
         )
 
     def canonical(self) -> Layout:
-        """The simplest layout that trains exactly as this one: one rank runs every
-        schedule alike (as ``gpipe``), and with one micro-batch ``except_last`` is ``never``."""
+        """The simplest layout that trains exactly as this one in no more time or memory: one
+        rank runs every schedule in the same time, but ``gpipe`` holds all M micro-batches'
+        activations and ``1f1b`` one (gradient accumulation), the least of any other schedule,
+        which becomes ``1f1b``; with one micro-batch both are ``gpipe``, and ``except_last``
+        is ``never``."""
         simpler = self
-        if self.stages == 1 and (self.schedule != "gpipe" or self.virtual_stages != 1):
-            simpler = replace(simpler, schedule="gpipe", virtual_stages=1)
+        if self.stages == 1:
+            one_at_a_time = self.schedule != "gpipe" and self.chunks > 1
+            name = "1f1b" if one_at_a_time else "gpipe"
+            if (self.schedule, self.virtual_stages) != (name, 1):
+                simpler = replace(simpler, schedule=name, virtual_stages=1)
         if self.chunks == 1 and self.checkpoint == "except_last":
             simpler = replace(simpler, checkpoint="never", checkpoint_layers=None)
         return simpler

@@ -144,7 +144,7 @@ def test_cli_prints_the_capacity_table(in_process):
     done = in_process(
         "plan", "--capacity", "--model", "gpt", "--d-model", "16", "--heads", "2", "--seq", "8",
         "--vocab", "64", "--batch", "4", "--memory", "2MiB", "--processes", "2", "--chunks", "2",
-        "--top", "4", "--baseline-memory", "0",
+        "--top", "4", "--baseline-memory", "0", "--process-memory", "0",
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert "capacity of GPT d_model 16" in done.stdout
@@ -154,13 +154,36 @@ def test_cli_prints_the_capacity_table(in_process):
 
 
 def test_cli_budget_is_the_whole_process(in_process):
-    # Without --baseline-memory the process's own memory counts: 2 MiB holds nothing.
+    # Without --baseline-memory the process's own memory counts: 2 MiB holds nothing, and
+    # the answer names that fixed cost.
     done = in_process(
         "plan", "--capacity", "--model", "gpt", "--d-model", "16", "--heads", "2", "--seq", "8",
         "--vocab", "64", "--batch", "4", "--memory", "2MiB", "--processes", "2", "--chunks", "2",
+        "--process-memory", "1MiB",
     )  # fmt: skip
     assert done.returncode == 1
     assert "MiB before its model" in done.stdout and "nothing fits 2.0 MiB" in done.stdout
+    assert "fixed per process" in done.stdout
+
+
+def test_cli_calibrates_unless_given_and_prints_the_flags(monkeypatch, in_process):
+    # No depth without the fixed cost per process: it is measured, with progress, and
+    # printed as the flags that give it next time.
+    import gpipe.planner
+
+    def fake(family, *, processes, optimizer, progress):
+        progress("calibrating 1/2: K=1 M=4 gpipe always at depth 1 ...")
+        return Calibration(3 * MiB, 0.25 * MiB, 0.5 * MiB, 7 * MiB)
+
+    monkeypatch.setattr(gpipe.planner, "calibrate", fake)
+    out = in_process(
+        "plan", "--capacity", "--model", "gpt", "--d-model", "16", "--heads", "2", "--seq", "8",
+        "--vocab", "64", "--batch", "4", "--memory", "64MiB", "--processes", "1",
+        "--chunks", "2",
+    ).stdout  # fmt: skip
+    assert "calibrating 1/2" in out
+    assert ("--baseline-memory 7.0MiB --process-memory 3.0MiB --model-layer-memory 0.2500MiB "
+            "--stage-layer-memory 0.5000MiB") in out  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -252,8 +275,33 @@ def test_refine_settles_on_the_measured_answer(monkeypatch, predicted):
 
     monkeypatch.setattr(module, "measure_fit", fake)
     fit = fit_of(family, layout, predicted, budget=100 * MiB)
-    check = verify_capacity(family, fit, refine=True, moves=16)
+    check = verify_capacity(family, fit, refine=True, moves=16, repeats=1)
     assert check.exact and check.found.fit.depth == 5 and check.next_size.fit.depth == 6
     assert check.predicted_depth == predicted and len(ran) == len(set(ran))  # none twice
     assert len(ran) <= 3 + 2 * math.log2(abs(predicted - 5) + 1), ran
     assert ("off by" in check.describe()) == (predicted != 5)
+
+
+@pytest.mark.parametrize(("over", "exact"), [(3.0, True), (0.5, False)])
+def test_exact_means_the_next_size_up_is_over_by_more_than_the_scatter(monkeypatch, over, exact):
+    # Peaks move by 1 MiB between runs of one depth: a next size up 0.5 MiB over the budget
+    # may fit in another run, so the row is the range 5-6, not "exact".
+    from gpipe.planner import measured as module
+
+    family = tiny_gpt()
+    runs: dict[int, int] = {}
+
+    def fake(family, fit, **options):
+        runs[fit.depth] = runs.get(fit.depth, 0) + 1
+        wobble = MiB * (runs[fit.depth] - 1)  # 0, then 1 MiB more
+        peak = fit.budget - 2 * MiB if fit.depth <= 5 else fit.budget + over * MiB
+        return module.Measured(fit, (peak + wobble,), 2, before=(0.0,))
+
+    monkeypatch.setattr(module, "measure_fit", fake)
+    layout = Layout(stages=1, chunks=1, checkpoint="always")
+    fit = fit_of(family, layout, 5, budget=100 * MiB)
+    check = verify_capacity(family, fit, refine=True, moves=16)
+    assert runs == {5: 2, 6: 2}  # each depth measured again
+    assert check.scatter == MiB and check.exact == exact
+    assert check.depths == ((5, 5) if exact else (5, 6))
+    assert ("exact: depth 5" if exact else "depth 5-6") in check.describe()

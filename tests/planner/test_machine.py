@@ -97,8 +97,8 @@ def test_measuring_the_machine_runs_the_model_in_processes():
 @pytest.mark.timeout(240)
 @pytest.mark.slow
 def test_cli_calibrates_before_it_ranks(capsys):
-    code = main(["plan", "--model", "gpt", "--layers", "1", "--d-model", "16", "--heads", "2",
-                 "--seq", "8", "--vocab", "64", "--batch", "4", "--devices", "2", "--chunks",
+    code = main(["plan", "--model", "gpt", "--model-config", "n_layers=1,d_model=16,n_heads=2",
+                 "--seq", "8", "--batch", "4", "--devices", "2", "--chunks",
                  "2", "--repeats", "1", "--warmup", "0", "--top", "2", "--calibrate"])  # fmt: skip
     out = capsys.readouterr().out
     assert code == 0

@@ -112,7 +112,7 @@ def test_every_problem_of_a_file_is_listed_and_a_missing_file_is_named(tmp_path,
 @pytest.mark.timeout(120)
 def test_plan_writes_its_first_choice_for_train(tmp_path, capsys):
     file = tmp_path / "plan.toml"
-    shape = ["--layers", "2", "--d-model", "16", "--heads", "2", "--seq", "8", "--vocab", "256"]
+    shape = ["--model-config", "n_layers=2,d_model=16,n_heads=2", "--seq", "8"]
     search = ["--batch", "8", "--devices", "2", "--chunks", "2", "4", "--repeats", "1"]
     assert main(["plan", *shape, *search, "--warmup", "0", "--write-config", str(file)]) == 0
     assert f"gpipe train --config {file}" in capsys.readouterr().out
@@ -128,7 +128,7 @@ def test_plan_writes_its_first_choice_for_train(tmp_path, capsys):
 @pytest.mark.timeout(120)
 def test_a_plan_within_a_budget_carries_the_allocator_it_was_planned_with(tmp_path, capsys):
     file = tmp_path / "plan.toml"
-    shape = ["--layers", "2", "--d-model", "16", "--heads", "2", "--seq", "8", "--vocab", "256"]
+    shape = ["--model-config", "n_layers=2,d_model=16,n_heads=2", "--seq", "8"]
     search = ["--batch", "8", "--devices", "2", "--chunks", "2", "--repeats", "1"]
     budget = ["--memory", "1GiB", "--schedules", "gpipe", "--checkpoints", "always"]
     assert main(["plan", *shape, *search, *budget, "--warmup", "0", "--write-config",

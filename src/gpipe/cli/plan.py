@@ -1,11 +1,14 @@
-"""Recommend K, M, schedule and re-materialization for a preset model and a memory budget.
+"""Recommend K, M, schedule and re-materialization for the model ``gpipe train`` trains with
+the same ``--model``, ``--size``, ``--model-config``, ``--seq`` and ``--batch`` (any it
+accepts: a built-in, a Hugging Face folder or ``config.json``), and a memory budget.
 
 The model is profiled layer by layer on this machine (one thread by default, as each
 pipeline process gets), every configuration is simulated with those costs, and those that
 fit the budget are ranked by predicted throughput::
 
-    gpipe plan --model gpt --layers 8 --vocab 8192 --batch 32 --devices 2 --memory 2GiB
-    gpipe plan --model resnet --blocks 2 --channels 32 --devices 2 --calibrate --verify 3
+    gpipe plan --model gpt --model-config n_layers=8 --batch 32 --devices 2 --memory 2GiB
+    gpipe plan --model resnet --devices 2 --calibrate --verify 3
+    gpipe plan --model ./my-qwen --seq 256 --batch 8 --devices 4 --write-config run.toml
 
 ``--calibrate`` first measures what a profile cannot see, in ``--devices`` local processes
 (``gpipe.planner.Machine``): the compute slowdown when K processes share the cores, the
@@ -20,13 +23,14 @@ per process on ``--processes`` processes, and the layout that achieves it (stage
 replicas, sharding, micro-batches, schedule, re-materialization, balance)::
 
     gpipe plan --capacity --model gpt --d-model 256 --seq 128 --vocab 2048 --batch 16 \
-        --memory 600MiB --processes 8 --optimizer adamw --calibrate --verify 1
+        --memory 600MiB --processes 8 --optimizer adamw --verify 1
 
 There ``--memory`` is what each process may hold at its peak, the *whole* process (Python,
 torch and the process group: about 230 MiB on a CPU before any model), as ``top`` shows
-it. ``--calibrate`` measures what a training process holds before its model and needs
-beyond the model's terms (or give them: ``--baseline-memory 230MiB --process-memory 95MiB
---layer-memory 0.3MiB``); ``--verify N`` trains the N largest for real, and each one's
+it. It first measures what a training process holds before its model and needs beyond
+the model's terms, in a few short runs (minutes; it prints the flags that give the same
+numbers next time: ``--baseline-memory 230MiB --process-memory 95MiB --model-layer-memory
+0.03MiB --stage-layer-memory 0.2MiB``); ``--verify N`` trains the N largest for real, and each one's
 next size up, and prints measured peaks next to predicted ones (``docs/capacity.md``).
 Measured and planned with the allocator policy ``return`` (``gpipe.allocator``), which a
 run must use to fit what was measured: ``gpipe train --cpu-allocator return``.
@@ -86,40 +90,19 @@ def parse_bytes(text: str) -> float:
     return float(match.group(1)) * _UNITS[match.group(2)]
 
 
-def build(args: argparse.Namespace):
-    """(model, sample inputs, targets, loss_fn, description) of the chosen preset."""
-    from torch.nn import functional as F
-
-    from gpipe.models import GPTConfig, gpt, lm_loss, resnet
-
-    torch.manual_seed(args.seed)
-    if args.model == "gpt":
-        config = GPTConfig(
-            vocab_size=args.vocab,
-            context=args.seq,
-            d_model=args.d_model,
-            n_heads=args.heads,
-            n_layers=args.layers,
-            dropout=0.1,
-        )
-        model = gpt(config)
-        x = torch.randint(0, args.vocab, (args.batch, args.seq))
-        y = torch.randint(0, args.vocab, (args.batch, args.seq))
-        what = (
-            f"GPT {args.layers} blocks, d_model {args.d_model}, vocab {args.vocab}, seq {args.seq}"
-        )
-        return model, x, y, lm_loss, what
-    widths = (args.channels, 2 * args.channels, 4 * args.channels)
-    model = resnet(widths=widths, blocks=args.blocks)
-    x = torch.randn(args.batch, 3, args.image, args.image)
-    y = torch.randint(0, 10, (args.batch,))
-    what = f"ResNet-style CNN, widths {widths} x {args.blocks} blocks, {args.image}px images"
-    return model, x, y, F.cross_entropy, what
-
-
 def configure(p: argparse.ArgumentParser) -> None:
     p.formatter_class = argparse.RawDescriptionHelpFormatter
-    p.add_argument("--model", choices=["gpt", "resnet"], default="gpt")
+    p.add_argument(
+        "--model", default="gpt",
+        help="the model gpipe train trains with the same --model, --size, --model-config, "
+        "--seq and --batch: a built-in (gpt, resnet, hf-llama) or a Hugging Face folder or "
+        "config.json; with --capacity: gpt or resnet, by the family's shape below",
+    )  # fmt: skip
+    p.add_argument("--size", default=None, help="as gpipe train's --size (default: its)")
+    p.add_argument(
+        "--model-config", default=None,
+        help="as gpipe train's --model-config, e.g. n_layers=8,d_model=128",
+    )  # fmt: skip
     p.add_argument("--devices", type=_positive, default=2, help="devices (processes) available")
     p.add_argument(
         "--memory", type=parse_bytes, default=None,
@@ -127,15 +110,19 @@ def configure(p: argparse.ArgumentParser) -> None:
         "included; see --baseline-memory), e.g. 600MiB; otherwise: per device, for the "
         "model's terms alone (parameters, optimizer state, activations), e.g. 2GiB",
     )  # fmt: skip
-    p.add_argument("--batch", type=_positive, default=32, help="samples per mini-batch")
-    g = p.add_argument_group("gpt preset")
-    g.add_argument("--layers", type=_positive, default=6, help="transformer blocks")
+    p.add_argument(
+        "--batch", type=_positive, default=None,
+        help="samples per mini-batch (default: gpipe train's preset; --capacity: 32)",
+    )  # fmt: skip
+    p.add_argument(
+        "--seq", type=_positive, default=None,
+        help="tokens per sample (default: gpipe train's preset; --capacity: 64)",
+    )  # fmt: skip
+    g = p.add_argument_group("--capacity's gpt family")
     g.add_argument("--d-model", type=_positive, default=128)
     g.add_argument("--heads", type=_positive, default=4)
-    g.add_argument("--seq", type=_positive, default=64)
     g.add_argument("--vocab", type=_positive, default=4096, help="a large vocabulary: heavy head")
-    g = p.add_argument_group("resnet preset")
-    g.add_argument("--blocks", type=_positive, default=2, help="residual blocks per resolution")
+    g = p.add_argument_group("--capacity's resnet family")
     g.add_argument("--channels", type=_positive, default=32, help="width at full resolution")
     g.add_argument("--image", type=_positive, default=32, help="image side in pixels")
     _search_options(p)
@@ -197,23 +184,33 @@ def _capacity_options(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--shard", choices=["both", "yes", "no"], default="both", help="shard replicas' state"
     )
+    # the four terms of gpipe.planner.calibrate's answer (Calibration), one flag each
     g.add_argument(
         "--baseline-memory", type=parse_bytes, default=None,
         help="what a training process holds before its model, part of --memory (default: "
-        "measured by --calibrate, else this process's resident memory after importing torch)",
+        "calibrated; with --process-memory given: this process's, after importing torch)",
     )  # fmt: skip
     g.add_argument(
-        "--process-memory", type=parse_bytes, default=0.0, help="per process beyond the model"
-    )
+        "--process-memory", type=parse_bytes, default=None,
+        help="the fixed cost of a training process beyond its baseline and the model's terms "
+        "(calibrated's 'MiB per process'); given, nothing is calibrated",
+    )  # fmt: skip
     g.add_argument(
-        "--layer-memory", type=parse_bytes, default=0.0, help="per layer held beyond the model"
-    )
+        "--model-layer-memory", type=parse_bytes, default=0.0,
+        help="per layer of the whole model, in every process (calibrated's 'per layer of the "
+        "model'; with --process-memory)",
+    )  # fmt: skip
+    g.add_argument(
+        "--stage-layer-memory", type=parse_bytes, default=0.0,
+        help="per layer of a process's own stage (calibrated's 'per layer of its stage'; with "
+        "--process-memory)",
+    )  # fmt: skip
     g.add_argument(
         "--calibrate",
         action="store_true",
-        help="measure this machine first: with --capacity the memory a process needs, "
-        "otherwise the time per action and per step, the link and the compute slowdown "
-        "of K processes at once",
+        help="measure this machine first: the time per action and per step, the link and the "
+        "compute slowdown of K processes at once (--capacity always calibrates its memory "
+        "unless --process-memory is given)",
     )
 
 
@@ -221,32 +218,26 @@ def family(args: argparse.Namespace):
     """The preset's family (by depth) for ``--capacity``."""
     from gpipe.planner.families import gpt_family, resnet_family
 
+    batch = args.batch or 32
     if args.model == "gpt":
-        return gpt_family(
-            d_model=args.d_model, heads=args.heads, seq=args.seq, vocab=args.vocab, batch=args.batch
-        )
-    return resnet_family(channels=args.channels, image=args.image, batch=args.batch)
+        return gpt_family(d_model=args.d_model, heads=args.heads, seq=args.seq or 64,
+                          vocab=args.vocab, batch=batch)  # fmt: skip
+    if args.model == "resnet":
+        return resnet_family(channels=args.channels, image=args.image, batch=batch)
+    raise ValueError(
+        f"--capacity searches a family by depth, gpt or resnet: --model {args.model} is not one; "
+        "plan it without --capacity"
+    )
 
 
 def run_capacity(args: argparse.Namespace) -> int:
-    from gpipe.estimate.memory_model import Calibration
-    from gpipe.planner import calibrate, capacity, verify_capacity
+    from gpipe.planner import capacity, verify_capacity
 
     if args.memory is None:
         raise ValueError("--capacity needs --memory (bytes per process, e.g. 2GiB)")
     models = family(args)
     processes = args.processes or args.devices
-    baseline = args.baseline_memory
-    if baseline is None and not args.calibrate:
-        baseline = _resident_bytes()
-        print(f"a process holds {baseline / 2**20:.1f} MiB before its model (this one, after "
-              "importing torch; --calibrate measures training processes)")  # fmt: skip
-    overhead = Calibration(args.process_memory, args.layer_memory, baseline=baseline or 0.0)
-    if args.calibrate:
-        overhead = calibrate(models, processes=processes, optimizer=args.optimizer)
-        if args.baseline_memory is not None:
-            overhead = replace(overhead, baseline=args.baseline_memory)
-        print(f"calibrated: a training process needs {overhead} beyond the model's terms")
+    overhead = _calibration(args, models, processes)
     shard = {"both": None, "yes": [True], "no": [False]}[args.shard]
     start = time.perf_counter()
     with _threads(args.threads):
@@ -272,6 +263,34 @@ def run_capacity(args: argparse.Namespace) -> int:
         print()
         print(verify_capacity(models, row, optimizer=args.optimizer, steps=2).describe())
     return 0 if fitting else 1
+
+
+def _calibration(args: argparse.Namespace, models, processes: int):
+    """What a process needs beyond the model's terms: given, or measured (minutes; each run
+    is printed as it goes) and printed as the flags that give it next time."""
+    from gpipe.estimate.memory_model import Calibration
+    from gpipe.planner import calibrate
+
+    if args.process_memory is not None:
+        baseline = args.baseline_memory
+        if baseline is None:
+            baseline = _resident_bytes()
+            print(f"a process holds {baseline / 2**20:.1f} MiB before its model (this one, "
+                  "after importing torch)")  # fmt: skip
+        return Calibration(args.process_memory, args.model_layer_memory,
+                           args.stage_layer_memory, baseline)  # fmt: skip
+    print(f"calibrating on {processes} processes (2-4 short training runs, a few minutes; "
+          "--process-memory and the flags printed after skip this)", flush=True)  # fmt: skip
+    overhead = calibrate(models, processes=processes, optimizer=args.optimizer,
+                         progress=lambda line: print(f"  {line}", flush=True))  # fmt: skip
+    if args.baseline_memory is not None:
+        overhead = replace(overhead, baseline=args.baseline_memory)
+    print(f"calibrated: a training process needs {overhead} beyond the model's terms; next "
+          f"time: --baseline-memory {overhead.baseline / 2**20:.1f}MiB --process-memory "
+          f"{overhead.process / 2**20:.1f}MiB --model-layer-memory "
+          f"{overhead.per_layer / 2**20:.4f}MiB --stage-layer-memory "
+          f"{overhead.per_stage_layer / 2**20:.4f}MiB")  # fmt: skip
+    return overhead
 
 
 def _resident_bytes() -> float:
@@ -300,23 +319,25 @@ def _layers_at_a_time(text: str) -> int | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.write_config and (args.capacity or args.model != "gpt"):
-        raise ValueError(
-            "--write-config writes the plan of --model gpt (gpipe train's GPT); "
-            "the ResNet here and --capacity's rows are other models: drop --write-config"
-        )
-    too_many = [m for m in args.chunks or [] if m > args.batch]
-    if too_many:
-        raise ValueError(
-            f"--chunks {' '.join(map(str, too_many))}: a micro-batch holds at least one sample "
-            f"of --batch {args.batch}; give at most {args.batch}"
-        )
     if args.capacity:
+        if args.write_config:
+            raise ValueError(
+                "--write-config writes a plan of the model gpipe train trains; --capacity's "
+                "rows are members of a family: drop --write-config, or --capacity"
+            )
         return run_capacity(args)
+    from gpipe.cli.plan_model import trained_model, write_train_config
     from gpipe.estimate.memory_model import MemoryModel
     from gpipe.planner import Link, plan, verify
 
-    model, x, y, loss_fn, what = build(args)
+    trained = trained_model(args)
+    model, x, y, batch = trained.model, trained.inputs, trained.targets, trained.options["batch"]
+    too_many = [m for m in args.chunks or [] if m > batch]
+    if too_many:
+        raise ValueError(
+            f"--chunks {' '.join(map(str, too_many))}: a micro-batch holds at least one sample "
+            f"of --batch {batch}; give at most {batch}"
+        )
     link = Link(latency=args.latency, bandwidth=args.bandwidth)
     if args.measure_link and not args.calibrate:
         link = Link.measure()
@@ -329,7 +350,7 @@ def run(args: argparse.Namespace) -> int:
             devices=args.devices,
             memory_budget=args.memory,
             target=y,
-            loss_fn=loss_fn,
+            loss_fn=trained.loss_fn,
             device=args.device,
             repeats=args.repeats,
             warmup=args.warmup,
@@ -342,39 +363,19 @@ def run(args: argparse.Namespace) -> int:
             **({} if args.calibrate else {"link": link, "overhead": args.overhead}),
         )
     print(
-        f"gpipe plan: {what} ({len(model)} layers, {params:,} parameters); profiled on "
-        f"{args.device}, {args.threads} thread(s), {len(result.profiles)} micro-batch sizes "
-        f"in {time.perf_counter() - start:.1f} s"
+        f"gpipe plan: {trained.what} ({len(model)} layers, {params:,} parameters); profiled "
+        f"on {args.device}, {args.threads} thread(s), {len(result.profiles)} micro-batch "
+        f"sizes in {time.perf_counter() - start:.1f} s"
     )
     print(result.table(top=args.top))
     if args.verify:
-        result.verified = verify(result, model, x, y, loss_fn, top=args.verify, steps=args.steps)
+        result.verified = verify(
+            result, model, x, y, trained.loss_fn, top=args.verify, steps=args.steps
+        )
         print()
         print(result.verify_table())
     if args.write_config and result.candidates:
-        write_train_config(args.write_config, args, result.best)
+        write_train_config(args.write_config, trained, result.best, budget=args.memory is not None)
         print(f"wrote the first choice to {args.write_config}: gpipe train --config "
               f"{args.write_config}")  # fmt: skip
     return 0 if result.candidates else 1
-
-
-def write_train_config(path: str, args: argparse.Namespace, best) -> None:
-    """The GPT and the ``best`` candidate's layout, as ``gpipe train --config`` reads them."""
-    from gpipe.train.config_file import write_options
-
-    shape = f"n_layers={args.layers},d_model={args.d_model},n_heads={args.heads}"
-    options = {
-        "model": "gpt", "model_config": shape, "seq": args.seq, "batch": args.batch,
-        "stages": best.stages, "chunks": best.chunks, "schedule": best.schedule,
-        "virtual_stages": best.virtual_stages, "checkpoint": best.checkpoint,
-        "balance": list(best.balance),
-    }  # fmt: skip
-    if args.memory is not None:
-        # planned within a budget: peaks as measured need freed memory given back
-        options["cpu_allocator"] = "return"
-    header = (
-        f"gpipe plan's first choice for GPT {shape}, vocab {args.vocab}, on {args.devices} "
-        f"devices (predicted {best.throughput:,.1f} samples/s).\n"
-        "gpipe train --config THIS; flags on the command line override these."
-    )
-    write_options(path, options, header=header)

@@ -43,7 +43,9 @@ import gc
 import inspect
 import os
 import resource
-from dataclasses import dataclass
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -131,15 +133,40 @@ class CapacityCheck:
     found: Measured
     next_size: Measured | None
     predicted: Fit | None = None
+    again: tuple[Measured, ...] = ()  # the found depth and the next size up, run again
+
+    @property
+    def scatter(self) -> float:
+        """Bytes: the most the peak of one depth moved between its runs (0: none repeated)."""
+        runs: dict[int, list[float]] = {}
+        for m in (self.found, self.next_size, *self.again):
+            if m is not None and m.ran:
+                runs.setdefault(m.fit.depth, []).append(m.peak)
+        return max((max(p) - min(p) for p in runs.values()), default=0.0)
+
+    def _peaks(self, depth: int) -> list[float]:
+        runs = (self.found, self.next_size, *self.again)
+        return [m.peak for m in runs if m is not None and m.ran and m.fit.depth == depth]
 
     @property
     def exact(self) -> bool:
-        """Measured: the found member fits and the next size up (one block deeper) does not."""
+        """Measured and repeatable: the found member fits in every run, and the next size up
+        (one block deeper) exceeds the budget by more than the runs' scatter in each."""
         bigger = self.next_size
+        if not (self.found.ran and bigger is not None and bigger.ran):
+            return False
+        budget, found = self.found.fit.budget, self.found.fit.depth
         return (
-            self.found.ran and self.found.fits and bigger is not None and not bigger.fits
-            and bigger.fit.depth == self.found.fit.depth + 1
+            bigger.fit.depth == found + 1 and max(self._peaks(found)) <= budget
+            and min(self._peaks(found + 1)) > budget + self.scatter
         )  # fmt: skip
+
+    @property
+    def depths(self) -> tuple[int, int]:
+        """The range the runs decide: the found depth (within the budget in every run) up to
+        the deepest that a run's scatter could still fit (the same when ``exact``)."""
+        low = self.found.fit.depth
+        return (low, low) if self.exact or self.next_size is None else (low, low + 1)
 
     @property
     def predicted_depth(self) -> int:
@@ -153,6 +180,14 @@ class CapacityCheck:
         if self.predicted is not None and self.predicted.depth != self.found.fit.depth:
             moved = self.found.fit.depth - self.predicted.depth
             lines.append(f"predicted depth {self.predicted.depth}: off by {moved:+d} block(s)")
+        if self.again:
+            low, high = self.depths
+            verdict = f"exact: depth {low}" if self.exact else (
+                f"depth {low}-{high}: the next size up is not over the budget by more than it"
+            )  # fmt: skip
+            lines.append(
+                f"scatter between runs of one depth {self.scatter / MiB:.1f} MiB; {verdict}"
+            )
         return "\n".join(lines)
 
 
@@ -263,10 +298,15 @@ def verify_capacity(
     next_size: bool = True,
     refine: bool = False,
     moves: int = 4,
+    repeats: int = 2,
     timeout: float = 300.0,
 ) -> CapacityCheck:
     """Measure ``fit`` (a row of a capacity search) and, with ``next_size``, the same
     layout at depth + 1 (cut as lightly as it can be; predicted not to fit).
+
+    ``repeats``: runs of the found depth and of the next size up, for the scatter of a
+    peak between runs; ``exact`` then holds only where the next size up exceeds the budget
+    by more than that scatter in every run (``depths`` says the range the runs decide).
 
     ``refine``: the answer exact to one block, measured. From the prediction, the search
     gallops (1, 2, 4, ... blocks down while it measures over the budget, up while within)
@@ -286,10 +326,12 @@ def verify_capacity(
             row = fit
         return measure_fit(family, row, optimizer=optimizer, steps=steps, timeout=timeout)
 
+    if not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
     found = measure(fit.depth)
     if not (refine and found.ran):
         bigger = measure(fit.depth + 1) if next_size else None
-        return CapacityCheck(found, bigger, fit)
+        return _repeated(CapacityCheck(found, bigger, fit), measure, repeats)
     measured = {fit.depth: found}
     stride = 1
     while moves > 0:
@@ -315,7 +357,14 @@ def verify_capacity(
         bigger = deeper[0] if deeper else measure(found.fit.depth + 1)
     else:  # nothing measured fits
         found, bigger = runs[0], (runs[1] if len(runs) > 1 else None)
-    return CapacityCheck(found, bigger, fit)
+    return _repeated(CapacityCheck(found, bigger, fit), measure, repeats)
+
+
+def _repeated(check: CapacityCheck, measure: Callable[[int], Measured], repeats: int):
+    """``check`` with its found depth and next size up run ``repeats`` times in all."""
+    depths = [m.fit.depth for m in (check.found, check.next_size) if m is not None and m.ran]
+    again = tuple(measure(d) for _ in range(repeats - 1) for d in depths)
+    return replace(check, again=again)
 
 
 def calibrate(
@@ -326,6 +375,7 @@ def calibrate(
     optimizer: str | float = "adamw",
     steps: int = 2,
     timeout: float = 300.0,
+    progress: Callable[[str], None] | None = None,
 ) -> Calibration:
     """What a training process needs beyond the memory model's terms, measured in
     micro-batches of one sample with re-materialization (where the terms are smallest, so
@@ -340,7 +390,8 @@ def calibrate(
     per layer of the whole model: its own layers do not change. The baseline is the most
     any process held before its model was built; the constant is the largest excess of a
     stage's whole-process peak over its terms and the baseline, less its layers' share.
-    With one process the whole slope is charged to the stage's layers.
+    With one process the whole slope is charged to the stage's layers. ``progress``, if
+    given, is called with a line before and after each of the (2 or 4) runs.
     """
     batch = family.batch_size
 
@@ -363,10 +414,15 @@ def calibrate(
         for depth in (first_depth(processes), first_depth(4 * layers)):
             runs.append((pipeline, depth, last_alone(depth, processes)))
     rows = []
-    for layout, depth, balance in runs:
+    say = progress or (lambda line: None)
+    for i, (layout, depth, balance) in enumerate(runs, 1):
         row = fit_of(family, layout, depth, optimizer=optimizer, budget=float("inf"),
                      balance=balance)  # fmt: skip
+        say(f"calibrating {i}/{len(runs)}: {layout.label()} at depth {depth} ...")
+        start = time.perf_counter()
         rows.append(measure_fit(family, row, optimizer=optimizer, steps=steps, timeout=timeout))
+        say(f"calibrating {i}/{len(runs)}: peak {max(rows[-1].per_stage) / MiB:.1f} MiB "
+            f"in {time.perf_counter() - start:.0f} s")  # fmt: skip
     baseline = max(b for measured in rows for b in measured.before)
     stages = []  # per run: (model layers, [(excess, stage layers) per stage])
     for measured in rows:

@@ -324,6 +324,7 @@ class Capacity:
         fixed = ("process", "model layers", "before the model")
         term = max((k for k in terms if k not in fixed), key=terms.__getitem__)
         over = closest.missing[stage]
+        fixed_cost = sum(terms[k] for k in fixed)
         return (
             f"nothing fits {self.budget / MiB:.1f} MiB per process: even depth {closest.depth} of "
             f"{self.family.name} does not. Closest: {closest.layout.label()}, balance "
@@ -332,7 +333,10 @@ class Capacity:
             f"{over / MiB:.1f} MiB over, its largest term {term} "
             f"({terms[term] / MiB:.1f} MiB; "
             + ", ".join(f"{k} {v / MiB:.1f}" for k, v in terms.items() if v)
-            + f").\nTo fit: a budget of {(self.budget + over) / MiB:.1f} MiB"
+            + f"); {fixed_cost / MiB:.1f} MiB of it is fixed per process, whatever the layout "
+            f"(before the model {terms['before the model'] / MiB:.1f}, process "
+            f"{terms['process'] / MiB:.1f}, model layers {terms['model layers'] / MiB:.1f})."
+            f"\nTo fit: a budget of {(self.budget + over) / MiB:.1f} MiB"
             + (f"; {self.advice}" if self.advice else "")
         )
 

@@ -104,8 +104,9 @@ def plan_from_profiles(
     The other arguments restrict the search; the defaults try K = 1..devices, M = powers
     of two up to min(batch_size, 32), every schedule but ``"zb-auto"`` (``SEARCHED``; v = 2
     for interleaved 1F1B and the V schedules) and every checkpoint mode. K = 1 is tried
-    with ``"gpipe"`` only (every schedule is the same there), and ``"except_last"`` only
-    with M > 1 (at M = 1 it is ``"never"``).
+    with ``"gpipe"`` (all M micro-batches held) and ``"1f1b"`` (one at a time: gradient
+    accumulation; every other schedule runs as one of the two there), and
+    ``"except_last"`` only with M > 1 (at M = 1 it is ``"never"``).
     """
     if not isinstance(devices, int) or devices < 1:
         raise ValueError(f"devices must be a positive int, got {devices!r}")

@@ -1,0 +1,70 @@
+"""``gpipe plan --model``: the very model ``gpipe train`` trains (a built-in or a Hugging Face
+configuration), and ``--write-config``'s file trains exactly the planned model and layout."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from gpipe.__main__ import main
+from gpipe.train import config_file, resolve
+
+transformers = pytest.importorskip("transformers")
+
+
+def llama_config(folder) -> str:
+    """A tiny Llama's config.json, as a user saves one (trained from scratch)."""
+    config = transformers.LlamaConfig(
+        vocab_size=256, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    path = folder / "config.json"
+    path.write_text(json.dumps(config.to_dict()))
+    return str(path)
+
+
+def planned(tmp_path, capsys, model: str, *extra: str):
+    file = tmp_path / "plan.toml"
+    code = main([
+        "plan", "--model", model, "--seq", "16", "--batch", "4", "--devices", "2",
+        "--chunks", "2", "--repeats", "1", "--warmup", "0", "--top", "2",
+        "--write-config", str(file), *extra,
+    ])  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 0, out
+    return file, out
+
+
+@pytest.mark.timeout(180)
+def test_plan_profiles_the_hugging_face_model_train_would_build(tmp_path, capsys):
+    file, out = planned(tmp_path, capsys, llama_config(tmp_path))
+    assert "gpipe plan: config (small, seq 16, batch 4) (5 layers" in out  # 3 blocks + 2
+    config = resolve(config_file.merge(file, {"out": str(tmp_path / "run")}))
+    written = config_file.read(file)
+    assert config.model == str(tmp_path / "config.json")
+    assert config.model_args["config"]["num_hidden_layers"] == 3
+    assert (config.seq, config.batch, sum(config.balance)) == (16, 4, 5)
+    for name in ("stages", "chunks", "schedule", "virtual_stages", "checkpoint", "balance"):
+        assert getattr(config, name) == written[name], name
+
+
+def test_capacity_plans_families_only(capsys):
+    assert main(["plan", "--capacity", "--memory", "1GiB", "--model", "hf-llama"]) == 2
+    assert "gpt or resnet: --model hf-llama is not one" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(420)
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["gpt", "hf"])
+def test_a_written_plan_trains(tmp_path, capsys, model):
+    # README: gpipe plan ... --write-config run.toml, then gpipe train --config run.toml
+    name = llama_config(tmp_path) if model == "hf" else "gpt"
+    file, _ = planned(tmp_path, capsys, name, "--size", "tiny")
+    out = tmp_path / "run"
+    code = main(["train", "--config", str(file), "--steps", "2", "--out", str(out)])
+    assert code == 0, capsys.readouterr()
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in records if "loss" in r]
+    assert len(losses) == 2 and all(loss == loss for loss in losses)
