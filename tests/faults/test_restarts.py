@@ -46,9 +46,11 @@ def test_a_killed_rank_under_torchrun_max_restarts_resumes_from_the_newest_check
     env = {**os.environ, "GPIPE_CACHE_DIR": str(cache), "PYTHONPATH": str(SRC)}
     for variable in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(variable, None)
+    # Two restarts, as a user would allow: on a loaded machine gloo's mesh can fail to form
+    # ("connectFullMesh ... Connection refused", seen once in the suite) and cost one.
     torchrun = subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-         "2", "--max-restarts", "1", "-m", "gpipe", "train", *ARGS, "--out", str(out)],
+         "2", "--max-restarts", "2", "-m", "gpipe", "train", *ARGS, "--out", str(out)],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         start_new_session=True,
     )  # fmt: skip
