@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import gpipe.train.hooks as hooks
+import gpipe.train.memory_checks as memory_checks
 from gpipe import checkpoint as ckpt
 from gpipe.allocator import POLICIES
 from gpipe.layout import FLAGS, Layout
@@ -94,11 +95,12 @@ def flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def option_kinds() -> dict[str, type]:
-    """Each option's type, by field name: bool, int, float, str or list (``X | None`` as X)."""
-    hints = typing.get_type_hints(TrainConfig)
+def option_kinds(of: type | None = None) -> dict[str, type]:
+    """Each option's type (of :class:`TrainConfig`, or the config dataclass ``of``), by field
+    name: bool, int, float, str or list (``X | None`` as X)."""
+    hints = typing.get_type_hints(of or TrainConfig)
     kinds = {}
-    for f in fields(TrainConfig):
+    for f in fields(of or TrainConfig):
         if option(f) is not None:
             hint = hints[f.name]
             kind = next(k for k in (*typing.get_args(hint), hint) if k is not type(None))
@@ -624,7 +626,7 @@ def _problems(c: TrainConfig, start: int, world_size: int | None, *, fresh: bool
             f"torchrun started {world_size} processes but --stages {c.stages} x --replicas "
             f"{c.replicas} needs {c.world_size}"
         )
-    problems += _memory_problems(c, spawns=world_size is None)
+    problems += memory_checks.problems(c, spawns=world_size is None)
     if fresh and (Path(c.out) / "checkpoints").is_dir():
         try:
             ckpt.find(Path(c.out) / "checkpoints")
@@ -635,53 +637,6 @@ def _problems(c: TrainConfig, start: int, world_size: int | None, *, fresh: bool
         except ckpt.CheckpointError:
             pass
     return problems
-
-
-_PROCESS_BYTES = 400 * 2**20  # a rank before its model: Python, torch, gloo (measured ~350 MiB)
-
-
-def _memory_problems(c: TrainConfig, *, spawns: bool) -> list[str]:
-    """Sizes this machine cannot hold, refused before any process allocates them.
-
-    Generous on purpose: the floor is one micro-batch in the largest layer of one rank
-    (:meth:`Task.activation_floor`), against all of the machine's memory; a run refused
-    here could not have finished its first step. ``spawns``: this command starts every
-    rank here (not torchrun, whose ranks may be on several machines).
-    """
-    memory = _physical_memory()
-    if memory is None:
-        return []
-    problems = []
-    micro = -(-c.batch // (c.replicas * c.chunks))  # samples of the largest micro-batch
-    floor, terms = c.task.activation_floor(micro)
-    if floor > memory:
-        given = ", ".join(f"--{name} {getattr(c, name)}" for name in c.task.size_options)
-        lower = " or ".join(f"--{name}" for name in c.task.size_options)
-        problems.append(
-            f"{given} (--chunks {c.chunks}): one micro-batch of {micro} samples needs at "
-            f"least {_gib(floor)} in a single layer ({terms}), more than this machine's "
-            f"{_gib(memory)} of memory; lower {lower}, or raise --chunks"
-        )
-    if spawns and c.world_size * _PROCESS_BYTES > memory:
-        problems.append(
-            f"--stages {c.stages} x --replicas {c.replicas} = {c.world_size} processes need "
-            f"about {_gib(c.world_size * _PROCESS_BYTES)} before any model, more than this "
-            f"machine's {_gib(memory)} of memory; use fewer --replicas, or torchrun over "
-            "several machines"
-        )
-    return problems
-
-
-def _physical_memory() -> int | None:
-    """This machine's memory in bytes (None where the system does not say)."""
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
-def _gib(size: float) -> str:
-    return f"{size / 2**30:,.1f} GiB"
 
 
 def _writable(folder: Path) -> bool:

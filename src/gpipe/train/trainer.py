@@ -10,7 +10,6 @@ weights, the optimizer state, the learning-rate scheduler's state and the data p
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import resource
 import signal
@@ -40,6 +39,7 @@ from gpipe.parallel.sharded import sharded_optimizer_state
 from gpipe.schedule.actions import Action, TimedAction
 from gpipe.train.compiling import compile_stages, split_backward_note
 from gpipe.train.config import TrainConfig, model_spec, num_layers
+from gpipe.train.evaluation import autocast_of, build_pipe, validate
 from gpipe.train.report import Metrics, Reporter, TensorBoard, plot_losses, write_json
 
 __all__ = ["Trainer"]
@@ -63,22 +63,7 @@ class Trainer:
         self.spec = model_spec(c)
         self.layers = num_layers(self.spec)
         self.balance = c.balance or c.layout.default_balance(self.layers)
-        self.pipe = self.task.pipe(
-            resume=bool(c.resume),  # then the checkpoint's weights, not the model folder's
-            balance=self.balance,
-            chunks=c.chunks,
-            checkpoint=c.checkpoint,
-            checkpoint_layers=c.checkpoint_layers,
-            schedule=c.schedule,
-            virtual_stages=c.virtual_stages,
-            deferred_batch_norm=self.task.deferred_batch_norm,
-            group=self.mesh.pp,
-            data_parallel_group=self.mesh.dp,
-            shard="all" if c.shard else None,
-            init_seed=c.seed,
-            timeout=c.timeout,
-            transport=c.transport,
-        )
+        self.pipe = build_pipe(c, self.mesh, self.balance)
         if c.compile:
             compile_stages(self.pipe.stages)
         self.names = {p: n for n, p in self.pipe.named_parameters()}
@@ -92,11 +77,7 @@ class Trainer:
         if c.resume:
             self._load(c.resume)
         self.show = Reporter(c, rank == 0)
-        self.autocast = (
-            functools.partial(torch.autocast, "cpu", dtype=torch.bfloat16)
-            if c.dtype == "bfloat16"
-            else contextlib.nullcontext
-        )
+        self.autocast = autocast_of(c.dtype)
         self.step_times: list[float] = []
         self.skipped = 0  # steps refused for a non-finite loss or gradient
         self.signals = _Signals(self.mesh)
@@ -265,33 +246,13 @@ class Trainer:
     # -- validation and sampling -------------------------------------------------------------
 
     def evaluate(self) -> dict[str, float]:
-        """Mean loss (and accuracy) on the fixed validation set, shared out over replicas."""
-        c = self.config
-        mine = torch.tensor_split(self.data.val_indices, c.replicas)[self.replica]
-        # As many forwards on every replica (sharded ones run each together): by the
-        # shortest share.
-        shortest = len(self.data.val_indices) // c.replicas
-        batches = max(1, shortest // max(c.batch // c.replicas, c.chunks))
-        totals = torch.zeros(3, dtype=torch.float64)  # loss sum, targets, correct
-        self.pipe.eval()
-        try:
-            with torch.no_grad(), self.autocast():
-                for part in torch.tensor_split(mine, batches):
-                    # the same masks at every validation (a masked LM's)
-                    x, y = self.task.batch(self.data.val, part, seed=hash_seed(c.seed, -3))
-                    out = self.pipe(x)
-                    if out is not None:  # on the last stage's ranks only
-                        loss, count = self.task.loss(out, y), float(self.task.count(y))
-                        correct = self.task.correct(out, y)
-                        totals += torch.tensor(
-                            [float(loss) * count, count, correct], dtype=torch.float64
-                        )
-        finally:
-            self.pipe.train()
-        totals = self.mesh.everyone.all_reduce(totals, "the validation loss sum (all-reduce)")
-        result = {"val_loss": float(totals[0] / totals[1].clamp(min=1))}
-        if self.task.classifies:
-            result["val_accuracy"] = float(totals[2] / totals[1])
+        """Mean loss (and accuracy or perplexity) on the fixed validation set."""
+        data = self.data
+        result = validate(
+            self.pipe, self.config, self.mesh, data.val, data.val_indices,
+            replica=self.replica, autocast=self.autocast,
+        )  # fmt: skip
+        del result["val_targets"]
         return result
 
     def generate(self) -> str | None:
