@@ -263,6 +263,10 @@ class TrainConfig:
     )  # fmt: skip
     save_every: int = _option(100, "checkpoint every N steps, 0: at the end", _CHECKPOINTS)
     keep: int = _option(3, "checkpoints to keep, 0: all", _CHECKPOINTS)
+    keep_best: bool = _option(
+        False, "also keep the checkpoint of the best validation loss as OUT/best/ (retention "
+        "never deletes it); a validation that improves saves one", _CHECKPOINTS,
+    )  # fmt: skip
     save_on_exit: bool = _option(
         True, "on Ctrl-C or SIGTERM, save the step it stops after", _CHECKPOINTS
     )

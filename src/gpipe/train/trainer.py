@@ -20,12 +20,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.nn import functional as F
 from torch.utils import _pytree as pytree
 
+import gpipe.train.generation as generation
 import gpipe.train.hooks as hooks
 import gpipe.train.lr_schedule as lr_schedule
 import gpipe.train.optimizers as optimizers
+import gpipe.train.outputs as outputs
 from gpipe import checkpoint as ckpt
 from gpipe import timeline
 from gpipe._utils import local_value
@@ -74,6 +75,10 @@ class Trainer:
         )
         self.sampler = EpochSampler(len(self.data.train), seed=c.seed)
         self.start = 0
+        self.best_loss = float("inf")  # --keep-best's, of this run's best/ (rank 0's file)
+        if c.keep_best:
+            mine = outputs.best_loss(self.out) if rank == 0 else None
+            self.best_loss = self.mesh.everyone.broadcast_object(mine, "the best loss")
         if c.resume:
             self._load(c.resume)
         self.show = Reporter(c, rank == 0)
@@ -155,13 +160,18 @@ class Trainer:
                 continue
             record["elapsed"] = time.perf_counter() - started
             self.show.step(step, record["loss"], record[f"{self.task.unit}_per_s"])
+            best = False
             if _due(c.eval_every, step, c.steps):
                 record.update(self.evaluate())
                 self.show.validation(step, record)
+                best = c.keep_best and record["val_loss"] < self.best_loss
             metrics.write(record)
             stop = self.signals.agreed(step)  # Ctrl-C or SIGTERM on any rank
-            if _due(c.save_every, step, c.steps) or (stop and c.save_on_exit):
-                self.show.note(f"step {step}: checkpoint {self.save(step)}")
+            if _due(c.save_every, step, c.steps) or (stop and c.save_on_exit) or best:
+                saved = self.save(step)
+                self.show.note(f"step {step}: checkpoint {saved}")
+                if best:
+                    self._keep_best(saved, step, record["val_loss"])
             if stop:
                 self.show.stop()
                 self.show.note(f"stopped by a signal after step {step}")
@@ -256,34 +266,16 @@ class Trainer:
         return result
 
     def generate(self) -> str | None:
-        """Text written by the model through the pipeline, one token per pipelined forward.
-
-        The M micro-batches carry M samples; the last stage picks each next token and
-        broadcasts it to the pipeline, whose first stage feeds it back in.
-        """
+        """Text written by the model through the pipeline (gpipe.train.generation): the M
+        micro-batches carry M samples."""
         c = self.config
         if self.replica != 0 and not c.shard:  # sharded: every replica holds part of a layer
             return None
-        prompt = torch.tensor(self.task.encode(c.prompt) or [0], dtype=torch.int64)
-        tokens = prompt.repeat(c.chunks, 1)  # (M, T)
-        generator = torch.Generator().manual_seed(hash_seed(c.seed, -1))
-        last_rank = self.pipe.schedule.stage_to_rank[-1]
-        self.pipe.eval()
-        try:
-            with torch.no_grad(), self.autocast():
-                for _ in range(c.sample_tokens):
-                    out = self.pipe(tokens[:, -c.seq :])  # (M, T, vocab) on the last stage
-                    chosen = torch.zeros(c.chunks, 1, dtype=torch.int64)
-                    if out is not None:
-                        logits = self.task.logits(out)
-                        probs = F.softmax(logits[:, -1, :].float() / c.temperature, dim=-1)
-                        chosen = torch.multinomial(probs, 1, generator=generator)
-                    chosen = self.mesh.pipeline.broadcast(
-                        chosen, "the broadcast of a sampled token", src=last_rank
-                    )
-                    tokens = torch.cat([tokens, chosen], dim=1)
-        finally:
-            self.pipe.train()
+        tokens = generation.generate(
+            self.pipe, self.mesh, self.task, self.task.encode(c.prompt), rows=c.chunks,
+            new_tokens=c.sample_tokens, window=c.seq, seed=hash_seed(c.seed, -1),
+            sampling=generation.Sampling(temperature=c.temperature), autocast=self.autocast,
+        )  # fmt: skip
         texts = [self.task.decode(row.tolist()) for row in tokens]
         if self.rank == 0:
             (self.out / "sample.txt").write_text(
@@ -360,6 +352,12 @@ class Trainer:
             final = ckpt.commit(root, folder, manifest, keep=c.keep)
         everyone.barrier("the checkpoint barrier after the commit", doing=doing)
         return final
+
+    def _keep_best(self, saved: Path, step: int, val_loss: float) -> None:
+        self.best_loss = val_loss
+        if self.rank == 0:
+            best = outputs.keep_best(saved, self.out, step=step, val_loss=val_loss)
+            self.show.note(f"step {step}: best validation loss so far, kept as {best}")
 
     def _load(self, path: str) -> None:
         manifest = ckpt.read_manifest(path)
