@@ -30,6 +30,7 @@ COMMANDS = {
         "gpipe.cli.eval",
         "loss and perplexity of a run or a model folder, pipelined",
     ),
+    "generate": ("gpipe.cli.generate", "continue a prompt with a run or a model folder, pipelined"),
     "checkpoints": ("gpipe.cli.checkpoints", "list a run's checkpoints and whether each is intact"),
     "check": ("gpipe.cli.check", "is a pipelined step of your model its plain step? (float64)"),
 }

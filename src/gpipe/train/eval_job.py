@@ -23,10 +23,11 @@ from gpipe.checkpoint_integrity import choose
 from gpipe.layout import Layout
 from gpipe.parallel.launch import LaunchError, launch, threads_per_process
 from gpipe.parallel.mesh import Mesh
+from gpipe.pipe import Pipe
 from gpipe.train.config import ConfigError, TrainConfig, _option, model_spec, num_layers, resolve
 from gpipe.train.evaluation import autocast_of, build_pipe, validate
 
-__all__ = ["EvalConfig", "resolve_eval", "run_eval"]
+__all__ = ["EvalConfig", "load_pipe", "resolve_eval", "resolve_model", "run_eval"]
 
 _DATA, _PIPELINE = "data", "pipeline"
 
@@ -64,26 +65,34 @@ def resolve_eval(e: EvalConfig) -> TrainConfig:
         raise ConfigError([f"--data {e.data}: no such file or folder"])
     data = str(Path(e.data).resolve())
     pipeline = {"stages": e.stages, "chunks": e.chunks, "batch": e.batch, "dtype": e.dtype,
-                "timeout": e.timeout, "replicas": 1, "tensorboard": False}  # fmt: skip
-    if _is_run(e.model):
-        try:
-            folder, _ = choose(e.model)
-        except ckpt.CheckpointError as error:
-            raise ConfigError([f"{e.model}: {error}"]) from None
-        if e.seq is not None:
-            raise ConfigError([f"--seq: {e.model}'s model is fixed by its run; drop --seq"])
-        manifest = ckpt.read_manifest(folder)
-        # Any K: the default cut of its layers, a plain schedule (a forward only).
-        layout = Layout(stages=e.stages, schedule="gpipe", virtual_stages=1)
-        balance = layout.default_balance(num_layers(manifest.model))
-        config = resolve({
-            **pipeline, "resume": str(folder), "steps": manifest.step + 1, "schedule": "gpipe",
-            "virtual_stages": 1, "balance": ",".join(map(str, balance)),
-        })  # fmt: skip
-    else:
-        config = resolve({**pipeline, "model": e.model, "seq": e.seq, "data": data,
-                          "out": str(Path(tempfile.gettempdir()) / "gpipe-eval")})  # fmt: skip
+                "timeout": e.timeout}  # fmt: skip
+    config = resolve_model(e.model, pipeline, seq=e.seq, data=data)
     return replace(config, data=data, val_data=data, text_field=e.text_field)
+
+
+def resolve_model(
+    model: str, pipeline: dict[str, Any], *, seq: int | None, data: str | None = None
+) -> TrainConfig:
+    """The configuration of ``model`` (a run, a checkpoint or a model folder) as K processes
+    that only run forwards (``pipeline``: stages, chunks, batch, dtype, timeout) build it."""
+    pipeline = {**pipeline, "replicas": 1, "tensorboard": False}
+    if not _is_run(model):
+        return resolve({**pipeline, "model": model, "seq": seq, "data": data,
+                        "out": str(Path(tempfile.gettempdir()) / "gpipe-eval")})  # fmt: skip
+    try:
+        folder, _ = choose(model)
+    except ckpt.CheckpointError as error:
+        raise ConfigError([f"{model}: {error}"]) from None
+    if seq is not None:
+        raise ConfigError([f"--seq: {model}'s model is fixed by its run; drop --seq"])
+    manifest = ckpt.read_manifest(folder)
+    # Any K: the default cut of its layers, a plain schedule (a forward only).
+    layout = Layout(stages=pipeline["stages"], schedule="gpipe", virtual_stages=1)
+    balance = layout.default_balance(num_layers(manifest.model))
+    return resolve({
+        **pipeline, "resume": str(folder), "steps": manifest.step + 1, "schedule": "gpipe",
+        "virtual_stages": 1, "balance": ",".join(map(str, balance)),
+    })  # fmt: skip
 
 
 def _is_run(path: str) -> bool:
@@ -107,16 +116,23 @@ def run_eval(config: TrainConfig) -> dict[str, Any]:
     return results[0]
 
 
+def load_pipe(config: TrainConfig, mesh: Mesh) -> Pipe:
+    """This rank's stage of the model, with the checkpoint's weights (``config.resume``) or
+    the model folder's."""
+    c = config
+    pipe = build_pipe(c, mesh, c.balance or c.layout.default_balance(num_layers(model_spec(c))))
+    if c.resume:
+        manifest = ckpt.read_manifest(c.resume)
+        pipe.load_state_dict(ckpt.load(manifest, model=list(pipe.state_dict())).model)
+    return pipe
+
+
 def evaluate(rank: int, config: TrainConfig, prepared: Any = None) -> dict[str, Any]:
     """Rank ``rank``'s part: its stage of the model, every window of the validation data."""
     c = config
     torch.set_num_threads(c.threads or threads_per_process(c.world_size))
     mesh = Mesh.build(c.stages, c.replicas, timeout=c.timeout)
-    balance = c.balance or c.layout.default_balance(num_layers(model_spec(c)))
-    pipe = build_pipe(c, mesh, balance)
-    if c.resume:
-        manifest = ckpt.read_manifest(c.resume)
-        pipe.load_state_dict(ckpt.load(manifest, model=list(pipe.state_dict())).model)
+    pipe = load_pipe(c, mesh)
     data = c.task.data(batch=c.batch, eval_batches=1, prepared=prepared, chunks=c.chunks)
     autocast = autocast_of(c.dtype)
     mesh.everyone.barrier("the barrier before evaluating", doing="evaluating")
