@@ -46,6 +46,7 @@ GIVEN = {
     "dtype": (["--dtype", "bfloat16"], "bfloat16"),
     "save_every": (["--save-every", "3"], 3),
     "keep": (["--keep", "1"], 1),
+    "keep_best": (["--keep-best"], True),
     "save_on_exit": (["--no-save-on-exit"], False),
     "eval_every": (["--eval-every", "4"], 4),
     "eval_batches": (["--eval-batches", "2"], 2),

@@ -51,7 +51,7 @@ __all__ = [
 ]
 
 SIZES = ("tiny", "small", "base")
-DTYPES = ("float32", "bfloat16", "float64")
+DTYPES = ("float32", "bfloat16", "float16", "float64")
 INITS = ("auto", "pretrained", "random")
 PROGRESS = ("auto", "bar", "lines")
 # What a checkpoint's weights and data position depend on: these cannot change on resume.
@@ -258,7 +258,8 @@ class TrainConfig:
     )  # fmt: skip
     seed: int = _option(0, "initial weights, data order, dropout", _OPTIMIZATION)
     dtype: str = _option(
-        "float32", "bfloat16: autocast; float64: the weights in float64 (for exact comparisons)",
+        "float32", "bfloat16: autocast; float16: autocast and a gradient scaler; float64: the "
+        "weights in float64 (for exact comparisons)",
         _OPTIMIZATION, choices=DTYPES,
     )  # fmt: skip
     save_every: int = _option(100, "checkpoint every N steps, 0: at the end", _CHECKPOINTS)

@@ -25,7 +25,8 @@ from gpipe.parallel.launch import LaunchError, launch, threads_per_process
 from gpipe.parallel.mesh import Mesh
 from gpipe.pipe import Pipe
 from gpipe.train.config import ConfigError, TrainConfig, _option, model_spec, num_layers, resolve
-from gpipe.train.evaluation import autocast_of, build_pipe, validate
+from gpipe.train.evaluation import build_pipe, validate
+from gpipe.train.precision import autocast_of
 
 __all__ = ["EvalConfig", "load_pipe", "resolve_eval", "resolve_model", "run_eval"]
 
@@ -50,8 +51,8 @@ class EvalConfig:
     stages: int = _option(2, "K: pipeline stages, one process each", _PIPELINE, flags=("-K",))
     chunks: int = _option(4, "M: micro-batches per forward", _PIPELINE, flags=("-M",))
     dtype: str = _option(
-        "float32", "weights' dtype, or float32 under bfloat16 autocast", _PIPELINE,
-        choices=("float32", "bfloat16", "float64"),
+        "float32", "weights' dtype, or float32 under bfloat16 or float16 autocast", _PIPELINE,
+        choices=("float32", "bfloat16", "float16", "float64"),
     )  # fmt: skip
     timeout: float = _option(120.0, "seconds a rank waits for another", _PIPELINE)
 

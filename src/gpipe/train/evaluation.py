@@ -8,8 +8,6 @@ is the plain model's mean over the same samples (tests/train/test_eval.py).
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -21,14 +19,7 @@ from gpipe.parallel.mesh import Mesh
 from gpipe.pipe import Pipe
 from gpipe.train.config import TrainConfig
 
-__all__ = ["autocast_of", "build_pipe", "validate"]
-
-
-def autocast_of(dtype: str) -> Callable[[], Any]:
-    """The context of a run's forwards: bfloat16 autocast for ``--dtype bfloat16``."""
-    if dtype == "bfloat16":
-        return functools.partial(torch.autocast, "cpu", dtype=torch.bfloat16)
-    return contextlib.nullcontext
+__all__ = ["build_pipe", "validate"]
 
 
 def build_pipe(config: TrainConfig, mesh: Mesh, balance: list[int]) -> Pipe:

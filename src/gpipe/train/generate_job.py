@@ -12,8 +12,8 @@ from gpipe.parallel.launch import LaunchError, launch, threads_per_process
 from gpipe.parallel.mesh import Mesh
 from gpipe.train.config import ConfigError, TrainConfig, _option
 from gpipe.train.eval_job import load_pipe, resolve_model
-from gpipe.train.evaluation import autocast_of
 from gpipe.train.generation import Sampling, generate
+from gpipe.train.precision import autocast_of
 
 __all__ = ["GenerateConfig", "resolve_generate", "run_generate"]
 
@@ -38,8 +38,8 @@ class GenerateConfig:
     )  # fmt: skip
     stages: int = _option(2, "K: pipeline stages, one process each", _PIPELINE, flags=("-K",))
     dtype: str = _option(
-        "float32", "weights' dtype, or float32 under bfloat16 autocast", _PIPELINE,
-        choices=("float32", "bfloat16", "float64"),
+        "float32", "weights' dtype, or float32 under bfloat16 or float16 autocast", _PIPELINE,
+        choices=("float32", "bfloat16", "float16", "float64"),
     )  # fmt: skip
     timeout: float = _option(120.0, "seconds a rank waits for another", _PIPELINE)
 

@@ -40,7 +40,8 @@ from gpipe.parallel.sharded import sharded_optimizer_state
 from gpipe.schedule.actions import Action, TimedAction
 from gpipe.train.compiling import compile_stages, split_backward_note
 from gpipe.train.config import TrainConfig, model_spec, num_layers
-from gpipe.train.evaluation import autocast_of, build_pipe, validate
+from gpipe.train.evaluation import build_pipe, validate
+from gpipe.train.precision import autocast_of, optimizer_step, scaler_of
 from gpipe.train.report import Metrics, Reporter, TensorBoard, plot_losses, write_json
 
 __all__ = ["Trainer"]
@@ -82,7 +83,7 @@ class Trainer:
         if c.resume:
             self._load(c.resume)
         self.show = Reporter(c, rank == 0)
-        self.autocast = autocast_of(c.dtype)
+        self.autocast, self.scaler = autocast_of(c.dtype), scaler_of(c.dtype)
         self.step_times: list[float] = []
         self.skipped = 0  # steps refused for a non-finite loss or gradient
         self.signals = _Signals(self.mesh)
@@ -202,13 +203,9 @@ class Trainer:
             meter = stack.enter_context(measure_activations(self.pipe)) if traced else None
             stack.enter_context(self.autocast())
             seed = hash_seed(c.seed, step, self.replica)
-            loss = self.pipe.step(
-                x, y, self.task.loss, count=self.task.count, seed=seed, trace=traced
-            )
-        norm = self.pipe.clip_grad_norm_(c.grad_clip) if c.grad_clip else None
-        if self.optimizer is not None:
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
+            loss = self.pipe.step(x, y, self.task.loss, count=self.task.count, seed=seed,
+                                  trace=traced, scaler=self.scaler)  # fmt: skip
+        stepped = optimizer_step(self.pipe, self.optimizer, self.scaler, c.grad_clip)
         loss = self.mesh.mean_over_replicas(
             float(loss), "the loss average over replicas", doing=f"step {step}"
         )
@@ -220,7 +217,7 @@ class Trainer:
             "step": step,
             "loss": loss,
             "lr": lr,
-            "grad_norm": None if norm is None else float(norm),
+            **stepped,  # grad_norm; with float16, scale and skipped
             "step_time": seconds,
             f"{self.task.unit}_per_s": c.batch * self.task.samples() / seconds,
         }
