@@ -41,6 +41,7 @@ GIVEN = {
     "beta2": (["--beta2", "0.99"], 0.99),
     "eps": (["--eps", "1e-6"], 1e-6),
     "grad_clip": (["--grad-clip", "0.5"], 0.5),
+    "freeze": (["--freeze", "0.*"], "0.*"),
     "skip_nonfinite": (["--skip-nonfinite", "2"], 2),
     "seed": (["--seed", "3"], 3),
     "dtype": (["--dtype", "bfloat16"], "bfloat16"),

@@ -63,7 +63,7 @@ _FIXED_ON_RESUME = (
 # moves the horizon).
 _OPTIMIZER_ON_RESUME = (
     "optimizer", "lr", "lr_schedule", "warmup", "weight_decay", "beta1", "beta2", "eps",
-    "momentum",
+    "momentum", "freeze",
 )  # fmt: skip
 _PATHS = ("model", "data", "val_data", "tokenizer")  # made absolute: a run resumes anywhere
 
@@ -252,6 +252,11 @@ class TrainConfig:
     eps: float = _option(1e-8, "AdamW's and Adam's epsilon", _OPTIMIZATION)
     momentum: float = _option(0.0, "SGD's momentum", _OPTIMIZATION)
     grad_clip: float = _option(1.0, "global gradient-norm clip, 0: off", _OPTIMIZATION)
+    freeze: str | None = _option(
+        None, "freeze the parameters whose names match one of these comma-separated fnmatch "
+        "patterns ('0.*,1.*', '*.embed_tokens.*'): no gradient, not in the optimizer",
+        _OPTIMIZATION, metavar="PATTERNS",
+    )  # fmt: skip
     skip_nonfinite: int = _option(
         0, "skip up to N steps whose loss or gradients are not finite, 0: stop at the first",
         _OPTIMIZATION, metavar="N",

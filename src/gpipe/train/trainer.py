@@ -41,6 +41,7 @@ from gpipe.schedule.actions import Action, TimedAction
 from gpipe.train.compiling import compile_stages, split_backward_note
 from gpipe.train.config import TrainConfig, model_spec, num_layers
 from gpipe.train.evaluation import build_pipe, validate
+from gpipe.train.freezing import freeze
 from gpipe.train.precision import autocast_of, optimizer_step, scaler_of
 from gpipe.train.report import Metrics, Reporter, TensorBoard, plot_losses, write_json
 
@@ -90,7 +91,13 @@ class Trainer:
         self.measured: dict[str, Any] = {}  # of the traced step: bubble, memory per rank
 
     def _optimizer(self) -> torch.optim.Optimizer | None:
-        return optimizers.build(list(self.pipe.parameters()), self.config)
+        c = self.config
+        frozen = freeze(list(self.pipe.named_parameters()), c.freeze)
+        if c.freeze and not self.mesh.sum_over_pipeline(len(frozen), "the frozen count"):
+            raise ValueError(f"--freeze {c.freeze} matches no parameter's name; "
+                             f"they read like {next(iter(self.names.values()))!r}")  # fmt: skip
+        trained = [p for p in self.pipe.parameters() if p.requires_grad]
+        return optimizers.build(trained, c)
 
     def _scheduler(self, steps: int) -> torch.optim.lr_scheduler.LRScheduler | None:
         c = self.config
