@@ -255,7 +255,7 @@ class TrainConfig:
     freeze: str | None = _option(
         None, "freeze the parameters whose names match one of these comma-separated fnmatch "
         "patterns ('0.*,1.*', '*.embed_tokens.*'): no gradient, not in the optimizer",
-        _OPTIMIZATION, metavar="PATTERNS",
+        _OPTIMIZATION, metavar="PATTERNS", default_text="none",
     )  # fmt: skip
     skip_nonfinite: int = _option(
         0, "skip up to N steps whose loss or gradients are not finite, 0: stop at the first",
