@@ -23,6 +23,7 @@ from gpipe.remat import REMAT_MODES
 from gpipe.schedule import SCHEDULES
 from gpipe.train.hf import (
     FAMILIES,
+    HFModel,
     families_of,
     family_of,
     has_weights,
@@ -34,7 +35,16 @@ from gpipe.train.lr_schedule import LR_SCHEDULES
 from gpipe.train.objectives import PACKINGS
 from gpipe.train.optimizers import OPTIMIZERS
 from gpipe.train.optimizers import problems as optimizer_problems
-from gpipe.train.tasks import HF_FOLDER, RECIPES, Task, recipe_of, source_of, task_of, tokenizer_of
+from gpipe.train.tasks import (
+    HF_FOLDER,
+    RECIPES,
+    Task,
+    recipe_of,
+    sized_rates,
+    source_of,
+    task_of,
+    tokenizer_of,
+)
 from gpipe.train.tokenizers import BYTES
 
 __all__ = [
@@ -113,7 +123,7 @@ def preset_fields() -> set[str]:
     return {
         key
         for recipe in (*RECIPES.values(), HF_FOLDER)
-        for preset in (*recipe.presets.values(), *recipe.fine_tune_presets.values())
+        for preset in recipe.presets.values()
         for key in preset
         if key not in recipe.model_keys
     }
@@ -191,7 +201,11 @@ class TrainConfig:
         2, "K: pipeline stages, one process each; under torchrun, WORLD_SIZE / --replicas",
         _PIPELINE, flags=("-K",),
     )  # fmt: skip
-    chunks: int = _option(4, "M: micro-batches per mini-batch", _PIPELINE, flags=("-M",))
+    chunks: int = _option(
+        4, "M: micro-batches per mini-batch, i.e. gradient accumulation: one optimizer step "
+        "per mini-batch of --batch samples, its gradient summed over M micro-batches",
+        _PIPELINE, flags=("-M",),
+    )  # fmt: skip
     schedule: str = _option("gpipe", "the pipeline schedule", _PIPELINE, choices=tuple(SCHEDULES))
     virtual_stages: int = _option(
         1, "stages per process", _PIPELINE,
@@ -526,11 +540,18 @@ def _model(given: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
                   "split": [p.strip() for p in split.split(",")] if split else None}  # fmt: skip
     tokenizer = given.get("tokenizer", "auto")
     chosen = {
-        "preset": HF_FOLDER.preset(size, pretrained=init == "pretrained"),
+        "preset": _sized(HF_FOLDER.preset(size), model_args, pretrained=init == "pretrained"),
         "model_args": model_args, "init": init,
         "tokenizer": tokenizer_of(model) if tokenizer == "auto" else tokenizer,
     }  # fmt: skip
     return chosen, problems
+
+
+def _sized(preset: dict[str, Any], model_args: dict[str, Any], **how: Any) -> dict[str, Any]:
+    try:
+        return {**preset, **sized_rates(HFModel(model_args).parameter_count(), preset, **how)}
+    except (ValueError, OSError, ImportError):  # a model transformers cannot build: said later
+        return preset
 
 
 def _output_problems(values: dict[str, Any], given: dict[str, Any]) -> list[str]:

@@ -194,6 +194,10 @@ class HFModel(ModelSource):
     def split(self, model: nn.Module) -> list[str]:
         return list(self.args.get("split") or blocks(model))
 
+    def parameter_count(self) -> int:
+        with torch.device("meta"):
+            return sum(p.numel() for p in self.build().parameters())
+
     def units(self) -> int:
         with torch.device("meta"):
             model = self.build()
