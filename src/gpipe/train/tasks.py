@@ -310,7 +310,8 @@ class Task:
         found = []
         tokenizer = self.tokenizer
         if tokenizer is not None:
-            found += self.model.problems(seq=self.seq, vocab=tokenizer.vocab_size)
+            found += self.model.problems(seq=self.seq, vocab=tokenizer.vocab_size,
+                                         pretrained=self.weights is not None)  # fmt: skip
             if isinstance(self.objective, MaskedLM) and tokenizer.mask is None:
                 found.append(
                     f"a masked LM needs a tokenizer with a mask token; {tokenizer.name} has "
