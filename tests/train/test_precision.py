@@ -13,7 +13,8 @@ from torch.nn import functional as F
 
 import gpipe
 import user_scripts
-from gpipe.train.precision import autocast_of, optimizer_step, scaler_of
+from gpipe import checkpoint as ckpt
+from gpipe.train.precision import autocast_of, load_scaler, optimizer_step, scaler_of
 
 
 def test_an_overflowing_step_is_skipped_and_its_scale_halved():
@@ -53,3 +54,23 @@ def test_a_float16_run_in_2_processes_writes_its_scale(in_process, tmp_path):
     assert [r["scale"] for r in records] == [65536.0] * 4
     assert [r["skipped"] for r in records] == [False] * 4
     assert all(r["loss"] < 6 for r in records)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.slow
+def test_a_float16_run_resumes_its_scaler(in_process, tmp_path):
+    run = tmp_path / "run"
+    options = ["--size", "tiny", "--dtype", "float16", "--eval-every", "0", "--save-every",
+               "2", "--sample-tokens", "0", "--progress", "lines", "--no-tensorboard"]  # fmt: skip
+    done = in_process("train", *options, "--steps", "2", "--out", str(run))
+    assert done.returncode == 0, done.stderr
+    saved = ckpt.read_manifest(ckpt.find(run)).scheduler["grad_scaler"]
+    assert (saved["scale"], saved["_growth_tracker"]) == (65536.0, 2)
+    done = in_process("train", "--resume", str(run), "--steps", "4")
+    assert done.returncode == 0, done.stderr
+    resumed = ckpt.read_manifest(ckpt.find(run)).scheduler["grad_scaler"]
+    assert resumed["_growth_tracker"] == 4  # counted on from the checkpoint's 2
+    scaler = scaler_of("float16")
+    assert load_scaler({"last_epoch": 4, "grad_scaler": resumed}, scaler) == {"last_epoch": 4}
+    assert scaler.state_dict()["_growth_tracker"] == 4
+    assert load_scaler({"grad_scaler": resumed}, None) is None

@@ -20,9 +20,10 @@ import torch
 
 from gpipe.pipe import Pipe
 
-__all__ = ["AUTOCAST", "autocast_of", "optimizer_step", "scaler_of"]
+__all__ = ["AUTOCAST", "autocast_of", "load_scaler", "optimizer_step", "save_scaler", "scaler_of"]
 
 AUTOCAST = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+SCALER = "grad_scaler"  # its key in the checkpoint's scheduler record
 
 
 def autocast_of(dtype: str) -> Callable[[], Any]:
@@ -59,3 +60,22 @@ def optimizer_step(
         record.update(scale=scale, skipped=scaler.get_scale() < scale)
     optimizer.zero_grad(set_to_none=True)
     return record
+
+
+def save_scaler(schedule: dict[str, Any] | None, scaler: Any) -> dict[str, Any] | None:
+    """The checkpoint's scheduler record with the scaler's state (its scale and growth
+    tracker, the same on every rank) beside it: a float16 run resumes exactly."""
+    if scaler is None:
+        return schedule
+    return {**(schedule or {}), SCALER: scaler.state_dict()}
+
+
+def load_scaler(schedule: dict[str, Any] | None, scaler: Any) -> dict[str, Any] | None:
+    """Load what :func:`save_scaler` added into ``scaler`` (None: a run of another
+    --dtype, which drops it); returns the scheduler's own record."""
+    if not schedule or SCALER not in schedule:
+        return schedule
+    rest = {k: v for k, v in schedule.items() if k != SCALER}
+    if scaler is not None:
+        scaler.load_state_dict(schedule[SCALER])
+    return rest or None

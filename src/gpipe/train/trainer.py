@@ -42,7 +42,7 @@ from gpipe.train.compiling import compile_stages, split_backward_note
 from gpipe.train.config import TrainConfig, model_spec, num_layers
 from gpipe.train.evaluation import build_pipe, validate
 from gpipe.train.freezing import freeze
-from gpipe.train.precision import autocast_of, optimizer_step, scaler_of
+from gpipe.train.precision import autocast_of, load_scaler, optimizer_step, save_scaler, scaler_of
 from gpipe.train.report import Metrics, Reporter, TensorBoard, plot_losses, write_json
 
 __all__ = ["Trainer"]
@@ -62,6 +62,7 @@ class Trainer:
         torch.set_num_threads(threads)
         cpu_allocator(c.cpu_allocator)
         self.mesh = Mesh.build(c.stages, c.replicas, timeout=c.timeout)
+        self.autocast, self.scaler = autocast_of(c.dtype), scaler_of(c.dtype)
         self.replica = rank // c.stages
         self.spec = model_spec(c)
         self.layers = num_layers(self.spec)
@@ -84,7 +85,6 @@ class Trainer:
         if c.resume:
             self._load(c.resume)
         self.show = Reporter(c, rank == 0)
-        self.autocast, self.scaler = autocast_of(c.dtype), scaler_of(c.dtype)
         self.step_times: list[float] = []
         self.skipped = 0  # steps refused for a non-finite loss or gradient
         self.signals = _Signals(self.mesh)
@@ -351,7 +351,8 @@ class Trainer:
                       "virtual_stages": c.virtual_stages, "balance": self.balance}  # fmt: skip
             manifest = ckpt.Manifest(
                 step=step, config=asdict(c), model=self.spec, data=self.sampler.state_dict(),
-                layout=layout, scheduler=self.scheduler and lr_schedule.state(self.scheduler),
+                layout=layout, scheduler=save_scaler(
+                    self.scheduler and lr_schedule.state(self.scheduler), self.scaler),
             )  # fmt: skip
             final = ckpt.commit(root, folder, manifest, keep=c.keep)
         everyone.barrier("the checkpoint barrier after the commit", doing=doing)
@@ -372,6 +373,7 @@ class Trainer:
             rng=self.mesh.pp_rank if same_cut else None,
         )  # fmt: skip
         self.pipe.load_state_dict(loaded.model, strict=True)
+        manifest.scheduler = load_scaler(manifest.scheduler, self.scaler)
         if self.optimizer is not None:
             state = sharded_optimizer_state(loaded.optimizer, {n: p for p, n in self.names.items()})
             ckpt.load_optimizer_state_by_name(self.optimizer, self.names, state)
