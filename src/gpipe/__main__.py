@@ -26,6 +26,11 @@ COMMANDS = {
     "plan": ("gpipe.cli.plan", "rank K, M, schedule and re-materialization for a memory budget"),
     "train": ("gpipe.cli.train", "the main job: train through K processes, with checkpoints"),
     "export": ("gpipe.cli.export", "merge a checkpoint's shards into one plain state dict"),
+    "eval": (
+        "gpipe.cli.eval",
+        "loss and perplexity of a run or a model folder, pipelined",
+    ),
+    "generate": ("gpipe.cli.generate", "continue a prompt with a run or a model folder, pipelined"),
     "checkpoints": ("gpipe.cli.checkpoints", "list a run's checkpoints and whether each is intact"),
     "check": ("gpipe.cli.check", "is a pipelined step of your model its plain step? (float64)"),
 }

@@ -345,9 +345,9 @@ def test_resume_rules(tiny_run, capsys, tmp_path):
     # Another model: said so, not a KeyError of the GPT's arguments in the other's recipe.
     assert main(["train", "--resume", str(out), "--model", "hf-llama", "--steps", "20"]) == 2
     assert capsys.readouterr().err.splitlines() == [
-        "gpipe train: error: --model hf-llama differs from the checkpoint's 'gpt': a resumed run "
-        "keeps the model, data and seed; drop --model"
-    ]  # one problem, one line
+        "gpipe train: error: --model hf-llama differs from the checkpoint's 'gpt': a resumed "
+        "run keeps the model, data and seed; drop --model"
+    ]  # the one problem, in one line
     assert main(["train", "--size", "tiny", "--out", str(out)]) == 2
     assert f"already holds a run's checkpoints: continue it with --resume {out}" in (
         capsys.readouterr().err

@@ -300,3 +300,17 @@ def test_a_mixtral_trains_with_its_load_balancing_loss(tmp_path):
     expected.backward()
     assert abs(float(loss) - expected.item()) <= 1e-12
     assert_same_gradients(pipe, model)
+
+
+def test_a_tokenizer_too_large_for_the_folders_weights_names_a_remedy_that_works(tmp_path):
+    folder = model_folder(tmp_path / "small", llama(vocab_size=100))
+    (tmp_path / "t.txt").write_text(TEXT[:4000])
+    options = {"model": str(folder), "data": str(tmp_path / "t.txt"), "tokenizer": "bytes",
+               "seq": 32, "out": str(tmp_path / "run")}  # fmt: skip
+    with pytest.raises(ConfigError) as refused:
+        resolve(options)
+    (problem,) = refused.value.problems
+    assert problem.endswith("or --init random --model-config vocab_size=256 (from scratch)")
+    # what it proposes runs: the folder's shape, 256 rows of embedding, random weights
+    config = resolve({**options, "init": "random", "model_config": "vocab_size=256"})
+    assert config.model_args["config"]["vocab_size"] == 256

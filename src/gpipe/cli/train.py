@@ -83,17 +83,18 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
 
 
-def add_config_options(parser: argparse.ArgumentParser) -> dict[str, Any]:
-    """One option per field of :class:`TrainConfig`, as its :class:`~gpipe.train.config.Option`
-    describes it, under its group's heading; returns the groups by heading.
+def add_config_options(parser: argparse.ArgumentParser, of: type = TrainConfig) -> dict[str, Any]:
+    """One option per field of :class:`TrainConfig` (or of the config dataclass ``of``: gpipe
+    eval's, generate's), as its :class:`~gpipe.train.config.Option` describes it, under its
+    group's heading; returns the groups by heading.
 
     Every option defaults to None, "not given", so that presets and, on --resume, the
     checkpoint's configuration fill it in; --help shows the default of the field.
     """
     groups: dict[str, Any] = {}
-    kinds = option_kinds()
-    presets = preset_fields()
-    for f in fields(TrainConfig):
+    kinds = option_kinds(of)
+    presets = preset_fields() if of is TrainConfig else set()
+    for f in fields(of):
         how = option(f)
         if how is None:
             continue

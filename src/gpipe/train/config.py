@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import gpipe.train.hooks as hooks
+import gpipe.train.memory_checks as memory_checks
 from gpipe import checkpoint as ckpt
 from gpipe.allocator import POLICIES
 from gpipe.layout import FLAGS, Layout
@@ -22,6 +23,7 @@ from gpipe.remat import REMAT_MODES
 from gpipe.schedule import SCHEDULES
 from gpipe.train.hf import (
     FAMILIES,
+    HFModel,
     families_of,
     family_of,
     has_weights,
@@ -33,7 +35,16 @@ from gpipe.train.lr_schedule import LR_SCHEDULES
 from gpipe.train.objectives import PACKINGS
 from gpipe.train.optimizers import OPTIMIZERS
 from gpipe.train.optimizers import problems as optimizer_problems
-from gpipe.train.tasks import HF_FOLDER, RECIPES, Task, recipe_of, source_of, task_of, tokenizer_of
+from gpipe.train.tasks import (
+    HF_FOLDER,
+    RECIPES,
+    Task,
+    recipe_of,
+    sized_rates,
+    source_of,
+    task_of,
+    tokenizer_of,
+)
 from gpipe.train.tokenizers import BYTES
 
 __all__ = [
@@ -50,7 +61,7 @@ __all__ = [
 ]
 
 SIZES = ("tiny", "small", "base")
-DTYPES = ("float32", "bfloat16", "float64")
+DTYPES = ("float32", "bfloat16", "float16", "float64")
 INITS = ("auto", "pretrained", "random")
 PROGRESS = ("auto", "bar", "lines")
 # What a checkpoint's weights and data position depend on: these cannot change on resume.
@@ -62,7 +73,7 @@ _FIXED_ON_RESUME = (
 # moves the horizon).
 _OPTIMIZER_ON_RESUME = (
     "optimizer", "lr", "lr_schedule", "warmup", "weight_decay", "beta1", "beta2", "eps",
-    "momentum",
+    "momentum", "freeze",
 )  # fmt: skip
 _PATHS = ("model", "data", "val_data", "tokenizer")  # made absolute: a run resumes anywhere
 
@@ -94,11 +105,12 @@ def flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def option_kinds() -> dict[str, type]:
-    """Each option's type, by field name: bool, int, float, str or list (``X | None`` as X)."""
-    hints = typing.get_type_hints(TrainConfig)
+def option_kinds(of: type | None = None) -> dict[str, type]:
+    """Each option's type (of :class:`TrainConfig`, or the config dataclass ``of``), by field
+    name: bool, int, float, str or list (``X | None`` as X)."""
+    hints = typing.get_type_hints(of or TrainConfig)
     kinds = {}
-    for f in fields(TrainConfig):
+    for f in fields(of or TrainConfig):
         if option(f) is not None:
             hint = hints[f.name]
             kind = next(k for k in (*typing.get_args(hint), hint) if k is not type(None))
@@ -111,7 +123,7 @@ def preset_fields() -> set[str]:
     return {
         key
         for recipe in (*RECIPES.values(), HF_FOLDER)
-        for preset in (*recipe.presets.values(), *recipe.fine_tune_presets.values())
+        for preset in recipe.presets.values()
         for key in preset
         if key not in recipe.model_keys
     }
@@ -189,7 +201,11 @@ class TrainConfig:
         2, "K: pipeline stages, one process each; under torchrun, WORLD_SIZE / --replicas",
         _PIPELINE, flags=("-K",),
     )  # fmt: skip
-    chunks: int = _option(4, "M: micro-batches per mini-batch", _PIPELINE, flags=("-M",))
+    chunks: int = _option(
+        4, "M: micro-batches per mini-batch, i.e. gradient accumulation: one optimizer step "
+        "per mini-batch of --batch samples, its gradient summed over M micro-batches",
+        _PIPELINE, flags=("-M",),
+    )  # fmt: skip
     schedule: str = _option("gpipe", "the pipeline schedule", _PIPELINE, choices=tuple(SCHEDULES))
     virtual_stages: int = _option(
         1, "stages per process", _PIPELINE,
@@ -250,17 +266,27 @@ class TrainConfig:
     eps: float = _option(1e-8, "AdamW's and Adam's epsilon", _OPTIMIZATION)
     momentum: float = _option(0.0, "SGD's momentum", _OPTIMIZATION)
     grad_clip: float = _option(1.0, "global gradient-norm clip, 0: off", _OPTIMIZATION)
+    freeze: str | None = _option(
+        None, "freeze the parameters whose names match one of these comma-separated fnmatch "
+        "patterns ('0.*,1.*', '*.embed_tokens.*'): no gradient, not in the optimizer",
+        _OPTIMIZATION, metavar="PATTERNS", default_text="none",
+    )  # fmt: skip
     skip_nonfinite: int = _option(
         0, "skip up to N steps whose loss or gradients are not finite, 0: stop at the first",
         _OPTIMIZATION, metavar="N",
     )  # fmt: skip
     seed: int = _option(0, "initial weights, data order, dropout", _OPTIMIZATION)
     dtype: str = _option(
-        "float32", "bfloat16: autocast; float64: the weights in float64 (for exact comparisons)",
+        "float32", "bfloat16: autocast; float16: autocast and a gradient scaler; float64: the "
+        "weights in float64 (for exact comparisons)",
         _OPTIMIZATION, choices=DTYPES,
     )  # fmt: skip
     save_every: int = _option(100, "checkpoint every N steps, 0: at the end", _CHECKPOINTS)
     keep: int = _option(3, "checkpoints to keep, 0: all", _CHECKPOINTS)
+    keep_best: bool = _option(
+        False, "also keep the checkpoint of the best validation loss as OUT/best/ (retention "
+        "never deletes it); a validation that improves saves one", _CHECKPOINTS,
+    )  # fmt: skip
     save_on_exit: bool = _option(
         True, "on Ctrl-C or SIGTERM, save the step it stops after", _CHECKPOINTS
     )
@@ -514,11 +540,18 @@ def _model(given: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
                   "split": [p.strip() for p in split.split(",")] if split else None}  # fmt: skip
     tokenizer = given.get("tokenizer", "auto")
     chosen = {
-        "preset": HF_FOLDER.preset(size, pretrained=init == "pretrained"),
+        "preset": _sized(HF_FOLDER.preset(size), model_args, pretrained=init == "pretrained"),
         "model_args": model_args, "init": init,
         "tokenizer": tokenizer_of(model) if tokenizer == "auto" else tokenizer,
     }  # fmt: skip
     return chosen, problems
+
+
+def _sized(preset: dict[str, Any], model_args: dict[str, Any], **how: Any) -> dict[str, Any]:
+    try:
+        return {**preset, **sized_rates(HFModel(model_args).parameter_count(), preset, **how)}
+    except (ValueError, OSError, ImportError):  # a model transformers cannot build: said later
+        return preset
 
 
 def _output_problems(values: dict[str, Any], given: dict[str, Any]) -> list[str]:
@@ -624,7 +657,7 @@ def _problems(c: TrainConfig, start: int, world_size: int | None, *, fresh: bool
             f"torchrun started {world_size} processes but --stages {c.stages} x --replicas "
             f"{c.replicas} needs {c.world_size}"
         )
-    problems += _memory_problems(c, spawns=world_size is None)
+    problems += memory_checks.problems(c, spawns=world_size is None)
     if fresh and (Path(c.out) / "checkpoints").is_dir():
         try:
             ckpt.find(Path(c.out) / "checkpoints")
@@ -635,53 +668,6 @@ def _problems(c: TrainConfig, start: int, world_size: int | None, *, fresh: bool
         except ckpt.CheckpointError:
             pass
     return problems
-
-
-_PROCESS_BYTES = 400 * 2**20  # a rank before its model: Python, torch, gloo (measured ~350 MiB)
-
-
-def _memory_problems(c: TrainConfig, *, spawns: bool) -> list[str]:
-    """Sizes this machine cannot hold, refused before any process allocates them.
-
-    Generous on purpose: the floor is one micro-batch in the largest layer of one rank
-    (:meth:`Task.activation_floor`), against all of the machine's memory; a run refused
-    here could not have finished its first step. ``spawns``: this command starts every
-    rank here (not torchrun, whose ranks may be on several machines).
-    """
-    memory = _physical_memory()
-    if memory is None:
-        return []
-    problems = []
-    micro = -(-c.batch // (c.replicas * c.chunks))  # samples of the largest micro-batch
-    floor, terms = c.task.activation_floor(micro)
-    if floor > memory:
-        given = ", ".join(f"--{name} {getattr(c, name)}" for name in c.task.size_options)
-        lower = " or ".join(f"--{name}" for name in c.task.size_options)
-        problems.append(
-            f"{given} (--chunks {c.chunks}): one micro-batch of {micro} samples needs at "
-            f"least {_gib(floor)} in a single layer ({terms}), more than this machine's "
-            f"{_gib(memory)} of memory; lower {lower}, or raise --chunks"
-        )
-    if spawns and c.world_size * _PROCESS_BYTES > memory:
-        problems.append(
-            f"--stages {c.stages} x --replicas {c.replicas} = {c.world_size} processes need "
-            f"about {_gib(c.world_size * _PROCESS_BYTES)} before any model, more than this "
-            f"machine's {_gib(memory)} of memory; use fewer --replicas, or torchrun over "
-            "several machines"
-        )
-    return problems
-
-
-def _physical_memory() -> int | None:
-    """This machine's memory in bytes (None where the system does not say)."""
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
-def _gib(size: float) -> str:
-    return f"{size / 2**30:,.1f} GiB"
 
 
 def _writable(folder: Path) -> bool:

@@ -73,9 +73,7 @@ def write(path: str | Path, config: TrainConfig) -> None:
     """Write ``config``'s options as TOML: its preset's and those off their default, but
     --out and --resume (a value a model cannot take, like --seq for a CNN, stays out)."""
     values, defaults = asdict(config), asdict(TrainConfig())
-    preset = set(
-        recipe_of(config.model).preset(config.size, pretrained=config.init == "pretrained")
-    )
+    preset = set(recipe_of(config.model).preset(config.size))
     chosen = {
         name: values[name]
         for name in option_kinds()

@@ -194,6 +194,10 @@ class HFModel(ModelSource):
     def split(self, model: nn.Module) -> list[str]:
         return list(self.args.get("split") or blocks(model))
 
+    def parameter_count(self) -> int:
+        with torch.device("meta"):
+            return sum(p.numel() for p in self.build().parameters())
+
     def units(self) -> int:
         with torch.device("meta"):
             model = self.build()
@@ -224,13 +228,17 @@ class HFModel(ModelSource):
             f"**{self.args['config']!r}))"
         )
 
-    def problems(self, *, seq: int, vocab: int) -> list[str]:
+    def problems(self, *, seq: int, vocab: int, pretrained: bool = False) -> list[str]:
         config, found = self.args["config"], []
         size = _first(config, "vocab_size")
         if size is not None and vocab > size:
+            # The folder's weights fix the embedding's rows: a larger vocab_size is a model
+            # trained from scratch.
+            larger = f"--model-config vocab_size={vocab}"
+            remedy = f"--init random {larger} (from scratch)" if pretrained else larger
             found.append(
                 f"the tokenizer has {vocab:,} tokens, the model's vocab_size is {size:,}: use "
-                f"the model's own tokenizer, or --model-config vocab_size={vocab}"
+                f"the model's own tokenizer (--tokenizer auto), or {remedy}"
             )
         positions = _first(config, "max_position_embeddings", "n_positions")
         if positions is not None and seq > positions:

@@ -23,8 +23,9 @@ from torch.overrides import TorchFunctionMode
 from gpipe.estimate.memory_model import Held, MemoryModel, StageMemoryTable
 from gpipe.estimate.profile import LayerProfile
 from gpipe.texts import DataError
-from gpipe.train.config import _PROCESS_BYTES, ConfigError, TrainConfig
+from gpipe.train.config import ConfigError, TrainConfig
 from gpipe.train.hf import HFModel
+from gpipe.train.memory_checks import PROCESS_BYTES, gib
 from gpipe.train.networks import ModelSource
 from gpipe.train.outputs import run_folder_problems
 
@@ -77,7 +78,7 @@ def memory_problems(config: TrainConfig, source: ModelSource, *, processes: int)
                              splits_backward=schedule.splits_backward(0, 0))  # fmt: skip
     starts = [sum(balance[:s]) for s in range(len(balance) + 1)]
     peaks = [
-        _PROCESS_BYTES + sum(table.weights(starts[s], starts[s + 1]) for s in schedule.stages_of(r))
+        PROCESS_BYTES + sum(table.weights(starts[s], starts[s + 1]) for s in schedule.stages_of(r))
         for r in range(layout.stages)
     ]
     needed = sum(peaks) * processes / layout.stages  # the replicas hold the same
@@ -86,9 +87,9 @@ def memory_problems(config: TrainConfig, source: ModelSource, *, processes: int)
     count = sum(p for p, _ in units)
     return [
         f"--model {config.model}: {count:,} parameters; a process needs about "
-        f"{_gib(max(peaks))} at its peak (its stage's parameters, gradients and optimizer "
+        f"{gib(max(peaks))} at its peak (its stage's parameters, gradients and optimizer "
         f"state in {config.dtype}, before activations), {processes} processes "
-        f"{_gib(needed)}, more than the {_gib(available)} this machine has available; train "
+        f"{gib(needed)}, more than the {gib(available)} this machine has available; train "
         "a smaller model (--model-config), or use more --stages or --shard with --replicas"
     ]
 
@@ -155,7 +156,3 @@ def available_memory() -> int | None:
     except ImportError:
         return None
     return int(psutil.virtual_memory().available)
-
-
-def _gib(size: float) -> str:
-    return f"{size / 2**30:,.1f} GiB"

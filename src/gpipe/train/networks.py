@@ -59,8 +59,9 @@ class ModelSource:
         """Python code that builds the plain model, for ``gpipe export``."""
         raise NotImplementedError
 
-    def problems(self, *, seq: int, vocab: int) -> list[str]:
-        """What cannot run with ``seq`` tokens per sample from a tokenizer of ``vocab`` ids."""
+    def problems(self, *, seq: int, vocab: int, pretrained: bool = False) -> list[str]:
+        """What cannot run with ``seq`` tokens per sample from a tokenizer of ``vocab`` ids
+        (``pretrained``: from the folder's weights, whose shapes are fixed)."""
         return []
 
     def activation_floor(self, micro_batch: int, seq: int) -> tuple[int, str]:

@@ -34,7 +34,9 @@ __all__ = [
     "OutputError",
     "export_problem",
     "exported_by_gpipe",
+    "best_loss",
     "is_run",
+    "keep_best",
     "run_folder_problems",
     "write_file",
     "write_folder",
@@ -42,7 +44,8 @@ __all__ = [
 
 CHECKPOINTS = "checkpoints"  # a run's checkpoints, each a step-NNNNNN/ folder
 EXPORT_RECORD = "gpipe-export.json"  # in an exported save_pretrained folder
-_RUN_NAMES = (*OUTPUT_FILES, CHECKPOINTS)
+BEST, BEST_RECORD = "best", "best.json"  # gpipe train --keep-best's checkpoint, its loss
+_RUN_NAMES = (*OUTPUT_FILES, CHECKPOINTS, BEST, BEST_RECORD)
 _TENSORBOARD = "events.out.tfevents."
 
 
@@ -60,6 +63,33 @@ def is_run(folder: str | Path) -> bool:
         return options.is_file() and bool(config_file.read(options))
     except (ValueError, OSError):  # not TOML, or not gpipe's options
         return False
+
+
+def keep_best(checkpoint: Path, out: Path, *, step: int, val_loss: float) -> Path:
+    """``out/best/step-NNNNNN/``: the committed ``checkpoint``, hard-linked (no copy of its
+    bytes, and retention deleting the original in checkpoints/ unlinks only its name there),
+    replacing the previous best; ``out/best.json`` records its step and validation loss.
+    ``out/best`` is a folder of checkpoints: gpipe eval, export and --resume take it."""
+    staging = out / f".{BEST}.tmp"
+    shutil.rmtree(staging, ignore_errors=True)
+    shutil.copytree(checkpoint, staging / checkpoint.name, copy_function=os.link)
+    final, old = out / BEST, out / f".{BEST}.old"
+    shutil.rmtree(old, ignore_errors=True)
+    if final.exists():
+        final.rename(old)
+    staging.rename(final)
+    shutil.rmtree(old, ignore_errors=True)
+    record = {"step": step, "val_loss": val_loss, "checkpoint": checkpoint.name}
+    write_file(out / BEST_RECORD, lambda f: f.write(json.dumps(record).encode() + b"\n"))
+    return final / checkpoint.name
+
+
+def best_loss(out: Path) -> float:
+    """The validation loss of ``out/best/`` (infinity: none yet)."""
+    try:
+        return float(json.loads((out / BEST_RECORD).read_text())["val_loss"])
+    except (OSError, ValueError, KeyError):
+        return float("inf")
 
 
 def run_folder_problems(out: str | Path) -> list[str]:

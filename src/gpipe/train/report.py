@@ -318,7 +318,7 @@ def layout_of(config: TrainConfig) -> str:
         f"K={config.stages} M={config.chunks} {config.schedule}"
         + (f" R={config.replicas}" if config.replicas > 1 else "")
         + (" sharded" if config.shard else "")
-        + (" bf16" if config.dtype == "bfloat16" else "")
+        + {"bfloat16": " bf16", "float16": " fp16"}.get(config.dtype, "")
         + (" compiled" if config.compile else "")
     )
 

@@ -15,7 +15,7 @@ other ``--model`` is a Hugging Face folder or ``config.json`` (:data:`HF_FOLDER`
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +39,7 @@ __all__ = [
     "Task",
     "build_model",
     "constructor",
+    "sized_rates",
     "recipe_of",
     "source_of",
     "task_of",
@@ -66,11 +67,11 @@ class Recipe:
     model_keys: tuple[str, ...]
     model: Callable[[dict[str, Any], int, int], ModelSource]  # (model_args, seq, vocab)
     data: str = "stdlib"  # "stdlib" or "digits"
-    fine_tune_presets: dict[str, dict[str, Any]] = field(default_factory=dict)
 
-    def preset(self, size: str, *, pretrained: bool = False) -> dict[str, Any]:
-        base = self.presets[size]
-        return {**base, **(self.fine_tune_presets.get(size, {}) if pretrained else {})}
+    def preset(self, size: str) -> dict[str, Any]:
+        """The training of ``--size`` (a Hugging Face model's rates then by its own size:
+        :func:`sized_rates`)."""
+        return dict(self.presets[size])
 
 
 _LM_TRAINING = {  # a language model's training by --size
@@ -142,8 +143,20 @@ HF_FOLDER = Recipe(
     {s: {**t, "seq": 2 * t["seq"], "lr": 1e-3} for s, t in _LM_TRAINING.items()},
     (),
     lambda args, seq, vocab: HFModel(args),
-    fine_tune_presets={"tiny": {"lr": 3e-4}, "small": {"lr": 1e-4}, "base": {"lr": 5e-5}},
 )
+
+
+def sized_rates(parameters: int, preset: dict[str, Any], *, pretrained: bool) -> dict[str, Any]:
+    """A Hugging Face model's peak learning rate and warm-up by its own size (``--size`` is
+    the training's length only): from scratch, 6e-4 at GPT-2's 124M parameters, scaled by
+    1/sqrt(size) and kept within [1.5e-4, 3e-3] (a 1M-parameter model takes 3e-3: 3e-4
+    barely moves it); fine-tuning from weights, a tenth of that within [1e-5, 3e-4], with
+    half the warm-up."""
+    scratch = min(3e-3, max(1.5e-4, 6e-4 * (124e6 / max(parameters, 1)) ** 0.5))
+    if not pretrained:
+        return {"lr": float(f"{scratch:.1e}")}
+    return {"lr": float(f"{min(3e-4, max(1e-5, scratch / 10)):.1e}"),
+            "warmup": max(1, preset["warmup"] // 2)}  # fmt: skip
 
 
 def recipe_of(model: str) -> Recipe:
@@ -297,7 +310,8 @@ class Task:
         found = []
         tokenizer = self.tokenizer
         if tokenizer is not None:
-            found += self.model.problems(seq=self.seq, vocab=tokenizer.vocab_size)
+            found += self.model.problems(seq=self.seq, vocab=tokenizer.vocab_size,
+                                         pretrained=self.weights is not None)  # fmt: skip
             if isinstance(self.objective, MaskedLM) and tokenizer.mask is None:
                 found.append(
                     f"a masked LM needs a tokenizer with a mask token; {tokenizer.name} has "

@@ -36,6 +36,7 @@ class Tokenizer:
     pad: int  # the id that fills padded positions (never a target)
     separator: list[int]  # between documents packed into one stream
     mask: int | None = None  # the masked-LM mask token
+    eos: int | None = None  # end of text: generation stops there
     special: frozenset[int] = frozenset()  # never masked
 
     def encode(self, text: bytes) -> list[int]:
@@ -88,7 +89,7 @@ class HFTokenizer(Tokenizer):
         self.vocab_size = len(tokenizer)
         eos = tokenizer.eos_token_id
         self.pad = next(i for i in (tokenizer.pad_token_id, eos, 0) if i is not None)
-        self.mask = tokenizer.mask_token_id
+        self.mask, self.eos = tokenizer.mask_token_id, eos
         self.special = frozenset(tokenizer.all_special_ids)
         # Packed documents are separated by end-of-text, unless the tokenizer ends each
         # document with it already (T5's does).

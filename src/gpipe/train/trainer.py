@@ -10,7 +10,6 @@ weights, the optimizer state, the learning-rate scheduler's state and the data p
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import resource
 import signal
@@ -21,12 +20,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.nn import functional as F
 from torch.utils import _pytree as pytree
 
+import gpipe.train.generation as generation
 import gpipe.train.hooks as hooks
 import gpipe.train.lr_schedule as lr_schedule
 import gpipe.train.optimizers as optimizers
+import gpipe.train.outputs as outputs
 from gpipe import checkpoint as ckpt
 from gpipe import timeline
 from gpipe._utils import local_value
@@ -40,6 +40,9 @@ from gpipe.parallel.sharded import sharded_optimizer_state
 from gpipe.schedule.actions import Action, TimedAction
 from gpipe.train.compiling import compile_stages, split_backward_note
 from gpipe.train.config import TrainConfig, model_spec, num_layers
+from gpipe.train.evaluation import build_pipe, validate
+from gpipe.train.freezing import freeze
+from gpipe.train.precision import autocast_of, load_scaler, optimizer_step, save_scaler, scaler_of
 from gpipe.train.report import Metrics, Reporter, TensorBoard, plot_losses, write_json
 
 __all__ = ["Trainer"]
@@ -59,26 +62,12 @@ class Trainer:
         torch.set_num_threads(threads)
         cpu_allocator(c.cpu_allocator)
         self.mesh = Mesh.build(c.stages, c.replicas, timeout=c.timeout)
+        self.autocast, self.scaler = autocast_of(c.dtype), scaler_of(c.dtype)
         self.replica = rank // c.stages
         self.spec = model_spec(c)
         self.layers = num_layers(self.spec)
         self.balance = c.balance or c.layout.default_balance(self.layers)
-        self.pipe = self.task.pipe(
-            resume=bool(c.resume),  # then the checkpoint's weights, not the model folder's
-            balance=self.balance,
-            chunks=c.chunks,
-            checkpoint=c.checkpoint,
-            checkpoint_layers=c.checkpoint_layers,
-            schedule=c.schedule,
-            virtual_stages=c.virtual_stages,
-            deferred_batch_norm=self.task.deferred_batch_norm,
-            group=self.mesh.pp,
-            data_parallel_group=self.mesh.dp,
-            shard="all" if c.shard else None,
-            init_seed=c.seed,
-            timeout=c.timeout,
-            transport=c.transport,
-        )
+        self.pipe = build_pipe(c, self.mesh, self.balance)
         if c.compile:
             compile_stages(self.pipe.stages)
         self.names = {p: n for n, p in self.pipe.named_parameters()}
@@ -89,21 +78,26 @@ class Trainer:
         )
         self.sampler = EpochSampler(len(self.data.train), seed=c.seed)
         self.start = 0
+        self.best_loss = float("inf")  # --keep-best's, of this run's best/ (rank 0's file)
+        if c.keep_best:
+            mine = outputs.best_loss(self.out) if rank == 0 else None
+            self.best_loss = self.mesh.everyone.broadcast_object(mine, "the best loss")
         if c.resume:
             self._load(c.resume)
         self.show = Reporter(c, rank == 0)
-        self.autocast = (
-            functools.partial(torch.autocast, "cpu", dtype=torch.bfloat16)
-            if c.dtype == "bfloat16"
-            else contextlib.nullcontext
-        )
         self.step_times: list[float] = []
         self.skipped = 0  # steps refused for a non-finite loss or gradient
         self.signals = _Signals(self.mesh)
         self.measured: dict[str, Any] = {}  # of the traced step: bubble, memory per rank
 
     def _optimizer(self) -> torch.optim.Optimizer | None:
-        return optimizers.build(list(self.pipe.parameters()), self.config)
+        c = self.config
+        frozen = freeze(list(self.pipe.named_parameters()), c.freeze)
+        if c.freeze and not self.mesh.sum_over_pipeline(len(frozen), "the frozen count"):
+            raise ValueError(f"--freeze {c.freeze} matches no parameter's name; "
+                             f"they read like {next(iter(self.names.values()))!r}")  # fmt: skip
+        trained = [p for p in self.pipe.parameters() if p.requires_grad]
+        return optimizers.build(trained, c)
 
     def _scheduler(self, steps: int) -> torch.optim.lr_scheduler.LRScheduler | None:
         c = self.config
@@ -174,13 +168,18 @@ class Trainer:
                 continue
             record["elapsed"] = time.perf_counter() - started
             self.show.step(step, record["loss"], record[f"{self.task.unit}_per_s"])
+            best = False
             if _due(c.eval_every, step, c.steps):
                 record.update(self.evaluate())
                 self.show.validation(step, record)
+                best = c.keep_best and record["val_loss"] < self.best_loss
             metrics.write(record)
             stop = self.signals.agreed(step)  # Ctrl-C or SIGTERM on any rank
-            if _due(c.save_every, step, c.steps) or (stop and c.save_on_exit):
-                self.show.note(f"step {step}: checkpoint {self.save(step)}")
+            if _due(c.save_every, step, c.steps) or (stop and c.save_on_exit) or best:
+                saved = self.save(step)
+                self.show.note(f"step {step}: checkpoint {saved}")
+                if best:
+                    self._keep_best(saved, step, record["val_loss"])
             if stop:
                 self.show.stop()
                 self.show.note(f"stopped by a signal after step {step}")
@@ -211,13 +210,9 @@ class Trainer:
             meter = stack.enter_context(measure_activations(self.pipe)) if traced else None
             stack.enter_context(self.autocast())
             seed = hash_seed(c.seed, step, self.replica)
-            loss = self.pipe.step(
-                x, y, self.task.loss, count=self.task.count, seed=seed, trace=traced
-            )
-        norm = self.pipe.clip_grad_norm_(c.grad_clip) if c.grad_clip else None
-        if self.optimizer is not None:
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
+            loss = self.pipe.step(x, y, self.task.loss, count=self.task.count, seed=seed,
+                                  trace=traced, scaler=self.scaler)  # fmt: skip
+        stepped = optimizer_step(self.pipe, self.optimizer, self.scaler, c.grad_clip)
         loss = self.mesh.mean_over_replicas(
             float(loss), "the loss average over replicas", doing=f"step {step}"
         )
@@ -229,7 +224,7 @@ class Trainer:
             "step": step,
             "loss": loss,
             "lr": lr,
-            "grad_norm": None if norm is None else float(norm),
+            **stepped,  # grad_norm; with float16, scale and skipped
             "step_time": seconds,
             f"{self.task.unit}_per_s": c.batch * self.task.samples() / seconds,
         }
@@ -265,64 +260,26 @@ class Trainer:
     # -- validation and sampling -------------------------------------------------------------
 
     def evaluate(self) -> dict[str, float]:
-        """Mean loss (and accuracy) on the fixed validation set, shared out over replicas."""
-        c = self.config
-        mine = torch.tensor_split(self.data.val_indices, c.replicas)[self.replica]
-        # As many forwards on every replica (sharded ones run each together): by the
-        # shortest share.
-        shortest = len(self.data.val_indices) // c.replicas
-        batches = max(1, shortest // max(c.batch // c.replicas, c.chunks))
-        totals = torch.zeros(3, dtype=torch.float64)  # loss sum, targets, correct
-        self.pipe.eval()
-        try:
-            with torch.no_grad(), self.autocast():
-                for part in torch.tensor_split(mine, batches):
-                    # the same masks at every validation (a masked LM's)
-                    x, y = self.task.batch(self.data.val, part, seed=hash_seed(c.seed, -3))
-                    out = self.pipe(x)
-                    if out is not None:  # on the last stage's ranks only
-                        loss, count = self.task.loss(out, y), float(self.task.count(y))
-                        correct = self.task.correct(out, y)
-                        totals += torch.tensor(
-                            [float(loss) * count, count, correct], dtype=torch.float64
-                        )
-        finally:
-            self.pipe.train()
-        totals = self.mesh.everyone.all_reduce(totals, "the validation loss sum (all-reduce)")
-        result = {"val_loss": float(totals[0] / totals[1].clamp(min=1))}
-        if self.task.classifies:
-            result["val_accuracy"] = float(totals[2] / totals[1])
+        """Mean loss (and accuracy or perplexity) on the fixed validation set."""
+        data = self.data
+        result = validate(
+            self.pipe, self.config, self.mesh, data.val, data.val_indices,
+            replica=self.replica, autocast=self.autocast,
+        )  # fmt: skip
+        del result["val_targets"]
         return result
 
     def generate(self) -> str | None:
-        """Text written by the model through the pipeline, one token per pipelined forward.
-
-        The M micro-batches carry M samples; the last stage picks each next token and
-        broadcasts it to the pipeline, whose first stage feeds it back in.
-        """
+        """Text written by the model through the pipeline (gpipe.train.generation): the M
+        micro-batches carry M samples."""
         c = self.config
         if self.replica != 0 and not c.shard:  # sharded: every replica holds part of a layer
             return None
-        prompt = torch.tensor(self.task.encode(c.prompt) or [0], dtype=torch.int64)
-        tokens = prompt.repeat(c.chunks, 1)  # (M, T)
-        generator = torch.Generator().manual_seed(hash_seed(c.seed, -1))
-        last_rank = self.pipe.schedule.stage_to_rank[-1]
-        self.pipe.eval()
-        try:
-            with torch.no_grad(), self.autocast():
-                for _ in range(c.sample_tokens):
-                    out = self.pipe(tokens[:, -c.seq :])  # (M, T, vocab) on the last stage
-                    chosen = torch.zeros(c.chunks, 1, dtype=torch.int64)
-                    if out is not None:
-                        logits = self.task.logits(out)
-                        probs = F.softmax(logits[:, -1, :].float() / c.temperature, dim=-1)
-                        chosen = torch.multinomial(probs, 1, generator=generator)
-                    chosen = self.mesh.pipeline.broadcast(
-                        chosen, "the broadcast of a sampled token", src=last_rank
-                    )
-                    tokens = torch.cat([tokens, chosen], dim=1)
-        finally:
-            self.pipe.train()
+        tokens = generation.generate(
+            self.pipe, self.mesh, self.task, self.task.encode(c.prompt), rows=c.chunks,
+            new_tokens=c.sample_tokens, window=c.seq, seed=hash_seed(c.seed, -1),
+            sampling=generation.Sampling(temperature=c.temperature), autocast=self.autocast,
+        )  # fmt: skip
         texts = [self.task.decode(row.tolist()) for row in tokens]
         if self.rank == 0:
             (self.out / "sample.txt").write_text(
@@ -394,11 +351,18 @@ class Trainer:
                       "virtual_stages": c.virtual_stages, "balance": self.balance}  # fmt: skip
             manifest = ckpt.Manifest(
                 step=step, config=asdict(c), model=self.spec, data=self.sampler.state_dict(),
-                layout=layout, scheduler=self.scheduler and lr_schedule.state(self.scheduler),
+                layout=layout, scheduler=save_scaler(
+                    self.scheduler and lr_schedule.state(self.scheduler), self.scaler),
             )  # fmt: skip
             final = ckpt.commit(root, folder, manifest, keep=c.keep)
         everyone.barrier("the checkpoint barrier after the commit", doing=doing)
         return final
+
+    def _keep_best(self, saved: Path, step: int, val_loss: float) -> None:
+        self.best_loss = val_loss
+        if self.rank == 0:
+            best = outputs.keep_best(saved, self.out, step=step, val_loss=val_loss)
+            self.show.note(f"step {step}: best validation loss so far, kept as {best}")
 
     def _load(self, path: str) -> None:
         manifest = ckpt.read_manifest(path)
@@ -409,6 +373,7 @@ class Trainer:
             rng=self.mesh.pp_rank if same_cut else None,
         )  # fmt: skip
         self.pipe.load_state_dict(loaded.model, strict=True)
+        manifest.scheduler = load_scaler(manifest.scheduler, self.scaler)
         if self.optimizer is not None:
             state = sharded_optimizer_state(loaded.optimizer, {n: p for p, n in self.names.items()})
             ckpt.load_optimizer_state_by_name(self.optimizer, self.names, state)

@@ -1,0 +1,94 @@
+"""Text written by a model through its pipeline: :func:`generate`, one token per pipelined
+forward, for the samples at the end of ``gpipe train`` and for ``gpipe generate``.
+
+Each new token runs the whole window (the last ``window`` tokens) through the pipeline again:
+no key-value cache, since a captured stage's inputs are the traced model's (the token ids),
+not a cache that grows. Greedy decoding (``temperature`` 0) picks the tokens the plain model
+picks (``model.generate(do_sample=False)``, tests/train/test_generate.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.nn import functional as F
+
+from gpipe.parallel.mesh import Mesh
+from gpipe.pipe import Pipe
+
+__all__ = ["Sampling", "generate", "pick"]
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How the next token is chosen from the logits: greedy (``temperature`` 0), else drawn
+    from the softmax at ``temperature`` over the ``top_k`` likeliest (0: all) and the
+    smallest set of them whose probability reaches ``top_p``."""
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def problems(self) -> list[str]:
+        found = []
+        if self.temperature < 0 or self.top_k < 0:
+            found.append("--temperature and --top-k must be >= 0 (temperature 0: greedy)")
+        if not 0 < self.top_p <= 1:
+            found.append(f"--top-p must be in (0, 1], got {self.top_p}")
+        return found
+
+
+def pick(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator) -> torch.Tensor:
+    """The next token of each row of ``logits`` (B, vocab): (B, 1)."""
+    if sampling.temperature == 0:
+        return logits.argmax(dim=-1, keepdim=True)
+    logits = logits.float() / sampling.temperature
+    if sampling.top_k:
+        kth = torch.topk(logits, min(sampling.top_k, logits.shape[-1])).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if sampling.top_p < 1:
+        ordered, order = torch.sort(logits, descending=True)
+        # a token is dropped when the likelier ones already reach top_p (the first never is)
+        before = F.softmax(ordered, dim=-1).cumsum(dim=-1) - F.softmax(ordered, dim=-1)
+        beyond = before >= sampling.top_p
+        dropped = torch.zeros_like(beyond).scatter(-1, order, beyond)
+        logits = logits.masked_fill(dropped, float("-inf"))
+    return torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
+
+
+def generate(
+    pipe: Pipe, mesh: Mesh, task: Any, prompt: list[int], *, rows: int, new_tokens: int,
+    window: int, sampling: Sampling, seed: int, autocast: Callable[[], Any],
+) -> torch.Tensor:  # fmt: skip
+    """``rows`` continuations of ``prompt`` (rows, prompt + up to ``new_tokens``), the same on
+    every rank of the pipeline (collective). The last stage picks each next token and
+    broadcasts it; the first feeds it back in. Stops early once every row has written the
+    tokenizer's end of text (a row then continues with it, as ``model.generate`` pads)."""
+    tokens = torch.tensor(prompt or [0], dtype=torch.int64).repeat(rows, 1)
+    generator = torch.Generator().manual_seed(seed)
+    last_rank = pipe.schedule.stage_to_rank[-1]
+    eos = getattr(task.tokenizer, "eos", None)
+    ended = torch.zeros(rows, dtype=torch.bool)
+    pipe.eval()
+    try:
+        with torch.no_grad(), autocast():
+            for _ in range(new_tokens):
+                out = pipe(tokens[:, -window:])  # (rows, T, vocab) on the last stage
+                chosen = torch.zeros(rows, 1, dtype=torch.int64)
+                if out is not None:
+                    chosen = pick(task.logits(out)[:, -1, :], sampling, generator)
+                chosen = mesh.pipeline.broadcast(
+                    chosen, "the broadcast of a sampled token", src=last_rank
+                )
+                if eos is not None:
+                    chosen[ended] = eos
+                    ended |= chosen[:, 0] == eos
+                tokens = torch.cat([tokens, chosen], dim=1)
+                if eos is not None and ended.all():
+                    break
+    finally:
+        pipe.train()
+    return tokens
