@@ -19,6 +19,7 @@ from gpipe.errors import PipelineError
 from gpipe.schedule.comm_plan import receive_points
 from gpipe.schedule.routes import Message, Routes
 from gpipe.transport.framing import (
+    AGREEMENT,
     HEADER,
     History,
     TensorMeta,
@@ -28,7 +29,7 @@ from gpipe.transport.framing import (
     tensors,
 )
 from gpipe.transport.peers import PeerTransport
-from gpipe.transport.rows import _AGREEMENT, _NOTICE_TAG, RowsOverP2P
+from gpipe.transport.rows import _NOTICE_TAG, RowsOverP2P
 from gpipe.transport.sender import Outbox
 
 __all__ = ["DistributedTransport"]
@@ -131,7 +132,7 @@ class DistributedTransport(RowsOverP2P, PeerTransport):
         members = tuple(self._dist.get_process_group_ranks(group))
         built = _transports_built.get(members, 0)
         _transports_built[members] = built + 1
-        self._notice_tag = _NOTICE_TAG + 4 * built  # then its seed's and agreement's
+        self._notice_tag = _NOTICE_TAG + 4 * built  # then its agreement's and seed's
         self._init_rows()
         self._outbox = Outbox(timeout)
         self._posted: dict[int, int] = {}  # from each peer: messages of the step fully posted
@@ -379,7 +380,7 @@ class DistributedTransport(RowsOverP2P, PeerTransport):
             # It will send no agreement row: the peers waiting for one learn at once.
             peers = [p for p in range(self.schedule.num_ranks) if p != self.rank]
             with contextlib.suppress(Exception):
-                self._send_row(_AGREEMENT, peers, self._row_like, at=1 << 61, flag=1)
+                self._send_row(AGREEMENT, peers, self._row_like, gave_up=True)
         self._outbox.abandon()
 
     def clear(self) -> None:
@@ -398,8 +399,7 @@ def _wait_for_notice(work: Any, frame: torch.Tensor, notices: dict[str, Any]) ->
 
 
 def _backend(group: Any) -> str:
-    """The group's backend by name: what every NCCL path here is chosen by (so a test can
-    run them on gloo, naming it 'nccl')."""
+    """What every NCCL path here is chosen by (a test names 'nccl' to run them on gloo)."""
     import torch.distributed as dist
 
     return dist.get_backend(group)
