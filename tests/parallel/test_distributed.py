@@ -7,6 +7,7 @@ every configuration is compared, parameter by parameter, with the un-split model
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -282,49 +283,42 @@ def test_clip_grad_norm_uses_the_global_norm():
         assert abs(result[0]["norm"] - total.item()) <= 1e-6 * total.item()
 
 
+@pytest.mark.timeout(120)
 @pytest.mark.slow
 def test_two_machines_with_torchrun(tmp_path):
-    """Two torchrun launches ("nodes") on 127.0.0.1 rendezvous into one 2-stage pipeline."""
+    """Two torchrun launches ("nodes") on 127.0.0.1 rendezvous into one 2-stage pipeline.
+    Each node is told it is a machine of its own (``GPIPE_TEST_HOST``): the carrier across
+    machines, the process group's point-to-point, is what runs."""
     port = free_port()
     script = Path(__file__).parent / "torchrun_job.py"
+    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
+               "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+               "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "gpipe-test"]  # fmt: skip
     nodes = [
         subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--nnodes",
-                "2",
-                "--nproc-per-node",
-                "1",
-                "--node-rank",
-                str(node),
-                "--rdzv-backend",
-                "c10d",
-                "--rdzv-endpoint",
-                f"127.0.0.1:{port}",
-                "--rdzv-id",
-                "gpipe-test",
-                str(script),
-                str(tmp_path),
-            ],
+            [*command, "--node-rank", str(node), str(script), str(tmp_path)],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
+            env={**os.environ, "GPIPE_TEST_HOST": f"node{node}"},
+            start_new_session=True,  # a hang kills the agent and its worker together
         )
         for node in range(2)
     ]
-    outputs = []
-    for node in nodes:
-        try:
-            outputs.append(node.communicate(timeout=240)[0])
-        finally:
-            node.kill()
+    try:
+        outputs = [node.communicate(timeout=60)[0] for node in nodes]
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                os.killpg(node.pid, signal.SIGKILL)
+                node.wait()
     assert all(node.returncode == 0 for node in nodes), "\n".join(outputs)
     assert not any("terminate called" in out for out in outputs), "\n".join(outputs)
     from torchrun_job import CASE
 
-    check(CASE, [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)])
+    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    assert [result["transport"] for result in results] == ["group", "group"]
+    check({**CASE, "transport": "group"}, results)  # each parameter against the un-split model
 
 
 @pytest.mark.slow

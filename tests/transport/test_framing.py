@@ -6,7 +6,7 @@ import torch
 from torch.utils._pytree import tree_flatten, treespec_dumps
 
 from gpipe.transport.codec import encode
-from gpipe.transport.framing import ALIGN, History, TensorMeta, flatten
+from gpipe.transport.framing import ALIGN, History, TensorMeta, flatten, read_row, row_frame
 
 
 def test_a_packed_message_holds_every_dtype_and_shape_as_views():
@@ -59,3 +59,12 @@ def test_flatten_and_rebuild_are_pytree_s_own_for_every_kind_of_value():
         history.update(encode((text, [None] * len(leaves))))
         rebuilt = history.rebuild(leaves)
         assert type(rebuilt) is type(value) and tree_flatten(rebuilt)[1] == spec, value
+
+
+def test_a_row_frame_is_the_same_for_both_carriers_and_says_when_its_rank_gave_up():
+    """One frame for the step's rows (seed and agreement), whichever carrier moves it."""
+    row = torch.tensor([1.5, -2.0, float("inf")], dtype=torch.float64)
+    frame = row_frame(row)
+    assert frame.dtype == torch.uint8 and frame.numel() == 8 + row.nbytes
+    assert torch.equal(read_row(frame, torch.empty_like(row)), row)
+    assert read_row(row_frame(row, gave_up=True), row) is None

@@ -19,6 +19,7 @@ from gpipe.errors import PipelineError
 from gpipe.schedule.comm_plan import receive_points
 from gpipe.schedule.routes import Message, Routes
 from gpipe.transport.framing import (
+    AGREEMENT,
     HEADER,
     History,
     TensorMeta,
@@ -28,7 +29,7 @@ from gpipe.transport.framing import (
     tensors,
 )
 from gpipe.transport.peers import PeerTransport
-from gpipe.transport.rows import _AGREEMENT, _NOTICE_TAG, RowsOverP2P
+from gpipe.transport.rows import _NOTICE_TAG, RowsOverP2P
 from gpipe.transport.sender import Outbox
 
 __all__ = ["DistributedTransport"]
@@ -106,8 +107,7 @@ class DistributedTransport(RowsOverP2P, PeerTransport):
         receive_ahead: bool | None = None,
     ) -> None:
         super().__init__(schedule, rank, group, devices, timeout=timeout, routes=routes)
-        dist = self._dist
-        backend = dist.get_backend(group)
+        backend = _backend(group)
         # Collectives of the front end (loss, health check) use a device the backend supports.
         self.wire_device = self._local_device if backend == "nccl" else torch.device("cpu")
         self.receive_ahead = receive_ahead if receive_ahead is not None else backend == "gloo"
@@ -129,10 +129,10 @@ class DistributedTransport(RowsOverP2P, PeerTransport):
         self._cursor: dict[int, int] = {}
         self._pending: dict[int, deque[_Posted]] = {}  # posted, from each peer, in order
         self._arriving: dict[Message, _Posted] = {}  # header in, tensors not yet waited for
-        members = tuple(dist.get_process_group_ranks(group))
+        members = tuple(self._dist.get_process_group_ranks(group))
         built = _transports_built.get(members, 0)
         _transports_built[members] = built + 1
-        self._notice_tag = _NOTICE_TAG + 4 * built  # then its seed's and agreement's
+        self._notice_tag = _NOTICE_TAG + 4 * built  # then its agreement's and seed's
         self._init_rows()
         self._outbox = Outbox(timeout)
         self._posted: dict[int, int] = {}  # from each peer: messages of the step fully posted
@@ -380,7 +380,7 @@ class DistributedTransport(RowsOverP2P, PeerTransport):
             # It will send no agreement row: the peers waiting for one learn at once.
             peers = [p for p in range(self.schedule.num_ranks) if p != self.rank]
             with contextlib.suppress(Exception):
-                self._send_row(_AGREEMENT, peers, self._row_like, at=1 << 61, flag=1)
+                self._send_row(AGREEMENT, peers, self._row_like, gave_up=True)
         self._outbox.abandon()
 
     def clear(self) -> None:
@@ -396,6 +396,13 @@ def _wait_for_notice(work: Any, frame: torch.Tensor, notices: dict[str, Any]) ->
         return
     length = int(frame[:8].view(torch.int64).item())
     notices.update(read_notice(frame[8 : 8 + length].numpy().tobytes(), None, "a peer"))
+
+
+def _backend(group: Any) -> str:
+    """What every NCCL path here is chosen by (a test names 'nccl' to run them on gloo)."""
+    import torch.distributed as dist
+
+    return dist.get_backend(group)
 
 
 def _gloo_twin(group: Any) -> Any:

@@ -13,8 +13,8 @@ from torch.utils._pytree import tree_flatten, tree_unflatten, treespec_dumps, tr
 from gpipe.transport.codec import CodecError, TensorMeta, decode, encode
 
 __all__ = [
-    "ALIGN", "HEADER", "History", "TensorMeta", "bytes_tensor", "flatten", "notice", "read_notice",
-    "tensors",
+    "AGREEMENT", "ALIGN", "HEADER", "NOTICE", "SEED", "History", "TensorMeta", "bytes_tensor",
+    "flatten", "notice", "read_notice", "read_row", "row_frame", "tensors",
 ]  # fmt: skip
 
 ALIGN = 64  # bytes: a cache line, so that vectorized kernels see aligned tensors
@@ -23,6 +23,10 @@ ALIGN = 64  # bytes: a cache line, so that vectorized kernels see aligned tensor
 # for (``gpipe.transport.sender``).
 HEADER = 2
 _NOTICE_TEXT = 3000  # bytes of a failure notice's message (its start names the cause)
+# The frames outside a step's sequence of messages, by kind, on both carriers (the sockets
+# put it in a header's position, the process group in the tag): a failure notice, a rank's
+# row of the step's agreement (after its messages), rank 0's row of the seed (before them).
+NOTICE, AGREEMENT, SEED = -1, -2, -3
 
 
 class History:
@@ -189,6 +193,21 @@ def read_notice(data: bytes | memoryview, rank: int | None, named: str) -> dict[
         return {"rank": rank, "message": f"{named} failed; its failure notice is not gpipe's "
                 f"wire format ({str(said)[:200]})"}  # fmt: skip
     return said
+
+
+def row_frame(row: torch.Tensor, gave_up: bool = False) -> torch.Tensor:
+    """A row on the wire: an int64 flag (1: its rank gave up, a notice says why), its bytes."""
+    frame = torch.empty(8 + row.nbytes, dtype=torch.uint8)
+    frame[:8].view(torch.int64).fill_(int(gave_up))
+    frame[8:].copy_(row.contiguous().view(-1).view(torch.uint8))
+    return frame
+
+
+def read_row(frame: torch.Tensor, like: torch.Tensor) -> torch.Tensor | None:
+    """The row a (CPU) frame holds, with ``like``'s dtype and shape; None: its rank gave up."""
+    if frame[:8].view(torch.int64).item():
+        return None
+    return frame[8:].view(like.dtype).reshape(like.shape)
 
 
 def tensors(leaves: list[Any]) -> list[torch.Tensor]:

@@ -44,7 +44,9 @@ class RefusedConnection(ConnectionError):
 
 def host_key() -> tuple[str, ...] | None:
     """What processes must share to reach each other's abstract Unix sockets: the machine
-    (host name and boot) and the network namespace; None where there are none (not Linux)."""
+    (host name and boot) and the network namespace; None where there are none (not Linux).
+    ``GPIPE_TEST_HOST`` is a testing aid: ranks given different values believe they run on
+    different machines (the suite runs two "nodes" on one host over the process group)."""
     if not sys.platform.startswith("linux"):
         return None
     try:
@@ -53,7 +55,7 @@ def host_key() -> tuple[str, ...] | None:
         namespace = os.stat("/proc/self/ns/net").st_ino
     except OSError:
         return None
-    return (socket.gethostname(), boot_id, str(namespace))
+    return (socket.gethostname(), boot_id, str(namespace), os.environ.get("GPIPE_TEST_HOST", ""))
 
 
 def listen(num_ranks: int) -> tuple[socket.socket, str, bytes]:

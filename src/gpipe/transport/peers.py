@@ -3,7 +3,7 @@ failed, failure notices once received, messages to this rank's own stages, tied 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -13,10 +13,10 @@ from gpipe.errors import PipelineError
 from gpipe.schedule.comm_plan import wire_order
 from gpipe.schedule.routes import Message, Routes
 from gpipe.transport.codec import CodecError
-from gpipe.transport.framing import History, TensorMeta, flatten
+from gpipe.transport.framing import AGREEMENT, SEED, History, TensorMeta, flatten
 from gpipe.transport.inquest import blame, said_by
 
-__all__ = ["PeerTransport"]
+__all__ = ["PeerTransport", "said_in"]
 
 
 class PeerTransport:
@@ -110,12 +110,35 @@ class PeerTransport:
     def ready(self, message: Message) -> bool:
         return True  # receiving blocks until the message is here
 
+    # -- the step's rows (one frame, ``framing.row_frame``; each carrier moves it) -----------
+
     def broadcast_row(self, row: torch.Tensor) -> torch.Tensor:
-        """Rank 0's ``row`` (the step's seed) on every rank, ahead of its messages."""
-        raise NotImplementedError
+        """Rank 0's ``row`` (of one dtype and length on every rank): the step's seed, which
+        rank 0 sends ahead of its messages without waiting for anyone. Raises
+        ``TimeoutError`` when it is not in within the timeout, ``ConnectionError`` when
+        rank 0 left."""
+        if self.rank == 0:
+            self._send_row(SEED, range(1, self.schedule.num_ranks), row)
+            return row
+        return self._take_rows(SEED, [0], row)[0]
 
     def all_gather_row(self, row: torch.Tensor) -> torch.Tensor:
-        """Every rank's ``row`` (the step's agreement), stacked by rank, after its messages."""
+        """Every rank's ``row`` (of one dtype and length on every rank), stacked by rank:
+        the step's agreement, sent after this rank's messages of the step and received
+        after the peers' (a rank that failed still sends its row, which says so). Raises
+        ``TimeoutError`` when a row is not in within the timeout, ``ConnectionError`` when
+        its rank left, or gave up and will send none."""
+        peers = [p for p in range(self.schedule.num_ranks) if p != self.rank]
+        self._send_row(AGREEMENT, peers, row)
+        rows = dict(zip(peers, self._take_rows(AGREEMENT, peers, row), strict=True))
+        return torch.stack([rows.get(r, row) for r in range(len(peers) + 1)])
+
+    def _send_row(self, kind: int, peers: Iterable[int], row: torch.Tensor) -> None:
+        """``row``'s frame, of ``kind`` (``SEED`` or ``AGREEMENT``), to each of ``peers``."""
+        raise NotImplementedError
+
+    def _take_rows(self, kind: int, peers: list[int], like: torch.Tensor) -> list[torch.Tensor]:
+        """Each of ``peers``' row of ``kind``, shaped as ``like``, within the timeout."""
         raise NotImplementedError
 
     # -- failures ---------------------------------------------------------------------------
@@ -154,10 +177,9 @@ class PeerTransport:
         if said is not None:  # it gave up on this pipeline: its words, which may name this rank
             return PipelineError(f"rank {me}: rank {other} gave up on this pipeline: {said}",
                                  rank=peer, global_rank=other)  # fmt: skip
-        text = str(error).splitlines()[0].split(" This is typically")[0]
         return PipelineError(
             f"rank {me} could not {doing} rank {other}, which left (died, or gave up on this "
-            f"pipeline): {text}; look for that rank's own error",
+            f"pipeline): {said_in(error)[0]}; look for that rank's own error",
             rank=peer,
             global_rank=other,
         )
@@ -165,9 +187,7 @@ class PeerTransport:
     def _wait_failed(self, error: Exception, src: int, message: Message) -> PipelineError:
         """The error of a receive from ``src`` that failed: naming the rank that caused it,
         which may not be ``src`` (``gpipe.transport.inquest``)."""
-        text = str(error).splitlines()[0] if str(error) else type(error).__name__
-        text = text.split(" This is typically")[0]  # gloo's advice after the cause
-        timed_out = "imed out" in text or "imeout" in text
+        text, timed_out = said_in(error)
         me, peer = self._global(self.rank), self._global(src)
         what = f"{message.channel} of micro-batch {message.microbatch}"
         waited = (
@@ -232,3 +252,11 @@ class PeerTransport:
         if ops:
             wait(lambda: dist.batch_isend_irecv(ops))
         return received
+
+
+def said_in(error: Exception) -> tuple[str, bool]:
+    """What a failed transfer's error says (its first line, gloo's advice after the cause
+    dropped), and whether it timed out, in gloo's words or NCCL's."""
+    text = str(error).splitlines()[0] if str(error) else type(error).__name__
+    text = text.split(" This is typically")[0]
+    return text, "imed out" in text or "imeout" in text

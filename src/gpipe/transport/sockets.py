@@ -13,10 +13,9 @@ Each pair of ranks holds one connected socket (:func:`connect`). A message is a 
 description), its description when it changed (``gpipe.transport.framing.History``, so
 shapes may change from step to step), then each tensor's bytes, received straight into the
 tensor that will hold it. A negative size announces a failure; the description that
-follows says what failed. The step's own rows travel the same wires (raw bytes,
-``gpipe.parallel.group``): rank 0's row of the step's seed (position ``_START``) ahead of its
-messages of the step, and every rank's row of the end-of-step agreement (``_AGREEMENT``) after
-its messages.
+follows says what failed. The step's own rows travel the same wires (``framing.row_frame``,
+the kind as the position): rank 0's row of the step's seed ahead of its messages of the step,
+and every rank's row of the end-of-step agreement after its messages.
 
 Sends never wait on the peer's progress: a message goes into the socket's kernel buffer.
 When the buffer is full (a large activation), the sender keeps reading whatever every
@@ -34,7 +33,7 @@ import select
 import socket
 import struct
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,15 +41,13 @@ import torch
 
 from gpipe.errors import PipelineError
 from gpipe.schedule.routes import Message, Routes
+from gpipe.transport import framing
 from gpipe.transport.framing import History, TensorMeta, notice, read_notice
 from gpipe.transport.peers import PeerTransport
 
 __all__ = ["SocketTransport"]
 
 _HEADER = struct.Struct("<qq")  # position in the sender's sequence to this peer; description size
-_NOTICE = -1  # the position of a failure notice, which may come in place of any message
-_AGREEMENT = -2  # the position of a rank's row of the step's agreement, after its messages
-_START = -3  # the position of rank 0's row of the step's seed, before its messages
 _MAX_PARTS = 512  # buffers per sendmsg call (the system's limit is 1024)
 _READ = select.POLLIN | select.POLLPRI | select.POLLHUP | select.POLLERR
 _GONE = select.POLLHUP | select.POLLERR  # reported whatever the poll watches for
@@ -99,8 +96,7 @@ class _Inbound:
     on_full: Callable[[], None] | None = None  # what to do once the parts are full
     position: int = 0  # of the next message from this peer
     arrived: dict[Message, Any] = field(default_factory=dict)
-    rows: list[torch.Tensor] = field(default_factory=list)  # its rows of agreements
-    start: torch.Tensor | None = None  # rank 0's row of the step's seed, once in
+    rows: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # by kind, in order
     closed: BaseException | None = None
     # From its row of a step's agreement until this rank begins the next step, the peer's
     # next message belongs to that step: it stays in the socket (rows and notices are read).
@@ -309,7 +305,7 @@ class SocketTransport(PeerTransport):
             inbound.parts = [memoryview(meta)]
             inbound.on_full = lambda: self._noticed(peer, meta)
             return
-        if position in (_AGREEMENT, _START):
+        if position in (framing.AGREEMENT, framing.SEED):
             row = torch.empty(size, dtype=torch.uint8)
             inbound.parts = [_bytes_of(row)]
             inbound.on_full = lambda: self._row_in(peer, row, position)
@@ -373,12 +369,10 @@ class SocketTransport(PeerTransport):
         if not self._exchanging or notice.get("gave_up"):
             super().check_notices()
 
-    def _row_in(self, peer: int, row: torch.Tensor, position: int) -> None:
+    def _row_in(self, peer: int, row: torch.Tensor, kind: int) -> None:
         inbound = self._inbound[peer]
-        if position == _START:
-            inbound.start = row
-        else:
-            inbound.rows.append(row)
+        inbound.rows.setdefault(kind, []).append(row)
+        if kind == framing.AGREEMENT:
             inbound.hold = True  # its messages of this step are all in
         self._expect_header(peer)
 
@@ -397,72 +391,41 @@ class SocketTransport(PeerTransport):
         if len(head) < _HEADER.size:
             return False  # the rest of the header is on its way
         position, size = _HEADER.unpack(head)
-        if position == _AGREEMENT or size < 0:
+        if position == framing.AGREEMENT or size < 0:
             return True
         self._watch(peer, 0)
         return False
 
     # -- the step's rows --------------------------------------------------------------------
 
-    def broadcast_row(self, row: torch.Tensor) -> torch.Tensor:
-        """Rank 0's ``row`` (of one dtype and length on every rank): the step's seed, which
-        rank 0 sends ahead of its messages of the step, without waiting for anyone; the
-        other ranks wait for it. Raises ``TimeoutError`` when it is not in within the
-        timeout, ``ConnectionError`` when rank 0 left."""
-        data = row.contiguous()
-        if self.rank == 0:
-            header = memoryview(_HEADER.pack(_START, data.nbytes))
-            for peer in self._links:
-                self._write(peer, [header, _bytes_of(data)])
-            return row
-        inbound = self._inbound[0]
-        deadline = time.monotonic() + self.timeout
-        try:
-            self._pump(0)
-            while inbound.start is None:
-                if inbound.closed is not None:
-                    raise _PeerLost(0, inbound.closed)
-                if not self._wait_for(deadline):
-                    raise TimeoutError("timed out")
-        except _PeerLost as lost:
-            raise ConnectionError(f"rank {self._global(lost.peer)}: {lost}") from lost
-        start, inbound.start = inbound.start, None
-        return start.view(data.dtype).reshape(data.shape)
+    def _send_row(self, kind: int, peers: Iterable[int], row: torch.Tensor) -> None:
+        frame = framing.row_frame(row)
+        for peer in peers:
+            self._write(peer, [memoryview(_HEADER.pack(kind, frame.nbytes)), _bytes_of(frame)])
 
-    def all_gather_row(self, row: torch.Tensor) -> torch.Tensor:
-        """Every rank's ``row`` (of one dtype and length on every rank), stacked by rank: the
-        step's agreement, sent after this rank's messages of the step and received after the
-        peers' (raw bytes, in order with the messages). One ``sendmsg`` per peer instead of
-        a gloo collective's rendezvous.
-
-        A failure notice that comes meanwhile is kept, not raised: a rank that failed still
-        sends its row, which says so. Raises ``TimeoutError`` when a row is not in within
-        the timeout, ``ConnectionError`` when its rank left, or gave up and will send none.
-        """
-        data = row.contiguous()
-        header = memoryview(_HEADER.pack(_AGREEMENT, data.nbytes))
-        for peer in self._links:
-            self._write(peer, [header, _bytes_of(data)])
+    def _take_rows(self, kind: int, peers: list[int], like: torch.Tensor) -> list[torch.Tensor]:
+        """Read until each of ``peers``' row of ``kind`` is in (one ``sendmsg`` per peer
+        instead of a gloo collective's rendezvous). A failure notice that comes while the
+        agreement is gathered is kept, not raised: a rank that failed still sends its row."""
         deadline = time.monotonic() + self.timeout
-        self._exchanging = True
+        self._exchanging = kind == framing.AGREEMENT
         try:
-            while missing := [p for p, inbound in self._inbound.items() if not inbound.rows]:
+            while missing := [p for p in peers if not self._inbound[p].rows.get(kind)]:
                 for peer in missing:
                     self._pump(peer)
                     inbound = self._inbound[peer]
-                    if not inbound.rows and inbound.closed is not None:
+                    if not inbound.rows.get(kind) and inbound.closed is not None:
                         raise _PeerLost(peer, inbound.closed)
-                if self.peer_gave_up():
+                if self._exchanging and self.peer_gave_up():
                     raise ConnectionError(self._notices["message"])
-                arrived = any(self._inbound[p].rows for p in missing)
+                arrived = any(self._inbound[p].rows.get(kind) for p in missing)
                 if not arrived and not self._wait_for(deadline):
                     raise TimeoutError("timed out")
         except _PeerLost as lost:
             raise ConnectionError(f"rank {self._global(lost.peer)}: {lost}") from lost
         finally:
             self._exchanging = False
-        rows = {p: inbound.rows.pop(0).view(data.dtype) for p, inbound in self._inbound.items()}
-        return torch.stack([rows.get(r, data) for r in range(len(rows) + 1)])
+        return [framing.read_row(self._inbound[p].rows[kind].pop(0), like) for p in peers]
 
     # -- failures ---------------------------------------------------------------------------
 
@@ -470,7 +433,7 @@ class SocketTransport(PeerTransport):
         """Tell every peer (each may be waiting on this rank, directly or not), after the
         rest of any frame a failure interrupted; for at most a second."""
         text = notice(description)
-        frame = [memoryview(_HEADER.pack(_NOTICE, -len(text))), memoryview(text)]
+        frame = [memoryview(_HEADER.pack(framing.NOTICE, -len(text))), memoryview(text)]
         deadline = time.monotonic() + min(1.0, self.timeout)
         for peer, link in self._links.items():
             parts = [*self._unsent.pop(peer, []), *frame]
