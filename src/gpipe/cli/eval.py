@@ -23,16 +23,21 @@ from gpipe.cli.train import add_config_options
 from gpipe.train import TrainingError
 from gpipe.train.eval_job import EvalConfig, resolve_eval, run_eval
 
-__all__ = ["configure", "run"]
+__all__ = ["add_model_argument", "configure", "run"]
 
 
-def configure(parser: argparse.ArgumentParser) -> None:
+def add_model_argument(parser: argparse.ArgumentParser) -> None:
+    """The model a command reads (``gpipe eval``, ``gpipe generate``)."""
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.add_argument(
         "model", metavar="RUN|DIR",
         help="a run folder (its newest intact checkpoint), a checkpoint folder, or a Hugging "
         "Face model folder (save_pretrained's, or gpipe export's)",
     )  # fmt: skip
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    add_model_argument(parser)
     add_config_options(parser, EvalConfig)
     parser.add_argument("--json", action="store_true", help="print the result as one JSON line")
 

@@ -18,6 +18,7 @@ import argparse
 import json
 import sys
 
+from gpipe.cli.eval import add_model_argument
 from gpipe.cli.train import add_config_options
 from gpipe.train import TrainingError
 from gpipe.train.generate_job import GenerateConfig, resolve_generate, run_generate
@@ -26,12 +27,7 @@ __all__ = ["configure", "run"]
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    parser.add_argument(
-        "model", metavar="RUN|DIR",
-        help="a run folder (its newest intact checkpoint), a checkpoint folder, or a Hugging "
-        "Face model folder (save_pretrained's, or gpipe export's)",
-    )  # fmt: skip
+    add_model_argument(parser)
     add_config_options(parser, GenerateConfig)
     parser.add_argument(
         "--json", action="store_true", help="print the token ids and texts as one JSON line"

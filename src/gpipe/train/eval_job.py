@@ -106,10 +106,14 @@ def _is_run(path: str) -> bool:
 
 def run_eval(config: TrainConfig) -> dict[str, Any]:
     """Evaluate in K new local processes; rank 0's result (loss, perplexity, speed)."""
-    prepared = inputs.check(config, processes=config.world_size)
+    return launched(evaluate, config, inputs.check(config, processes=config.world_size))
+
+
+def launched(fn: Any, config: TrainConfig, *args: Any) -> Any:
+    """``fn(rank, config, *args)`` in K new local processes; rank 0's result."""
     try:
-        results = launch(evaluate, nprocs=config.world_size, args=(config, prepared),
-                         backend="gloo", timeout=config.timeout)  # fmt: skip
+        results = launch(fn, nprocs=config.world_size, args=(config, *args), backend="gloo",
+                         timeout=config.timeout)  # fmt: skip
     except LaunchError as error:
         from gpipe.train.job import TrainingError  # the same failure report as gpipe train's
 

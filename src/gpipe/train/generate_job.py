@@ -8,10 +8,10 @@ from typing import Any
 
 import torch
 
-from gpipe.parallel.launch import LaunchError, launch, threads_per_process
+from gpipe.parallel.launch import threads_per_process
 from gpipe.parallel.mesh import Mesh
 from gpipe.train.config import ConfigError, TrainConfig, _option
-from gpipe.train.eval_job import load_pipe, resolve_model
+from gpipe.train.eval_job import launched, load_pipe, resolve_model
 from gpipe.train.generation import Sampling, generate
 from gpipe.train.precision import autocast_of
 
@@ -67,14 +67,7 @@ def resolve_generate(g: GenerateConfig) -> TrainConfig:
 
 def run_generate(config: TrainConfig, g: GenerateConfig) -> dict[str, Any]:
     """Generate in K new local processes: the token ids and texts, rank 0's."""
-    try:
-        results = launch(_generate, nprocs=config.world_size, args=(config, g),
-                         backend="gloo", timeout=config.timeout)  # fmt: skip
-    except LaunchError as error:
-        from gpipe.train.job import TrainingError  # the same failure report as gpipe train's
-
-        raise TrainingError(error.failures) from None
-    return results[0]
+    return launched(_generate, config, g)
 
 
 def _generate(rank: int, config: TrainConfig, g: GenerateConfig) -> dict[str, Any]:
