@@ -1,6 +1,9 @@
 """A job started again continues by itself: ``gpipe train --resume auto`` under ``torchrun
 --max-restarts``, one of whose ranks is killed, resumes from the newest intact checkpoint of
-its ``--out`` and trains the steps it lost to the same losses."""
+its ``--out`` and trains the steps it lost to the same losses as the uninterrupted attempt.
+
+Its reliability, many times over: ``python benchmarks/fault_stops.py --only restart
+--repeat 20``."""
 
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from train_runs import SRC, gpipe_command, losses
+from train_runs import SRC
 
 ARGS = ["--size", "tiny", "--steps", "12", "--save-every", "5", "--eval-every", "0",
         "--sample-tokens", "0", "--threads", "1", "--resume", "auto"]  # fmt: skip
@@ -27,19 +30,20 @@ def _ranks(torchrun: int) -> list[int]:
     return sorted(int(p) for p in found.stdout.split())
 
 
-def _logged(out: Path) -> int:
+def _losses(out: Path) -> dict[int, float]:
+    """The losses logged so far, by step (a line being written is left out)."""
     try:
         lines = (out / "metrics.jsonl").read_text().splitlines()
     except OSError:
-        return 0
-    steps = [json.loads(line)["step"] for line in lines if line.strip().endswith("}")]
-    return max(steps, default=0)
+        return {}
+    records = [json.loads(line) for line in lines if line.strip().endswith("}")]
+    return {record["step"]: record["loss"] for record in records}
 
 
-@pytest.mark.skip(
-    reason="intermittent: in about 1 run of 4 the attempt torchrun restarts fails to form gloo's "
-    "mesh ('connectFullMesh ... Connection refused') or hangs in it; run it alone until mended"
-)
+def _logged(out: Path) -> int:
+    return max(_losses(out), default=0)
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 @pytest.mark.timeout(400)
 @pytest.mark.slow
@@ -50,34 +54,34 @@ def test_a_killed_rank_under_torchrun_max_restarts_resumes_from_the_newest_check
     env = {**os.environ, "GPIPE_CACHE_DIR": str(cache), "PYTHONPATH": str(SRC)}
     for variable in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(variable, None)
-    # Two restarts, as a user would allow: on a loaded machine gloo's mesh can fail to form
-    # ("connectFullMesh ... Connection refused", seen once in the suite) and cost one.
+    # One restart: the restarted attempt must form its group in the agent's store, which
+    # still holds the dead attempt's keys (gpipe.parallel.store.this_attempt).
     torchrun = subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-         "2", "--max-restarts", "2", "-m", "gpipe", "train", *ARGS, "--out", str(out)],
+         "2", "--max-restarts", "1", "-m", "gpipe", "train", *ARGS, "--out", str(out)],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         start_new_session=True,
     )  # fmt: skip
     try:
         deadline = time.monotonic() + 300
-        # After the checkpoint of step 5, before the next one: steps 6 and 7 are lost.
+        # After the checkpoint of step 5, before the next one: steps 6 to 7 (or 9) are lost.
         while _logged(out) < 7 and torchrun.poll() is None and time.monotonic() < deadline:
             time.sleep(0.02)
         first = _ranks(torchrun.pid)
-        assert len(first) == 2 and _logged(out) >= 7, torchrun.poll()
+        assert len(first) == 2 and 7 <= _logged(out) < 10, (torchrun.poll(), _logged(out))
         os.kill(first[1], signal.SIGKILL)
-        before = losses(out)  # the first attempt's: an uninterrupted run up to here
+        # The first attempt's losses, an uninterrupted run up to here, before the restart
+        # keeps only those up to its checkpoint (seconds later: torchrun restarts).
+        before = _losses(out)
         printed, _ = torchrun.communicate(timeout=300)
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(torchrun.pid, signal.SIGKILL)
     assert torchrun.returncode == 0, printed[-3000:]
     assert "resumed from step 5" in printed, printed[-3000:]
-    after = losses(out)
+    after = _losses(out)
     assert sorted(after) == list(range(1, 13))
-    assert {step: after[step] for step in before} == before  # bitwise: the steps it lost too
-    # A fresh start where --out holds no checkpoint yet: the same losses
-    fresh = gpipe_command("train", *ARGS, "--out", str(tmp_path / "fresh"), cache=cache,
-                          timeout=300)  # fmt: skip
-    assert fresh.returncode == 0, fresh.stderr
-    assert losses(tmp_path / "fresh") == after
+    # Bitwise, the steps before the checkpoint and each step the restart lost and trained
+    # again: the state it resumed is exactly the uninterrupted run's.
+    assert sorted(before)[:7] == list(range(1, 8))
+    assert {step: after[step] for step in before} == before

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from gpipe.parallel.collectives import Collectives
-from gpipe.parallel.store import loopback, serve
+from gpipe.parallel.store import client, loopback, serve, this_attempt
 
 __all__ = [
     "Mesh",
@@ -113,12 +113,25 @@ def ensure_world(backend: str = "gloo", timeout: float | None = None) -> int:
     rank, size, address, port = job_environment()
     limit = timedelta(seconds=1800 if timeout is None else timeout)
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        # torchrun's agent holds the store, and every process of the job has started.
-        dist.init_process_group(backend, timeout=limit)
-        return dist.get_rank()
-    store = _join(rank, size, address, port, limit.total_seconds())
+        # torchrun's agent holds the store, and every process of this attempt has started.
+        store = _attempt(rank, size, address, port, limit.total_seconds())
+    else:
+        store = _join(rank, size, address, port, limit.total_seconds())
     dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=limit)
     return dist.get_rank()
+
+
+def _attempt(rank: int, size: int, address: str, port: int, timeout: float) -> Any:
+    """torchrun's agent's store, in the namespace of this attempt (``store.this_attempt``)."""
+    where = f"MASTER_ADDR={address}, MASTER_PORT={port}"
+    try:
+        return this_attempt(client(address, port, size, timeout), rank, size, timeout)
+    except (RuntimeError, OSError) as error:  # TimeoutError is an OSError
+        text = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise WorldError(
+            f"rank {rank} of WORLD_SIZE={size} could not join this attempt of the job at "
+            f"{where} (torchrun's store): {text}; check that torchrun started every process"
+        ) from None
 
 
 def _join(rank: int, size: int, address: str, port: int, timeout: float) -> Any:

@@ -12,7 +12,8 @@ authentication, and its server listens on every interface whatever host it is gi
   reaches it. Other local users still can (a TCP port has no owner to check), as they can
   any torch.distributed job's;
 * under torchrun, torchrun's agent holds the store and chooses where it listens (all
-  interfaces, even with ``--standalone``): gpipe only connects to it.
+  interfaces, even with ``--standalone``): gpipe only connects to it, each attempt of the
+  job (``--max-restarts``) in a namespace of its own (:func:`this_attempt`).
 
 A store reached over the network, between machines, is the user's to protect, as with any
 torch.distributed job: a private network, or a firewall that admits only the job's hosts.
@@ -22,13 +23,15 @@ from __future__ import annotations
 
 import ipaddress
 import random
+import secrets
 import socket
+import time
 from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["client", "free_port", "loopback", "serve"]
+__all__ = ["client", "free_port", "loopback", "serve", "this_attempt"]
 
 
 def loopback(address: str) -> str | None:
@@ -100,3 +103,41 @@ def serve(host: str, port: int | None, size: int, timeout: float) -> dist.TCPSto
 def client(host: str, port: int, size: int, timeout: float) -> Any:
     """A client of the store at ``host``:``port`` (all of a launched job's ranks are)."""
     return dist.TCPStore(host, port, size, is_master=False, timeout=timedelta(seconds=timeout))
+
+
+def this_attempt(store: Any, rank: int, size: int, timeout: float) -> dist.PrefixStore:
+    """``store`` (torchrun's agent's) seen through a namespace of this attempt of the job
+    only, agreed by its ``size`` processes within ``timeout`` seconds.
+
+    torchrun's agent keeps one store for every attempt (``--max-restarts``) and torch hands
+    it to each attempt's processes unprefixed: a restarted process read the dead attempt's
+    keys (gloo's addresses: "connectFullMesh ... Connection refused", or a hang).
+    ``TORCHELASTIC_RESTART_COUNT`` cannot name the attempt: each machine's agent counts its
+    own. So rank 0 draws a fresh namespace and hands it to each rank that asks with a nonce
+    of its own, which no key of a dead attempt answers. Raises :class:`TimeoutError` naming
+    the ranks that did not come."""
+    if rank != 0:
+        nonce = secrets.token_hex(16)
+        store.set(f"gpipe/hello/{rank}", nonce)
+        try:  # the store's own wait, bounded by its timeout (the job's)
+            name = store.get(f"gpipe/answer/{nonce}").decode()
+        except RuntimeError:  # DistStoreError: the timeout passed
+            raise TimeoutError(f"rank 0 did not answer rank {rank} within {timeout:g} s") from None
+        store.set(f"gpipe/{name}/rank/{rank}", "")
+        return dist.PrefixStore(f"gpipe/{name}/", store)
+    name, deadline = f"attempt-{secrets.token_hex(16)}", time.monotonic() + timeout
+    missing, answered = set(range(1, size)), {}
+    while missing:
+        for other in sorted(missing):
+            key = f"gpipe/hello/{other}"
+            nonce = store.get(key).decode() if store.check([key]) else ""
+            if nonce and answered.get(other) != nonce:  # a dead attempt's too: harmless
+                store.set(f"gpipe/answer/{nonce}", name)
+                answered[other] = nonce
+        missing = {r for r in missing if not store.check([f"gpipe/{name}/rank/{r}"])}
+        if missing and time.monotonic() > deadline:
+            shown = ", ".join(map(str, sorted(missing)[:10])) + (", ..." * (len(missing) > 10))
+            raise TimeoutError(f"rank{'s' * (len(missing) > 1)} {shown} did not come within "
+                               f"{timeout:g} s")  # fmt: skip
+        time.sleep(0.01 if missing else 0)
+    return dist.PrefixStore(f"gpipe/{name}/", store)
