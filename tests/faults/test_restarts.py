@@ -20,7 +20,7 @@ import pytest
 
 from train_runs import SRC
 
-ARGS = ["--size", "tiny", "--steps", "12", "--save-every", "5", "--eval-every", "0",
+ARGS = ["--size", "tiny", "--steps", "20", "--save-every", "5", "--eval-every", "0",
         "--sample-tokens", "0", "--threads", "1", "--resume", "auto"]  # fmt: skip
 
 
@@ -44,6 +44,13 @@ def _logged(out: Path) -> int:
     return max(_losses(out), default=0)
 
 
+def _saved(out: Path) -> int:
+    """The newest checkpoint's step (its folder renamed into place: committed), or 0."""
+    steps = [int(p.name.removeprefix("step-")) for p in (out / "checkpoints").glob("step-*")
+             if p.name.removeprefix("step-").isdigit()]  # fmt: skip
+    return max(steps, default=0)
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 @pytest.mark.timeout(400)
 @pytest.mark.slow
@@ -64,24 +71,27 @@ def test_a_killed_rank_under_torchrun_max_restarts_resumes_from_the_newest_check
     )  # fmt: skip
     try:
         deadline = time.monotonic() + 300
-        # After the checkpoint of step 5, before the next one: steps 6 to 7 (or 9) are lost.
+        # After the checkpoint of step 5 and a step or two more: those are lost.
         while _logged(out) < 7 and torchrun.poll() is None and time.monotonic() < deadline:
             time.sleep(0.02)
         first = _ranks(torchrun.pid)
-        assert len(first) == 2 and 7 <= _logged(out) < 10, (torchrun.poll(), _logged(out))
+        assert len(first) == 2 and _logged(out) < 20, (torchrun.poll(), _logged(out))
         os.kill(first[1], signal.SIGKILL)
         # The first attempt's losses, an uninterrupted run up to here, before the restart
         # keeps only those up to its checkpoint (seconds later: torchrun restarts).
-        before = _losses(out)
+        before, saved = _losses(out), _saved(out)
         printed, _ = torchrun.communicate(timeout=300)
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(torchrun.pid, signal.SIGKILL)
-    assert torchrun.returncode == 0, printed[-3000:]
-    assert "resumed from step 5" in printed, printed[-3000:]
+    assert torchrun.returncode == 0 and "resumed from step " in printed, printed[-3000:]
+    # The newest checkpoint at the kill (or one committed by rank 0 as rank 1 died after
+    # writing its part), however late a loaded machine let this process kill.
+    resumed = int(printed.split("resumed from step ")[1].split()[0].rstrip(",.)"))
+    assert 5 <= resumed <= max(before) and resumed in (saved, saved + 5), printed[-3000:]
     after = _losses(out)
-    assert sorted(after) == list(range(1, 13))
+    assert sorted(after) == list(range(1, 21))
     # Bitwise, the steps before the checkpoint and each step the restart lost and trained
     # again: the state it resumed is exactly the uninterrupted run's.
-    assert sorted(before)[:7] == list(range(1, 8))
+    assert sorted(before) == list(range(1, max(before) + 1))
     assert {step: after[step] for step in before} == before

@@ -120,7 +120,7 @@ def this_attempt(store: Any, rank: int, size: int, timeout: float) -> dist.Prefi
         nonce = secrets.token_hex(16)
         store.set(f"gpipe/hello/{rank}", nonce)
         try:  # the store's own wait, bounded by its timeout (the job's)
-            name = store.get(f"gpipe/answer/{nonce}").decode()
+            name = store.get(f"gpipe/answer/{nonce}").decode(errors="replace")
         except RuntimeError:  # DistStoreError: the timeout passed
             raise TimeoutError(f"rank 0 did not answer rank {rank} within {timeout:g} s") from None
         store.set(f"gpipe/{name}/rank/{rank}", "")
@@ -130,7 +130,7 @@ def this_attempt(store: Any, rank: int, size: int, timeout: float) -> dist.Prefi
     while missing:
         for other in sorted(missing):
             key = f"gpipe/hello/{other}"
-            nonce = store.get(key).decode() if store.check([key]) else ""
+            nonce = store.get(key).decode(errors="replace") if store.check([key]) else ""
             if nonce and answered.get(other) != nonce:  # a dead attempt's too: harmless
                 store.set(f"gpipe/answer/{nonce}", name)
                 answered[other] = nonce
