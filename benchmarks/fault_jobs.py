@@ -19,6 +19,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+# This checkout's gpipe, in the rows' own process and the ranks it launches, as in the
+# commands they start (env): imported before gpipe by every row module.
+sys.path.insert(0, str(ROOT / "src"))
 CARRIERS = ("sockets", "group")
 CARRIER = "sockets"  # the rows' carrier: faults.py and fault_stops.py set it (--carrier)
 TIMEOUT = 20.0  # the pipeline's timeout in the library cases

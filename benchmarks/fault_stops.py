@@ -23,6 +23,8 @@ from pathlib import Path
 
 import fault_jobs as jobs
 
+from gpipe import checkpoint as ckpt
+
 TIMEOUT = 20.0  # --timeout of the stopped runs: the promise is this + 5 s
 
 # What the same cases did before the launcher held the store and a failed wait gave up
@@ -234,7 +236,7 @@ def _torchrun_store(work: Path) -> tuple:
             0, True)  # fmt: skip
 
 
-RESTART = ["--size", "tiny", "--steps", "30", "--save-every", "10", "--eval-every", "0",
+RESTART = ["--size", "tiny", "--steps", "60", "--save-every", "10", "--eval-every", "0",
            "--sample-tokens", "0", "--threads", "1", "--resume", "auto"]  # fmt: skip
 
 
@@ -248,8 +250,9 @@ def _losses(out: Path) -> dict[int, float]:
 
 def rows_restart(work: Path) -> list[tuple]:
     """torchrun --max-restarts 1 with --resume auto; kill -9 of rank 1 after the checkpoint
-    of step 10 and a few steps more: the restarted job resumes from it by itself, and its
-    losses are those of the first attempt (an uninterrupted run) wherever both have one."""
+    of step 10 and a few steps more: the restarted job resumes from the newest checkpoint by
+    itself, and its losses are those of the first attempt (an uninterrupted run) wherever
+    both have one."""
     out = work / "restart"
     job = subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
@@ -258,7 +261,7 @@ def rows_restart(work: Path) -> list[tuple]:
         env=jobs.env(work / "cache"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         start_new_session=True,
     )  # fmt: skip
-    printed, first, killed = "", {}, time.monotonic()
+    printed, first, killed, newest = "", {}, time.monotonic(), "none"
     try:
         deadline = time.monotonic() + 300
         while max(_losses(out), default=0) < 14 and time.monotonic() < deadline:
@@ -266,6 +269,8 @@ def rows_restart(work: Path) -> list[tuple]:
         with contextlib.suppress(IndexError, ProcessLookupError):
             os.kill(jobs.children(job.pid)[1], signal.SIGKILL)
         killed, first = time.monotonic(), _losses(out)
+        with contextlib.suppress(ckpt.CheckpointError):  # what it must resume from
+            newest = str(ckpt.read_manifest(out).step)
         # Bounded: each attempt's waits by --timeout, torchrun's restart by its own.
         printed, _ = job.communicate(timeout=10 * TIMEOUT + 120)
     except subprocess.TimeoutExpired:
@@ -279,10 +284,11 @@ def rows_restart(work: Path) -> list[tuple]:
     resumed = [x for x in printed.split("resumed from step ")[1:]]
     start = resumed[0].split()[0].rstrip(",.)") if resumed else "?"
     same = all(after.get(step) == loss for step, loss in first.items())
-    outcome = (f"torchrun exit {job.returncode}, resumed from step {start}, steps "
+    outcome = (f"torchrun exit {job.returncode}, resumed from step {start} (the newest "
+               f"checkpoint at the kill: {newest}), steps "
                f"{min(after, default=0)}-{max(after, default=0)} logged, the first attempt's "
                f"{len(first)} losses {'all equal' if same else 'DIFFER'}")  # fmt: skip
-    held = job.returncode == 0 and start == "10" and same and sorted(after) == list(range(1, 31))
+    held = job.returncode == 0 and start == newest and same and sorted(after) == list(range(1, 61))
     if not held:  # what went wrong, in a few words
         said = [x for x in printed.splitlines() if "Error" in x or x.startswith("hung")]
         outcome += f": {said[-1].strip()[:160] if said else '?'}".replace("|", "/")
