@@ -180,10 +180,12 @@ def run(carriers: tuple[str, ...], only: list[str] | None) -> list[tuple]:
     work = Path(tempfile.mkdtemp(prefix="gpipe-faults-"))
     for carrier in carriers:
         jobs.CARRIER = carrier
+        place = work / carrier  # each carrier's runs apart: --resume auto finds only its own
+        place.mkdir()
         for name, group in GROUPS.items():
             if (only and name not in only) or (name in ONCE and carrier != carriers[0]):
                 continue
-            for row in group(work):
+            for row in group(place):
                 rows.append((row[0], "either" if name in ONCE else carrier, *row[1:]))
                 print(_line(rows[-1]), flush=True)
     shutil.rmtree(work, ignore_errors=True)
