@@ -1,10 +1,12 @@
 """The fault matrix: each fault, the promise, and what was measured, into docs/reliability.md.
 
-    python benchmarks/faults.py [--out docs/reliability.md]
+    python benchmarks/faults.py [--out docs/reliability.md]       # every row, both carriers
+    python benchmarks/faults.py --only restart --carrier group     # a group of rows
 
 Library cases run K processes with ``gpipe.launch`` and the fault-injecting functions of
 ``tests/distributed_cases.py``; command-line cases run ``gpipe train --size tiny`` as a user
-would and stop or damage it. For each case: the seconds until every rank had raised (or the
+would and stop or damage it. Each runs on both carriers of the messages between stages
+(``benchmarks/fault_jobs.py``). For each case: the seconds until every rank had raised (or the
 job had exited), exit codes, processes left behind, and, for signals, the steps of work lost.
 """
 
