@@ -294,7 +294,8 @@ def rows_restart(work: Path) -> list[tuple]:
         outcome += f": {said[-1].strip()[:160] if said else '?'}".replace("|", "/")
     return [("torchrun --max-restarts 1, gpipe train --resume auto: kill -9 of rank 1 after "
              "the checkpoint of step 10 (before: the restarted attempt failed to form gloo's "
-             "mesh, or hung, in about 1 run of 4 on a quiet machine)", "the restart resumes "
+             "mesh, or hung, in about 1 run of 4 on a quiet machine, 16 of 20 at a load of "
+             "20-30 on 2 cores)", "the restart resumes "
              "from the newest intact checkpoint by itself, the same losses", seconds, seconds,
              outcome, jobs.left_in(job.pid), held)]  # fmt: skip
 
