@@ -3,7 +3,7 @@ damaged, unreadable or crafted, then resumed, exported and listed as a user woul
 
 The crafted one is what an attacker with write access to the run folder makes: a genuine
 checkpoint whose ``.metadata`` (DCP's pickle) carries a payload that would create a marker
-file, with the manifest's SHA-256 recomputed (tests/test_checkpoint.py's ``plant``).
+file, with the manifest's SHA-256 recomputed (tests/train/test_checkpoint.py's ``plant``).
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from gpipe import checkpoint as ckpt
+import gpipe.train.checkpoint as ckpt
 from gpipe.__main__ import main
-from test_checkpoint import plant
+from saved_checkpoints import plant
 
 SHARD = "__1_0.distcp"  # rank 1's DCP file
 MARKER = "payload-ran"  # created in the run's copy if the crafted checkpoint's payload runs

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import gpipe
-from gpipe import checkpoint as ckpt
+import gpipe.train.checkpoint as ckpt
 from gpipe.__main__ import main
 from gpipe.cli import train as train_cli
 from gpipe.cli.export import export

@@ -3,7 +3,7 @@
     gpipe export runs/gpt-small-20250101-120000              # newest checkpoint of a run
     gpipe export runs/.../checkpoints/step-000300 -o gpt.pt
 
-``gpipe train`` saves DCP checkpoints (``gpipe.checkpoint``); the exported file
+``gpipe train`` saves DCP checkpoints (``gpipe.train.checkpoint``); the exported file
 is an ordinary ``torch.save``-d state dict with the whole model's names, which loads into the
 model built without gpipe::
 
@@ -29,8 +29,8 @@ from pathlib import Path
 
 import torch
 
-from gpipe import checkpoint as ckpt
-from gpipe.checkpoint_integrity import problems
+import gpipe.train.checkpoint as ckpt
+from gpipe.train.checkpoint_integrity import problems
 from gpipe.train.outputs import EXPORT_RECORD, OutputError, export_problem, write_file, write_folder
 
 __all__ = ["configure", "export", "run"]

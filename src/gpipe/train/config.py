@@ -13,9 +13,9 @@ from dataclasses import Field, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+import gpipe.train.checkpoint as ckpt
 import gpipe.train.hooks as hooks
 import gpipe.train.memory_checks as memory_checks
-from gpipe import checkpoint as ckpt
 from gpipe.allocator import POLICIES
 from gpipe.layout import FLAGS, Layout
 from gpipe.parallel.group import TRANSPORTS
@@ -412,8 +412,8 @@ def resolve(options: dict[str, Any], *, world_size: int | None = None) -> TrainC
         if manifest.config is None:  # not written by gpipe train
             raise ConfigError([
                 f"--resume {given['resume']}: {manifest.path} holds no run configuration (it "
-                "was written by gpipe.checkpoint directly, not by gpipe train): load its "
-                "weights with gpipe.checkpoint.load_tensors instead"
+                "was written by gpipe.train.checkpoint directly, not by gpipe train): load its "
+                "weights with gpipe.train.checkpoint.load_tensors instead"
             ])  # fmt: skip
         saved = manifest.config
         for key in _FIXED_ON_RESUME:

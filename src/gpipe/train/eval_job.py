@@ -17,13 +17,13 @@ from typing import Any
 
 import torch
 
+import gpipe.train.checkpoint as ckpt
 import gpipe.train.inputs as inputs
-from gpipe import checkpoint as ckpt
-from gpipe.checkpoint_integrity import choose
 from gpipe.layout import Layout
 from gpipe.parallel.launch import LaunchError, launch, threads_per_process
 from gpipe.parallel.mesh import Mesh
 from gpipe.pipe import Pipe
+from gpipe.train.checkpoint_integrity import choose
 from gpipe.train.config import ConfigError, TrainConfig, _option, model_spec, num_layers, resolve
 from gpipe.train.evaluation import build_pipe, validate
 from gpipe.train.precision import autocast_of

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import IO, Any
 
 import gpipe.train.config_file as config_file
-from gpipe.checkpoint import LATEST, MANIFEST
+from gpipe.train.checkpoint import LATEST, MANIFEST
 from gpipe.train.report import OUTPUT_FILES
 
 __all__ = [

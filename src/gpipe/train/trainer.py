@@ -22,16 +22,15 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+import gpipe.train.checkpoint as ckpt
 import gpipe.train.generation as generation
 import gpipe.train.hooks as hooks
 import gpipe.train.lr_schedule as lr_schedule
 import gpipe.train.optimizers as optimizers
 import gpipe.train.outputs as outputs
-from gpipe import checkpoint as ckpt
-from gpipe import timeline
+import gpipe.train.timeline as timeline
 from gpipe._utils import local_value
 from gpipe.allocator import cpu_allocator
-from gpipe.data import EpochSampler, hash_seed
 from gpipe.engine.memory import measure_activations
 from gpipe.errors import NonFiniteError
 from gpipe.parallel.launch import threads_per_process
@@ -40,6 +39,7 @@ from gpipe.parallel.sharded import sharded_optimizer_state
 from gpipe.schedule.actions import Action, TimedAction
 from gpipe.train.compiling import compile_stages, split_backward_note
 from gpipe.train.config import TrainConfig, model_spec, num_layers
+from gpipe.train.data import EpochSampler, hash_seed
 from gpipe.train.evaluation import build_pipe, validate
 from gpipe.train.freezing import freeze
 from gpipe.train.precision import autocast_of, load_scaler, optimizer_step, save_scaler, scaler_of
@@ -332,7 +332,7 @@ class Trainer:
 
     def save(self, step: int) -> Path:
         """Every rank's part of one checkpoint, written with DCP; rank 0 commits it (see
-        gpipe.checkpoint)."""
+        gpipe.train.checkpoint)."""
         c = self.config
         root = self.out / "checkpoints"
         everyone, doing = self.mesh.everyone, f"saving the checkpoint of step {step}"

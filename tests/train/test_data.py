@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpipe import data
+import gpipe.train.data as data
 
 
 @pytest.fixture

@@ -1,6 +1,6 @@
 """Is a checkpoint intact, and which one to resume from.
 
-``gpipe.checkpoint`` records the SHA-256 of each file DCP wrote in the manifest, and the
+``gpipe.train.checkpoint`` records the SHA-256 of each file DCP wrote in the manifest, and the
 manifest's own; :func:`problems` checks a checkpoint against them (and its step against its
 folder's name) and, since anyone can recompute a SHA-256, reads what DCP stored as data only
 (:mod:`gpipe.parallel.dcp` refuses a checkpoint that holds anything else); :func:`listing`
@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from gpipe.checkpoint import (
+from gpipe.parallel import dcp
+from gpipe.train.checkpoint import (
     MANIFEST,
     CheckpointError,
     find,
@@ -20,7 +21,6 @@ from gpipe.checkpoint import (
     sha256_of,
     step_folder,
 )
-from gpipe.parallel import dcp
 
 __all__ = ["choose", "listing", "problems"]
 

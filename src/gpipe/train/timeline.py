@@ -6,7 +6,7 @@ on a rank holding several virtual stages each later stage is a lighter shade of 
 White space is idle time: the bubble, whose share ``1 - busy / (ranks * makespan)`` is
 printed in the title. The events come from either side of the same schedule::
 
-    from gpipe import timeline
+    import gpipe.train.timeline as timeline
     from gpipe.schedule import build_schedule
     from gpipe.schedule.simulate import simulate
 
@@ -297,7 +297,7 @@ def _matplotlib():
         from matplotlib import colors, figure, patches
     except ImportError as error:
         raise ImportError(
-            "gpipe.timeline needs matplotlib to draw; install it with "
+            "gpipe.train.timeline needs matplotlib to draw; install it with "
             "pip install 'gpipe[plot]' (or pip install matplotlib). "
             "to_chrome_trace works without it."
         ) from error

@@ -8,7 +8,7 @@
   ``~/.cache/gpipe``).
 * **digits** (the CNN's): scikit-learn's bundled 8x8 handwritten digits, 1,797 images in
   10 classes (``pip install 'gpipe[digits]'``), split once with a fixed permutation.
-* **your files**: read as documents of bytes by :mod:`gpipe.texts`, tokenized by the caller
+* **your files**: read as documents of bytes by :mod:`gpipe.train.texts`, tokenized by the caller
   into :class:`Documents`.
 
 A language model reads token documents as windows: :class:`PackedWindows` (the documents

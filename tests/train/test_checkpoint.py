@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import pathlib
 import pickle
 
 import pytest
@@ -21,16 +20,12 @@ from torch.distributed.checkpoint import filesystem
 from torch.distributed.checkpoint.metadata import StorageMeta
 
 import gpipe
-from gpipe import checkpoint as ckpt
+import gpipe.train.checkpoint as ckpt
 from gpipe.models import mlp
 from gpipe.parallel import dcp as gpipe_dcp
+from saved_checkpoints import Payload, make_model, plant, save
 
 FILES = [".metadata", "__0_0.distcp", "manifest.json"]
-
-
-def make_model() -> nn.Sequential:
-    torch.manual_seed(0)
-    return mlp([4, 8, 8, 3])  # layers 0 (Linear), 1 (GELU), 2, 3, 4
 
 
 def train_a_little(model: nn.Module, params, steps: int = 3) -> torch.optim.Optimizer:
@@ -40,17 +35,6 @@ def train_a_little(model: nn.Module, params, steps: int = 3) -> torch.optim.Opti
         optimizer.step()
         optimizer.zero_grad()
     return optimizer
-
-
-def save(root, step: int, model: nn.Module, *, layers=None, optimizer=None, rng=None, **records):
-    """A checkpoint of ``model`` (of its ``layers`` only, if given), written with DCP by this
-    process alone."""
-    state = model.state_dict()
-    if layers is not None:
-        state = {n: t for n, t in state.items() if int(n.split(".")[0]) in layers}
-    tmp = ckpt.begin(root, step)
-    ckpt.write(tmp, model=state, optimizer=optimizer, rng=rng)
-    return ckpt.commit(root, tmp, ckpt.Manifest(step=step, **records))
 
 
 def test_save_find_load_and_export(tmp_path):
@@ -288,26 +272,6 @@ def test_a_pipe_saved_at_k2_resumes_at_k3_bitwise(tmp_path):
 
 
 # -- a checkpoint is data, never code ---------------------------------------------------------
-
-
-class Payload:
-    """What an attacker plants: unpickling it creates ``marker`` (harmless, and visible)."""
-
-    def __init__(self, marker: pathlib.Path) -> None:
-        self.marker = marker
-
-    def __reduce__(self):
-        return (pathlib.Path.touch, (self.marker,))
-
-
-def plant(folder, marker, **changes) -> None:
-    """Rewrite ``folder``'s .metadata with ``changes`` (by default a :class:`Payload` in a
-    field DCP does not check) and the manifest's SHA-256 recomputed, as an attacker would."""
-    metadata = gpipe_dcp.read_metadata(folder)  # a genuine file: where the attacker starts
-    for key, value in (changes or {"planner_data": Payload(marker)}).items():
-        setattr(metadata, key, value)
-    (folder / ".metadata").write_bytes(pickle.dumps(metadata))
-    ckpt.write_manifest(folder, ckpt.read_manifest_file(folder))
 
 
 def test_a_planted_metadata_payload_is_refused_and_never_runs(tmp_path):
