@@ -140,8 +140,9 @@ class Dcp:
     def __init__(self) -> None:
         import gpipe.train.checkpoint as ckpt
         import gpipe.train.checkpoint_integrity as checkpoint_integrity
+        import gpipe.train.optimizer_state as optimizer_state
 
-        self.ckpt, self.integrity = ckpt, checkpoint_integrity
+        self.ckpt, self.integrity, self.by_name = ckpt, checkpoint_integrity, optimizer_state
 
     def save(self, root: Path, step: int, model, optimizer) -> Path:
         c = self.ckpt
@@ -149,7 +150,7 @@ class Dcp:
         tmp = c.begin(root, step)
         c.write(
             tmp, model=model.state_dict(),
-            optimizer=c.optimizer_state_by_name(optimizer, names),
+            optimizer=self.by_name.optimizer_state_by_name(optimizer, names),
             rng={0: torch.get_rng_state()},
         )  # fmt: skip
         return c.commit(root, tmp, c.Manifest(step=step))
@@ -162,7 +163,7 @@ class Dcp:
         loaded = c.load(manifest, model=list(model.state_dict()),
                         optimizer=list(names.values()), rng=0)  # fmt: skip
         model.load_state_dict(loaded.model)
-        c.load_optimizer_state_by_name(optimizer, names, loaded.optimizer)
+        self.by_name.load_optimizer_state_by_name(optimizer, names, loaded.optimizer)
         torch.set_rng_state(loaded.rng)
 
 

@@ -23,6 +23,7 @@ import gpipe
 import gpipe.train.checkpoint as ckpt
 from gpipe.models import mlp
 from gpipe.parallel import dcp as gpipe_dcp
+from gpipe.train.optimizer_state import load_optimizer_state_by_name, optimizer_state_by_name
 from saved_checkpoints import Payload, make_model, plant, save
 
 FILES = [".metadata", "__0_0.distcp", "manifest.json"]
@@ -198,7 +199,7 @@ def test_optimizer_state_by_name_moves_between_cuts(tmp_path):
     states = []
     for names in cuts:
         optimizer = train_a_little(model, groups_for(names))
-        states.append(ckpt.optimizer_state_by_name(optimizer, names_of))
+        states.append(optimizer_state_by_name(optimizer, names_of))
     assert set(states[1]["state"]) == set(cuts[1])
     # What the 2 ranks' DCP writes hold together: every name's state and group.
     merged = {
@@ -216,8 +217,8 @@ def test_optimizer_state_by_name_moves_between_cuts(tmp_path):
         for names in new_cut:
             optimizer = torch.optim.AdamW(groups_for(names), lr=0.5)
             loaded = ckpt.load(manifest, model=[], optimizer=names).optimizer
-            ckpt.load_optimizer_state_by_name(optimizer, names_of, loaded)
-            again = ckpt.optimizer_state_by_name(optimizer, names_of)
+            load_optimizer_state_by_name(optimizer, names_of, loaded)
+            again = optimizer_state_by_name(optimizer, names_of)
             for name in names:
                 for key, value in saved[name].items():
                     assert torch.equal(again["state"][name][key], value), (name, key)
@@ -228,10 +229,10 @@ def test_optimizer_groups_that_do_not_match_are_reported():
     model = make_model()
     names_of = {p: n for n, p in model.named_parameters()}
     optimizer = torch.optim.AdamW([{"name": "decay", "params": list(model.parameters())}])
-    state = ckpt.optimizer_state_by_name(optimizer, names_of)
+    state = optimizer_state_by_name(optimizer, names_of)
     other = torch.optim.AdamW([{"name": "other", "params": list(model.parameters())}])
     with pytest.raises(ckpt.CheckpointError, match="no param group 'other'"):
-        ckpt.load_optimizer_state_by_name(other, names_of, state)
+        load_optimizer_state_by_name(other, names_of, state)
 
 
 def test_a_pipe_saved_at_k2_resumes_at_k3_bitwise(tmp_path):
@@ -254,7 +255,7 @@ def test_a_pipe_saved_at_k2_resumes_at_k3_bitwise(tmp_path):
     for seed in range(3):
         step(two, two_optimizer, seed)
     names = {p: n for n, p in two.named_parameters()}
-    optimizer_state = ckpt.optimizer_state_by_name(two_optimizer, names)
+    optimizer_state = optimizer_state_by_name(two_optimizer, names)
     manifest = ckpt.read_manifest(save(tmp_path, 3, two, optimizer=optimizer_state))
 
     three = pipe_of([1, 2, 2])
@@ -264,7 +265,7 @@ def test_a_pipe_saved_at_k2_resumes_at_k3_bitwise(tmp_path):
         manifest, model=list(three.state_dict()), optimizer=list(three_names.values())
     )
     three.load_state_dict(loaded.model, strict=True)
-    ckpt.load_optimizer_state_by_name(three_optimizer, three_names, loaded.optimizer)
+    load_optimizer_state_by_name(three_optimizer, three_names, loaded.optimizer)
     for seed in (3, 4):
         assert step(three, three_optimizer, seed) == step(two, two_optimizer, seed)
     for name, tensor in two.state_dict().items():

@@ -19,8 +19,8 @@ from gpipe.train.checkpoint import (
     find,
     read_manifest_file,
     sha256_of,
-    step_folder,
 )
+from gpipe.train.run_folder import STEPS, checkpoints, step_folder
 
 __all__ = ["choose", "listing", "problems"]
 
@@ -66,9 +66,8 @@ def _file_problems(path: Path, digest: str) -> list[str]:
 def listing(path: str | Path) -> list[tuple[Path, list[str]]]:
     """Every checkpoint under a run or checkpoints folder, oldest first, with its problems
     (an unfinished save: ``["incomplete: ..."]``)."""
-    path = Path(path)
-    root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
-    return [(folder, _state(folder)) for folder in sorted(root.glob("step-*")) if folder.is_dir()]
+    folders = sorted(checkpoints(path).glob(STEPS))
+    return [(folder, _state(folder)) for folder in folders if folder.is_dir()]
 
 
 def _state(folder: Path) -> list[str]:

@@ -16,6 +16,7 @@ from typing import Any
 import gpipe.train.checkpoint as ckpt
 import gpipe.train.hooks as hooks
 import gpipe.train.memory_checks as memory_checks
+import gpipe.train.run_folder as run_folder
 from gpipe.allocator import POLICIES
 from gpipe.layout import FLAGS, Layout
 from gpipe.parallel.group import TRANSPORTS
@@ -433,10 +434,8 @@ def resolve(options: dict[str, Any], *, world_size: int | None = None) -> TrainC
                     f"resumed run continues its optimizer and learning-rate schedule (--steps "
                     f"may change); drop {flag(key)}"
                 )
-        if "out" not in given:
-            folder = manifest.path
-            if folder.parent.name == "checkpoints":
-                given["out"] = str(folder.parent.parent)
+        if "out" not in given and (run := run_folder.run_of(manifest.path)):
+            given["out"] = str(run)
         values = {**saved, **given, "resume": str(manifest.path)}
     else:
         chosen, found = _model(given)
@@ -658,9 +657,9 @@ def _problems(c: TrainConfig, start: int, world_size: int | None, *, fresh: bool
             f"{c.replicas} needs {c.world_size}"
         )
     problems += memory_checks.problems(c, spawns=world_size is None)
-    if fresh and (Path(c.out) / "checkpoints").is_dir():
+    if fresh and (Path(c.out) / run_folder.CHECKPOINTS).is_dir():
         try:
-            ckpt.find(Path(c.out) / "checkpoints")
+            ckpt.find(Path(c.out) / run_folder.CHECKPOINTS)
             problems.append(
                 f"--out {c.out} already holds a run's checkpoints: continue it with "
                 f"--resume {c.out}, or choose another --out"
