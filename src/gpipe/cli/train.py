@@ -61,7 +61,7 @@ from gpipe.train import (
     run_under_torchrun,
 )
 from gpipe.train import run as run_job
-from gpipe.train.checkpoint import CheckpointError, find
+from gpipe.train.checkpoint import CheckpointError, holds
 from gpipe.train.checkpoint_integrity import choose
 from gpipe.train.config import flag, option, option_kinds, preset_fields
 
@@ -133,11 +133,7 @@ def _resume_auto(out: str | None) -> str | None:
     one is resumed, as with ``--resume OUT``), else None: a fresh start."""
     if not out:
         raise ConfigError(["--resume auto continues the run in --out: give --out"])
-    try:
-        find(out)
-    except CheckpointError:
-        return None
-    return out
+    return out if holds(out) else None
 
 
 # RANK and WORLD_SIZE make gpipe train one process of a job started elsewhere.

@@ -68,6 +68,7 @@ __all__ = [
     "commit",
     "export_state_dict",
     "find",
+    "holds",
     "load",
     "load_tensors",
     "read_manifest",
@@ -283,6 +284,15 @@ def find(path: str | Path) -> Path:
         f"no complete checkpoint in {path}: expected {MANIFEST} there, or step-NNNNNN/ "
         f"folders holding one (in {path} or {path / CHECKPOINTS})"
     )
+
+
+def holds(path: str | Path) -> bool:
+    """Whether ``path`` designates a complete checkpoint (:func:`find` finds one)."""
+    try:
+        find(path)
+    except CheckpointError:
+        return False
+    return True
 
 
 def read_manifest(path: str | Path) -> Manifest:

@@ -657,15 +657,12 @@ def _problems(c: TrainConfig, start: int, world_size: int | None, *, fresh: bool
             f"{c.replicas} needs {c.world_size}"
         )
     problems += memory_checks.problems(c, spawns=world_size is None)
-    if fresh and (Path(c.out) / run_folder.CHECKPOINTS).is_dir():
-        try:
-            ckpt.find(Path(c.out) / run_folder.CHECKPOINTS)
-            problems.append(
-                f"--out {c.out} already holds a run's checkpoints: continue it with "
-                f"--resume {c.out}, or choose another --out"
-            )
-        except ckpt.CheckpointError:
-            pass
+    checkpoints = Path(c.out) / run_folder.CHECKPOINTS
+    if fresh and checkpoints.is_dir() and ckpt.holds(checkpoints):
+        problems.append(
+            f"--out {c.out} already holds a run's checkpoints: continue it with "
+            f"--resume {c.out}, or choose another --out"
+        )
     return problems
 
 

@@ -77,7 +77,7 @@ def resolve_model(
     """The configuration of ``model`` (a run, a checkpoint or a model folder) as K processes
     that only run forwards (``pipeline``: stages, chunks, batch, dtype, timeout) build it."""
     pipeline = {**pipeline, "replicas": 1, "tensorboard": False}
-    if not _is_run(model):
+    if not ckpt.holds(model):
         return resolve({**pipeline, "model": model, "seq": seq, "data": data,
                         "out": str(Path(tempfile.gettempdir()) / "gpipe-eval")})  # fmt: skip
     try:
@@ -94,14 +94,6 @@ def resolve_model(
         **pipeline, "resume": str(folder), "steps": manifest.step + 1, "schedule": "gpipe",
         "virtual_stages": 1, "balance": ",".join(map(str, balance)),
     })  # fmt: skip
-
-
-def _is_run(path: str) -> bool:
-    try:
-        ckpt.find(path)
-    except ckpt.CheckpointError:
-        return False
-    return True
 
 
 def run_eval(config: TrainConfig) -> dict[str, Any]:
