@@ -33,6 +33,7 @@ from fault_security import SECTION, rows_security  # noqa: E402
 from fault_stops import STORE_NOTE, rows_one_process  # noqa: E402
 
 import gpipe.train.checkpoint as ckpt  # noqa: E402
+import gpipe.train.run_folder as run_folder  # noqa: E402
 from distributed_cases import (  # noqa: E402
     data_parallel_fault,
     data_parallel_stalled,
@@ -381,10 +382,10 @@ def rows_kill_while_saving(work: Path) -> list[tuple]:
     job = _long_run(out, work, "--save-every", "1")
     lines = _Lines(job)
     lines.wait_for(10)
-    root = out / "checkpoints"
+    root = out / run_folder.CHECKPOINTS
     deadline, caught = time.monotonic() + 60, False
     while time.monotonic() < deadline:
-        if any(p.name.endswith(".tmp") for p in root.glob("step-*")):
+        if any(p.name.endswith(".tmp") for p in root.glob(run_folder.STEPS)):
             os.killpg(job.pid, signal.SIGKILL)
             caught = True
             break
@@ -393,7 +394,7 @@ def rows_kill_while_saving(work: Path) -> list[tuple]:
         os.killpg(job.pid, signal.SIGKILL)
     job.wait(timeout=60)
     last = lines.last
-    staged = sorted(p.name for p in root.glob("step-*.tmp"))
+    staged = sorted(p.name for p in root.glob(f"{run_folder.STEPS}.tmp"))
     left = left_in(job.pid)
     started = time.monotonic()
     resumed = gpipe_train("--resume", str(out), "--steps", str(last + 2), "--sample-tokens",
