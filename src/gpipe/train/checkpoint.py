@@ -43,6 +43,7 @@ are refused, naming the remedy.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -93,16 +94,16 @@ class CheckpointError(RuntimeError):
 
 @dataclass
 class Manifest:
-    """A checkpoint's ``manifest.json``: written by :func:`write_manifest` (through
-    :func:`commit`), read by :func:`read_manifest`. The run's own records (``config``,
-    ``model``, ``data``, ``layout``, ``scheduler``) are kept as given."""
+    """A checkpoint's ``manifest.json`` (format :data:`VERSION`): written by
+    :func:`write_manifest` (through :func:`commit`), read by :func:`read_manifest`, here only.
+    A ``gpipe train`` run's records, kept as given (None: not written by gpipe train):"""
 
     step: int
-    config: dict[str, Any] | None = None  # the run's configuration
-    model: dict[str, Any] | None = None  # what builds the model
-    data: dict[str, Any] | None = None  # the data position
-    layout: dict[str, Any] | None = None  # how the saving run was cut (stages, replicas, ...)
-    scheduler: dict[str, Any] | None = None  # the learning-rate scheduler's state
+    config: dict[str, Any] | None = None  # the run's TrainConfig, as a dict
+    model: dict[str, Any] | None = None  # what builds the model (train.tasks' spec)
+    data: dict[str, Any] | None = None  # the data position (EpochSampler.state_dict())
+    layout: dict[str, Any] | None = None  # the saving run's Layout.to_dict() and balance
+    scheduler: dict[str, Any] | None = None  # the lr scheduler's state (and a GradScaler's)
     saved_at: str = ""  # stamped when written
     files: dict[str, str] = field(default_factory=dict)  # DCP's file -> its SHA-256 (derived)
     path: Path | None = None  # the checkpoint's folder, once read (not saved)
@@ -174,15 +175,12 @@ def commit(root: str | Path, tmp: str | Path, manifest: Manifest, *, keep: int =
     root, tmp = Path(root), Path(tmp)
     write_manifest(tmp, manifest)
     final = root / step_folder(manifest.step)
+    old = final.with_name(final.name + ".old")  # left by a save that died replacing it
+    shutil.rmtree(old, ignore_errors=True)
     if final.exists():  # saving a step again (a rerun into the same folder): replace it
-        old = final.with_name(final.name + ".old")
-        if old.exists():
-            shutil.rmtree(old)
         final.rename(old)
-        tmp.rename(final)
-        shutil.rmtree(old)
-    else:
-        tmp.rename(final)
+    tmp.rename(final)
+    shutil.rmtree(old, ignore_errors=True)
     _fsync_dir(root)
     _atomic_write(root / LATEST, lambda f: f.write(final.name.encode()))
     if keep > 0:
@@ -231,16 +229,12 @@ def _atomic_write(path: Path, write) -> None:
 
 
 def _fsync_dir(folder: Path) -> None:
-    try:
+    with contextlib.suppress(OSError):  # a file system that cannot: nothing more to do
         fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 # -- finding and reading ---------------------------------------------------------------------
@@ -288,11 +282,9 @@ def find(path: str | Path) -> Path:
 
 def holds(path: str | Path) -> bool:
     """Whether ``path`` designates a complete checkpoint (:func:`find` finds one)."""
-    try:
-        find(path)
-    except CheckpointError:
-        return False
-    return True
+    with contextlib.suppress(CheckpointError):
+        return bool(find(path))
+    return False
 
 
 def read_manifest(path: str | Path) -> Manifest:
