@@ -29,8 +29,8 @@ from pathlib import Path
 
 import torch
 
-from gpipe.checkpoint import sha256_of
 from gpipe.models import GPTConfig, gpt
+from gpipe.train.checkpoint import sha256_of
 
 CONFIG = GPTConfig(vocab_size=256, context=256, d_model=512, n_heads=8, n_layers=8, dropout=0.0)
 ROOT = Path(__file__).resolve().parent.parent
@@ -42,7 +42,7 @@ CHECKED = """
 ## What is checked before a checkpoint is used
 
 A checkpoint is data, never code. `gpipe train --resume`, `gpipe export` and `gpipe
-checkpoints` check each one (`gpipe.checkpoint_integrity.problems`) before using it:
+checkpoints` check each one (`gpipe.train.checkpoint_integrity.problems`) before using it:
 
 - the manifest: gpipe's format and version, its own SHA-256, a step that is its folder's;
 - every file DCP wrote: present, readable (a file that cannot be read, for its permissions or
@@ -89,9 +89,11 @@ def trained() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
 
 
 def old_module(rev: str):
-    """gpipe.checkpoint as of ``rev`` (it needs only torch), imported under another name."""
+    """gpipe's checkpoint module as of ``rev`` (then at the top of the package; it needs only
+    torch), imported under another name."""
+    former = "src/gpipe/" + "checkpoint.py"  # moved to train/ since: no path of today's tree
     source = subprocess.run(
-        ["git", "-C", str(ROOT), "show", f"{rev}:src/gpipe/checkpoint.py"],
+        ["git", "-C", str(ROOT), "show", f"{rev}:{former}"],
         capture_output=True, text=True, check=True,
     ).stdout  # fmt: skip
     path = Path(tempfile.mkdtemp()) / "old_checkpoint.py"
@@ -136,10 +138,11 @@ class Dcp:
     name = "DCP (torch.distributed.checkpoint)"
 
     def __init__(self) -> None:
-        from gpipe import checkpoint as ckpt
-        from gpipe import checkpoint_integrity
+        import gpipe.train.checkpoint as ckpt
+        import gpipe.train.checkpoint_integrity as checkpoint_integrity
+        import gpipe.train.optimizer_state as optimizer_state
 
-        self.ckpt, self.integrity = ckpt, checkpoint_integrity
+        self.ckpt, self.integrity, self.by_name = ckpt, checkpoint_integrity, optimizer_state
 
     def save(self, root: Path, step: int, model, optimizer) -> Path:
         c = self.ckpt
@@ -147,7 +150,7 @@ class Dcp:
         tmp = c.begin(root, step)
         c.write(
             tmp, model=model.state_dict(),
-            optimizer=c.optimizer_state_by_name(optimizer, names),
+            optimizer=self.by_name.optimizer_state_by_name(optimizer, names),
             rng={0: torch.get_rng_state()},
         )  # fmt: skip
         return c.commit(root, tmp, c.Manifest(step=step))
@@ -160,7 +163,7 @@ class Dcp:
         loaded = c.load(manifest, model=list(model.state_dict()),
                         optimizer=list(names.values()), rng=0)  # fmt: skip
         model.load_state_dict(loaded.model)
-        c.load_optimizer_state_by_name(optimizer, names, loaded.optimizer)
+        self.by_name.load_optimizer_state_by_name(optimizer, names, loaded.optimizer)
         torch.set_rng_state(loaded.rng)
 
 

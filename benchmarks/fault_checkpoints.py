@@ -3,7 +3,7 @@ damaged, unreadable or crafted, then resumed, exported and listed as a user woul
 
 The crafted one is what an attacker with write access to the run folder makes: a genuine
 checkpoint whose ``.metadata`` (DCP's pickle) carries a payload that would create a marker
-file, with the manifest's SHA-256 recomputed (tests/test_checkpoint.py's ``plant``).
+file, with the manifest's SHA-256 recomputed (tests/train/test_checkpoint.py's ``plant``).
 """
 
 from __future__ import annotations
@@ -16,9 +16,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from gpipe import checkpoint as ckpt
+import gpipe.train.checkpoint as ckpt
 from gpipe.__main__ import main
-from test_checkpoint import plant
+from gpipe.train.run_folder import CHECKPOINTS, step_folder
+from saved_checkpoints import plant
 
 SHARD = "__1_0.distcp"  # rank 1's DCP file
 MARKER = "payload-ran"  # created in the run's copy if the crafted checkpoint's payload runs
@@ -77,7 +78,7 @@ def rows_checkpoints(work: Path, train: Callable, left_in: Callable) -> list[tup
     for i, (name, damage, named) in enumerate(DAMAGE):
         copy = work / f"ckpt-{i}"
         shutil.copytree(out, copy)
-        damage(copy / "checkpoints" / "step-000010")
+        damage(copy / CHECKPOINTS / step_folder(10))
         if damage is _crafted:  # read before the resume replaces it with its own step 10
             rows += _crafted_read(copy)
         started = time.monotonic()
@@ -99,7 +100,7 @@ def _crafted_read(run: Path) -> list[tuple]:
     """`gpipe export` and `gpipe checkpoints` of the crafted copy, in this process."""
     rows = []
     for command, promise in [
-        (["export", str(run / "checkpoints" / "step-000010")], "refused in one line"),
+        (["export", str(run / CHECKPOINTS / step_folder(10))], "refused in one line"),
         (["checkpoints", str(run)], "listed as refused, not intact"),
     ]:
         said = io.StringIO()

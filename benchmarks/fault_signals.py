@@ -15,7 +15,8 @@ from pathlib import Path
 import fault_jobs as jobs
 from fault_jobs import TIMEOUT
 
-from gpipe import checkpoint as ckpt
+import gpipe.train.checkpoint as ckpt
+import gpipe.train.run_folder as run_folder
 
 
 def _run_until_step(job: subprocess.Popen, step: int) -> int:
@@ -168,10 +169,10 @@ def rows_kill_while_saving(work: Path) -> list[tuple]:
     job = jobs.long_run(out, work, "--save-every", "1")
     lines = jobs.Lines(job)
     lines.wait_for(10)
-    root = out / "checkpoints"
+    root = out / run_folder.CHECKPOINTS
     deadline, caught = time.monotonic() + 60, False
     while time.monotonic() < deadline:
-        if any(p.name.endswith(".tmp") for p in root.glob("step-*")):
+        if any(p.name.endswith(".tmp") for p in root.glob(run_folder.STEPS)):
             os.killpg(job.pid, signal.SIGKILL)
             caught = True
             break
@@ -180,7 +181,7 @@ def rows_kill_while_saving(work: Path) -> list[tuple]:
         os.killpg(job.pid, signal.SIGKILL)
     job.wait(timeout=60)
     last = lines.last
-    staged = sorted(p.name for p in root.glob("step-*.tmp"))
+    staged = sorted(p.name for p in root.glob(f"{run_folder.STEPS}.tmp"))
     left = jobs.left_in(job.pid)
     started = time.monotonic()
     resumed = jobs.gpipe_train("--resume", str(out), "--steps", str(last + 2), "--sample-tokens",

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import fault_jobs as jobs
 
-from gpipe import checkpoint as ckpt
+import gpipe.train.checkpoint as ckpt
 
 TIMEOUT = 20.0  # --timeout of the stopped runs: the promise is this + 5 s
 

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 import gpipe
-from gpipe import timeline
+import gpipe.train.timeline as timeline
 from gpipe.allocator import POLICIES
 from gpipe.models import GPTConfig, gpt, lm_loss
 from gpipe.parallel.launch import launch

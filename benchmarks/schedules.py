@@ -159,7 +159,7 @@ V_PICTURE = "timeline-zbh1-vs-zbv-vs-dualpipev.png"
 
 def draw_v_schedules(path: Path) -> None:
     """ZB-H1 against the V schedules on one time scale (a V stage costs half)."""
-    from gpipe import timeline
+    import gpipe.train.timeline as timeline
 
     runs = [
         simulate(build_schedule("zb-h1", num_ranks=K, num_microbatches=8)),

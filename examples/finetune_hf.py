@@ -25,8 +25,8 @@ import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from gpipe.cli.export import export
-from gpipe.data import stdlib_bytes
 from gpipe.train import resolve, run
+from gpipe.train.data import stdlib_bytes
 
 
 def your_model(folder: Path, text: str) -> None:

@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 
 import gpipe
-from gpipe.data import TokenWindows, stdlib_bytes
 from gpipe.models import GPTConfig, gpt, gpt_tied_names, lm_loss
+from gpipe.train.data import TokenWindows, stdlib_bytes
 
 CONFIG = GPTConfig(context=64, d_model=64, n_heads=4, n_layers=4, dropout=0.0)
 

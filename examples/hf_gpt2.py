@@ -17,7 +17,7 @@ from torch.nn import functional as F
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import gpipe
-from gpipe.data import TokenWindows, stdlib_bytes
+from gpipe.train.data import TokenWindows, stdlib_bytes
 
 # -- the user code, from model to training loop ---------------------------------------------------
 torch.set_num_threads(1)  # layers this small: more threads only wait on each other

@@ -9,8 +9,8 @@ same gradients as the un-split model::
     optimizer.step(); optimizer.zero_grad()
 
 The front end is imported here; the rest of the package on first use, so that ``import
-gpipe`` stays quick: ``gpipe.train``, ``gpipe.timeline``, ``gpipe.checkpoint``,
-``gpipe.models``, ``gpipe.data``, ... are there as attributes (module ``__getattr__``).
+gpipe`` stays quick: ``gpipe.train`` (the main job: its data, checkpoints, timeline pictures),
+``gpipe.models``, ``gpipe.planner``, ... are there as attributes (module ``__getattr__``).
 """
 
 from types import ModuleType as _Module

@@ -17,7 +17,7 @@ import os
 import sys
 from typing import NoReturn
 
-from gpipe.checkpoint import CheckpointError
+from gpipe.train.checkpoint import CheckpointError
 
 __all__ = ["main"]
 

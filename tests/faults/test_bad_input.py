@@ -141,7 +141,7 @@ def test_export_refuses_a_json_name_for_the_weights(tiny_run, tmp_path, capsys):
 
 @pytest.mark.parametrize("where", ["/sys/x.pt", "{tmp}/a-file/x.pt"])
 def test_export_to_an_unwritable_path_is_one_line(tmp_path, capsys, where):
-    from test_checkpoint import make_model, save
+    from saved_checkpoints import make_model, save
 
     save(tmp_path / "checkpoints", 3, make_model())
     (tmp_path / "a-file").write_text("not a folder")
@@ -153,7 +153,7 @@ def test_export_to_an_unwritable_path_is_one_line(tmp_path, capsys, where):
 
 
 def test_export_of_a_damaged_checkpoint_names_the_file(tmp_path, capsys):
-    from test_checkpoint import make_model, save
+    from saved_checkpoints import make_model, save
 
     folder = save(tmp_path / "checkpoints", 3, make_model())
     data = bytearray((folder / "__0_0.distcp").read_bytes())

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from gpipe import checkpoint as ckpt
+import gpipe.train.checkpoint as ckpt
 from gpipe.__main__ import main
-from gpipe.checkpoint_integrity import choose, listing, problems
-from test_checkpoint import make_model, plant, save
+from gpipe.train.checkpoint_integrity import choose, listing, problems
+from saved_checkpoints import make_model, plant, save
 
 
 @pytest.fixture

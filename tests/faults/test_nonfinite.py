@@ -8,8 +8,8 @@ from torch import nn
 from torch.nn import functional as F
 
 import gpipe
+import gpipe.train.checkpoint as ckpt
 from distributed_cases import Overflows, nonfinite
-from gpipe import checkpoint as ckpt
 from gpipe.parallel.launch import launch
 
 pytestmark = pytest.mark.timeout(200)  # multi-process: a hang fails

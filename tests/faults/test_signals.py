@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from gpipe import checkpoint as ckpt
+import gpipe.train.checkpoint as ckpt
 from train_runs import SRC, losses
 
 LONG_JOB = """

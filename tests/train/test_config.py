@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpipe import checkpoint as ckpt
+import gpipe.train.checkpoint as ckpt
 from gpipe.cli import train as train_cli
 from gpipe.train import RECIPES, ConfigError, TrainConfig, resolve
 from gpipe.train.config import flag, option

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpipe import checkpoint as ckpt
+import gpipe.train.checkpoint as ckpt
 
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "your-model.md"
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpipe import checkpoint as ckpt
-from gpipe.data import EpochSampler, hash_seed
+import gpipe.train.checkpoint as ckpt
 from gpipe.train import build_model, resolve
+from gpipe.train.data import EpochSampler, hash_seed
 
 LR = 0.5
 FROZEN = ("0.token.weight", "0.position.weight", "1.qkv.weight", "1.qkv.bias")

@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from gpipe import checkpoint as ckpt
-from gpipe.checkpoint_integrity import problems
+import gpipe.train.checkpoint as ckpt
+from gpipe.train.checkpoint_integrity import problems
 
 
 @pytest.mark.timeout(300)

@@ -11,11 +11,11 @@ import os
 import pytest
 import torch
 
-from gpipe import checkpoint as ckpt
+import gpipe.train.checkpoint as ckpt
 from gpipe.__main__ import main
 from gpipe.train import config_file
 from gpipe.train.outputs import is_run, run_folder_problems, write_file, write_folder
-from test_checkpoint import make_model, save
+from saved_checkpoints import make_model, save
 
 
 @pytest.fixture

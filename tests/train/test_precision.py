@@ -12,8 +12,8 @@ import torch
 from torch.nn import functional as F
 
 import gpipe
+import gpipe.train.checkpoint as ckpt
 import user_scripts
-from gpipe import checkpoint as ckpt
 from gpipe.train.precision import autocast_of, load_scaler, optimizer_step, scaler_of
 
 

@@ -16,11 +16,12 @@ import pytest
 import torch
 
 import gpipe
-from gpipe import checkpoint as ckpt
+import gpipe.train.checkpoint as ckpt
 from gpipe.__main__ import main
 from gpipe.cli import train as train_cli
 from gpipe.cli.export import export
 from gpipe.train import TrainConfig, Trainer, build_model, config_file, resolve
+from gpipe.train.optimizer_state import optimizer_state_by_name
 from train_runs import gpipe_command, losses
 
 RANK_FILES = ["__0_0.distcp", "__1_0.distcp"]
@@ -195,7 +196,7 @@ def _outputs_at(rank: int, config: TrainConfig, x: torch.Tensor):
     trainer.pipe.eval()
     with torch.no_grad():
         out = trainer.pipe(x)
-    optimizer = ckpt.optimizer_state_by_name(trainer.optimizer, trainer.names)
+    optimizer = optimizer_state_by_name(trainer.optimizer, trainer.names)
     return out, optimizer["state"], trainer.sampler.state_dict()
 
 

@@ -253,7 +253,7 @@ def test_a_mixtral_saved_by_save_pretrained_starts_from_its_own_experts(tmp_path
 def test_a_checkpoint_exports_to_a_folder_from_pretrained_loads_strictly(tmp_path):
     """gpipe export of a Hugging Face model's checkpoint: save_pretrained's folder
     (safetensors), which from_pretrained loads with no key missing or unexpected."""
-    from gpipe import checkpoint as ckpt
+    import gpipe.train.checkpoint as ckpt
     from gpipe.cli.export import export
     from gpipe.train.hf import HFModel
 

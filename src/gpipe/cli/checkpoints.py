@@ -11,8 +11,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from gpipe.checkpoint import LATEST, CheckpointError
-from gpipe.checkpoint_integrity import listing
+from gpipe.train.checkpoint import LATEST, CheckpointError
+from gpipe.train.checkpoint_integrity import listing
 
 __all__ = ["configure", "run"]
 

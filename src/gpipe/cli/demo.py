@@ -19,10 +19,10 @@ __all__ = ["configure", "run"]
 
 
 def demo(args: argparse.Namespace) -> None:
-    from gpipe.data import stdlib_bytes
     from gpipe.layout import FLAGS, Layout, even_balance
     from gpipe.models import GPTConfig, gpt, lm_loss
     from gpipe.pipe import Pipe
+    from gpipe.train.data import stdlib_bytes
 
     torch.manual_seed(args.seed)
     torch.set_num_threads(max(1, torch.get_num_threads()))

@@ -3,7 +3,7 @@
     gpipe export runs/gpt-small-20250101-120000              # newest checkpoint of a run
     gpipe export runs/.../checkpoints/step-000300 -o gpt.pt
 
-``gpipe train`` saves DCP checkpoints (``gpipe.checkpoint``); the exported file
+``gpipe train`` saves DCP checkpoints (``gpipe.train.checkpoint``); the exported file
 is an ordinary ``torch.save``-d state dict with the whole model's names, which loads into the
 model built without gpipe::
 
@@ -29,9 +29,10 @@ from pathlib import Path
 
 import torch
 
-from gpipe import checkpoint as ckpt
-from gpipe.checkpoint_integrity import problems
+import gpipe.train.checkpoint as ckpt
+from gpipe.train.checkpoint_integrity import problems
 from gpipe.train.outputs import EXPORT_RECORD, OutputError, export_problem, write_file, write_folder
+from gpipe.train.run_folder import export_target
 
 __all__ = ["configure", "export", "run"]
 
@@ -72,11 +73,7 @@ def export(
     if damage:
         raise ckpt.CheckpointError(f"{folder} is damaged: {'; '.join(damage)}")
     pretrained = (manifest.model or {}).get("kind") == "hf"
-    if out is None:
-        run_folder = folder.parent.parent if folder.parent.name == "checkpoints" else Path(".")
-        name = f"model-{ckpt.step_folder(manifest.step)}"
-        out = run_folder / (name if pretrained else f"{name}.pt")
-    out = Path(out)
+    out = Path(out) if out is not None else export_target(folder, manifest.step, folder=pretrained)
     if not pretrained and out.suffix == ".json":
         raise OutputError(
             f"-o {out}: the weights need another name than the .json file written beside "

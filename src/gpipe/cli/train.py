@@ -24,7 +24,7 @@ Your model and your data (docs/your-model.md):
     gpipe export runs/my-qwen-small-...                    # -> a save_pretrained folder
 
 The language model (``--model gpt``) is a byte-level GPT trained on the Python standard
-library's own ``.py`` files (``gpipe.data``); ``--model resnet`` trains a small ResNet with
+library's own ``.py`` files (``gpipe.train.data``); ``--model resnet`` trains a small ResNet with
 deferred batch norm on scikit-learn's digits (``pip install 'gpipe[digits]'``);
 ``--model hf-llama`` trains a random byte-level Hugging Face ``LlamaForCausalLM`` on the same
 text, captured and cut between its decoder layers by ``Pipe.from_model`` (``gpipe[hf]``).
@@ -39,7 +39,7 @@ folder receives ``metrics.jsonl`` (one record per step), TensorBoard's event fil
 (``tensorboard --logdir runs``), ``loss.png``, ``timeline.png``/``timeline.json`` (the
 measured last step), ``sample.txt`` (text the language model wrote through the pipeline),
 ``summary.json`` and ``checkpoints/step-NNNNNN/`` (a DCP checkpoint, see
-``gpipe.checkpoint``).
+``gpipe.train.checkpoint``).
 Resuming reproduces the uninterrupted run exactly (see ``gpipe.train.trainer``).
 """
 
@@ -51,8 +51,6 @@ import sys
 from dataclasses import MISSING, fields
 from typing import Any
 
-from gpipe.checkpoint import CheckpointError, find
-from gpipe.checkpoint_integrity import choose
 from gpipe.parallel.mesh import WorldError, job_environment
 from gpipe.train import (
     ConfigError,
@@ -63,6 +61,8 @@ from gpipe.train import (
     run_under_torchrun,
 )
 from gpipe.train import run as run_job
+from gpipe.train.checkpoint import CheckpointError, holds
+from gpipe.train.checkpoint_integrity import choose
 from gpipe.train.config import flag, option, option_kinds, preset_fields
 
 __all__ = ["configure", "run"]
@@ -133,11 +133,7 @@ def _resume_auto(out: str | None) -> str | None:
     one is resumed, as with ``--resume OUT``), else None: a fresh start."""
     if not out:
         raise ConfigError(["--resume auto continues the run in --out: give --out"])
-    try:
-        find(out)
-    except CheckpointError:
-        return None
-    return out
+    return out if holds(out) else None
 
 
 # RANK and WORLD_SIZE make gpipe train one process of a job started elsewhere.

@@ -1,6 +1,6 @@
 """PyTorch's Distributed Checkpoint (``torch.distributed.checkpoint``, DCP) as
-:mod:`gpipe.checkpoint` uses it (and :mod:`gpipe.checkpoint_integrity` checks it): the only
-place that calls it.
+:mod:`gpipe.train.checkpoint` uses it (and :mod:`gpipe.train.checkpoint_integrity` checks
+it): the only place that calls it.
 
 DCP writes one checkpoint from many processes: each rank's tensors go into its own file
 (``__R_0.distcp``), a ``DTensor`` (a sharded replica's parameter) as this rank's shard only,

@@ -95,7 +95,7 @@ def shard_like(parameter: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
 def sharded_optimizer_state(
     state: dict[str, Any], parameters: dict[str, torch.Tensor]
 ) -> dict[str, Any]:
-    """A by-name optimizer state of whole tensors (``gpipe.checkpoint``) with each
+    """A by-name optimizer state of whole tensors (``gpipe.train.checkpoint``) with each
     per-element tensor (AdamW's moments: the parameter's shape) cut to this replica's
     shard of its sharded parameter; scalars (the step count) stay whole."""
 

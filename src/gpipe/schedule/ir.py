@@ -4,7 +4,7 @@ which rank holds each stage.
 
 A schedule knows nothing about tensors, so the same object is executed by the runtime,
 checked by :meth:`Schedule.validate` (``gpipe.schedule.check``), timed by
-``gpipe.simulate`` and drawn by ``gpipe.timeline``. Build one by name
+``gpipe.simulate`` and drawn by ``gpipe.train.timeline``. Build one by name
 (``gpipe.schedule.build_schedule``), with a builder (``gpipe.schedule.builders``), or from a
 hand-made order (:meth:`Schedule.from_actions`).
 """

@@ -12,6 +12,7 @@ usable alone:
   ``objectives``, ``sources``, ``tokenizers``), the built-in models' :data:`RECIPES`;
 * ``trainer``: :class:`Trainer`, one rank's loop;
 * ``report``: progress, metrics file, loss plot, summary;
+* ``run_folder``, ``checkpoint``: a run's folder (every name in it) and its DCP checkpoints;
 * ``job``: starting the processes (locally or under torchrun) and finding a failure's cause.
 """
 

@@ -13,9 +13,10 @@ from dataclasses import Field, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+import gpipe.train.checkpoint as ckpt
 import gpipe.train.hooks as hooks
 import gpipe.train.memory_checks as memory_checks
-from gpipe import checkpoint as ckpt
+import gpipe.train.run_folder as run_folder
 from gpipe.allocator import POLICIES
 from gpipe.layout import FLAGS, Layout
 from gpipe.parallel.group import TRANSPORTS
@@ -412,8 +413,8 @@ def resolve(options: dict[str, Any], *, world_size: int | None = None) -> TrainC
         if manifest.config is None:  # not written by gpipe train
             raise ConfigError([
                 f"--resume {given['resume']}: {manifest.path} holds no run configuration (it "
-                "was written by gpipe.checkpoint directly, not by gpipe train): load its "
-                "weights with gpipe.checkpoint.load_tensors instead"
+                "was written by gpipe.train.checkpoint directly, not by gpipe train): load its "
+                "weights with gpipe.train.checkpoint.load_tensors instead"
             ])  # fmt: skip
         saved = manifest.config
         for key in _FIXED_ON_RESUME:
@@ -433,10 +434,8 @@ def resolve(options: dict[str, Any], *, world_size: int | None = None) -> TrainC
                     f"resumed run continues its optimizer and learning-rate schedule (--steps "
                     f"may change); drop {flag(key)}"
                 )
-        if "out" not in given:
-            folder = manifest.path
-            if folder.parent.name == "checkpoints":
-                given["out"] = str(folder.parent.parent)
+        if "out" not in given and (run := run_folder.run_of(manifest.path)):
+            given["out"] = str(run)
         values = {**saved, **given, "resume": str(manifest.path)}
     else:
         chosen, found = _model(given)
@@ -658,15 +657,12 @@ def _problems(c: TrainConfig, start: int, world_size: int | None, *, fresh: bool
             f"{c.replicas} needs {c.world_size}"
         )
     problems += memory_checks.problems(c, spawns=world_size is None)
-    if fresh and (Path(c.out) / "checkpoints").is_dir():
-        try:
-            ckpt.find(Path(c.out) / "checkpoints")
-            problems.append(
-                f"--out {c.out} already holds a run's checkpoints: continue it with "
-                f"--resume {c.out}, or choose another --out"
-            )
-        except ckpt.CheckpointError:
-            pass
+    checkpoints = Path(c.out) / run_folder.CHECKPOINTS
+    if fresh and checkpoints.is_dir() and ckpt.holds(checkpoints):
+        problems.append(
+            f"--out {c.out} already holds a run's checkpoints: continue it with "
+            f"--resume {c.out}, or choose another --out"
+        )
     return problems
 
 

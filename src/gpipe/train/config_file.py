@@ -25,12 +25,13 @@ from pathlib import Path
 from typing import Any
 
 from gpipe.train.config import ConfigError, TrainConfig, option_kinds
+from gpipe.train.run_folder import OPTIONS
 from gpipe.train.tasks import RECIPES, recipe_of
 from gpipe.train.tokenizers import BYTES
 
 __all__ = ["FILE", "merge", "read", "write", "write_options"]
 
-FILE = "config.toml"
+FILE = OPTIONS
 # Not written: a run again goes to a new folder, from its start (pass them as flags).
 _PER_RUN = ("out", "resume")
 _INTS = "a list of integers"

@@ -17,13 +17,13 @@ from typing import Any
 
 import torch
 
+import gpipe.train.checkpoint as ckpt
 import gpipe.train.inputs as inputs
-from gpipe import checkpoint as ckpt
-from gpipe.checkpoint_integrity import choose
 from gpipe.layout import Layout
 from gpipe.parallel.launch import LaunchError, launch, threads_per_process
 from gpipe.parallel.mesh import Mesh
 from gpipe.pipe import Pipe
+from gpipe.train.checkpoint_integrity import choose
 from gpipe.train.config import ConfigError, TrainConfig, _option, model_spec, num_layers, resolve
 from gpipe.train.evaluation import build_pipe, validate
 from gpipe.train.precision import autocast_of
@@ -77,7 +77,7 @@ def resolve_model(
     """The configuration of ``model`` (a run, a checkpoint or a model folder) as K processes
     that only run forwards (``pipeline``: stages, chunks, batch, dtype, timeout) build it."""
     pipeline = {**pipeline, "replicas": 1, "tensorboard": False}
-    if not _is_run(model):
+    if not ckpt.holds(model):
         return resolve({**pipeline, "model": model, "seq": seq, "data": data,
                         "out": str(Path(tempfile.gettempdir()) / "gpipe-eval")})  # fmt: skip
     try:
@@ -94,14 +94,6 @@ def resolve_model(
         **pipeline, "resume": str(folder), "steps": manifest.step + 1, "schedule": "gpipe",
         "virtual_stages": 1, "balance": ",".join(map(str, balance)),
     })  # fmt: skip
-
-
-def _is_run(path: str) -> bool:
-    try:
-        ckpt.find(path)
-    except ckpt.CheckpointError:
-        return False
-    return True
 
 
 def run_eval(config: TrainConfig) -> dict[str, Any]:

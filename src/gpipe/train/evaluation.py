@@ -14,10 +14,10 @@ from typing import Any
 
 import torch
 
-from gpipe.data import hash_seed
 from gpipe.parallel.mesh import Mesh
 from gpipe.pipe import Pipe
 from gpipe.train.config import TrainConfig
+from gpipe.train.data import hash_seed
 
 __all__ = ["build_pipe", "validate"]
 

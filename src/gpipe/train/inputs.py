@@ -2,7 +2,7 @@
 before the run's folder is made, so that bad input is one line and leaves nothing behind:
 
 * the output folder: new, empty, or a gpipe run (``gpipe.train.outputs``);
-* the data: read (what is not text refused: ``gpipe.texts``), tokenized into its cache
+* the data: read (what is not text refused: ``gpipe.train.texts``), tokenized into its cache
   (which the ranks then read), and cut into the samples the ranks will take, at least one
   window each side;
 * the memory: the model built on the ``meta`` device (nothing allocated, no weights drawn),
@@ -22,12 +22,12 @@ from torch.overrides import TorchFunctionMode
 
 from gpipe.estimate.memory_model import Held, MemoryModel, StageMemoryTable
 from gpipe.estimate.profile import LayerProfile
-from gpipe.texts import DataError
 from gpipe.train.config import ConfigError, TrainConfig
 from gpipe.train.hf import HFModel
 from gpipe.train.memory_checks import PROCESS_BYTES, gib
 from gpipe.train.networks import ModelSource
 from gpipe.train.outputs import run_folder_problems
+from gpipe.train.texts import DataError
 
 __all__ = ["available_memory", "check", "memory_problems", "unit_sizes"]
 

@@ -19,6 +19,7 @@ from gpipe.parallel.launch import LaunchError, die_with, launch
 from gpipe.parallel.mesh import ensure_world, leave_world, world_collectives
 from gpipe.train.config import ConfigError, TrainConfig
 from gpipe.train.report import write_json
+from gpipe.train.run_folder import CONFIG
 from gpipe.train.trainer import Trainer
 
 __all__ = ["TrainingError", "root_cause", "run", "run_under_torchrun", "train"]
@@ -55,7 +56,7 @@ def train(rank: int, config: TrainConfig, prepared: Any = None) -> dict[str, Any
 def _write_run(config: TrainConfig) -> None:
     """The run's folder and its options (once the inputs are known to be good)."""
     Path(config.out).mkdir(parents=True, exist_ok=True)
-    write_json(Path(config.out) / "config.json", asdict(config))
+    write_json(Path(config.out) / CONFIG, asdict(config))
     config_file.write(Path(config.out) / config_file.FILE, config)
 
 

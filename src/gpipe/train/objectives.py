@@ -22,7 +22,7 @@ from typing import Any, ClassVar
 import torch
 from torch.nn import functional as F
 
-from gpipe.data import Documents, PackedWindows, PaddedWindows, PairedSamples
+from gpipe.train.data import Documents, PackedWindows, PaddedWindows, PairedSamples
 
 __all__ = ["OBJECTIVES", "CausalLM", "Classify", "MaskedLM", "Objective", "Seq2Seq"]
 

@@ -2,7 +2,7 @@
 
 Weight decay applies to matrices (dim >= 2) only, as in nanoGPT: two param groups, named
 ``decay`` and ``no_decay`` so that a checkpoint's optimizer state loads into any cut of the
-model (``gpipe.checkpoint``). AdamW decays the weights apart from the gradient; Adam and SGD
+model (``gpipe.train.checkpoint``). AdamW decays the weights apart from the gradient; Adam and SGD
 add ``weight_decay * w`` to it (L2), as torch's own do.
 """
 

@@ -26,8 +26,8 @@ from pathlib import Path
 from typing import IO, Any
 
 import gpipe.train.config_file as config_file
-from gpipe.checkpoint import LATEST, MANIFEST
-from gpipe.train.report import OUTPUT_FILES
+from gpipe.train.checkpoint import LATEST, MANIFEST
+from gpipe.train.run_folder import BEST, BEST_RECORD, CHECKPOINTS, FILES, STEPS, TENSORBOARD
 
 __all__ = [
     "EXPORT_RECORD",
@@ -42,11 +42,8 @@ __all__ = [
     "write_folder",
 ]
 
-CHECKPOINTS = "checkpoints"  # a run's checkpoints, each a step-NNNNNN/ folder
 EXPORT_RECORD = "gpipe-export.json"  # in an exported save_pretrained folder
-BEST, BEST_RECORD = "best", "best.json"  # gpipe train --keep-best's checkpoint, its loss
-_RUN_NAMES = (*OUTPUT_FILES, CHECKPOINTS, BEST, BEST_RECORD)
-_TENSORBOARD = "events.out.tfevents."
+_RUN_NAMES = (*FILES, CHECKPOINTS, BEST, BEST_RECORD)
 
 
 class OutputError(ValueError):
@@ -56,7 +53,7 @@ class OutputError(ValueError):
 def is_run(folder: str | Path) -> bool:
     """Whether ``folder`` is a run of ``gpipe train``: its ``config.toml`` or a checkpoint."""
     folder = Path(folder)
-    if any(folder.glob(f"{CHECKPOINTS}/step-*/{MANIFEST}")):
+    if any(folder.glob(f"{CHECKPOINTS}/{STEPS}/{MANIFEST}")):
         return True
     options = folder / config_file.FILE
     try:
@@ -121,7 +118,7 @@ def export_problem(out: Path, record: Path, *, force: bool) -> str | None:
     if is_run(out.parent):
         for path in (out, record):
             if path.parent == out.parent and (
-                path.name in _RUN_NAMES or path.name.startswith(_TENSORBOARD)
+                path.name in _RUN_NAMES or path.name.startswith(TENSORBOARD)
             ):
                 return (
                     f"{path} is a file of the run {out.parent}: choose another name (the "
@@ -143,7 +140,7 @@ def _is_checkpoint(folder: Path) -> bool:
     return (
         (folder / MANIFEST).is_file()
         or (folder / LATEST).is_file()
-        or any(folder.glob(f"step-*/{MANIFEST}"))
+        or any(folder.glob(f"{STEPS}/{MANIFEST}"))
     )
 
 

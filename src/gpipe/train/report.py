@@ -16,9 +16,9 @@ from gpipe._utils import MiB
 from gpipe.schedule import build_schedule
 from gpipe.schedule.simulate import simulate
 from gpipe.train.config import TrainConfig
+from gpipe.train.run_folder import FILES, TENSORBOARD, TIMELINE_PNG
 
 __all__ = [
-    "OUTPUT_FILES",
     "Metrics",
     "Reporter",
     "TensorBoard",
@@ -27,17 +27,6 @@ __all__ = [
     "plot_losses",
     "write_json",
 ]
-
-OUTPUT_FILES = (
-    "metrics.jsonl",
-    "loss.png",
-    "timeline.png",
-    "timeline.json",
-    "sample.txt",
-    "summary.json",
-    "config.json",
-    "config.toml",
-)
 
 
 class Metrics:
@@ -115,7 +104,7 @@ class TensorBoard:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:  # torch's module needs the tensorboard package
             return None
-        earlier = any(folder.glob("events.out.tfevents.*"))
+        earlier = any(folder.glob(f"{TENSORBOARD}*"))
         writer = SummaryWriter(str(folder), purge_step=start + 1 if earlier else None)
         board = cls(writer)
         if not earlier:
@@ -142,7 +131,7 @@ class TensorBoard:
             add(f"memory_MiB/activations/{who}", m["activation_bytes"] / MiB, step)
             add(f"memory_MiB/weights_and_optimizer/{who}", m["state_bytes"] / MiB, step)
             add(f"memory_MiB/process_peak/{who}", m["peak_rss_bytes"] / MiB, step)
-        picture = out / "timeline.png"
+        picture = out / TIMELINE_PNG
         if picture.exists():
             import numpy as np
             from PIL import Image  # there whenever matplotlib drew the PNG
@@ -301,9 +290,9 @@ class Reporter:
                 f"{_mib(m['activation_bytes'])} measured, weights+optimizer "
                 f"{_mib(m['state_bytes'])}, process peak {_mib(m['peak_rss_bytes'])}"
             )
-        produced = [name for name in OUTPUT_FILES if (out / name).exists()]
-        if any(out.glob("events.out.tfevents.*")):
-            produced.append("TensorBoard's events.out.tfevents.*")
+        produced = [name for name in FILES if (out / name).exists()]
+        if any(out.glob(f"{TENSORBOARD}*")):
+            produced.append(f"TensorBoard's {TENSORBOARD}*")
         lines.append(f"  files        {out}/: {', '.join(produced)}, checkpoints/")
         if s.get("sample"):
             lines.append(f"  sample ({c.sample_tokens} tokens after {c.prompt!r}):")

@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from gpipe.data import Documents, cache_dir, digits, is_validation, stdlib_files
-from gpipe.texts import Texts, hold_out, read_texts
+from gpipe.train.data import Documents, cache_dir, digits, is_validation, stdlib_files
+from gpipe.train.texts import Texts, hold_out, read_texts
 from gpipe.train.tokenizers import Tokenizer, describe, load
 
 __all__ = ["DigitsData", "Files", "Stdlib", "TextData", "TextSource", "TokenSplit"]
@@ -60,7 +60,7 @@ class Stdlib(TextSource):
 
 @dataclass(frozen=True)
 class Files(TextSource):
-    """What the user named (``gpipe.texts.read_texts``)."""
+    """What the user named (``gpipe.train.texts.read_texts``)."""
 
     path: str
     field: str = "text"

@@ -1,7 +1,7 @@
 """From text to tokens and back: a model folder's own tokenizer (``transformers``'
 ``AutoTokenizer``), or bytes (256 tokens, one per byte value) where there is none.
 
-Documents arrive as bytes (``gpipe.data``); a tokenizer gives each its token ids with the
+Documents arrive as bytes (``gpipe.train.data``); a tokenizer gives each its token ids with the
 tokenizer's own special tokens (as ``tokenizer(text)`` does), and says what separates
 documents when they are packed into one stream (its end-of-text token; a newline for bytes).
 """
@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from gpipe.data import readable
+from gpipe.train.data import readable
 
 __all__ = [
     "BYTES", "ByteTokenizer", "HFTokenizer", "Tokenizer", "describe", "has_tokenizer", "load",

@@ -22,16 +22,16 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+import gpipe.train.checkpoint as ckpt
 import gpipe.train.generation as generation
 import gpipe.train.hooks as hooks
 import gpipe.train.lr_schedule as lr_schedule
 import gpipe.train.optimizers as optimizers
 import gpipe.train.outputs as outputs
-from gpipe import checkpoint as ckpt
-from gpipe import timeline
+import gpipe.train.run_folder as run_folder
+import gpipe.train.timeline as timeline
 from gpipe._utils import local_value
 from gpipe.allocator import cpu_allocator
-from gpipe.data import EpochSampler, hash_seed
 from gpipe.engine.memory import measure_activations
 from gpipe.errors import NonFiniteError
 from gpipe.parallel.launch import threads_per_process
@@ -40,8 +40,10 @@ from gpipe.parallel.sharded import sharded_optimizer_state
 from gpipe.schedule.actions import Action, TimedAction
 from gpipe.train.compiling import compile_stages, split_backward_note
 from gpipe.train.config import TrainConfig, model_spec, num_layers
+from gpipe.train.data import EpochSampler, hash_seed
 from gpipe.train.evaluation import build_pipe, validate
 from gpipe.train.freezing import freeze
+from gpipe.train.optimizer_state import load_optimizer_state_by_name, optimizer_state_by_name
 from gpipe.train.precision import autocast_of, load_scaler, optimizer_step, save_scaler, scaler_of
 from gpipe.train.report import Metrics, Reporter, TensorBoard, plot_losses, write_json
 
@@ -122,10 +124,9 @@ class Trainer:
         )  # fmt: skip
         if c.compile and (note := split_backward_note(self.pipe.schedule)):
             self.show.note(note)
-        history = None  # the resumed run's metrics, when it wrote them elsewhere
-        if c.resume and Path(c.resume).parent.name == "checkpoints":
-            history = Path(c.resume).parent.parent / "metrics.jsonl"
-        metrics = Metrics(self.out / "metrics.jsonl", self.start, history=history,
+        resumed = c.resume and run_folder.run_of(c.resume)  # its metrics, wherever it wrote them
+        history = resumed / run_folder.METRICS if resumed else None
+        metrics = Metrics(self.out / run_folder.METRICS, self.start, history=history,
                           enabled=self.rank == 0, layout=self.show.layout)  # fmt: skip
         self.board = self._sinks(metrics)
         try:
@@ -250,8 +251,8 @@ class Trainer:
             **self.measured,
             "sample": sample,
         }
-        write_json(self.out / "summary.json", summary)
-        plot_losses(metrics.records(), self.out / "loss.png", name=self.show.name)
+        write_json(self.out / run_folder.SUMMARY, summary)
+        plot_losses(metrics.records(), self.out / run_folder.LOSS_PLOT, name=self.show.name)
         if self.board is not None:
             self.board.end(summary, self.out, step=c.steps)
         self.show.summary(summary, self.out)
@@ -282,7 +283,7 @@ class Trainer:
         )  # fmt: skip
         texts = [self.task.decode(row.tolist()) for row in tokens]
         if self.rank == 0:
-            (self.out / "sample.txt").write_text(
+            (self.out / run_folder.SAMPLE).write_text(
                 "\n\n".join(f"--- sample {i} ---\n{t}" for i, t in enumerate(texts)) + "\n"
             )
         return texts[0] if self.replica == 0 else None
@@ -318,11 +319,11 @@ class Trainer:
             return None
         start, end = min(e.start for e in events), max(e.end for e in events)
         busy = sum(e.end - e.start for e in events)
-        timeline.save_chrome_trace(events, self.out / "timeline.json")
+        timeline.save_chrome_trace(events, self.out / run_folder.TIMELINE_TRACE)
         with contextlib.suppress(ImportError):
             timeline.save_png(
                 events,
-                self.out / "timeline.png",
+                self.out / run_folder.TIMELINE_PNG,
                 title=f"{self.show.title}, step {self.config.steps} (measured)",
                 time_unit="s",
             )
@@ -332,9 +333,9 @@ class Trainer:
 
     def save(self, step: int) -> Path:
         """Every rank's part of one checkpoint, written with DCP; rank 0 commits it (see
-        gpipe.checkpoint)."""
+        gpipe.train.checkpoint)."""
         c = self.config
-        root = self.out / "checkpoints"
+        root = self.out / run_folder.CHECKPOINTS
         everyone, doing = self.mesh.everyone, f"saving the checkpoint of step {step}"
         if self.rank == 0:
             ckpt.begin(root, step)
@@ -342,10 +343,10 @@ class Trainer:
         folder = ckpt.staging_folder(root, step)
         # Sharded replicas write their own shards (DTensors); equal replicas' tensors are
         # written once by DCP. The random state is replica 0's, as each stage resumes it.
-        optimizer = self.optimizer and ckpt.optimizer_state_by_name(self.optimizer, self.names)
+        optimizer = self.optimizer and optimizer_state_by_name(self.optimizer, self.names)
         rng = {self.mesh.pp_rank: torch.get_rng_state()} if self.replica == 0 else None
         ckpt.write(folder, model=self.pipe.state_dict(), optimizer=optimizer, rng=rng)
-        final = root / ckpt.step_folder(step)
+        final = root / run_folder.step_folder(step)
         if self.rank == 0:
             layout = {"stages": c.stages, "replicas": c.replicas,
                       "virtual_stages": c.virtual_stages, "balance": self.balance}  # fmt: skip
@@ -376,7 +377,7 @@ class Trainer:
         manifest.scheduler = load_scaler(manifest.scheduler, self.scaler)
         if self.optimizer is not None:
             state = sharded_optimizer_state(loaded.optimizer, {n: p for p, n in self.names.items()})
-            ckpt.load_optimizer_state_by_name(self.optimizer, self.names, state)
+            load_optimizer_state_by_name(self.optimizer, self.names, state)
             self._load_schedule(manifest)
         self.sampler.load_state_dict(manifest.data)
         if loaded.rng is not None:

@@ -10,47 +10,22 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import pathlib
 import pickle
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from torch import nn
 from torch.distributed.checkpoint import filesystem
 from torch.distributed.checkpoint.metadata import StorageMeta
 
 import gpipe
-from gpipe import checkpoint as ckpt
+import gpipe.train.checkpoint as ckpt
 from gpipe.models import mlp
 from gpipe.parallel import dcp as gpipe_dcp
+from gpipe.train.optimizer_state import load_optimizer_state_by_name, optimizer_state_by_name
+from saved_checkpoints import Payload, make_model, plant, save
 
 FILES = [".metadata", "__0_0.distcp", "manifest.json"]
-
-
-def make_model() -> nn.Sequential:
-    torch.manual_seed(0)
-    return mlp([4, 8, 8, 3])  # layers 0 (Linear), 1 (GELU), 2, 3, 4
-
-
-def train_a_little(model: nn.Module, params, steps: int = 3) -> torch.optim.Optimizer:
-    optimizer = torch.optim.AdamW(params, lr=0.1)
-    for _ in range(steps):
-        model(torch.randn(5, 4)).square().mean().backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    return optimizer
-
-
-def save(root, step: int, model: nn.Module, *, layers=None, optimizer=None, rng=None, **records):
-    """A checkpoint of ``model`` (of its ``layers`` only, if given), written with DCP by this
-    process alone."""
-    state = model.state_dict()
-    if layers is not None:
-        state = {n: t for n, t in state.items() if int(n.split(".")[0]) in layers}
-    tmp = ckpt.begin(root, step)
-    ckpt.write(tmp, model=state, optimizer=optimizer, rng=rng)
-    return ckpt.commit(root, tmp, ckpt.Manifest(step=step, **records))
 
 
 def test_save_find_load_and_export(tmp_path):
@@ -199,57 +174,6 @@ def test_the_former_format_is_refused_with_the_remedy(tmp_path):
         ckpt.read_manifest(folder)
 
 
-def test_optimizer_state_by_name_moves_between_cuts(tmp_path):
-    """Stepped by 2 "ranks" (layers 0-1 | 2-4), loaded by 1 and by 3 with other cuts."""
-    model = make_model()
-    named = dict(model.named_parameters())
-    cuts = [["0.weight", "0.bias"], ["2.weight", "2.bias", "4.weight", "4.bias"]]
-
-    def groups_for(names):  # named groups, as gpipe train builds them
-        decay = [named[n] for n in names if named[n].dim() >= 2]
-        rest = [named[n] for n in names if named[n].dim() < 2]
-        return [{"name": "decay", "params": decay}, {"name": "no_decay", "params": rest}]
-
-    names_of = {p: n for n, p in named.items()}
-    states = []
-    for names in cuts:
-        optimizer = train_a_little(model, groups_for(names))
-        states.append(ckpt.optimizer_state_by_name(optimizer, names_of))
-    assert set(states[1]["state"]) == set(cuts[1])
-    # What the 2 ranks' DCP writes hold together: every name's state and group.
-    merged = {
-        "state": {**states[0]["state"], **states[1]["state"]},
-        "param_groups": [
-            {**g0, "params": g0["params"] + g1["params"]}
-            for g0, g1 in zip(states[0]["param_groups"], states[1]["param_groups"], strict=True)
-        ],
-    }
-    manifest = ckpt.read_manifest(save(tmp_path, 3, model, optimizer=merged))
-
-    three = [["0.weight"], ["0.bias", "2.weight"], ["2.bias", "4.weight", "4.bias"]]
-    saved = merged["state"]
-    for new_cut in ([cuts[0] + cuts[1]], three):
-        for names in new_cut:
-            optimizer = torch.optim.AdamW(groups_for(names), lr=0.5)
-            loaded = ckpt.load(manifest, model=[], optimizer=names).optimizer
-            ckpt.load_optimizer_state_by_name(optimizer, names_of, loaded)
-            again = ckpt.optimizer_state_by_name(optimizer, names_of)
-            for name in names:
-                for key, value in saved[name].items():
-                    assert torch.equal(again["state"][name][key], value), (name, key)
-            assert optimizer.param_groups[0]["lr"] == 0.1  # the saved hyperparameters
-
-
-def test_optimizer_groups_that_do_not_match_are_reported():
-    model = make_model()
-    names_of = {p: n for n, p in model.named_parameters()}
-    optimizer = torch.optim.AdamW([{"name": "decay", "params": list(model.parameters())}])
-    state = ckpt.optimizer_state_by_name(optimizer, names_of)
-    other = torch.optim.AdamW([{"name": "other", "params": list(model.parameters())}])
-    with pytest.raises(ckpt.CheckpointError, match="no param group 'other'"):
-        ckpt.load_optimizer_state_by_name(other, names_of, state)
-
-
 def test_a_pipe_saved_at_k2_resumes_at_k3_bitwise(tmp_path):
     """Weights and AdamW state of a K=2 Pipe load into a K=3 one (one process), whose next
     steps are bitwise those of the K=2 Pipe continuing."""
@@ -270,7 +194,7 @@ def test_a_pipe_saved_at_k2_resumes_at_k3_bitwise(tmp_path):
     for seed in range(3):
         step(two, two_optimizer, seed)
     names = {p: n for n, p in two.named_parameters()}
-    optimizer_state = ckpt.optimizer_state_by_name(two_optimizer, names)
+    optimizer_state = optimizer_state_by_name(two_optimizer, names)
     manifest = ckpt.read_manifest(save(tmp_path, 3, two, optimizer=optimizer_state))
 
     three = pipe_of([1, 2, 2])
@@ -280,7 +204,7 @@ def test_a_pipe_saved_at_k2_resumes_at_k3_bitwise(tmp_path):
         manifest, model=list(three.state_dict()), optimizer=list(three_names.values())
     )
     three.load_state_dict(loaded.model, strict=True)
-    ckpt.load_optimizer_state_by_name(three_optimizer, three_names, loaded.optimizer)
+    load_optimizer_state_by_name(three_optimizer, three_names, loaded.optimizer)
     for seed in (3, 4):
         assert step(three, three_optimizer, seed) == step(two, two_optimizer, seed)
     for name, tensor in two.state_dict().items():
@@ -288,26 +212,6 @@ def test_a_pipe_saved_at_k2_resumes_at_k3_bitwise(tmp_path):
 
 
 # -- a checkpoint is data, never code ---------------------------------------------------------
-
-
-class Payload:
-    """What an attacker plants: unpickling it creates ``marker`` (harmless, and visible)."""
-
-    def __init__(self, marker: pathlib.Path) -> None:
-        self.marker = marker
-
-    def __reduce__(self):
-        return (pathlib.Path.touch, (self.marker,))
-
-
-def plant(folder, marker, **changes) -> None:
-    """Rewrite ``folder``'s .metadata with ``changes`` (by default a :class:`Payload` in a
-    field DCP does not check) and the manifest's SHA-256 recomputed, as an attacker would."""
-    metadata = gpipe_dcp.read_metadata(folder)  # a genuine file: where the attacker starts
-    for key, value in (changes or {"planner_data": Payload(marker)}).items():
-        setattr(metadata, key, value)
-    (folder / ".metadata").write_bytes(pickle.dumps(metadata))
-    ckpt.write_manifest(folder, ckpt.read_manifest_file(folder))
 
 
 def test_a_planted_metadata_payload_is_refused_and_never_runs(tmp_path):

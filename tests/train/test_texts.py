@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from gpipe.texts import DataError, hold_out, read_texts
+from gpipe.train.texts import DataError, hold_out, read_texts
 
 
 def test_a_text_file_is_one_document_of_its_bytes(tmp_path):

@@ -43,6 +43,7 @@ are refused, naming the remedy.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -54,9 +55,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
 from gpipe.parallel import dcp
+from gpipe.train.run_folder import CHECKPOINTS, STEPS, step_folder
 
 __all__ = [
     "CheckpointError",
@@ -68,15 +69,13 @@ __all__ = [
     "commit",
     "export_state_dict",
     "find",
+    "holds",
     "load",
-    "load_optimizer_state_by_name",
     "load_tensors",
-    "optimizer_state_by_name",
     "read_manifest",
     "read_manifest_file",
     "sha256_of",
     "staging_folder",
-    "step_folder",
     "write",
     "write_manifest",
 ]
@@ -95,16 +94,16 @@ class CheckpointError(RuntimeError):
 
 @dataclass
 class Manifest:
-    """A checkpoint's ``manifest.json``: written by :func:`write_manifest` (through
-    :func:`commit`), read by :func:`read_manifest`. The run's own records (``config``,
-    ``model``, ``data``, ``layout``, ``scheduler``) are kept as given."""
+    """A checkpoint's ``manifest.json`` (format :data:`VERSION`): written by
+    :func:`write_manifest` (through :func:`commit`), read by :func:`read_manifest`, here only.
+    A ``gpipe train`` run's records, kept as given (None: not written by gpipe train):"""
 
     step: int
-    config: dict[str, Any] | None = None  # the run's configuration
-    model: dict[str, Any] | None = None  # what builds the model
-    data: dict[str, Any] | None = None  # the data position
-    layout: dict[str, Any] | None = None  # how the saving run was cut (stages, replicas, ...)
-    scheduler: dict[str, Any] | None = None  # the learning-rate scheduler's state
+    config: dict[str, Any] | None = None  # the run's TrainConfig, as a dict
+    model: dict[str, Any] | None = None  # what builds the model (train.tasks' spec)
+    data: dict[str, Any] | None = None  # the data position (EpochSampler.state_dict())
+    layout: dict[str, Any] | None = None  # the saving run's Layout.to_dict() and balance
+    scheduler: dict[str, Any] | None = None  # the lr scheduler's state (and a GradScaler's)
     saved_at: str = ""  # stamped when written
     files: dict[str, str] = field(default_factory=dict)  # DCP's file -> its SHA-256 (derived)
     path: Path | None = None  # the checkpoint's folder, once read (not saved)
@@ -113,15 +112,11 @@ class Manifest:
 @dataclass
 class Loaded:
     """What :func:`load` read: whole tensors by name, the optimizer state by name (as
-    :func:`optimizer_state_by_name` gives it), one pipeline rank's random-number state."""
+    ``gpipe.train.optimizer_state`` gives it), one pipeline rank's random-number state."""
 
     model: dict[str, torch.Tensor]
     optimizer: dict[str, Any] | None = None
     rng: torch.Tensor | None = None
-
-
-def step_folder(step: int) -> str:
-    return f"step-{step:06d}"
 
 
 # -- writing ---------------------------------------------------------------------------------
@@ -150,19 +145,12 @@ def write(
 ) -> None:
     """Write this process's part of a checkpoint into ``folder`` with DCP: its ``model``
     tensors by whole-model name (``DTensor`` shards as such), its ``optimizer`` state by
-    name (:func:`optimizer_state_by_name`) and ``rng``, ``{pipeline rank: torch's random
+    name (``gpipe.train.optimizer_state``) and ``rng``, ``{pipeline rank: torch's random
     state}``. Collective: every process of the job calls it (replicas with the same
     tensors: DCP writes each once)."""
     state: dict[str, Any] = {"model": dict(model)}
     if optimizer is not None:
-        groups, group_of = {}, {}
-        for i, group in enumerate(optimizer["param_groups"]):
-            key = group.get("name", f"#{i}")
-            groups[key] = {k: v for k, v in group.items() if k != "params"}
-            group_of.update({name: key for name in group["params"]})
-        state["optimizer"] = {
-            "state": dict(optimizer["state"]), "param_groups": groups, "group_of": group_of,
-        }  # fmt: skip
+        state["optimizer"] = _optimizer_as_saved(optimizer)
     if rng:
         state["rng"] = {str(rank): value for rank, value in rng.items()}
     try:
@@ -187,15 +175,12 @@ def commit(root: str | Path, tmp: str | Path, manifest: Manifest, *, keep: int =
     root, tmp = Path(root), Path(tmp)
     write_manifest(tmp, manifest)
     final = root / step_folder(manifest.step)
+    old = final.with_name(final.name + ".old")  # left by a save that died replacing it
+    shutil.rmtree(old, ignore_errors=True)
     if final.exists():  # saving a step again (a rerun into the same folder): replace it
-        old = final.with_name(final.name + ".old")
-        if old.exists():
-            shutil.rmtree(old)
         final.rename(old)
-        tmp.rename(final)
-        shutil.rmtree(old)
-    else:
-        tmp.rename(final)
+    tmp.rename(final)
+    shutil.rmtree(old, ignore_errors=True)
     _fsync_dir(root)
     _atomic_write(root / LATEST, lambda f: f.write(final.name.encode()))
     if keep > 0:
@@ -244,16 +229,12 @@ def _atomic_write(path: Path, write) -> None:
 
 
 def _fsync_dir(folder: Path) -> None:
-    try:
+    with contextlib.suppress(OSError):  # a file system that cannot: nothing more to do
         fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 # -- finding and reading ---------------------------------------------------------------------
@@ -263,7 +244,7 @@ def _complete(root: Path) -> list[Path]:
     """Complete checkpoints under ``root``, oldest first."""
     found = [
         p
-        for p in root.glob("step-*")
+        for p in root.glob(STEPS)
         if p.is_dir() and not p.name.endswith((_TMP, ".old")) and (p / MANIFEST).is_file()
     ]
     return sorted(found, key=lambda p: p.name)
@@ -271,7 +252,7 @@ def _complete(root: Path) -> list[Path]:
 
 def find(path: str | Path) -> Path:
     """The checkpoint folder ``path`` designates: a checkpoint itself, a folder of
-    checkpoints (its newest complete one) or a run's output folder (``path/checkpoints``).
+    checkpoints (its newest complete one) or a run's folder (its ``checkpoints/``).
 
     Raises ``CheckpointError`` saying what was looked for when there is none.
     """
@@ -284,7 +265,7 @@ def find(path: str | Path) -> Path:
         raise CheckpointError(f"{path} is not readable (permissions)")
     if (path / MANIFEST).is_file():
         return path
-    for root in (path, path / "checkpoints"):
+    for root in (path, path / CHECKPOINTS):
         latest = root / LATEST
         if latest.is_file():
             named = root / latest.read_text().strip()
@@ -295,8 +276,15 @@ def find(path: str | Path) -> Path:
             return complete[-1]
     raise CheckpointError(
         f"no complete checkpoint in {path}: expected {MANIFEST} there, or step-NNNNNN/ "
-        f"folders holding one (in {path} or {path / 'checkpoints'})"
+        f"folders holding one (in {path} or {path / CHECKPOINTS})"
     )
+
+
+def holds(path: str | Path) -> bool:
+    """Whether ``path`` designates a complete checkpoint (:func:`find` finds one)."""
+    with contextlib.suppress(CheckpointError):
+        return bool(find(path))
+    return False
 
 
 def read_manifest(path: str | Path) -> Manifest:
@@ -375,31 +363,12 @@ def load(
             f"checkpoint {manifest.path} has no {len(missing)} of the names this model "
             f"needs ({shown}): was it saved from another model or configuration?"
         )
-
-    def empty(key: str) -> torch.Tensor | None:  # what DCP fills: a tensor, or an object
-        if entries[key] is None:
-            return None
-        size, dtype = entries[key]
-        return torch.empty(size, dtype=dtype)
-
-    state: dict[str, Any] = {"model": {n: empty(f"model.{n}") for n in wanted}}
+    state: dict[str, Any] = {"model": {n: _empty(entries, f"model.{n}") for n in wanted}}
     parameters = set(optimizer or ())
     if parameters:
-        keys = [k for k in entries if k.startswith("optimizer.state.")]
-        saved: dict[str, dict[str, Any]] = {}
-        for key in keys:  # optimizer.state.{name}.{what}: a parameter's names hold no key
-            name, _, what = key.removeprefix("optimizer.state.").rpartition(".")
-            if name in parameters:
-                saved.setdefault(name, {})[what] = empty(key)
-        group_of = {n: None for n in parameters if f"optimizer.group_of.{n}" in entries}
-        groups: dict[str, dict[str, Any]] = {}
-        for key in entries:
-            if key.startswith("optimizer.param_groups."):
-                group, _, what = key.removeprefix("optimizer.param_groups.").rpartition(".")
-                groups.setdefault(group, {})[what] = empty(key)
-        state["optimizer"] = {"state": saved, "group_of": group_of, "param_groups": groups}
+        state["optimizer"] = _optimizer_template(entries, parameters)
     if rng is not None and f"rng.{rng}" in entries:
-        state["rng"] = {str(rng): empty(f"rng.{rng}")}
+        state["rng"] = {str(rng): _empty(entries, f"rng.{rng}")}
     try:
         reader.load(state)
     except dcp.Refused as error:  # names the checkpoint and what is not data in it
@@ -408,19 +377,57 @@ def load(
         raise CheckpointError(
             f"cannot read checkpoint {manifest.path} (damaged, or not written by gpipe?): {error}"
         ) from error
-    loaded = Loaded(model=state["model"], rng=state.get("rng", {}).get(str(rng)))
-    if parameters:
-        saved = state["optimizer"]
-        members: dict[str, list[str]] = {g: [] for g in saved["param_groups"]}
-        for name, group in saved["group_of"].items():
-            members[group].append(name)
-        loaded.optimizer = {
-            "state": saved["state"],
-            "param_groups": [
-                {**hyper, "params": members[g]} for g, hyper in saved["param_groups"].items()
-            ],
-        }
-    return loaded
+    return Loaded(
+        model=state["model"],
+        optimizer=_optimizer_as_read(state["optimizer"]) if parameters else None,
+        rng=state.get("rng", {}).get(str(rng)),
+    )
+
+
+# -- the optimizer state (by name: gpipe.train.optimizer_state) as DCP keys -------------------
+# optimizer.state.{name}.{what}, optimizer.param_groups.{group}.{hyperparameter} and
+# optimizer.group_of.{name}: the group of each parameter, groups keyed by their "name".
+
+
+def _optimizer_as_saved(optimizer: Mapping[str, Any]) -> dict[str, Any]:
+    groups, group_of = {}, {}
+    for i, group in enumerate(optimizer["param_groups"]):
+        key = group.get("name", f"#{i}")
+        groups[key] = {k: v for k, v in group.items() if k != "params"}
+        group_of.update({name: key for name in group["params"]})
+    return {"state": dict(optimizer["state"]), "param_groups": groups, "group_of": group_of}
+
+
+def _empty(entries: Mapping[str, Any], key: str) -> torch.Tensor | None:
+    """What DCP fills for ``key``: a tensor of its size and type, or None (an object)."""
+    if entries[key] is None:
+        return None
+    size, dtype = entries[key]
+    return torch.empty(size, dtype=dtype)
+
+
+def _optimizer_template(entries: Mapping[str, Any], parameters: set[str]) -> dict[str, Any]:
+    """The optimizer keys of ``parameters`` the checkpoint holds, for DCP to fill."""
+    saved: dict[str, dict[str, Any]] = {}
+    groups: dict[str, dict[str, Any]] = {}
+    for key in entries:  # a parameter's names hold no "." key: rpartition splits them off
+        if key.startswith("optimizer.state."):
+            name, _, what = key.removeprefix("optimizer.state.").rpartition(".")
+            if name in parameters:
+                saved.setdefault(name, {})[what] = _empty(entries, key)
+        elif key.startswith("optimizer.param_groups."):
+            group, _, what = key.removeprefix("optimizer.param_groups.").rpartition(".")
+            groups.setdefault(group, {})[what] = _empty(entries, key)
+    group_of = {n: None for n in parameters if f"optimizer.group_of.{n}" in entries}
+    return {"state": saved, "group_of": group_of, "param_groups": groups}
+
+
+def _optimizer_as_read(saved: dict[str, Any]) -> dict[str, Any]:
+    members: dict[str, list[str]] = {g: [] for g in saved["param_groups"]}
+    for name, group in saved["group_of"].items():
+        members[group].append(name)
+    groups = [{**hyper, "params": members[g]} for g, hyper in saved["param_groups"].items()]
+    return {"state": saved["state"], "param_groups": groups}
 
 
 def load_tensors(manifest: Manifest, names: Iterable[str]) -> dict[str, torch.Tensor]:
@@ -439,67 +446,3 @@ def export_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
 def _layer(name: str) -> float:
     head = name.partition(".")[0]
     return int(head) if head.isdigit() else float("inf")
-
-
-# -- optimizer state by parameter name ------------------------------------------------------
-# DCP's own helper (``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict``) finds
-# a parameter's name by walking module attributes, which a captured model's names (the model's
-# own, without gpipe's unit index: ``model.layers.3...``) are not: it raises AttributeError.
-
-
-def optimizer_state_by_name(
-    optimizer: torch.optim.Optimizer, names: Mapping[nn.Parameter, str]
-) -> dict[str, Any]:
-    """``optimizer.state_dict()`` with parameter names in place of positions.
-
-    ``names`` maps each parameter to its whole-model name (``{p: n for n, p in
-    pipe.named_parameters()}``). Param groups keep their hyperparameters; a group's
-    ``"name"`` entry, if it has one, is how :func:`load_optimizer_state_by_name` matches it.
-    """
-    saved = optimizer.state_dict()
-    position_to_name: dict[int, str] = {}
-    for saved_group, group in zip(saved["param_groups"], optimizer.param_groups, strict=True):
-        for position, parameter in zip(saved_group["params"], group["params"], strict=True):
-            position_to_name[position] = names[parameter]
-    return {
-        "state": {position_to_name[i]: s for i, s in saved["state"].items()},
-        "param_groups": [
-            {**g, "params": [position_to_name[i] for i in g["params"]]}
-            for g in saved["param_groups"]
-        ],
-    }
-
-
-def load_optimizer_state_by_name(
-    optimizer: torch.optim.Optimizer, names: Mapping[nn.Parameter, str], state: Mapping[str, Any]
-) -> None:
-    """Load a by-name optimizer state (from any cut of the model) into ``optimizer``.
-
-    Groups are matched by their ``"name"`` entry (else by position); the saved
-    hyperparameters win. Every parameter of ``optimizer`` that has state in ``state`` gets it;
-    a parameter the saved optimizer had not stepped yet has none, as it would.
-    """
-    by_key = {g.get("name", f"#{i}"): g for i, g in enumerate(state["param_groups"])}
-    current = optimizer.state_dict()
-    groups, per_position = [], {}
-    for i, (group, saved_group) in enumerate(
-        zip(optimizer.param_groups, current["param_groups"], strict=True)
-    ):
-        key = group.get("name", f"#{i}")
-        if key not in by_key:
-            raise CheckpointError(
-                f"the checkpoint's optimizer has no param group {key!r} (it has {sorted(by_key)})"
-            )
-        group_names = [names[p] for p in group["params"]]
-        stray = set(group_names) - set(by_key[key]["params"])
-        if stray:
-            raise CheckpointError(
-                f"parameters {sorted(stray)[:4]} are in group {key!r} here but not in the "
-                f"checkpoint's optimizer"
-            )
-        hyper = {k: v for k, v in by_key[key].items() if k != "params"}
-        groups.append({**hyper, "params": saved_group["params"]})
-        for position, name in zip(saved_group["params"], group_names, strict=True):
-            if name in state["state"]:
-                per_position[position] = state["state"][name]
-    optimizer.load_state_dict({"state": per_position, "param_groups": groups})

@@ -1,14 +1,13 @@
 """The data sets of ``gpipe train``: real data that every machine already has, no download.
 
-* **stdlib corpus** (the language model's): the bytes of the Python standard library's own
-  top-level ``.py`` files — several MB of real text nobody here wrote, present on every
-  Python install. Split by *file* into train and validation (a file's name decides, so the
-  split is the same on every machine with the same Python), concatenated, and cached once
-  as a tensor file (``$GPIPE_CACHE_DIR``, else ``$XDG_CACHE_HOME/gpipe``, else
-  ``~/.cache/gpipe``).
+* **stdlib corpus** (the language model's): the Python standard library's own top-level
+  ``.py`` files — several MB of real text nobody here wrote, present on every Python
+  install. Split by *file* into train and validation (a file's name decides, so the split
+  is the same on every machine with the same Python); ``gpipe.train.sources`` tokenizes and
+  caches it (``$GPIPE_CACHE_DIR``, else ``$XDG_CACHE_HOME/gpipe``, else ``~/.cache/gpipe``).
 * **digits** (the CNN's): scikit-learn's bundled 8x8 handwritten digits, 1,797 images in
   10 classes (``pip install 'gpipe[digits]'``), split once with a fixed permutation.
-* **your files**: read as documents of bytes by :mod:`gpipe.texts`, tokenized by the caller
+* **your files**: read as documents of bytes by :mod:`gpipe.train.texts`, tokenized by the caller
   into :class:`Documents`.
 
 A language model reads token documents as windows: :class:`PackedWindows` (the documents
@@ -20,8 +19,7 @@ Batches come from :class:`EpochSampler`: each epoch visits every item once in an
 fixed by (seed, epoch), and its whole state is two integers, so a checkpoint can store the
 data position and a resumed run sees exactly the batches an uninterrupted one would::
 
-    corpus = stdlib_corpus()
-    windows = TokenWindows(corpus.train, seq=64)
+    windows = TokenWindows(stdlib_bytes(1_000_000), seq=64)
     sampler = EpochSampler(len(windows), seed=0)
     x, y = windows[sampler.take(16)]          # (16, 64) inputs and next-byte targets
     state = sampler.state_dict()   # {"seed": 0, "epoch": 0, "index": 16, "items": 43690}
@@ -31,7 +29,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import sys
 import sysconfig
 import zlib
 from collections.abc import Iterable, Sequence
@@ -41,7 +38,6 @@ from pathlib import Path
 import torch
 
 __all__ = [
-    "Corpus",
     "Digits",
     "Documents",
     "EpochSampler",
@@ -52,12 +48,10 @@ __all__ = [
     "digits",
     "readable",
     "stdlib_bytes",
-    "stdlib_corpus",
     "stdlib_files",
 ]
 
 VALIDATION_PERCENT = 10  # share of the stdlib's files held out for validation
-_FORMAT = 1  # bump when the cached corpus changes meaning
 
 
 def cache_dir() -> Path:
@@ -70,23 +64,6 @@ def cache_dir() -> Path:
 
 
 # -- the stdlib corpus -------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Corpus:
-    """Bytes of the stdlib's source: ``train`` and ``val`` are 1-D uint8 tensors."""
-
-    train: torch.Tensor
-    val: torch.Tensor
-    train_files: int
-    val_files: int
-    source: str  # the folder the files were read from
-
-    def describe(self) -> str:
-        return (
-            f"{len(self.train):,} train bytes ({self.train_files} files), "
-            f"{len(self.val):,} validation bytes ({self.val_files} files) of {self.source}"
-        )
 
 
 def stdlib_files(root: Path | None = None) -> list[Path]:
@@ -118,46 +95,6 @@ def is_validation(path: Path) -> bool:
     return zlib.crc32(path.name.encode()) % 100 < VALIDATION_PERCENT
 
 
-def stdlib_corpus(*, root: Path | None = None, cache: Path | None = None) -> Corpus:
-    """The stdlib corpus, built on first use and then read from the cache.
-
-    The cache key covers the Python version, the folder and every file's name and size, so
-    a different Python (or an edited stdlib) builds its own entry. The cache file is written
-    to a temporary name and renamed, so processes building it at once do not clash.
-    """
-    files = stdlib_files(root)
-    source = str(files[0].parent)
-    key = hashlib.sha256(f"{_FORMAT}|{sys.version}|{source}".encode())
-    for path in files:
-        key.update(f"|{path.name}:{path.stat().st_size}".encode())
-    folder = cache_dir() if cache is None else Path(cache)
-    cached = (
-        folder / f"stdlib-py{sys.version_info[0]}{sys.version_info[1]}-{key.hexdigest()[:16]}.pt"
-    )
-    if cached.exists():
-        try:
-            saved = torch.load(cached, weights_only=True)
-            return Corpus(saved["train"], saved["val"], *saved["files"], source=source)
-        except Exception:  # a damaged cache file is rebuilt, not fatal
-            pass
-    train, val = [], []
-    for path in files:
-        (val if is_validation(path) else train).append(path.read_bytes())
-    corpus = Corpus(_bytes_tensor(train), _bytes_tensor(val), len(train), len(val), source=source)
-    folder.mkdir(parents=True, exist_ok=True)
-    temporary = cached.with_name(f"{cached.name}.tmp-{os.getpid()}")
-    torch.save(
-        {"train": corpus.train, "val": corpus.val, "files": [len(train), len(val)]}, temporary
-    )
-    os.replace(temporary, cached)
-    return corpus
-
-
-def _bytes_tensor(texts: list[bytes]) -> torch.Tensor:
-    joined = b"\n".join(texts)  # files are separated by a blank line
-    return torch.frombuffer(bytearray(joined), dtype=torch.uint8).clone()
-
-
 # Control characters but newline and tab would garble a terminal: shown as escapes too.
 _CONTROLS = {c: f"\\x{c:02x}" for c in [*range(32), 127] if chr(c) not in "\n\t"}
 
@@ -166,35 +103,6 @@ def readable(text: bytes) -> str:
     """Bytes a byte-level model wrote, as text: UTF-8 where they are, and an escape such as
     ``\\xe2`` for each byte that is not (and for control characters)."""
     return text.decode("utf-8", "backslashreplace").translate(_CONTROLS)
-
-
-class TokenWindows:
-    """Non-overlapping windows of ``seq + 1`` bytes: item i is (input, next-byte target).
-
-    Window i covers bytes ``[i*seq, i*seq + seq]``; consecutive windows share one byte, so
-    every byte but the first is a target exactly once per epoch.
-    """
-
-    def __init__(self, data: torch.Tensor, *, seq: int) -> None:
-        if seq < 1:
-            raise ValueError(f"seq must be >= 1, got {seq}")
-        if len(data) < seq + 1:
-            raise ValueError(f"{len(data)} bytes hold no window of seq + 1 = {seq + 1} bytes")
-        self.data, self.seq = data, seq
-        self._starts = torch.arange((len(data) - 1) // seq) * seq
-
-    def __len__(self) -> int:
-        return len(self._starts)
-
-    def __getitem__(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(inputs, targets), both (len(indices), seq) int64."""
-        offsets = self._starts[indices].unsqueeze(1) + torch.arange(self.seq + 1)
-        window = self.data[offsets].long()  # (B, seq + 1)
-        return window[:, :-1], window[:, 1:]
-
-    def evenly_spaced(self, count: int) -> torch.Tensor:
-        """Indices of ``count`` windows spread over the whole data (a fixed evaluation set)."""
-        return _evenly_spaced(len(self), count)
 
 
 # -- token documents, cut into windows ------------------------------------------------------
@@ -262,7 +170,28 @@ class PackedWindows:
         return tokens.long(), torch.ones(tokens.shape, dtype=torch.bool)
 
     def evenly_spaced(self, count: int) -> torch.Tensor:
+        """Indices of ``count`` windows spread over the whole data (a fixed evaluation set)."""
         return _evenly_spaced(len(self), count)
+
+
+class TokenWindows(PackedWindows):
+    """Windows of ``seq + 1`` bytes, ``seq`` apart: item i is (input, next-byte target).
+
+    Window i covers bytes ``[i*seq, i*seq + seq]``; consecutive windows share one byte, so
+    every byte but the first is a target exactly once per epoch.
+    """
+
+    def __init__(self, data: torch.Tensor, *, seq: int) -> None:
+        if seq < 1:
+            raise ValueError(f"seq must be >= 1, got {seq}")
+        if len(data) < seq + 1:
+            raise ValueError(f"{len(data)} bytes hold no window of seq + 1 = {seq + 1} bytes")
+        super().__init__(data, length=seq + 1, stride=seq)
+
+    def __getitem__(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, targets), both (len(indices), seq) int64."""
+        window, _ = super().__getitem__(indices)  # (B, seq + 1)
+        return window[:, :-1], window[:, 1:]
 
 
 class PaddedWindows:

@@ -1,6 +1,6 @@
 """Is a checkpoint intact, and which one to resume from.
 
-``gpipe.checkpoint`` records the SHA-256 of each file DCP wrote in the manifest, and the
+``gpipe.train.checkpoint`` records the SHA-256 of each file DCP wrote in the manifest, and the
 manifest's own; :func:`problems` checks a checkpoint against them (and its step against its
 folder's name) and, since anyone can recompute a SHA-256, reads what DCP stored as data only
 (:mod:`gpipe.parallel.dcp` refuses a checkpoint that holds anything else); :func:`listing`
@@ -12,15 +12,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from gpipe.checkpoint import (
+from gpipe.parallel import dcp
+from gpipe.train.checkpoint import (
     MANIFEST,
     CheckpointError,
     find,
     read_manifest_file,
     sha256_of,
-    step_folder,
 )
-from gpipe.parallel import dcp
+from gpipe.train.run_folder import STEPS, checkpoints, step_folder
 
 __all__ = ["choose", "listing", "problems"]
 
@@ -66,9 +66,8 @@ def _file_problems(path: Path, digest: str) -> list[str]:
 def listing(path: str | Path) -> list[tuple[Path, list[str]]]:
     """Every checkpoint under a run or checkpoints folder, oldest first, with its problems
     (an unfinished save: ``["incomplete: ..."]``)."""
-    path = Path(path)
-    root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
-    return [(folder, _state(folder)) for folder in sorted(root.glob("step-*")) if folder.is_dir()]
+    folders = sorted(checkpoints(path).glob(STEPS))
+    return [(folder, _state(folder)) for folder in folders if folder.is_dir()]
 
 
 def _state(folder: Path) -> list[str]:

@@ -6,7 +6,7 @@ on a rank holding several virtual stages each later stage is a lighter shade of 
 White space is idle time: the bubble, whose share ``1 - busy / (ranks * makespan)`` is
 printed in the title. The events come from either side of the same schedule::
 
-    from gpipe import timeline
+    import gpipe.train.timeline as timeline
     from gpipe.schedule import build_schedule
     from gpipe.schedule.simulate import simulate
 
@@ -141,21 +141,40 @@ def draw(
             "pass trace=True to Pipe.step before reading pipe.last_trace"
         )
     colors, patches, figure_module = _matplotlib()
-    if title is None:
-        title = _default_title(trace)
     if ax is None:
         fig = figure_module.Figure(figsize=_figsize([_num_ranks(events)]), layout="constrained")
         ax = fig.add_subplot()
     label, scale = _display_unit(events, time_unit)
     origin, end, bubble = _window(events)
     ranks = sorted({e.rank for e in events})
-    row = {r: i for i, r in enumerate(ranks)}
     chunk, virtual = _chunks(events)
+    _boxes(ax, events, {r: i for i, r in enumerate(ranks)}, chunk, virtual, origin, end,
+           scale, colors, patches)  # fmt: skip
+    ax.set_xlim(0, (end - origin) * scale)
+    ax.set_ylim(len(ranks) - 0.5, -0.5)  # rank 0 on top
+    ax.set_yticks(range(len(ranks)), [f"rank {r}" for r in ranks])
+    ax.tick_params(axis="y", length=0)
+    ax.set_xlabel(f"time ({label})")
+    ax.set_axisbelow(True)
+    ax.grid(axis="x", color="#dddddd", linewidth=0.6)
+    for side in ("top", "right", "left"):
+        ax.spines[side].set_visible(False)
+    stats = f"makespan {_amount((end - origin) * scale)} {label}"
+    if bubble is not None:
+        stats += f", bubble {bubble:.1%}"
+    title = _default_title(trace) if title is None else title
+    ax.set_title(f"{title} — {stats}" if title else stats, loc="left", fontsize=10)
+    if legend:
+        _legend(ax, events, virtual, colors, patches)
+    return ax
+
+
+def _boxes(ax, events, row, chunk, virtual, origin, end, scale, colors, patches) -> None:
+    """One box per action on its rank's ``row``, numbered by micro-batch where that fits."""
     shades = {
         (k, c): _shade(k, c, virtual, colors) for k in Kind for c in range(virtual)
     }  # computed once: thousands of boxes share a handful of colours
     inks = {key: _ink(face, colors) for key, face in shades.items()}
-
     # Numbers are written in boxes wide enough for the longest one (so equal boxes are all
     # numbered or none is), in inches from the axes' share of the figure (estimated before
     # the constrained layout runs: close enough). A digit is ~0.64 em wide.
@@ -171,46 +190,13 @@ def draw(
     for e in events:
         x, width = (e.start - origin) * scale, (e.end - e.start) * scale
         key = e.action.kind, chunk[e.rank, e.action.stage]
-        face = shades[key]
+        box = (x, row[e.rank] - height / 2), width, height
         ax.add_patch(
-            patches.Rectangle(
-                (x, row[e.rank] - height / 2),
-                width,
-                height,
-                facecolor=face,
-                edgecolor="white",
-                linewidth=0.6,
-            )
+            patches.Rectangle(*box, facecolor=shades[key], edgecolor="white", linewidth=0.6)
         )
         if e.end - e.start >= fits:
-            ax.text(
-                x + width / 2,
-                row[e.rank],
-                str(e.action.microbatch),
-                ha="center",
-                va="center",
-                fontsize=fontsize,
-                color=inks[key],
-                clip_on=True,
-            )
-
-    ax.set_xlim(0, (end - origin) * scale)
-    ax.set_ylim(len(ranks) - 0.5, -0.5)  # rank 0 on top
-    ax.set_yticks(range(len(ranks)), [f"rank {r}" for r in ranks])
-    ax.tick_params(axis="y", length=0)
-    ax.set_xlabel(f"time ({label})")
-    ax.set_axisbelow(True)
-    ax.grid(axis="x", color="#dddddd", linewidth=0.6)
-    for side in ("top", "right", "left"):
-        ax.spines[side].set_visible(False)
-    stats = f"makespan {_amount((end - origin) * scale)} {label}"
-    if bubble is not None:
-        stats += f", bubble {bubble:.1%}"
-    heading = f"{title} — {stats}" if title else stats
-    ax.set_title(heading, loc="left", fontsize=10)
-    if legend:
-        _legend(ax, events, virtual, colors, patches)
-    return ax
+            ax.text(x + width / 2, row[e.rank], str(e.action.microbatch), ha="center",
+                    va="center", fontsize=fontsize, color=inks[key], clip_on=True)  # fmt: skip
 
 
 def save_png(trace: Trace, path: str | Path, **kwargs: Any) -> Path:
@@ -297,7 +283,7 @@ def _matplotlib():
         from matplotlib import colors, figure, patches
     except ImportError as error:
         raise ImportError(
-            "gpipe.timeline needs matplotlib to draw; install it with "
+            "gpipe.train.timeline needs matplotlib to draw; install it with "
             "pip install 'gpipe[plot]' (or pip install matplotlib). "
             "to_chrome_trace works without it."
         ) from error

@@ -12,7 +12,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import gpipe
-from gpipe import timeline
+import gpipe.train.timeline as timeline
 from gpipe.schedule import TimedAction, build_schedule
 from gpipe.schedule.simulate import simulate
 

@@ -1,0 +1,50 @@
+"""Checkpoints written by this process alone, for the tests of their format, their checks and
+their readers (train/test_checkpoint.py, faults/test_checkpoints.py and the benchmarks)."""
+
+from __future__ import annotations
+
+import pathlib
+import pickle
+
+import torch
+from torch import nn
+
+import gpipe.train.checkpoint as ckpt
+from gpipe.models import mlp
+from gpipe.parallel import dcp as gpipe_dcp
+
+
+def make_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return mlp([4, 8, 8, 3])  # layers 0 (Linear), 1 (GELU), 2, 3, 4
+
+
+def save(root, step: int, model: nn.Module, *, layers=None, optimizer=None, rng=None, **records):
+    """A checkpoint of ``model`` (of its ``layers`` only, if given), written with DCP by this
+    process alone."""
+    state = model.state_dict()
+    if layers is not None:
+        state = {n: t for n, t in state.items() if int(n.split(".")[0]) in layers}
+    tmp = ckpt.begin(root, step)
+    ckpt.write(tmp, model=state, optimizer=optimizer, rng=rng)
+    return ckpt.commit(root, tmp, ckpt.Manifest(step=step, **records))
+
+
+class Payload:
+    """What an attacker plants: unpickling it creates ``marker`` (harmless, and visible)."""
+
+    def __init__(self, marker: pathlib.Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (pathlib.Path.touch, (self.marker,))
+
+
+def plant(folder, marker, **changes) -> None:
+    """Rewrite ``folder``'s .metadata with ``changes`` (by default a :class:`Payload` in a
+    field DCP does not check) and the manifest's SHA-256 recomputed, as an attacker would."""
+    metadata = gpipe_dcp.read_metadata(folder)  # a genuine file: where the attacker starts
+    for key, value in (changes or {"planner_data": Payload(marker)}).items():
+        setattr(metadata, key, value)
+    (folder / ".metadata").write_bytes(pickle.dumps(metadata))
+    ckpt.write_manifest(folder, ckpt.read_manifest_file(folder))
