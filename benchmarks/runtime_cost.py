@@ -302,6 +302,32 @@ def one_stage(rounds: int) -> list[dict]:
 # -- the report ----------------------------------------------------------------------------------
 
 
+def _cpu_table(pipeline: Sequence[dict]) -> list[str]:
+    """The CPU time of each side per step, and the peer's over each of gpipe's."""
+    ms = 1e3
+    lines = [
+        "",
+        "CPU time per step, both ranks' processes added (waiting costs none, so a busy machine "
+        "changes it far less than the wall clock), and its main threads' part (Python, "
+        "autograd, posting transfers; the rest is gloo's loop thread):",
+        "",
+        "| schedule | M | gpipe CPU (main) | gpipe over gloo CPU (main) | peer CPU (main) | "
+        "CPU peer / gpipe | 95% interval | CPU peer / gpipe over gloo | 95% interval |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in pipeline:
+        cells = " | ".join(
+            f"{r[f'{side}_cpu'] * ms:.2f} ms ({r[f'{side}_main'] * ms:.2f})" for side in SIDES
+        )
+        ratios = " | ".join(
+            f"{r[f'{side}_cpu_ratio']:.2f} | {lo:.2f}–{hi:.2f}"
+            for side in ("gpipe", "gpipe-gloo")
+            for lo, hi in [r[f"{side}_cpu_interval"]]
+        )
+        lines.append(f"| {r['schedule']} | {r['chunks']} | {cells} | {ratios} |")
+    return lines
+
+
 def report(pipeline: Sequence[dict], micro: dict, single: Sequence[dict], rounds: int) -> str:
     ms = 1e3
     lines = [
@@ -329,26 +355,7 @@ def report(pipeline: Sequence[dict], micro: dict, single: Sequence[dict], rounds
             f"**{r['gpipe_ratio']:.2f}** | {lo:.2f}–{hi:.2f} | {r['gpipe-gloo_ratio']:.2f} | "
             f"{glo:.2f}–{ghi:.2f} |"
         )
-    lines += [
-        "",
-        "CPU time per step, both ranks' processes added (waiting costs none, so a busy machine "
-        "changes it far less than the wall clock), and its main threads' part (Python, "
-        "autograd, posting transfers; the rest is gloo's loop thread):",
-        "",
-        "| schedule | M | gpipe CPU (main) | gpipe over gloo CPU (main) | peer CPU (main) | "
-        "CPU peer / gpipe | 95% interval | CPU peer / gpipe over gloo | 95% interval |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in pipeline:
-        cells = " | ".join(
-            f"{r[f'{side}_cpu'] * ms:.2f} ms ({r[f'{side}_main'] * ms:.2f})" for side in SIDES
-        )
-        ratios = " | ".join(
-            f"{r[f'{side}_cpu_ratio']:.2f} | {lo:.2f}–{hi:.2f}"
-            for side in ("gpipe", "gpipe-gloo")
-            for lo, hi in [r[f"{side}_cpu_interval"]]
-        )
-        lines.append(f"| {r['schedule']} | {r['chunks']} | {cells} | {ratios} |")
+    lines += _cpu_table(pipeline)
     lo, hi = micro["interval"]
     lines += [
         "",

@@ -1,12 +1,8 @@
 """Transport between processes of one machine: a Unix stream socket per pair of ranks.
 
-On one host with CPU stages, gloo moves each message over TCP loopback with a rendezvous:
-the sender announces it, the receiver's posted receive answers, gloo's own thread moves the
-data and wakes the rank. On two cores a 64-byte message then costs 0.1–0.3 ms of posting
-and a round trip 180–280 µs, which is what sets the pace where micro-batches are small
-(``docs/benchmarks.md``, the runtime's own cost). A Unix socket carries the same message
-in one ``sendmsg`` and one wake-up of the receiver (a round trip of about 25 µs there), no
-thread in between.
+On one host with CPU stages, a Unix socket carries a message in one ``sendmsg`` and one
+wake-up of the receiver, no thread in between, where gloo takes a rendezvous over TCP
+loopback and its own thread per message (the numbers: ``docs/benchmarks.md``).
 
 Each pair of ranks holds one connected socket (:func:`connect`). A message is a header
 (``struct`` ``<qq``: its position in the sender's sequence to this peer, the size of its
