@@ -1,6 +1,6 @@
 """The runtime's own cost, where it (not compute) sets the pace: tiny layers, many micro-batches.
 
-    python benchmarks/runtime_cost.py [--out docs/benchmarks.md] [--profile DIR]
+    python benchmarks/runtime_cost.py [--out docs/benchmarks.md] [--profile DIR SCHEDULE,M]
 
 Three measurements, each side by side in one run, steps alternating so that both sides see
 the same machine; medians, and 95% bootstrap intervals of the paired ratios:
@@ -17,8 +17,8 @@ the same machine; medians, and 95% bootstrap intervals of the paired ratios:
 3. **``Pipe(K=1, M=1)`` against the plain model**: an MLP of 16 × Linear(1024) at batch 256
    and the GPT of ``gpipe.models`` (4 blocks, d_model 256), one thread.
 
-``--profile DIR`` also profiles 30 gpipe steps of case 1 (1f1b, M=8) with cProfile on both
-ranks and writes each rank's top functions to ``DIR/rank-R.txt``.
+``--profile DIR SCHEDULE,M`` also profiles 30 steps of both gpipe sides of one row of case 1
+with cProfile on both ranks and writes each rank's top functions to ``DIR/rank-R-SIDE.txt``.
 """
 
 from __future__ import annotations
@@ -126,7 +126,9 @@ def _one_side_rank(rank: int, side: str, schedule: str, m: int, steps: int) -> N
         step()
 
 
-def _pipeline_rank(rank: int, cases: list[tuple[str, int]], rounds: int, profile: str | None):
+def _pipeline_rank(
+    rank: int, cases: list[tuple[str, int]], rounds: int, profile: tuple[str, str] | None
+):
     import torch.distributed as dist
 
     torch.set_num_threads(1)
@@ -157,27 +159,31 @@ def _pipeline_rank(rank: int, cases: list[tuple[str, int]], rounds: int, profile
                 times[f"{name}_cpu"].append(cpu)
                 times[f"{name}_main"].append(main)
         results.append({"schedule": schedule, "chunks": m, **times})
-        if profile is not None and (schedule, m) == ("1f1b", 8):
-            profiler = cProfile.Profile()
-            dist.barrier()
-            start = time.perf_counter()
-            profiler.enable()
-            for _ in range(30):
-                sides["gpipe"]()
-            profiler.disable()
-            elapsed = (time.perf_counter() - start) / 30
-            text = io.StringIO()
-            stats = pstats.Stats(profiler, stream=text).sort_stats("tottime")
-            stats.print_stats(40)
-            out = Path(profile) / f"rank-{rank}.txt"
-            out.parent.mkdir(parents=True, exist_ok=True)
-            out.write_text(
-                f"{elapsed * 1e3:.2f} ms per step (30 steps, profiled)\n" + text.getvalue()
-            )
+        if profile is not None and f"{schedule},{m}" == profile[1]:
+            for side in ("gpipe", "gpipe-gloo"):
+                _profile(sides[side], Path(profile[0]) / f"rank-{rank}-{side}.txt")
     return results
 
 
-def pipeline_rows(rounds: int, profile: str | None) -> list[dict]:
+def _profile(step: Callable[[], None], out: Path, steps: int = 30) -> None:
+    """cProfile of ``steps`` steps on this rank, its top functions written to ``out``."""
+    import torch.distributed as dist
+
+    profiler = cProfile.Profile()
+    dist.barrier()
+    start = time.perf_counter()
+    profiler.enable()
+    for _ in range(steps):
+        step()
+    profiler.disable()
+    elapsed = (time.perf_counter() - start) / steps
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(40)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(f"{elapsed * 1e3:.2f} ms per step ({steps} steps, profiled)\n" + text.getvalue())
+
+
+def pipeline_rows(rounds: int, profile: tuple[str, str] | None) -> list[dict]:
     cases = [(s, m) for m in (8, 32) for s in ("gpipe", "1f1b")]
     per_rank = launch(_pipeline_rank, 2, args=(cases, rounds, profile), timeout=1200)
     rows = []
@@ -296,6 +302,32 @@ def one_stage(rounds: int) -> list[dict]:
 # -- the report ----------------------------------------------------------------------------------
 
 
+def _cpu_table(pipeline: Sequence[dict]) -> list[str]:
+    """The CPU time of each side per step, and the peer's over each of gpipe's."""
+    ms = 1e3
+    lines = [
+        "",
+        "CPU time per step, both ranks' processes added (waiting costs none, so a busy machine "
+        "changes it far less than the wall clock), and its main threads' part (Python, "
+        "autograd, posting transfers; the rest is gloo's loop thread):",
+        "",
+        "| schedule | M | gpipe CPU (main) | gpipe over gloo CPU (main) | peer CPU (main) | "
+        "CPU peer / gpipe | 95% interval | CPU peer / gpipe over gloo | 95% interval |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in pipeline:
+        cells = " | ".join(
+            f"{r[f'{side}_cpu'] * ms:.2f} ms ({r[f'{side}_main'] * ms:.2f})" for side in SIDES
+        )
+        ratios = " | ".join(
+            f"{r[f'{side}_cpu_ratio']:.2f} | {lo:.2f}–{hi:.2f}"
+            for side in ("gpipe", "gpipe-gloo")
+            for lo, hi in [r[f"{side}_cpu_interval"]]
+        )
+        lines.append(f"| {r['schedule']} | {r['chunks']} | {cells} | {ratios} |")
+    return lines
+
+
 def report(pipeline: Sequence[dict], micro: dict, single: Sequence[dict], rounds: int) -> str:
     ms = 1e3
     lines = [
@@ -323,25 +355,7 @@ def report(pipeline: Sequence[dict], micro: dict, single: Sequence[dict], rounds
             f"**{r['gpipe_ratio']:.2f}** | {lo:.2f}–{hi:.2f} | {r['gpipe-gloo_ratio']:.2f} | "
             f"{glo:.2f}–{ghi:.2f} |"
         )
-    lines += [
-        "",
-        "CPU time per step, both ranks' processes added (waiting costs none, so a busy machine "
-        "changes it far less than the wall clock), and its main threads' part (Python, "
-        "autograd, posting transfers; the rest is gloo's loop thread):",
-        "",
-        "| schedule | M | gpipe CPU (main) | gpipe over gloo CPU (main) | peer CPU (main) | "
-        "CPU peer / gpipe | 95% interval |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for r in pipeline:
-        lo, hi = r["gpipe_cpu_interval"]
-        cells = " | ".join(
-            f"{r[f'{side}_cpu'] * ms:.2f} ms ({r[f'{side}_main'] * ms:.2f})" for side in SIDES
-        )
-        lines.append(
-            f"| {r['schedule']} | {r['chunks']} | {cells} | {r['gpipe_cpu_ratio']:.2f} | "
-            f"{lo:.2f}–{hi:.2f} |"
-        )
+    lines += _cpu_table(pipeline)
     lo, hi = micro["interval"]
     lines += [
         "",
@@ -367,7 +381,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None, help="markdown file to update")
     parser.add_argument("--rounds", type=int, default=41, help="timed rounds per row")
-    parser.add_argument("--profile", default=None, help="folder for cProfile reports")
+    parser.add_argument(
+        "--profile", nargs=2, default=None, metavar=("DIR", "SCHEDULE,M"),
+        help="cProfile 30 steps of both gpipe sides of one row (e.g. gpipe,32) on each rank",
+    )  # fmt: skip
     parser.add_argument(
         "--only", choices=["pipeline", "micro", "single"], default=None, help="one part"
     )

@@ -10,19 +10,16 @@ one am I?" and never touches ``torch.distributed``:
   Everything the ranks must agree on goes through it: the step's random seed, the loss,
   who failed first, the gradient norm, tied copies, the automatic balance.
 
-A failure in one rank is announced to its peers through the transport and then agreed on
-by every rank (``fail``/``agree``), so that all ranks raise the same first error instead
-of waiting for messages that will never come. Every collective waits at most the Pipe's
-``timeout`` (``gpipe.parallel.collectives``): one that does not complete names itself and
-breaks the pipeline, and its rank tells the others, which then raise at once.
+How a failure is agreed on is ``gpipe.parallel.agreement``'s; which carrier moves the
+messages, ``gpipe.transport.choice``'s. Every collective waits at most the Pipe's ``timeout``
+(``gpipe.parallel.collectives``): one that does not complete names itself and breaks the
+pipeline, and its rank tells the others, which then raise at once.
 """
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 import torch
@@ -31,38 +28,29 @@ from gpipe import rng
 from gpipe._utils import DeviceLike
 from gpipe.engine.runtime import Transport
 from gpipe.engine.stage import Stage
-from gpipe.errors import NonFiniteError, PartitionError, PipelineError
-from gpipe.parallel.clipping import Edit, check_edits
+from gpipe.errors import PartitionError, PipelineError
+from gpipe.parallel.agreement import Agreement, StepAgreement, refuse_step
+from gpipe.parallel.clipping import Edit
 from gpipe.parallel.collectives import Collectives
 from gpipe.parallel.tied import TiedParameters
 from gpipe.schedule.ir import Schedule
 from gpipe.schedule.routes import Routes
-from gpipe.transport import handshake
-from gpipe.transport.distributed import DistributedTransport
-from gpipe.transport.inquest import state, waited_out
+from gpipe.transport.choice import TRANSPORTS, check_choice, open_transport
 from gpipe.transport.local import LocalTransport
 from gpipe.transport.peers import PeerTransport
-from gpipe.transport.sockets import SocketTransport
 
 __all__ = [
     "Agreement",
     "MultiProcess",
     "PipelineGroup",
     "SingleProcess",
+    "TRANSPORTS",
     "default_device",
     "pipeline_group",
 ]
 
 T = TypeVar("T")
 ByStage = dict[int, torch.Tensor]  # a tensor per stage
-
-
-@dataclass
-class Agreement:
-    """What every rank agreed on at the end of a step."""
-
-    loss: torch.Tensor | None  # the step's loss (float64), on every rank; None: inference
-    nonfinite_grads: bool  # a gradient of some rank holds a NaN or an infinity
 
 
 class PipelineGroup(Protocol):
@@ -145,20 +133,11 @@ def default_device(group: Any) -> torch.device:
     return torch.device("cpu")
 
 
-TRANSPORTS = ("auto", "sockets", "group")
-
-
 def pipeline_group(
     group: Any, *, timeout: float, receive_ahead: bool | None = None, transport: str = "auto"
 ) -> PipelineGroup:
     """The ranks of a Pipe: ``group=None`` is one process, else a process group."""
-    if transport not in TRANSPORTS:
-        raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
-    if transport == "sockets" and receive_ahead is False:
-        raise ValueError(
-            "receive_ahead=False posts receives in NCCL's order, which only the process "
-            "group's transport does; use transport='group' (or 'auto') with it"
-        )
+    check_choice(transport, receive_ahead)
     if group is None:
         return SingleProcess()
     return MultiProcess(group, timeout=timeout, receive_ahead=receive_ahead, transport=transport)
@@ -206,7 +185,7 @@ class SingleProcess:
         loss = None if local_loss is None else local_loss.detach().to(torch.float64)
         if refuse_nonfinite:
             found = f"a non-finite gradient of {trouble!r}" if trouble else ""
-            _refuse_nonfinite(loss_value if loss_value is not None else 0.0, [why, found])
+            refuse_step(loss_value if loss_value is not None else 0.0, [why, found])
         return Agreement(loss, trouble is not None)
 
     def check_edit(self, edit: Edit) -> None:
@@ -239,7 +218,7 @@ class SingleProcess:
         return "one process"
 
 
-class MultiProcess:
+class MultiProcess(StepAgreement):
     """The stages of one rank of a ``torch.distributed`` process group."""
 
     rank: int | None
@@ -304,31 +283,12 @@ class MultiProcess:
         self, schedule: Schedule, stage_devices: list[torch.device], routes: Routes
     ) -> PeerTransport:
         self.schedule = schedule
-        links = self._socket_links(schedule, stage_devices)
-        if links is not None:
-            self.transport = SocketTransport(
-                schedule, self.rank, self.group, stage_devices, links,
-                timeout=self.timeout, routes=routes,
-            )  # fmt: skip
-        else:
-            self.transport = DistributedTransport(
-                schedule, self.rank, self.group, stage_devices,
-                timeout=self.timeout, routes=routes, receive_ahead=self.receive_ahead,
-            )  # fmt: skip
+        self.transport = open_transport(
+            schedule, self.rank, self.group, stage_devices, routes=routes, timeout=self.timeout,
+            wanted=self.wanted_transport, receive_ahead=self.receive_ahead, gather=self.gather,
+        )  # fmt: skip
         self.ops.device = self.transport.wire_device  # where collectives take tensors
         return self.transport
-
-    def _socket_links(
-        self, schedule: Schedule, stage_devices: list[torch.device]
-    ) -> dict[int, Any] | None:
-        """A Unix socket to every peer, or None: the process group carries the messages
-        (``gpipe.transport.handshake``)."""
-        # NCCL's order on gloo (receive_ahead=False) is the group's transport's alone.
-        wanted = "group" if self.receive_ahead is False else self.wanted_transport
-        mine = [stage_devices[s] for s in schedule.stages_of(self.rank)]
-        on_cpu = self.backend == "gloo" and all(d.type == "cpu" for d in mine)
-        return handshake.links(wanted, on_cpu, self.rank, self.num_ranks, self.timeout,
-                               self.gather)  # fmt: skip
 
     # -- what every rank must agree on ----------------------------------------------------
 
@@ -371,130 +331,6 @@ class MultiProcess:
                 "the ranks of this pipeline were built differently; every rank must run the "
                 "same script with the same model and Pipe arguments:\n" + "\n".join(differences)
             )
-
-    def _gather(self, value: float, failed: int, troubled: bool = False) -> torch.Tensor:
-        """Every rank's (value, failed rank + 1 or 0, non-finite gradient), one row per
-        pipeline rank."""
-        row = torch.tensor([value, failed + 1, troubled], dtype=torch.float64)
-        doing = f"ending step {self.steps} of this Pipe"
-        operation = "the end-of-step agreement (all-gather)"
-        return self._on_wire(lambda: self.transport.all_gather_row(row), operation, doing)
-
-    def _on_wire(self, run: Callable[[], T], operation: str, doing: str) -> T:
-        """``run()``: a row of the step through the transport's own wire, its failures named
-        as the group's collective's would be."""
-        try:
-            return run()
-        except (TimeoutError, ConnectionError) as error:
-            if self.transport is not None and self.transport.peer_gave_up():
-                self.transport.check_notices()  # its words: it looked for the cause already
-            timed_out = isinstance(error, TimeoutError)
-            raise self.ops.error(operation, error, doing=doing, timed_out=timed_out) from error
-
-    def agree(
-        self,
-        local_loss: torch.Tensor | None,
-        loss_value: float | None,
-        trouble: str | None,
-        *,
-        refuse_nonfinite: bool = True,
-        why: str = "",
-    ) -> Agreement:
-        """The loss on every rank (it lives on the last stage's), and a last health check:
-        a failure or a non-finite loss or gradient (``trouble``) anywhere (unless
-        ``refuse_nonfinite`` is False) refuses the step on every rank."""
-        value = loss_value if loss_value is not None else 0.0
-        # The rows themselves say who failed (a failed rank sends its row after its
-        # notice): a notice raised first would leave this rank's row out.
-        rows = self._collective(
-            lambda: self._gather(value, -1, troubled=trouble is not None),
-            notices=False,
-        )
-        table = rows.tolist()  # one read of the agreement
-        if any(row[1] for row in table):
-            self._raise_remote(rows)
-        loss = table[self.schedule.stage_to_rank[-1]][0]
-        nonfinite_grads = any(row[2] for row in table)
-        if refuse_nonfinite and (nonfinite_grads or not math.isfinite(loss)):
-            found = f"rank {self.rank}: a non-finite gradient of {trouble!r}" if trouble else ""
-            if why:
-                found = f"rank {self.rank}: {why}" + (f"; {found}" if found else "")
-            _refuse_nonfinite(loss, self._share_failures(found))
-        # The same on every rank; float64 holds a float32 or float64 loss exactly.
-        return Agreement(torch.tensor(loss, dtype=torch.float64), nonfinite_grads)
-
-    def check_edit(self, edit: Edit) -> None:
-        """Every rank's edit of the step's gradients, gathered when its optimizer steps (one
-        row each); a per-stage clip raises on every rank before any weight changes."""
-        doing = f"checking the gradients of step {self.steps} before the optimizer step"
-        row = torch.tensor(edit.row(), dtype=torch.float64)
-        # A collective, not the transport's rows: those are posted ahead for the next step's
-        # agreement, which this row (between two steps, of another length) must not take.
-        operation = "the clip check (all-gather)"
-        rows = self._collective(lambda: self.ops.all_gather(row, operation, doing=doing))
-        check_edits(rows, describe=lambda rank: f"rank {rank}")
-
-    def fail(self, error: BaseException, stages: list[Stage]) -> None:
-        """Tell the other ranks this step failed here (or upstream), then agree on who."""
-        import torch.distributed as dist
-
-        if self.broken is not None or self.transport.peer_gave_up():
-            # A collective of this step failed here (the peers have been told), or a peer's
-            # did: nobody would come to agree.
-            self.broken = self.broken or str(error)
-            return
-        me = dist.get_global_rank(self.group, self.rank)
-        if isinstance(error, PipelineError):  # from elsewhere: this rank only waited
-            origin, message = error.rank, str(error)
-            culprit = error.global_rank
-            if culprit is None and origin is not None:
-                culprit = dist.get_global_rank(self.group, origin)
-            waited = [culprit] if culprit is not None else self._global_others()
-            state(me, waited, message)
-            origin = self.rank if origin is None else origin
-        else:
-            origin, culprit = self.rank, me
-            held = ", ".join(str(s.index) for s in stages)
-            message = f"rank {me} (stage {held}) raised {type(error).__name__}: {error}"
-            if hasattr(error, "add_note"):
-                error.add_note(f"raised in pipeline rank {self.rank} (stage {held})")
-            state(me, [], message)  # before the news: whoever asks finds the cause
-        self.broken = message
-        # Its own wait failed: it waited a timeout for a rank that may never answer. It gives
-        # up (and says so) instead of waiting for that rank again in the agreement.
-        gave_up = waited_out(me, timeout=self.timeout)
-        self.transport.announce_failure(
-            {"rank": origin, "global_rank": culprit, "message": message, "gave_up": gave_up}
-        )
-        if gave_up:
-            return
-        try:
-            self._gather(0.0, failed=origin)
-            self._share_failures(message if origin == self.rank else "")
-        except Exception:
-            pass  # the peers have the announcement; the original error is what we raise
-
-    def _global_others(self) -> list[int]:
-        import torch.distributed as dist
-
-        return [dist.get_global_rank(self.group, r) for r in range(self.num_ranks)
-                if r != self.rank]  # fmt: skip
-
-    def _share_failures(self, message: str) -> list[str]:
-        try:
-            return self.ops.all_gather_object(
-                message, "the gather of failure messages", doing=f"ending step {self.steps}"
-            )
-        except PipelineError as error:
-            self.broken = self.broken or str(error)
-            raise
-
-    def _raise_remote(self, rows: torch.Tensor) -> None:
-        origin = int(rows[rows[:, 1] > 0, 1].min().item()) - 1
-        messages = self._share_failures("")
-        message = messages[origin] or next((m for m in messages if m), f"rank {origin} failed")
-        self.broken = message
-        raise PipelineError(f"rank {self.rank}: the step failed elsewhere: {message}", rank=origin)
 
     def norm_total(self, local: torch.Tensor, *, maximum: bool) -> torch.Tensor:
         """Sum (or max) of a per-rank gradient norm term over the pipeline's ranks.
@@ -557,17 +393,4 @@ class MultiProcess:
             lambda: self.ops.all_gather_object(
                 value, f"the gather of {what}", doing="building the Pipe"
             )
-        )
-
-
-def _refuse_nonfinite(loss: float, troubles: list[str]) -> None:
-    found = [t for t in troubles if t]
-    if found or not math.isfinite(loss):
-        raise NonFiniteError(
-            f"the step was refused (the loss is {loss:g}"
-            + (f"; {'; '.join(found)}" if found else "")
-            + "): its gradients were dropped, so the weights stay as they were; lower the "
-            "learning rate, clip gradients, or look for the layer or input that overflows "
-            "(mixed precision with a torch.amp.GradScaler: pass step(..., scaler=scaler), "
-            "which skips such steps and lowers the scale instead)"
         )

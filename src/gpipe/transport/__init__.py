@@ -1,7 +1,8 @@
 """Transports: move activations forward and gradients backward between stages.
 
 * ``local``: stages of one process (device copies, nothing serialized);
-* ``distributed``: one rank of a pipeline spread over processes;
+* ``sockets`` (one machine) and ``distributed`` (the process group: gloo, NCCL): one rank of
+  a pipeline spread over processes, the carrier ``choice`` picks;
 * ``framing``: how a message looks on the wire; ``codec``: the plain values everything that
   crosses processes is made of (no pickle); ``handshake``: who may connect to the sockets;
   ``sender``: sends that never block.

@@ -17,18 +17,17 @@ import torch
 
 from gpipe.errors import PipelineError
 from gpipe.schedule.comm_plan import receive_points
+from gpipe.schedule.ir import Kind
 from gpipe.schedule.routes import Message, Routes
 from gpipe.transport.framing import (
     AGREEMENT,
     HEADER,
     History,
-    TensorMeta,
     bytes_tensor,
     notice,
     read_notice,
-    tensors,
 )
-from gpipe.transport.peers import PeerTransport
+from gpipe.transport.peers import PeerTransport, _announced
 from gpipe.transport.rows import _NOTICE_TAG, RowsOverP2P
 from gpipe.transport.sender import Outbox
 
@@ -70,14 +69,17 @@ class DistributedTransport(RowsOverP2P, PeerTransport):
     When receives are posted depends on the backend:
 
     * gloo (``receive_ahead``, the default for gloo): the next message from each peer is always
-      posted, so a message lands while the rank computes and posting costs no time on the
-      critical path. When the message is *stable* (same description the last two times, as
-      when training at a fixed shape) header and tensors travel packed in one buffer, which
-      the receiver posts ahead at the size of last time and reads its tensors from without copying;
-      otherwise only its header is posted and the rest follows. If a stable message
-      changes after all, the sender fills the posted buffer with the header alone, then
-      sends the description and real tensors: a rare extra transfer instead of a guess
-      that could corrupt the wire.
+      posted, and where a burst begins (the messages a rank takes between two of its sends,
+      as a GPipe schedule's forwards) all of the burst's, so a message lands while the rank
+      computes and posting costs no time on the critical path (a gloo send waits for its
+      receiver's word that the receive is posted: a round trip per message otherwise).
+      When the message is *stable* (same description the last two times, as when training
+      at a fixed shape) header and tensors travel packed in one buffer, which the receiver
+      posts ahead at the size of last time and reads its tensors from without copying;
+      otherwise only its header is posted and the rest follows. If a stable message changes
+      after all, the sender fills the posted buffer with the header alone, then sends the
+      description and real tensors: a rare extra transfer instead of a guess that could
+      corrupt the wire.
     * NCCL (and ``receive_ahead=False`` on gloo, which tests use to run NCCL's order on
       the CPU): a process's operations run in issue order, so a receive posted early would
       hold back later sends and can deadlock. Headers and descriptions travel on a gloo
@@ -116,16 +118,9 @@ class DistributedTransport(RowsOverP2P, PeerTransport):
         # otherwise on a gloo side group of the same processes.
         self._meta_group = group if self.receive_ahead else _gloo_twin(group)
         self._meta_device = self.wire_device if self.receive_ahead else torch.device("cpu")
-        # Failure notices are host-side frames: a gloo group (this one, or the side one).
-        self._notice_group = self._meta_group
-        self._points = (
-            {}
-            if self.receive_ahead
-            else {
-                training: receive_points(schedule, self.routes, rank, training)
-                for training in (True, False)
-            }
-        )
+        # NCCL: where each receive is posted; gloo: where a burst's receives are.
+        points = receive_points if not self.receive_ahead else self._bursts
+        self._points = {t: points(schedule, self.routes, rank, t) for t in (True, False)}
         self._cursor: dict[int, int] = {}
         self._pending: dict[int, deque[_Posted]] = {}  # posted, from each peer, in order
         self._arriving: dict[Message, _Posted] = {}  # header in, tensors not yet waited for
@@ -154,11 +149,37 @@ class DistributedTransport(RowsOverP2P, PeerTransport):
         self._listen_for_notices()
 
     def prepare(self, action: Any) -> None:
-        """This rank is about to run ``action``: post the tensor receives due here (NCCL)."""
-        if self.receive_ahead:
-            return
+        """This rank is about to run ``action``: post the receives due here (gloo: the
+        burst's; NCCL: the tensors', in its order)."""
         for src, message in self._points[self._training].get(action, ()):
-            self._take_headers(src, until=message)
+            if not self.receive_ahead:
+                self._take_headers(src, until=message)
+                continue
+            while self._cursor[src] <= message:
+                self._post_next(src)
+
+    def _bursts(self, schedule: Any, routes: Routes, rank: int, training: bool) -> dict:
+        """Where gloo posts a burst's receives: at the first action after one that sends (and
+        at the first), those of every message it takes before its next send, so that each
+        of a burst's messages lands at once instead of waiting for its receive to be posted
+        (gloo's sender waits for the receiver's word that it posted).
+        {action: [(peer, last position from it)]}."""
+        incoming = self._plans[training][0]
+        position = {m: (src, i) for src, ms in incoming.items() for i, m in enumerate(ms)}
+        points: dict[Any, dict[int, int]] = {}
+        start = None
+        for action in schedule.actions[rank]:
+            if not training and action.kind is not Kind.FORWARD:
+                continue
+            start = start or action
+            for message in routes.incoming(action):
+                if message in position:
+                    src, at = position[message]
+                    burst = points.setdefault(start, {})
+                    burst[src] = max(at, burst.get(src, -1))
+            if any(schedule.stage_to_rank[m.stage] != rank for m in routes.outgoing(action)):
+                start = None
+        return {action: list(last.items()) for action, last in points.items()}
 
     def finish(self) -> None:
         """End a step once every rank has received all of its messages (after the step's
@@ -174,7 +195,7 @@ class DistributedTransport(RowsOverP2P, PeerTransport):
             return
         self._notices = {}
         frame = torch.zeros(_NOTICE_BYTES, dtype=torch.uint8)
-        work = self._dist.irecv(frame, src=None, group=self._notice_group, tag=self._notice_tag)
+        work = self._dist.irecv(frame, src=None, group=self._meta_group, tag=self._notice_tag)
         threading.Thread(
             target=_wait_for_notice,
             args=(work, frame, self._notices),
@@ -287,13 +308,6 @@ class DistributedTransport(RowsOverP2P, PeerTransport):
             posted = self._pending[src].popleft()
             self._arriving[posted.message] = self._complete_header(src, posted)
 
-    def _allocate(self, history: History, message: Message) -> list[Any]:
-        device = self._devices[message.stage]
-        return [
-            torch.empty(d.shape, dtype=d.dtype, device=device) if isinstance(d, TensorMeta) else d
-            for d in history.decoded[1]
-        ]
-
     def _complete_header(self, src: int, posted: _Posted) -> _Posted:
         """Wait for a message's header; post the receives of whatever else of it comes."""
         message, history = posted.message, posted.history
@@ -310,16 +324,14 @@ class DistributedTransport(RowsOverP2P, PeerTransport):
                 self._wait(received, src, message)
                 data = meta.cpu().numpy().tobytes()
                 if size < 0:
-                    failure = read_notice(data, src, f"rank {self._global(src)}")
-                    raise PipelineError(failure["message"], rank=failure["rank"],
-                                        global_rank=failure.get("global_rank"))  # fmt: skip
+                    raise _announced(self._notice_from(src, data))
                 history.update(data)
             elif history.last is None:
                 raise PipelineError(f"rank {src} sent {message} without describing it", rank=src)
             else:
                 history.update(history.last)
-            posted.leaves = self._allocate(history, message)
-            frames = [(t, self.group) for t in tensors(posted.leaves)]
+            posted.leaves = history.allocate(self._devices[message.stage])
+            frames = [(t, self.group) for t in posted.leaves if isinstance(t, torch.Tensor)]
             posted.works = self._irecv(frames, src, posted.tag)
         self._posted[src] += 1  # every receive of this message is posted
         if not self._pending[src]:
@@ -328,15 +340,8 @@ class DistributedTransport(RowsOverP2P, PeerTransport):
 
     def _finish(self, src: int, posted: _Posted) -> Any:
         """Wait for a message's tensors; its value, with inputs that require grad."""
-        message = posted.message
-        self._wait(posted.works, src, message)
-        _, described = posted.history.decoded
-        leaves = posted.leaves
-        assert leaves is not None
-        for leaf, d in zip(leaves, described, strict=True):
-            if isinstance(d, TensorMeta) and d.requires_grad and message.channel.forward:
-                leaf.requires_grad_(True)
-        return posted.history.rebuild(leaves)
+        self._wait(posted.works, src, posted.message)
+        return posted.history.rebuild(posted.leaves, posted.message.channel.forward)
 
     def _irecv(self, ops: list[tuple[torch.Tensor, Any]], src: int, tag: int) -> list[Any]:
         if not ops:
@@ -375,7 +380,7 @@ class DistributedTransport(RowsOverP2P, PeerTransport):
         for peer in range(self.schedule.num_ranks):
             if peer != self.rank:
                 with contextlib.suppress(Exception):
-                    self._post(peer, [frame], self._notice_group, self._notice_tag)
+                    self._post(peer, [frame], self._meta_group, self._notice_tag)
         if description.get("gave_up") and not self._row_sent and self._row_like is not None:
             # It will send no agreement row: the peers waiting for one learn at once.
             peers = [p for p in range(self.schedule.num_ranks) if p != self.rank]

@@ -14,7 +14,7 @@ from gpipe.transport.codec import CodecError, TensorMeta, decode, encode
 
 __all__ = [
     "AGREEMENT", "ALIGN", "HEADER", "NOTICE", "SEED", "History", "TensorMeta", "bytes_tensor",
-    "flatten", "notice", "read_notice", "read_row", "row_frame", "tensors",
+    "flatten", "notice", "read_notice", "read_row", "row_frame",
 ]  # fmt: skip
 
 ALIGN = 64  # bytes: a cache line, so that vectorized kernels see aligned tensors
@@ -70,10 +70,22 @@ class History:
             self._flat = _flat_kind(self._decoded[0])
         return self._decoded
 
-    def rebuild(self, leaves: list[Any]) -> Any:
-        """The last message's value from its leaves (as ``tree_unflatten``; a tensor, or a
-        list or tuple of them, without pytree's walk)."""
-        spec, _ = self.decoded
+    def allocate(self, device: torch.device) -> list[Any]:
+        """The last message's leaves, each tensor empty on ``device``, to receive into."""
+        return [
+            torch.empty(d.shape, dtype=d.dtype, device=device) if isinstance(d, TensorMeta) else d
+            for d in self.decoded[1]
+        ]
+
+    def rebuild(self, leaves: list[Any], forward: bool = False) -> Any:
+        """The last message's value from its received leaves (as ``tree_unflatten``; a
+        tensor, or a list or tuple of them, without pytree's walk). A ``forward`` message's
+        tensors require grad where the sender's did."""
+        spec, described = self.decoded
+        if forward:
+            for leaf, d in zip(leaves, described, strict=True):
+                if isinstance(d, TensorMeta) and d.requires_grad:
+                    leaf.requires_grad_(True)
         if self._flat is object:
             return leaves[0]
         if self._flat is not None:
@@ -208,10 +220,6 @@ def read_row(frame: torch.Tensor, like: torch.Tensor) -> torch.Tensor | None:
     if frame[:8].view(torch.int64).item():
         return None
     return frame[8:].view(like.dtype).reshape(like.shape)
-
-
-def tensors(leaves: list[Any]) -> list[torch.Tensor]:
-    return [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
 
 
 def bytes_tensor(data: bytes, device: torch.device) -> torch.Tensor:

@@ -24,7 +24,13 @@ from typing import Any
 
 from gpipe.transport.codec import CodecError, decode, encode
 
-__all__ = ["Verdict", "blame", "grace", "said_by", "state", "waited_out"]
+__all__ = ["REMEDY", "Verdict", "blame", "grace", "said_by", "state", "waited_out"]
+
+# Where to look for why a rank stopped answering, in every error that names one.
+REMEDY = (
+    "(its own error, py-spy dump), or raise the timeout (Pipe(timeout=...), gpipe train "
+    "--timeout) if it is only slow"
+)
 
 _PREFIX = "gpipe/inquest/"
 _last_blame: dict[int, float] = {}  # rank -> when it last waited for statements

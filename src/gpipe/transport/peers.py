@@ -13,8 +13,8 @@ from gpipe.errors import PipelineError
 from gpipe.schedule.comm_plan import wire_order
 from gpipe.schedule.routes import Message, Routes
 from gpipe.transport.codec import CodecError
-from gpipe.transport.framing import AGREEMENT, SEED, History, TensorMeta, flatten
-from gpipe.transport.inquest import blame, said_by
+from gpipe.transport.framing import AGREEMENT, SEED, History, TensorMeta, flatten, read_notice
+from gpipe.transport.inquest import REMEDY, blame, said_by
 
 __all__ = ["PeerTransport", "said_in"]
 
@@ -146,9 +146,17 @@ class PeerTransport:
     def check_notices(self) -> None:
         """Raise the failure a peer announced, if one has."""
         if self._notices:
-            notice = self._notices
-            raise PipelineError(notice["message"], rank=notice["rank"],
-                                global_rank=notice.get("global_rank"))  # fmt: skip
+            raise _announced(self._notices)
+
+    def _notice_from(self, peer: int, data: bytes | bytearray) -> dict[str, Any]:
+        """The failure notice ``peer`` sent (``framing.notice``), as this rank tells it: one
+        that blames this rank (the peer gave up waiting on it) says so, in its words."""
+        me, other = self._global(self.rank), self._global(peer)
+        said = read_notice(data, peer, f"rank {other}")
+        if said.get("global_rank") != me:
+            return said
+        words = f"rank {me}: rank {other} gave up on this pipeline: {said['message']}"
+        return {**said, "rank": peer, "global_rank": other, "message": words}
 
     def peer_gave_up(self) -> bool:
         """Whether a peer announced that it left the pipeline without agreeing on the
@@ -203,9 +211,7 @@ class PeerTransport:
         if verdict.silent and verdict.silent != [peer]:
             culprit = verdict.silent[0]
             return PipelineError(
-                f"{verdict.describe(me)}: {waited}; look for why rank {culprit} stopped (its "
-                "own error, py-spy dump), or raise the timeout (Pipe(timeout=...), gpipe "
-                "train --timeout) if it is only slow",
+                f"{verdict.describe(me)}: {waited}; look for why rank {culprit} stopped {REMEDY}",
                 rank=self._local(culprit),
                 global_rank=culprit,
             )
@@ -215,8 +221,7 @@ class PeerTransport:
             maybe = "" if alone else "; it may itself be waiting on another rank"
             return PipelineError(
                 f"{waited} without an answer{maybe}: rank {peer} stalled or is slower than "
-                "that; look for why (its own error, py-spy dump), or raise the timeout "
-                "(Pipe(timeout=...), gpipe train --timeout) if stages are this slow",
+                f"that; look for why {REMEDY}",
                 rank=src,
                 global_rank=peer,
             )
@@ -252,6 +257,11 @@ class PeerTransport:
         if ops:
             wait(lambda: dist.batch_isend_irecv(ops))
         return received
+
+
+def _announced(notice: dict[str, Any]) -> PipelineError:
+    return PipelineError(notice["message"], rank=notice["rank"],
+                         global_rank=notice.get("global_rank"))  # fmt: skip
 
 
 def said_in(error: Exception) -> tuple[str, bool]:

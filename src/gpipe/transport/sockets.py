@@ -1,12 +1,8 @@
 """Transport between processes of one machine: a Unix stream socket per pair of ranks.
 
-On one host with CPU stages, gloo moves each message over TCP loopback with a rendezvous:
-the sender announces it, the receiver's posted receive answers, gloo's own thread moves the
-data and wakes the rank. On two cores a 64-byte message then costs 0.1–0.3 ms of posting
-and a round trip 180–280 µs, which is what sets the pace where micro-batches are small
-(``docs/benchmarks.md``, the runtime's own cost). A Unix socket carries the same message
-in one ``sendmsg`` and one wake-up of the receiver (a round trip of about 25 µs there), no
-thread in between.
+On one host with CPU stages, a Unix socket carries a message in one ``sendmsg`` and one
+wake-up of the receiver, no thread in between, where gloo takes a rendezvous over TCP
+loopback and its own thread per message (the numbers: ``docs/benchmarks.md``).
 
 Each pair of ranks holds one connected socket (:func:`connect`). A message is a header
 (``struct`` ``<qq``: its position in the sender's sequence to this peer, the size of its
@@ -42,7 +38,8 @@ import torch
 from gpipe.errors import PipelineError
 from gpipe.schedule.routes import Message, Routes
 from gpipe.transport import framing
-from gpipe.transport.framing import History, TensorMeta, notice, read_notice
+from gpipe.transport.framing import History, notice
+from gpipe.transport.inquest import REMEDY
 from gpipe.transport.peers import PeerTransport
 
 __all__ = ["SocketTransport"]
@@ -205,9 +202,8 @@ class SocketTransport(PeerTransport):
                 me, other = self._global(self.rank), self._global(dst)
                 raise PipelineError(
                     f"rank {me} waited {self.timeout:g} s to send to rank {other}, which took "
-                    "nothing in that time: it stalled or is slower than that; look for why "
-                    "(its own error, py-spy dump), or raise the timeout (Pipe(timeout=...), "
-                    "gpipe train --timeout)",
+                    f"nothing in that time: it stalled or is slower than that; look for why "
+                    f"{REMEDY}",
                     rank=dst,
                     global_rank=other,
                 )
@@ -332,18 +328,11 @@ class SocketTransport(PeerTransport):
     def _tensors_of(self, peer: int, message: Message, history: History, meta: bytes) -> None:
         """Receive the message's tensors straight into the tensors that will hold them."""
         history.update(meta)
-        _, described = history.decoded
-        leaves = [
-            torch.empty(d.shape, dtype=d.dtype) if isinstance(d, TensorMeta) else d
-            for d in described
-        ]
+        leaves = history.allocate(torch.device("cpu"))
         inbound = self._inbound[peer]
 
         def complete() -> None:
-            for leaf, d in zip(leaves, described, strict=True):
-                if isinstance(d, TensorMeta) and d.requires_grad and message.channel.forward:
-                    leaf.requires_grad_(True)
-            inbound.arrived[message] = history.rebuild(leaves)
+            inbound.arrived[message] = history.rebuild(leaves, message.channel.forward)
             inbound.position += 1
             self._expect_header(peer)
 
@@ -358,15 +347,8 @@ class SocketTransport(PeerTransport):
         """A peer's failure notice: raise it, and on every later check (while the rank
         gathers the step's agreement, only if nobody is left to agree with)."""
         self._expect_header(peer)
-        me, other = self._global(self.rank), self._global(peer)
-        notice = read_notice(data, peer, f"rank {other}")
-        if notice.get("global_rank") == me and peer != self.rank:
-            # It gave up waiting on this rank (which stalled): say so, in its words.
-            notice = {**notice, "rank": peer, "global_rank": other,
-                      "message": f"rank {me}: rank {other} gave up on this pipeline: "
-                                 f"{notice['message']}"}  # fmt: skip
-        self._notices = notice
-        if not self._exchanging or notice.get("gave_up"):
+        self._notices = self._notice_from(peer, data)
+        if not self._exchanging or self._notices.get("gave_up"):
             super().check_notices()
 
     def _row_in(self, peer: int, row: torch.Tensor, kind: int) -> None:

@@ -1,0 +1,178 @@
+"""The end of a step, agreed by every rank of a pipeline: the loss, who failed first, a
+non-finite gradient anywhere, a per-stage clip of the step's gradients.
+
+A failure in one rank is announced to its peers through the transport and then agreed on
+by every rank (``fail``, then the agreement's rows), so that all ranks raise the same first
+error instead of waiting for messages that will never come. The rows travel on the
+transport's own wire (``PeerTransport.all_gather_row``); their failures are named as the
+group's collectives' are (``gpipe.parallel.collectives``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+import torch
+
+from gpipe.engine.stage import Stage
+from gpipe.errors import NonFiniteError, PipelineError
+from gpipe.parallel.clipping import Edit, check_edits
+from gpipe.transport.inquest import state, waited_out
+
+__all__ = ["Agreement", "StepAgreement", "refuse_step"]
+
+T = TypeVar("T")
+
+
+@dataclass
+class Agreement:
+    """What every rank agreed on at the end of a step."""
+
+    loss: torch.Tensor | None  # the step's loss (float64), on every rank; None: inference
+    nonfinite_grads: bool  # a gradient of some rank holds a NaN or an infinity
+
+
+class StepAgreement:
+    """The agreement's part of ``gpipe.parallel.group.MultiProcess``: the rows of the step's
+    end, and what a failed step tells its peers. Uses the group's ``transport``, ``ops``
+    (its collectives), ``_collective``, ``rank``, ``steps`` and ``broken``."""
+
+    def _gather(self, value: float, failed: int, troubled: bool = False) -> torch.Tensor:
+        """Every rank's (value, failed rank + 1 or 0, non-finite gradient), one row per
+        pipeline rank."""
+        row = torch.tensor([value, failed + 1, troubled], dtype=torch.float64)
+        doing = f"ending step {self.steps} of this Pipe"
+        operation = "the end-of-step agreement (all-gather)"
+        return self._on_wire(lambda: self.transport.all_gather_row(row), operation, doing)
+
+    def _on_wire(self, run: Callable[[], T], operation: str, doing: str) -> T:
+        """``run()``: a row of the step through the transport's own wire, its failures named
+        as the group's collective's would be."""
+        try:
+            return run()
+        except (TimeoutError, ConnectionError) as error:
+            if self.transport is not None and self.transport.peer_gave_up():
+                self.transport.check_notices()  # its words: it looked for the cause already
+            timed_out = isinstance(error, TimeoutError)
+            raise self.ops.error(operation, error, doing=doing, timed_out=timed_out) from error
+
+    def agree(
+        self,
+        local_loss: torch.Tensor | None,
+        loss_value: float | None,
+        trouble: str | None,
+        *,
+        refuse_nonfinite: bool = True,
+        why: str = "",
+    ) -> Agreement:
+        """The loss on every rank (it lives on the last stage's), and a last health check:
+        a failure or a non-finite loss or gradient (``trouble``) anywhere (unless
+        ``refuse_nonfinite`` is False) refuses the step on every rank."""
+        value = loss_value if loss_value is not None else 0.0
+        # The rows themselves say who failed (a failed rank sends its row after its
+        # notice): a notice raised first would leave this rank's row out.
+        rows = self._collective(
+            lambda: self._gather(value, -1, troubled=trouble is not None),
+            notices=False,
+        )
+        table = rows.tolist()  # one read of the agreement
+        if any(row[1] for row in table):
+            self._raise_remote(rows)
+        loss = table[self.schedule.stage_to_rank[-1]][0]
+        nonfinite_grads = any(row[2] for row in table)
+        if refuse_nonfinite and (nonfinite_grads or not math.isfinite(loss)):
+            found = f"rank {self.rank}: a non-finite gradient of {trouble!r}" if trouble else ""
+            if why:
+                found = f"rank {self.rank}: {why}" + (f"; {found}" if found else "")
+            refuse_step(loss, self._share_failures(found))
+        # The same on every rank; float64 holds a float32 or float64 loss exactly.
+        return Agreement(torch.tensor(loss, dtype=torch.float64), nonfinite_grads)
+
+    def check_edit(self, edit: Edit) -> None:
+        """Every rank's edit of the step's gradients, gathered when its optimizer steps (one
+        row each); a per-stage clip raises on every rank before any weight changes."""
+        doing = f"checking the gradients of step {self.steps} before the optimizer step"
+        row = torch.tensor(edit.row(), dtype=torch.float64)
+        # A collective, not the transport's rows: those are posted ahead for the next step's
+        # agreement, which this row (between two steps, of another length) must not take.
+        operation = "the clip check (all-gather)"
+        rows = self._collective(lambda: self.ops.all_gather(row, operation, doing=doing))
+        check_edits(rows, describe=lambda rank: f"rank {rank}")
+
+    def fail(self, error: BaseException, stages: list[Stage]) -> None:
+        """Tell the other ranks this step failed here (or upstream), then agree on who."""
+        import torch.distributed as dist
+
+        if self.broken is not None or self.transport.peer_gave_up():
+            # A collective of this step failed here (the peers have been told), or a peer's
+            # did: nobody would come to agree.
+            self.broken = self.broken or str(error)
+            return
+        me = dist.get_global_rank(self.group, self.rank)
+        if isinstance(error, PipelineError):  # from elsewhere: this rank only waited
+            origin, message = error.rank, str(error)
+            culprit = error.global_rank
+            if culprit is None and origin is not None:
+                culprit = dist.get_global_rank(self.group, origin)
+            waited = [culprit] if culprit is not None else self._global_others()
+            state(me, waited, message)
+            origin = self.rank if origin is None else origin
+        else:
+            origin, culprit = self.rank, me
+            held = ", ".join(str(s.index) for s in stages)
+            message = f"rank {me} (stage {held}) raised {type(error).__name__}: {error}"
+            if hasattr(error, "add_note"):
+                error.add_note(f"raised in pipeline rank {self.rank} (stage {held})")
+            state(me, [], message)  # before the news: whoever asks finds the cause
+        self.broken = message
+        # Its own wait failed: it waited a timeout for a rank that may never answer. It gives
+        # up (and says so) instead of waiting for that rank again in the agreement.
+        gave_up = waited_out(me, timeout=self.timeout)
+        self.transport.announce_failure(
+            {"rank": origin, "global_rank": culprit, "message": message, "gave_up": gave_up}
+        )
+        if gave_up:
+            return
+        try:
+            self._gather(0.0, failed=origin)
+            self._share_failures(message if origin == self.rank else "")
+        except Exception:
+            pass  # the peers have the announcement; the original error is what we raise
+
+    def _global_others(self) -> list[int]:
+        import torch.distributed as dist
+
+        return [dist.get_global_rank(self.group, r) for r in range(self.num_ranks)
+                if r != self.rank]  # fmt: skip
+
+    def _share_failures(self, message: str) -> list[str]:
+        try:
+            return self.ops.all_gather_object(
+                message, "the gather of failure messages", doing=f"ending step {self.steps}"
+            )
+        except PipelineError as error:
+            self.broken = self.broken or str(error)
+            raise
+
+    def _raise_remote(self, rows: torch.Tensor) -> None:
+        origin = int(rows[rows[:, 1] > 0, 1].min().item()) - 1
+        messages = self._share_failures("")
+        message = messages[origin] or next((m for m in messages if m), f"rank {origin} failed")
+        self.broken = message
+        raise PipelineError(f"rank {self.rank}: the step failed elsewhere: {message}", rank=origin)
+
+
+def refuse_step(loss: float, troubles: list[str]) -> None:
+    found = [t for t in troubles if t]
+    if found or not math.isfinite(loss):
+        raise NonFiniteError(
+            f"the step was refused (the loss is {loss:g}"
+            + (f"; {'; '.join(found)}" if found else "")
+            + "): its gradients were dropped, so the weights stay as they were; lower the "
+            "learning rate, clip gradients, or look for the layer or input that overflows "
+            "(mixed precision with a torch.amp.GradScaler: pass step(..., scaler=scaler), "
+            "which skips such steps and lowers the scale instead)"
+        )
