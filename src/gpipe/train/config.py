@@ -4,7 +4,6 @@ every problem at once (:class:`ConfigError`) before any process starts."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import tempfile
 import time
@@ -13,8 +12,8 @@ from dataclasses import Field, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-import gpipe.train.hooks as hooks
 import gpipe.train.memory_checks as memory_checks
+import gpipe.train.reporters as reporters
 from gpipe import checkpoint as ckpt
 from gpipe.allocator import POLICIES
 from gpipe.layout import FLAGS, Layout
@@ -310,15 +309,11 @@ class TrainConfig:
         "auto", "a bar (rich), lines, or auto: a bar on a terminal", _OUTPUT, choices=PROGRESS
     )
     log_every: int = _option(10, "steps between progress lines", _OUTPUT)
-    tensorboard: bool = _option(
-        True, "TensorBoard event files in the output folder (torch.utils.tensorboard; needs "
-        "pip install 'gpipe[tensorboard]'; without it the run says so once and goes on)",
-        _OUTPUT,
-    )  # fmt: skip
-    metrics_hook: str | None = _option(
-        None, "a function rank 0 calls with each step's metrics (a dict), e.g. to log to W&B "
-        "or MLflow (see gpipe.train.hooks)", _OUTPUT, metavar="MODULE:FUNCTION",
-        default_text="none",
+    report_to: str = _option(
+        "tensorboard", "where each step's metrics go besides metrics.jsonl, comma-separated: "
+        "tensorboard (event files in the output folder), wandb, mlflow (each an optional "
+        "extra: pip install 'gpipe[wandb]'), MODULE:FUNCTION (a function of yours, called with "
+        "each record), or none; see gpipe.train.reporters", _OUTPUT, metavar="LIST",
     )  # fmt: skip
     threads: int = _option(0, "torch threads per process, 0: cores / processes", _PROCESSES)
     cpu_allocator: str = _option(
@@ -555,20 +550,9 @@ def _sized(preset: dict[str, Any], model_args: dict[str, Any], **how: Any) -> di
 
 
 def _output_problems(values: dict[str, Any], given: dict[str, Any]) -> list[str]:
-    problems = []
     # Asked for by name, TensorBoard must be there; by default a run without it says so and
-    # goes on (gpipe.train.trainer).
-    if given.get("tensorboard") and importlib.util.find_spec("tensorboard") is None:
-        problems.append(
-            "--tensorboard: the tensorboard package is not installed: pip install "
-            "'gpipe[tensorboard]', or pass --no-tensorboard"
-        )
-    if values.get("metrics_hook"):
-        try:
-            hooks.load(values["metrics_hook"])
-        except ValueError as error:
-            problems.append(str(error))
-    return problems
+    # goes on (gpipe.train.reporters).
+    return reporters.problems(values.get("report_to", ""), given="report_to" in given)
 
 
 def _needs(recipe: str) -> list[str]:
