@@ -73,8 +73,8 @@ GIVEN = {
 }
 # Tested on their own: --model (one run per built-in model; Hugging Face folders in
 # test_your_model.py), --split (a Hugging Face model's), --data and --val-data (files), --out
-# and --resume (a checkpoint), --momentum (SGD's, in test_optimizers.py).
-APART = {"model", "split", "data", "val_data", "out", "resume", "momentum"}
+# and --resume (a checkpoint), --momentum (SGD's, in test_optimizers.py), --lora (test_lora.py).
+APART = {"model", "split", "data", "val_data", "out", "resume", "momentum", "lora"}
 
 
 def parse(*argv: str) -> argparse.Namespace:

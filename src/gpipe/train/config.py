@@ -4,6 +4,7 @@ every problem at once (:class:`ConfigError`) before any process starts."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import tempfile
 import time
@@ -12,6 +13,7 @@ from dataclasses import Field, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+import gpipe.train.lora as lora
 import gpipe.train.memory_checks as memory_checks
 import gpipe.train.reporters as reporters
 from gpipe import checkpoint as ckpt
@@ -66,7 +68,7 @@ PROGRESS = ("auto", "bar", "lines")
 # What a checkpoint's weights and data position depend on: these cannot change on resume.
 _FIXED_ON_RESUME = (
     "model", "size", "seq", "seed", "model_config", "family", "split", "tokenizer", "data",
-    "text_field", "target_field", "val_data", "val_fraction", "packing", "mask_prob",
+    "text_field", "target_field", "val_data", "val_fraction", "packing", "mask_prob", "lora",
 )  # fmt: skip
 # The optimizer and the schedule a checkpoint's state follows; --steps alone may change (it
 # moves the horizon).
@@ -270,6 +272,12 @@ class TrainConfig:
         "patterns ('0.*,1.*', '*.embed_tokens.*'): no gradient, not in the optimizer",
         _OPTIMIZATION, metavar="PATTERNS", default_text="none",
     )  # fmt: skip
+    lora: str | None = _option(
+        None, "train low-rank adapters (peft's LoRA) of a Hugging Face model instead of its "
+        "weights: r=8,alpha=16,targets=q_proj,v_proj (defaults: r 8, alpha 2r, dropout 0, "
+        "peft's targets for the model type); needs pip install 'gpipe[lora]'; see "
+        "gpipe.train.lora", _OPTIMIZATION, metavar="SPEC", default_text="none",
+    )  # fmt: skip
     skip_nonfinite: int = _option(
         0, "skip up to N steps whose loss or gradients are not finite, 0: stop at the first",
         _OPTIMIZATION, metavar="N",
@@ -412,9 +420,9 @@ def resolve(options: dict[str, Any], *, world_size: int | None = None) -> TrainC
             ])  # fmt: skip
         saved = manifest.config
         for key in _FIXED_ON_RESUME:
-            if key in given and given[key] != saved[key]:
+            if key in given and given[key] != saved.get(key):  # .get: a key newer than it
                 problems.append(
-                    f"--{key} {given[key]} differs from the checkpoint's {saved[key]!r}: a "
+                    f"--{key} {given[key]} differs from the checkpoint's {saved.get(key)!r}: a "
                     f"resumed run keeps the model, data and seed; drop --{key}"
                 )
                 # The rest is checked with the checkpoint's: another model with this
@@ -485,7 +493,7 @@ def _model(given: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
                 f"--init pretrained: --model {model} starts from random weights; name a Hugging "
                 "Face folder that holds weights to fine-tune it"
             )
-        for name in ("family", "split"):
+        for name in ("family", "split", "lora"):
             if name in given and (name, given[name]) != ("family", family):
                 problems.append(f"{flag(name)} applies to a Hugging Face folder (--model DIR)")
         problems += _needs(recipe.name)
@@ -533,6 +541,13 @@ def _model(given: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     split = given.get("split")
     model_args = {"config": config, "family": family,
                   "split": [p.strip() for p in split.split(",")] if split else None}  # fmt: skip
+    if given.get("lora"):  # part of the model: its checkpoints hold the adapters' names
+        try:
+            model_args["lora"] = lora.parse(given["lora"])
+        except ValueError as error:
+            problems.append(str(error))
+        if importlib.util.find_spec("peft") is None:
+            problems.append("--lora needs peft: pip install 'gpipe[lora]'")
     tokenizer = given.get("tokenizer", "auto")
     chosen = {
         "preset": _sized(HF_FOLDER.preset(size), model_args, pretrained=init == "pretrained"),
