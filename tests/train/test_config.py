@@ -56,8 +56,7 @@ GIVEN = {
     "temperature": (["--temperature", "0.5"], 0.5),
     "progress": (["--progress", "lines"], "lines"),
     "log_every": (["--log-every", "2"], 2),
-    "tensorboard": (["--no-tensorboard"], False),
-    "metrics_hook": (["--metrics-hook", "json:dumps"], "json:dumps"),
+    "report_to": (["--report-to", "none"], "none"),
     "threads": (["--threads", "1"], 1),
     "cpu_allocator": (["--cpu-allocator", "cache"], "cache"),
     "timeout": (["--timeout", "30"], 30.0),
@@ -74,8 +73,8 @@ GIVEN = {
 }
 # Tested on their own: --model (one run per built-in model; Hugging Face folders in
 # test_your_model.py), --split (a Hugging Face model's), --data and --val-data (files), --out
-# and --resume (a checkpoint), --momentum (SGD's, in test_optimizers.py).
-APART = {"model", "split", "data", "val_data", "out", "resume", "momentum"}
+# and --resume (a checkpoint), --momentum (SGD's, in test_optimizers.py), --lora (test_lora.py).
+APART = {"model", "split", "data", "val_data", "out", "resume", "momentum", "lora"}
 
 
 def parse(*argv: str) -> argparse.Namespace:

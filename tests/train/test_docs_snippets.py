@@ -29,7 +29,7 @@ def snippet(marker: str) -> str:
 def test_the_dcp_load_snippet_reads_a_runs_weights(in_process, tmp_path):
     run = tmp_path / "run"
     done = in_process("train", "--size", "tiny", "--steps", "2", "--eval-every", "0",
-                      "--sample-tokens", "0", "--progress", "lines", "--no-tensorboard",
+                      "--sample-tokens", "0", "--progress", "lines", "--report-to", "none",
                       "--out", str(run))  # fmt: skip
     assert done.returncode == 0, done.stderr
     folder = ckpt.find(run)
@@ -56,7 +56,7 @@ def test_two_torchrun_agents_on_one_host_train_one_job(tmp_path):
                "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port",
                str(port), "-m", "gpipe", "train", "--stages", "2", "--size", "tiny", "--steps",
                "2", "--eval-every", "0", "--sample-tokens", "0", "--progress", "lines",
-               "--no-tensorboard", "--out", str(run)]  # fmt: skip
+               "--report-to", "none", "--out", str(run)]  # fmt: skip
     agents = [
         subprocess.Popen(
             [*command[:5], "--node-rank", str(node), *command[5:]],

@@ -23,7 +23,7 @@ def test_frozen_parameters_stay_and_the_rest_take_the_plain_step(in_process, tmp
                "--optimizer", "sgd", "--lr", str(LR), "--lr-schedule", "constant",
                "--warmup", "0", "--grad-clip", "0", "--weight-decay", "0", "--steps", "2",
                "--save-every", "1", "--keep", "0", "--eval-every", "0", "--sample-tokens", "0",
-               "--freeze", "0.*,1.qkv.*", "--progress", "lines", "--no-tensorboard"]  # fmt: skip
+               "--freeze", "0.*,1.qkv.*", "--progress", "lines", "--report-to", "none"]  # fmt: skip
     done = in_process("train", *options, "--out", str(run))
     assert done.returncode == 0, done.stderr
     first, second = (ckpt.read_manifest(run / "checkpoints" / f"step-00000{s}") for s in (1, 2))

@@ -19,7 +19,7 @@ def test_keep_best_keeps_the_checkpoint_of_the_lowest_validation_loss(in_process
     done = in_process("train", "--size", "tiny", "--steps", "6", "--eval-every", "1",
                       "--eval-batches", "1", "--save-every", "0", "--keep", "1", "--lr", "0.3",
                       "--sample-tokens", "0", "--progress", "lines", "--keep-best",
-                      "--no-tensorboard", "--out", str(run))  # fmt: skip
+                      "--report-to", "none", "--out", str(run))  # fmt: skip
     assert done.returncode == 0, done.stderr
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     best = min(records, key=lambda r: r["val_loss"])

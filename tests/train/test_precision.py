@@ -47,7 +47,7 @@ def test_a_float16_run_in_2_processes_writes_its_scale(in_process, tmp_path):
     run = tmp_path / "run"
     done = in_process("train", "--size", "tiny", "--steps", "4", "--dtype", "float16",
                       "--stages", "2", "--eval-every", "0", "--sample-tokens", "0",
-                      "--progress", "lines", "--no-tensorboard", "--out", str(run))  # fmt: skip
+                      "--progress", "lines", "--report-to", "none", "--out", str(run))  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert "fp16" in done.stdout
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -61,7 +61,8 @@ def test_a_float16_run_in_2_processes_writes_its_scale(in_process, tmp_path):
 def test_a_float16_run_resumes_its_scaler(in_process, tmp_path):
     run = tmp_path / "run"
     options = ["--size", "tiny", "--dtype", "float16", "--eval-every", "0", "--save-every",
-               "2", "--sample-tokens", "0", "--progress", "lines", "--no-tensorboard"]  # fmt: skip
+               "2", "--sample-tokens", "0", "--progress", "lines",
+               "--report-to", "none"]  # fmt: skip
     done = in_process("train", *options, "--steps", "2", "--out", str(run))
     assert done.returncode == 0, done.stderr
     saved = ckpt.read_manifest(ckpt.find(run)).scheduler["grad_scaler"]

@@ -12,6 +12,7 @@ import json
 import shutil
 from dataclasses import asdict
 
+import fake_trackers
 import pytest
 import torch
 
@@ -162,32 +163,39 @@ def test_a_checkpoint_without_the_schedulers_state_resumes_bitwise(tiny_run, in_
 
 @pytest.mark.slow
 @pytest.mark.timeout(200)
-def test_without_tensorboard_a_run_says_so_once_and_its_hook_gets_every_step(cache, tmp_path):
-    site = tmp_path / "site"  # importable first: a tensorboard that is not there, a hook
-    (site / "tensorboard").mkdir(parents=True)
-    (site / "tensorboard" / "__init__.py").write_text("raise ImportError('not installed')\n")
+def test_a_run_reports_to_wandb_mlflow_and_a_function_of_its_own(cache, tmp_path):
+    """Through stand-ins of wandb and mlflow (tests/train/fake_trackers.py) and a hook, all
+    importable first; without tensorboard in --report-to, no event files."""
+    site = fake_trackers.write_site(tmp_path / "site")
     (site / "step_hook.py").write_text(
         "import json, os\n"
         "def record(metrics):\n"
         "    with open(os.environ['GPIPE_TEST_HOOK_FILE'], 'a') as f:\n"
         "        f.write(json.dumps(metrics) + '\\n')\n"
     )
-    out, seen = tmp_path / "run", tmp_path / "hook.jsonl"
+    out, seen, log = tmp_path / "run", tmp_path / "hook.jsonl", tmp_path / "trackers.jsonl"
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("GPIPE_TEST_HOOK_FILE", str(seen))
+        patch.setenv("GPIPE_TEST_TRACKERS", str(log))
         done = gpipe_command(
             "train", "--size", "tiny", "--stages", "1", "--steps", "3", "--eval-every", "0",
-            "--save-every", "0", "--sample-tokens", "0", "--metrics-hook", "step_hook:record",
-            "--out", str(out),
+            "--save-every", "0", "--sample-tokens", "0", "--out", str(out),
+            "--report-to", "wandb,mlflow,step_hook:record",
             cache=cache, path=(site,),
         )  # fmt: skip
     assert done.returncode == 0, done.stderr
-    assert done.stdout.count("TensorBoard logging is off") == 1
-    assert "pip install 'gpipe[tensorboard]'" in done.stdout
     assert not list(out.glob("events.out.tfevents.*")) and (out / "metrics.jsonl").exists()
     hooked = [json.loads(line) for line in seen.read_text().splitlines()]
     written = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert hooked == written and [r["step"] for r in hooked] == [1, 2, 3]  # rank 0's, once
+    wandb = fake_trackers.calls(log, "wandb.log")
+    assert [(c[1], c[2]["train/loss"]) for c in wandb] == [(r["step"], r["loss"]) for r in written]
+    mlflow = fake_trackers.calls(log, "mlflow.metric")
+    assert [v for _, _, k, v in mlflow if k == "train/loss"] == [r["loss"] for r in written]
+    finished = fake_trackers.calls(log, "wandb.finish")[0][1]
+    assert finished["steps_run"] == 3 and finished["val_loss"] > 0
+    assert ["mlflow.artifact", "loss.png"] in fake_trackers.calls(log, "mlflow.artifact")
+    assert "files" in done.stdout and "trackers.json" in done.stdout
 
 
 def _outputs_at(rank: int, config: TrainConfig, x: torch.Tensor):

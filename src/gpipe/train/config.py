@@ -14,8 +14,9 @@ from pathlib import Path
 from typing import Any
 
 import gpipe.train.checkpoint as ckpt
-import gpipe.train.hooks as hooks
+import gpipe.train.lora as lora
 import gpipe.train.memory_checks as memory_checks
+import gpipe.train.reporters as reporters
 import gpipe.train.run_folder as run_folder
 from gpipe.allocator import POLICIES
 from gpipe.layout import FLAGS, Layout
@@ -68,7 +69,7 @@ PROGRESS = ("auto", "bar", "lines")
 # What a checkpoint's weights and data position depend on: these cannot change on resume.
 _FIXED_ON_RESUME = (
     "model", "size", "seq", "seed", "model_config", "family", "split", "tokenizer", "data",
-    "text_field", "target_field", "val_data", "val_fraction", "packing", "mask_prob",
+    "text_field", "target_field", "val_data", "val_fraction", "packing", "mask_prob", "lora",
 )  # fmt: skip
 # The optimizer and the schedule a checkpoint's state follows; --steps alone may change (it
 # moves the horizon).
@@ -272,6 +273,12 @@ class TrainConfig:
         "patterns ('0.*,1.*', '*.embed_tokens.*'): no gradient, not in the optimizer",
         _OPTIMIZATION, metavar="PATTERNS", default_text="none",
     )  # fmt: skip
+    lora: str | None = _option(
+        None, "train low-rank adapters (peft's LoRA) of a Hugging Face model instead of its "
+        "weights: r=8,alpha=16,targets=q_proj,v_proj (defaults: r 8, alpha 2r, dropout 0, "
+        "peft's targets for the model type); needs pip install 'gpipe[lora]'; see "
+        "gpipe.train.lora", _OPTIMIZATION, metavar="SPEC", default_text="none",
+    )  # fmt: skip
     skip_nonfinite: int = _option(
         0, "skip up to N steps whose loss or gradients are not finite, 0: stop at the first",
         _OPTIMIZATION, metavar="N",
@@ -311,15 +318,11 @@ class TrainConfig:
         "auto", "a bar (rich), lines, or auto: a bar on a terminal", _OUTPUT, choices=PROGRESS
     )
     log_every: int = _option(10, "steps between progress lines", _OUTPUT)
-    tensorboard: bool = _option(
-        True, "TensorBoard event files in the output folder (torch.utils.tensorboard; needs "
-        "pip install 'gpipe[tensorboard]'; without it the run says so once and goes on)",
-        _OUTPUT,
-    )  # fmt: skip
-    metrics_hook: str | None = _option(
-        None, "a function rank 0 calls with each step's metrics (a dict), e.g. to log to W&B "
-        "or MLflow (see gpipe.train.hooks)", _OUTPUT, metavar="MODULE:FUNCTION",
-        default_text="none",
+    report_to: str = _option(
+        "tensorboard", "where each step's metrics go besides metrics.jsonl, comma-separated: "
+        "tensorboard (event files in the output folder), wandb, mlflow (each an optional "
+        "extra: pip install 'gpipe[wandb]'), MODULE:FUNCTION (a function of yours, called with "
+        "each record), or none; see gpipe.train.reporters", _OUTPUT, metavar="LIST",
     )  # fmt: skip
     threads: int = _option(0, "torch threads per process, 0: cores / processes", _PROCESSES)
     cpu_allocator: str = _option(
@@ -418,9 +421,9 @@ def resolve(options: dict[str, Any], *, world_size: int | None = None) -> TrainC
             ])  # fmt: skip
         saved = manifest.config
         for key in _FIXED_ON_RESUME:
-            if key in given and given[key] != saved[key]:
+            if key in given and given[key] != saved.get(key):  # .get: a key newer than it
                 problems.append(
-                    f"--{key} {given[key]} differs from the checkpoint's {saved[key]!r}: a "
+                    f"--{key} {given[key]} differs from the checkpoint's {saved.get(key)!r}: a "
                     f"resumed run keeps the model, data and seed; drop --{key}"
                 )
                 # The rest is checked with the checkpoint's: another model with this
@@ -489,7 +492,7 @@ def _model(given: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
                 f"--init pretrained: --model {model} starts from random weights; name a Hugging "
                 "Face folder that holds weights to fine-tune it"
             )
-        for name in ("family", "split"):
+        for name in ("family", "split", "lora"):
             if name in given and (name, given[name]) != ("family", family):
                 problems.append(f"{flag(name)} applies to a Hugging Face folder (--model DIR)")
         problems += _needs(recipe.name)
@@ -537,6 +540,13 @@ def _model(given: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     split = given.get("split")
     model_args = {"config": config, "family": family,
                   "split": [p.strip() for p in split.split(",")] if split else None}  # fmt: skip
+    if given.get("lora"):  # part of the model: its checkpoints hold the adapters' names
+        try:
+            model_args["lora"] = lora.parse(given["lora"])
+        except ValueError as error:
+            problems.append(str(error))
+        if importlib.util.find_spec("peft") is None:
+            problems.append("--lora needs peft: pip install 'gpipe[lora]'")
     tokenizer = given.get("tokenizer", "auto")
     chosen = {
         "preset": _sized(HF_FOLDER.preset(size), model_args, pretrained=init == "pretrained"),
@@ -554,20 +564,9 @@ def _sized(preset: dict[str, Any], model_args: dict[str, Any], **how: Any) -> di
 
 
 def _output_problems(values: dict[str, Any], given: dict[str, Any]) -> list[str]:
-    problems = []
     # Asked for by name, TensorBoard must be there; by default a run without it says so and
-    # goes on (gpipe.train.trainer).
-    if given.get("tensorboard") and importlib.util.find_spec("tensorboard") is None:
-        problems.append(
-            "--tensorboard: the tensorboard package is not installed: pip install "
-            "'gpipe[tensorboard]', or pass --no-tensorboard"
-        )
-    if values.get("metrics_hook"):
-        try:
-            hooks.load(values["metrics_hook"])
-        except ValueError as error:
-            problems.append(str(error))
-    return problems
+    # goes on (gpipe.train.reporters).
+    return reporters.problems(values.get("report_to", ""), given="report_to" in given)
 
 
 def _needs(recipe: str) -> list[str]:

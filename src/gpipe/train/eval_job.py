@@ -76,7 +76,7 @@ def resolve_model(
 ) -> TrainConfig:
     """The configuration of ``model`` (a run, a checkpoint or a model folder) as K processes
     that only run forwards (``pipeline``: stages, chunks, batch, dtype, timeout) build it."""
-    pipeline = {**pipeline, "replicas": 1, "tensorboard": False}
+    pipeline = {**pipeline, "replicas": 1, "report_to": "none"}
     if not ckpt.holds(model):
         return resolve({**pipeline, "model": model, "seq": seq, "data": data,
                         "out": str(Path(tempfile.gettempdir()) / "gpipe-eval")})  # fmt: skip

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
+import gpipe.train.lora as lora
 from gpipe.pipe import Pipe
 from gpipe.train.networks import ModelSource, attention_floor
 
@@ -204,6 +205,12 @@ class HFModel(ModelSource):
         return len(self.split(model)) + 2  # the work before the first block, the blocks, after
 
     def pipe(self, example: Any, *, weights: str | None = None, **options: Any) -> Pipe:
+        if self.args.get("lora"):  # the whole model on each rank, the same adapters
+            model = lora.inject(self._whole(weights, options.get("init_seed", 0)),
+                                self.args["lora"], seed=options.get("init_seed", 0))  # fmt: skip
+            pipe = Pipe.from_model(model, example, split=self.split(model), **options)
+            lora.freeze_base(list(pipe.named_parameters()))
+            return pipe
         if weights is None:  # from scratch: the construction replayed, layer by layer
             with torch.device("meta"):
                 split = self.split(self.build())
@@ -211,6 +218,18 @@ class HFModel(ModelSource):
         with torch.device("meta"):
             model = self.build()
         return Pipe.from_model(model, example, split=self.split(model), weights=weights, **options)
+
+    def _whole(self, weights: str | None, seed: int) -> nn.Module:
+        """The whole model: the folder's weights, else ``seed``'s initialization."""
+        if weights is None:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed)
+                return self.build()
+        auto = getattr(transformers_module(), FAMILIES[self.family])
+        return auto.from_pretrained(
+            weights, config=self.config(), dtype=torch.get_default_dtype(),
+            experts_implementation="batched_mm",
+        )  # fmt: skip
 
     def logits(self, output: Any) -> torch.Tensor:
         return output.logits
@@ -263,8 +282,13 @@ def save_pretrained(
 ) -> Path:
     """The plain model of ``spec`` holding ``state``, written by transformers' own
     ``save_pretrained`` into ``folder`` (with the tokenizer of the folder ``tokenizer``), so
-    that ``AutoModelFor...from_pretrained(folder)`` loads it."""
+    that ``AutoModelFor...from_pretrained(folder)`` loads it. A LoRA run's adapters are merged
+    into it, and also written alone in ``folder/adapter`` (``gpipe.train.lora``)."""
     floating = [t.dtype for t in state.values() if t.is_floating_point()]
+    adapters = spec["args"].get("lora")
+    if adapters:  # the plain model, each adapter merged into its weight; and the adapters
+        lora.save_adapter(state, adapters, Path(folder) / "adapter")
+        state = lora.merged(state, adapters)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(floating[0] if floating else previous)
     try:

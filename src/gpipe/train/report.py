@@ -1,5 +1,6 @@
-"""What the main job shows and leaves behind: progress on rank 0, ``metrics.jsonl``, TensorBoard
-event files, the loss plot, the summary. Nothing here touches the model or the other ranks."""
+"""What the main job shows and leaves behind: progress on rank 0, ``metrics.jsonl`` (whose
+records also go to ``--report-to``'s destinations, ``gpipe.train.reporters``), the loss plot,
+the summary. Nothing here touches the model or the other ranks."""
 
 from __future__ import annotations
 
@@ -16,12 +17,11 @@ from gpipe._utils import MiB
 from gpipe.schedule import build_schedule
 from gpipe.schedule.simulate import simulate
 from gpipe.train.config import TrainConfig
-from gpipe.train.run_folder import FILES, TENSORBOARD, TIMELINE_PNG
+from gpipe.train.run_folder import FILES, TENSORBOARD
 
 __all__ = [
     "Metrics",
     "Reporter",
-    "TensorBoard",
     "layout_of",
     "loss_title",
     "plot_losses",
@@ -30,10 +30,11 @@ __all__ = [
 
 
 class Metrics:
-    """``metrics.jsonl``: one JSON record per step, each also handed to ``sinks`` (TensorBoard,
-    the user's hook). On resume it starts with the records up to the checkpoint's step (from
-    ``history``, the resumed run's file, or this folder's own), so that the file and the loss
-    curve cover the whole run. Each record names the ``layout`` that trained its step."""
+    """``metrics.jsonl``: one JSON record per step, each also handed to ``sinks`` (the
+    destinations of ``--report-to``). On resume it starts with the records up to the
+    checkpoint's step (from ``history``, the resumed run's file, or this folder's own), so that
+    the file and the loss curve cover the whole run. Each record names the ``layout`` that
+    trained its step."""
 
     def __init__(
         self,
@@ -69,7 +70,7 @@ class Metrics:
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
         for sink in self.sinks:
-            sink(dict(record))  # a copy: a hook may change what it is given
+            sink(dict(record))  # a copy: a destination may change what it is given
 
     def records(self) -> list[dict[str, Any]]:
         return list(self._records)
@@ -77,82 +78,6 @@ class Metrics:
     def mean_loss(self, last: int) -> float:
         losses = [r["loss"] for r in self._records[-last:]]
         return sum(losses) / len(losses)
-
-
-class TensorBoard:
-    """Rank 0's TensorBoard event files, in the run folder itself, written by
-    ``torch.utils.tensorboard``'s ``SummaryWriter`` (so ``tensorboard --logdir runs`` lists
-    every run by its folder): each number of a metrics record under ``train/`` or ``val/`` by
-    step, and at the end the measured bubble, the memory of each rank, the timeline image,
-    the summary and the configuration.
-
-    Resumed in the same folder, the old files' steps after the checkpoint are purged (the
-    writer's ``purge_step``); in a new folder, the steps up to the checkpoint are written
-    again from ``history``, so that either way the curves cover the whole run once.
-    """
-
-    # Not a curve: the step itself, the time since the start, the layout's name.
-    _NOT_PLOTTED = ("step", "elapsed", "layout")
-
-    def __init__(self, writer: Any) -> None:
-        self.writer = writer
-
-    @classmethod
-    def open(cls, folder: Path, *, start: int, history: list[dict[str, Any]]) -> TensorBoard | None:
-        """The writer for ``folder``; None when the ``tensorboard`` package is missing."""
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError:  # torch's module needs the tensorboard package
-            return None
-        earlier = any(folder.glob(f"{TENSORBOARD}*"))
-        writer = SummaryWriter(str(folder), purge_step=start + 1 if earlier else None)
-        board = cls(writer)
-        if not earlier:
-            for record in history:
-                board(record)
-        return board
-
-    def __call__(self, record: dict[str, Any]) -> None:
-        """One step's metrics record."""
-        for key, value in record.items():
-            if key in self._NOT_PLOTTED or isinstance(value, bool):
-                continue
-            if isinstance(value, int | float):
-                tag = f"val/{key[4:]}" if key.startswith("val_") else f"train/{key}"
-                self.writer.add_scalar(tag, value, record["step"])
-
-    def end(self, summary: dict[str, Any], out: Path, *, step: int) -> None:
-        """The run's measurements (at ``step``, the measured one) and its files' contents."""
-        add = self.writer.add_scalar
-        if summary.get("bubble") is not None:
-            add("pipeline/bubble", summary["bubble"], step)
-        for m in summary.get("memory_per_rank", []):
-            who = f"rank{m['rank']}_stage{'-'.join(map(str, m['stages']))}"
-            add(f"memory_MiB/activations/{who}", m["activation_bytes"] / MiB, step)
-            add(f"memory_MiB/weights_and_optimizer/{who}", m["state_bytes"] / MiB, step)
-            add(f"memory_MiB/process_peak/{who}", m["peak_rss_bytes"] / MiB, step)
-        picture = out / TIMELINE_PNG
-        if picture.exists():
-            import numpy as np
-            from PIL import Image  # there whenever matplotlib drew the PNG
-
-            with Image.open(picture) as image:
-                pixels = np.asarray(image.convert("RGB"))
-            self.writer.add_image("timeline/measured", pixels, step, dataformats="HWC")
-        numbers = [
-            (k, v) for k, v in summary.items()
-            if isinstance(v, int | float) and not isinstance(v, bool)
-        ]  # fmt: skip
-        table = "| | |\n|---|---|\n" + "".join(f"| {k} | {v:.6g} |\n" for k, v in numbers)
-        self.writer.add_text("summary", table, step)
-        config = out / "config.toml"
-        if config.exists():  # indented: a code block in TensorBoard's markdown
-            text = "".join(f"    {line}\n" for line in config.read_text().splitlines())
-            self.writer.add_text("config", text, step)
-        self.writer.flush()
-
-    def close(self) -> None:
-        self.writer.close()
 
 
 class Reporter:

@@ -34,7 +34,9 @@ __all__ = [
 CONFIG, OPTIONS = "config.json", "config.toml"  # the run's options: as JSON, as gpipe train's
 METRICS, SUMMARY, SAMPLE = "metrics.jsonl", "summary.json", "sample.txt"
 LOSS_PLOT, TIMELINE_PNG, TIMELINE_TRACE = "loss.png", "timeline.png", "timeline.json"
-FILES = (METRICS, LOSS_PLOT, TIMELINE_PNG, TIMELINE_TRACE, SAMPLE, SUMMARY, CONFIG, OPTIONS)
+TRACKERS = "trackers.json"  # the W&B and MLflow runs --report-to continues on resume
+FILES = (METRICS, LOSS_PLOT, TIMELINE_PNG, TIMELINE_TRACE, SAMPLE, SUMMARY, TRACKERS, CONFIG,
+         OPTIONS)  # fmt: skip
 TENSORBOARD = "events.out.tfevents."  # the prefix of TensorBoard's files
 CHECKPOINTS = "checkpoints"  # a run's checkpoints, each a step-NNNNNN/ folder
 STEPS = "step-*"  # what step_folder names

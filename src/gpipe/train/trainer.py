@@ -24,10 +24,10 @@ from torch.utils import _pytree as pytree
 
 import gpipe.train.checkpoint as ckpt
 import gpipe.train.generation as generation
-import gpipe.train.hooks as hooks
 import gpipe.train.lr_schedule as lr_schedule
 import gpipe.train.optimizers as optimizers
 import gpipe.train.outputs as outputs
+import gpipe.train.reporters as reporters
 import gpipe.train.run_folder as run_folder
 import gpipe.train.timeline as timeline
 from gpipe._utils import local_value
@@ -45,7 +45,7 @@ from gpipe.train.evaluation import build_pipe, validate
 from gpipe.train.freezing import freeze
 from gpipe.train.optimizer_state import load_optimizer_state_by_name, optimizer_state_by_name
 from gpipe.train.precision import autocast_of, load_scaler, optimizer_step, save_scaler, scaler_of
-from gpipe.train.report import Metrics, Reporter, TensorBoard, plot_losses, write_json
+from gpipe.train.report import Metrics, Reporter, plot_losses, write_json
 
 __all__ = ["Trainer"]
 
@@ -128,31 +128,19 @@ class Trainer:
         history = resumed / run_folder.METRICS if resumed else None
         metrics = Metrics(self.out / run_folder.METRICS, self.start, history=history,
                           enabled=self.rank == 0, layout=self.show.layout)  # fmt: skip
-        self.board = self._sinks(metrics)
+        self.sinks: list[reporters.Sink] = []
+        if self.rank == 0:  # --report-to's destinations
+            options = {k: v for k, v in asdict(c).items() if k != "model_args"}
+            self.sinks = reporters.open_sinks(
+                c.report_to, self.out, start=self.start, history=metrics.records(),
+                options=options, note=self.show.note,
+            )  # fmt: skip
+            metrics.sinks += self.sinks
         try:
             return self._loop(metrics)
         finally:
-            if self.board is not None:
-                self.board.close()  # flushed, also when a signal or a failure ends the run
-
-    def _sinks(self, metrics: Metrics) -> TensorBoard | None:
-        """Rank 0 hands each record to TensorBoard and the user's hook too; returns the
-        TensorBoard writer (None: off)."""
-        c, board = self.config, None
-        if self.rank != 0:
-            return None
-        if c.tensorboard:
-            board = TensorBoard.open(self.out, start=self.start, history=metrics.records())
-            if board is None:
-                self.show.note(
-                    "TensorBoard logging is off: the tensorboard package is not installed "
-                    "(pip install 'gpipe[tensorboard]'; --no-tensorboard silences this)"
-                )
-            else:
-                metrics.sinks.append(board)
-        if c.metrics_hook:
-            metrics.sinks.append(hooks.load(c.metrics_hook))
-        return board
+            for sink in self.sinks:
+                sink.close()  # flushed, also when a signal or a failure ends the run
 
     def _loop(self, metrics: Metrics) -> dict[str, Any] | None:
         c = self.config
@@ -253,8 +241,8 @@ class Trainer:
         }
         write_json(self.out / run_folder.SUMMARY, summary)
         plot_losses(metrics.records(), self.out / run_folder.LOSS_PLOT, name=self.show.name)
-        if self.board is not None:
-            self.board.end(summary, self.out, step=c.steps)
+        for sink in self.sinks:
+            sink.end(summary, self.out, step=c.steps)
         self.show.summary(summary, self.out)
         return summary
 
