@@ -73,42 +73,25 @@ class Pipe(ModelNames, nn.Module):
             model trained by micro-batches.
         devices: one device per rank (default: all ``"cpu"``; with ``group``, this
             process's ``cuda:LOCAL_RANK`` under NCCL). A rank holds one stage, or
-            ``virtual_stages`` stages with ``"interleaved-1f1b"``, two with ``"zb-v"`` and
-            ``"dualpipe-v"`` (rank r holds stages r and 2K-1-r).
-        chunks: micro-batches per mini-batch (M).
-        checkpoint: re-materialization: ``"always"``, ``"except_last"`` (every
-            micro-batch but the last, whose backward follows its forward at once) or
-            ``"never"``.
-        checkpoint_layers: with ``checkpoint`` on, recompute this many layers at a time in
-            backward instead of a whole stage (nested checkpoints: a pass without autograd
-            keeps each group's input, then each group is recomputed and differentiated from
-            the last down), so that the peak holds one group's activations, not the stage's,
-            for one more forward without autograd. ``None`` (default): the whole stage.
-            Zero-bubble schedules (a split backward) and stages with skip connections
-            recompute whole.
-        schedule: a name from ``gpipe.schedule.SCHEDULES`` (``"gpipe"``, ``"1f1b"``,
-            ``"interleaved-1f1b"``, ``"zb-h1"``, ``"zb-v"``, ``"dualpipe-v"``, ``"zb-auto"``)
-            or a ``Schedule`` of your own for these stages and M micro-batches (e.g.
-            ``gpipe.schedule.auto.zb_auto`` built for measured costs).
+            ``virtual_stages`` stages (two for the V schedules: rank r holds stages r and
+            2K-1-r).
+        layout: a :class:`gpipe.Layout`: micro-batches, schedule, re-materialization, stages
+            per rank and sharding (see its fields); its ``stages`` are the ranks of
+            ``devices`` (or of ``group``), its ``replicas`` ``data_parallel_group``'s.
+        chunks, checkpoint, checkpoint_layers, schedule, virtual_stages, shard: the shorthand
+            for ``layout=``: ``Pipe(model, chunks=8)`` is ``Pipe(model,
+            layout=Layout(chunks=8))``, on the ranks the devices and groups make (None: the
+            Layout's default). ``schedule`` may also be a ``Schedule`` of your own for these
+            stages and M micro-batches (e.g. ``gpipe.schedule.auto.zb_auto`` built for
+            measured costs).
         deferred_batch_norm: replace BatchNorm layers by ``DeferredBatchNorm`` so that
             running statistics are updated once per mini-batch, as without splitting.
-        virtual_stages: stages per device for ``"interleaved-1f1b"`` (stage s lives on
-            ``devices[s % len(devices)]``; default 2 for that schedule, 1 otherwise); see
-            ``gpipe.schedule.interleaved_1f1b`` for the constraint on ``chunks``. 2 for
-            the V schedules (their default), and 1 or 2 (a V) for ``"zb-auto"``.
         group: a ``torch.distributed`` process group whose ranks are the pipeline's
             ranks; each process then holds only its own stages. ``None``: one process.
         data_parallel_group: with ``group``, the replicas of this rank's stages; their
-            gradients are averaged over it once per step (bucketed all-reduce).
-        shard: with ``data_parallel_group``, shards each stage's parameters, gradients
-            and optimizer state over the replicas (FSDP2, one unit per layer, gathered per
-            layer for each forward and backward; see ``gpipe.parallel.sharded``).
-            ``"params"``: the step's gradients are accumulated whole and reduce-scattered
-            once per step, P + 3P / R bytes per process with AdamW instead of 4P;
-            ``"all"``: each micro-batch's are reduce-scattered into the shards (M times
-            the communication), 4P / R and one layer's gradient. Parameters become
-            ``DTensor`` shards: build the optimizer after the Pipe. ``None`` (default):
-            every replica holds all.
+            gradients are averaged over it once per step (bucketed all-reduce), or with
+            ``shard`` each stage is sharded over them (``gpipe.parallel.sharded``): build
+            the optimizer after the Pipe.
         init_seed: seed of the per-layer initialization when ``module`` is a function.
         timeout: seconds any rank waits for another before raising (multi-process).
         receive_ahead: multi-process, how receives are posted (``gpipe.transport.distributed``):
@@ -144,15 +127,16 @@ class Pipe(ModelNames, nn.Module):
         *,
         balance: Sequence[int] | Literal["auto"] | None = None,
         devices: Sequence[DeviceLike] | None = None,
-        chunks: int = 1,
-        checkpoint: remat.Remat = "except_last",
+        layout: Layout | None = None,
+        chunks: int | None = None,
+        checkpoint: remat.Remat | None = None,
         checkpoint_layers: int | None = None,
-        schedule: str | Schedule = "gpipe",
-        deferred_batch_norm: bool = False,
+        schedule: str | Schedule | None = None,
         virtual_stages: int | None = None,
+        shard: Literal["params", "all"] | None = None,
+        deferred_batch_norm: bool = False,
         group: Any = None,
         data_parallel_group: Any = None,
-        shard: Literal["params", "all"] | None = None,
         init_seed: int = 0,
         timeout: float = 60.0,
         sample: Any = None,
@@ -169,12 +153,16 @@ class Pipe(ModelNames, nn.Module):
             group, timeout=self.timeout, receive_ahead=receive_ahead, transport=transport
         )
         self.rank = self._ranks.rank
+        layout = assembly.layout_of(
+            layout, self._ranks, devices=devices, balance=balance,
+            data_parallel_group=data_parallel_group, chunks=chunks, checkpoint=checkpoint,
+            checkpoint_layers=checkpoint_layers, schedule=schedule,
+            virtual_stages=virtual_stages, shard=shard,
+        )  # fmt: skip
         config = assembly.configure(
-            module, self._ranks, balance=balance, devices=devices, chunks=chunks,
-            checkpoint=checkpoint, checkpoint_layers=checkpoint_layers, schedule=schedule,
-            virtual_stages=virtual_stages,
-            data_parallel_group=data_parallel_group, shard=shard, init_seed=init_seed,
-            sample=sample, sample_loss=sample_loss,
+            module, self._ranks, layout, balance=balance, devices=devices,
+            data_parallel_group=data_parallel_group, init_seed=init_seed, sample=sample,
+            sample_loss=sample_loss,
             settings={"tied": tied, "deferred_batch_norm": deferred_batch_norm},
         )  # fmt: skip
         self.layout: Layout = config.layout

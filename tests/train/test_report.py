@@ -11,7 +11,8 @@ import sys
 import pytest
 
 from gpipe.train import hooks
-from gpipe.train.config import ConfigError, resolve
+from gpipe.train.config import ConfigError
+from gpipe.train.options import resolve
 from gpipe.train.report import Metrics, TensorBoard, loss_title, plot_losses
 
 event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")

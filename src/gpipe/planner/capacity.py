@@ -47,7 +47,7 @@ from gpipe.estimate.memory_model import (
     StageMemoryTable,
     held_microbatches,
 )
-from gpipe.layout import Layout, layouts
+from gpipe.layout import SHARD_MODES, Layout, layouts
 from gpipe.planner.families import Family, FamilyCosts, smallest_depth
 from gpipe.planner.results import Capacity, Fit, cheaper_first
 from gpipe.schedule import SCHEDULES
@@ -97,7 +97,7 @@ def capacity_layouts(
     *,
     stages: Iterable[int] | None = None,
     replicas: Iterable[int] | None = None,
-    shard: Iterable[bool] | None = None,
+    shard: Iterable[str | None] | None = None,
     chunks: Iterable[int] | None = None,
     schedules: Iterable[str] | None = None,
     checkpoints: Iterable[str] | None = None,
@@ -120,7 +120,7 @@ def capacity_layouts(
     found = layouts(
         stages=_choices(stages, list(range(1, processes + 1)), "stages"),
         replicas=_choices(replicas, list(range(1, processes + 1)), "replicas"),
-        shard=_choices(shard, [False, True], "shard", (False, True)),
+        shard=_choices(shard, [None, "all"], "shard", (None, *SHARD_MODES)),
         chunks=_choices(chunks, [1, 2, 4, 8, 16, 32], "chunks"),
         schedules=schedule_list,
         checkpoints=_choices(
@@ -143,7 +143,7 @@ def capacity(
     overhead: float | Calibration = 0.0,
     stages: Iterable[int] | None = None,
     replicas: Iterable[int] | None = None,
-    shard: Iterable[bool] | None = None,
+    shard: Iterable[str | None] | None = None,
     chunks: Iterable[int] | None = None,
     schedules: Iterable[str] | None = None,
     checkpoints: Iterable[str] | None = None,
@@ -192,7 +192,8 @@ def _memory_model(layout: Layout, state: float, per_stage_layer: float) -> Memor
     return MemoryModel(
         optimizer_state=state,
         replicas=layout.replicas,
-        shard=layout.shard,
+        shard=layout.shard is not None,
+        whole_gradients=layout.shard == "params",
         workspace=True,
         layer_overhead=per_stage_layer,
     )
@@ -325,7 +326,7 @@ def _advice(costs, rows, budget, calibration, state, cap) -> str:
     closest = min(rows, key=lambda r: max(r.missing)).layout
     for k in range(searched + 1, 8 * searched + 1):
         layout = replace(
-            closest, stages=k, replicas=1, shard=False, checkpoint="always", checkpoint_layers=1
+            closest, stages=k, replicas=1, shard=None, checkpoint="always", checkpoint_layers=1
         )
         row = _largest(costs, layout, budget, calibration, state, cap)
         if row.fits:
