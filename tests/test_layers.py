@@ -33,7 +33,7 @@ LAYERS = [
         "timeline",
     ],
     ["frontend"],
-    ["assembly", "through_output"],
+    ["assembly", "stepping", "through_output"],
     ["pipe"],
     ["compat"],
     ["planner", "exactness"],

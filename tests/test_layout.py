@@ -101,8 +101,10 @@ def test_the_command_line_spells_settings_as_flags():
     problems = Layout(stages=2, chunks=4, schedule="zb-v", virtual_stages=1, replicas=1,
                       shard="all").problems(balance=[1, 1, 1], spelling=FLAGS)  # fmt: skip
     text = "\n".join(problems)
-    assert "--shard all shards each stage over its replicas: it needs --replicas >= 2, got 1 (or " \
+    assert (
+        "--shard all shards each stage over its replicas: it needs --replicas >= 2, got 1 (or "
         "leave --shard out)" in text
+    )
     assert "--schedule zb-v, --virtual-stages 1, --chunks 4 on 2 ranks: it places 2" in text
     assert "--balance 1,1,1 has 3 entries, but --stages 2 make 2 stages" in text
     assert Layout(stages=5).problems(layers=4, spelling=FLAGS)[0].endswith("use --stages <= 4")
