@@ -159,6 +159,19 @@ def test_layouts_enumerates_the_valid_canonical_ones_once():
     assert not any(x.stages == 1 and x.schedule not in ("gpipe", "1f1b") for x in found)
 
 
+def test_a_layout_is_written_and_read_as_a_dict():
+    layout = Layout(stages=2, chunks=4, schedule="zb-v", replicas=2, shard="params")
+    written = layout.to_dict()
+    assert written == {
+        "stages": 2, "chunks": 4, "schedule": "zb-v", "virtual_stages": 2,
+        "checkpoint": "except_last", "checkpoint_layers": None, "replicas": 2, "shard": "params",
+    }  # fmt: skip
+    assert Layout.from_dict({**written, "balance": [1, 1, 1, 1]}) == layout  # others ignored
+    built = build_schedule("1f1b", num_ranks=2, num_microbatches=4)
+    assert Layout(stages=2, chunks=4, schedule=built).to_dict()["schedule"] == "1f1b"
+    assert "R=2 sharded params M=4" in layout.label()
+
+
 def test_even_balance():
     assert even_balance(10, 4) == [3, 3, 2, 2]
     assert even_balance(2, 3) == [1, 1]

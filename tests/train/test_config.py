@@ -115,6 +115,8 @@ def test_each_option_lands_in_the_config(tmp_path):
         assert getattr(config, name) == value, words
         assert value != getattr(TrainConfig(), name), f"{words}: the default proves nothing"
     assert config.out == str(tmp_path / "run")
+    # The layout's options make the run's Layout, the one value Pipe and the manifest take.
+    assert config.layout.to_dict() == {name: GIVEN[name][1] for name in config.layout.to_dict()}
 
 
 @pytest.mark.parametrize("model", sorted(RECIPES))
