@@ -31,7 +31,8 @@ from gpipe.microbatch import chunk_sizes
 from gpipe.schedule import SCHEDULES, Schedule, build_schedule
 
 __all__ = [
-    "FLAGS", "KEYWORDS", "PIPE", "SHARD_MODES", "Layout", "Spelling", "even_balance", "layouts",
+    "FLAGS", "KEYWORDS", "PIPE", "SHARD_MODES", "Layout", "Spelling", "check_choices",
+    "even_balance", "layouts",
 ]  # fmt: skip
 
 # How replicas shard a stage (FSDP2, ``gpipe.parallel.sharded``): "params" accumulates the
@@ -207,19 +208,11 @@ class Layout:
             value = getattr(self, field)
             if not _positive_int(value):
                 problems.append(f"{say.name(field)} must be a positive int ({what}), got {value!r}")
-        if self.checkpoint not in remat.REMAT_MODES:
-            problems.append(
-                f"{say.name('checkpoint')} must be one of {', '.join(remat.REMAT_MODES)}, got "
-                f"{self.checkpoint!r}"
-            )
+        problems += _unknown("checkpoint", self.checkpoint, say)
         sizes_ok = not problems
         problems += self._granularity_problems(say)
-        if self.shard is not None and self.shard not in SHARD_MODES:
-            problems.append(
-                f"{say.name('shard')} must be one of {', '.join(SHARD_MODES)} (or "
-                f"{'left out' if say.flags else 'None'}: every replica holds all), got "
-                f"{self.shard!r}"
-            )
+        if _unknown("shard", self.shard, say):
+            problems += _unknown("shard", self.shard, say)
         elif self.shard and _positive_int(self.replicas) and self.replicas < 2:
             remedy = {
                 "flags": " (or leave --shard out)",
@@ -278,11 +271,10 @@ class Layout:
                     f"stages on {self.stages} ranks and {say('chunks', self.chunks)}"
                 ]
             return []
-        spec = SCHEDULES.get(self.schedule) if isinstance(self.schedule, str) else None
-        if spec is None:
-            return [f"unknown schedule {self.schedule!r}; known: {', '.join(SCHEDULES)}"]
-        if not check_sizes:
-            return []
+        unknown = _unknown("schedule", self.schedule, say)
+        if unknown or not check_sizes:
+            return unknown
+        spec = SCHEDULES[self.schedule]
         settings = ", ".join(
             say(field, getattr(self, field)) for field in ("schedule", "virtual_stages", "chunks")
         )
@@ -376,6 +368,38 @@ class Layout:
         return simpler
 
 
+def _unknown(field: str, value: Any, say: Spelling = KEYWORDS) -> list[str]:
+    """The problem of a name that ``field`` (schedule, checkpoint, shard) does not take."""
+    if field == "schedule":
+        if isinstance(value, Schedule) or (isinstance(value, str) and value in SCHEDULES):
+            return []
+        return [f"unknown schedule {value!r}; known: {', '.join(SCHEDULES)}"]
+    if field == "checkpoint":
+        if value in remat.REMAT_MODES:
+            return []
+        return [f"{say.name(field)} must be one of {', '.join(remat.REMAT_MODES)}, got {value!r}"]
+    if value is None or value in SHARD_MODES:
+        return []
+    return [
+        f"{say.name(field)} must be one of {', '.join(SHARD_MODES)} (or "
+        f"{'left out' if say.flags else 'None'}: every replica holds all), got {value!r}"
+    ]
+
+
+def check_choices(
+    *,
+    schedules: Iterable[Any] = (),
+    checkpoints: Iterable[Any] = (),
+    shard: Iterable[Any] = (),
+) -> None:
+    """:class:`PartitionError` listing every name among these choices (of a search) that no
+    layout takes, e.g. an unknown schedule."""
+    chosen = {"schedule": schedules, "checkpoint": checkpoints, "shard": shard}
+    problems = [p for field, values in chosen.items() for v in values for p in _unknown(field, v)]
+    if problems:
+        raise PartitionError("invalid choices:\n" + "\n".join(f"- {p}" for p in problems))
+
+
 def layouts(
     *,
     stages: Iterable[int],
@@ -394,8 +418,11 @@ def layouts(
     (:meth:`Layout.problems` with ``layers`` and ``batch``), with more than ``processes``
     processes, or that train as a simpler one does (:meth:`Layout.canonical`) are left out.
     ``virtual_stages`` None: each schedule's default only; ``shard``: modes of
-    :data:`SHARD_MODES`, None for replicas that hold all."""
+    :data:`SHARD_MODES`, None for replicas that hold all. A name no layout takes (an
+    unknown schedule) raises (:func:`check_choices`)."""
     v_choices = None if virtual_stages is None else list(virtual_stages)
+    schedules, checkpoints, shard = list(schedules), list(checkpoints), list(shard)
+    check_choices(schedules=schedules, checkpoints=checkpoints, shard=shard)
     found = []
     for k, r, sharded, m, name, mode, per in itertools.product(
         stages, replicas, shard, chunks, schedules, checkpoints, checkpoint_layers
