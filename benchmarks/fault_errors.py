@@ -67,8 +67,8 @@ def rows_errors(work: Path) -> list[tuple]:
     for key, argv, victim, signum, name, culprit in [
         ("stop", ("-K", "3"), 2, signal.SIGSTOP, "gpipe train -K 3: rank 2 stopped (kill -STOP)",
          "rank 2"),
-        ("sharded", ("-K", "2", "-R", "2", "--shard"), 3, signal.SIGKILL,
-         "gpipe train -K 2 -R 2 --shard: kill -9 of rank 3", "rank 3"),
+        ("sharded", ("-K", "2", "-R", "2", "--shard", "all"), 3, signal.SIGKILL,
+         "gpipe train -K 2 -R 2 --shard all: kill -9 of rank 3", "rank 3"),
     ]:  # fmt: skip
         out = work / f"cli-{key}"
         job = jobs.long_run(out, work, "--save-every", "0", "--timeout", str(timeout), *argv)

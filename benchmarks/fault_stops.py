@@ -157,7 +157,7 @@ def rows_stops(work: Path, only: str | None = None) -> list[tuple]:
         ("stop-1", (), 1, "gpipe train -K 2: rank 1 stopped (kill -STOP)"),
         ("stop-k3", ("-K", "3"), 1, "gpipe train -K 3: rank 1 stopped (kill -STOP)"),
         ("stop-dp", ("-K", "2", "-R", "2"), 3, "gpipe train -K 2 -R 2: rank 3 stopped"),
-        ("stop-shard", ("-K", "2", "-R", "2", "--shard"), 2,
+        ("stop-shard", ("-K", "2", "-R", "2", "--shard", "all"), 2,
          "gpipe train -K 2 -R 2 --shard: rank 2 stopped"),
     ]  # fmt: skip
     for key, argv, victim, name in cases:

@@ -250,7 +250,7 @@ def markdown(exact: list[dict], mem: dict[str, list[dict]], time_row: dict, comm
         "layer): a layer's parameters are gathered for each of its forward and backward "
         'passes and freed after. With `shard="params"` the gradients are accumulated '
         "unsharded over the micro-batches and reduce-scattered once per step; with "
-        '`shard="all"` (`gpipe train --shard`, the planner) each layer\'s gradient is '
+        '`shard="all"` (`gpipe train --shard all`, the planner) each layer\'s gradient is '
         "reduce-scattered into the shards after each micro-batch's backward (see "
         "`gpipe.parallel.sharded`).",
         "",

@@ -23,7 +23,7 @@ LAYERS = [
     ["parallel"],
     ["partition", "materialize", "estimate", "models"],
     ["frontend"],
-    ["assembly", "through_output"],
+    ["assembly", "stepping", "through_output"],
     ["pipe"],
     ["compat"],
     ["planner", "exactness"],

@@ -10,7 +10,7 @@ import pytest
 
 import gpipe.layout
 from gpipe.errors import PartitionError
-from gpipe.layout import FLAGS, PIPE, Layout, even_balance, layouts
+from gpipe.layout import FLAGS, PIPE, SHARD_MODES, Layout, even_balance, layouts
 from gpipe.remat import REMAT_MODES
 from gpipe.schedule import SCHEDULES, ScheduleError, build_schedule, fill_drain
 
@@ -26,23 +26,17 @@ def test_defaults_come_from_the_schedule_table():
     assert (layout.num_stages, layout.processes) == (6, 6)
 
 
-def test_a_layout_runs_exactly_when_its_schedule_builds():
-    """The table's rules and the builders agree: every (schedule, K, M, v) that problems()
-    accepts builds, and every one it refuses does not."""
-    for name, k, m, v in itertools.product(SCHEDULES, (1, 2, 3, 4), (1, 2, 3, 4, 6, 8), (1, 2, 3)):
-        layout = Layout(stages=k, chunks=m, schedule=name, virtual_stages=v)
-        problems = layout.problems()
-        try:
-            schedule = build_schedule(name, num_ranks=k, num_microbatches=m, virtual_stages=v)
-        except ScheduleError:
-            assert problems, (name, k, m, v)
-        else:
-            if name == "interleaved-1f1b" and v == 1:  # builds (as 1F1B) but is refused
-                assert problems and "plain '1f1b'" in problems[0]
-                continue
-            assert not problems, (name, k, m, v, problems)
-            assert layout.build_schedule() == schedule
-            assert schedule.num_stages == layout.num_stages
+def test_a_layout_builds_its_schedule_and_refuses_as_the_builder_does():
+    """The sizes rules are stated once (gpipe.schedule's table); a layout asks them."""
+    for name in SCHEDULES:
+        layout = Layout(stages=2, chunks=4, schedule=name)
+        assert not layout.problems(), name
+        built = build_schedule(name, num_ranks=2, num_microbatches=4)
+        assert layout.build_schedule() == built and built.num_stages == layout.num_stages
+    refused = Layout(stages=4, chunks=6, schedule="interleaved-1f1b")
+    with pytest.raises(ScheduleError) as error:
+        build_schedule("interleaved-1f1b", num_ranks=4, num_microbatches=6, virtual_stages=2)
+    assert refused.problems()[0].split(": ", 1)[1] in str(error.value)
 
 
 def test_every_problem_is_listed_with_its_values_and_a_remedy():
@@ -70,12 +64,13 @@ def test_every_problem_is_listed_with_its_values_and_a_remedy():
          "with 1 it is plain '1f1b'"),
         (Layout(stages=2, chunks=4, schedule="zb-v", virtual_stages=1), {},
          "it places 2 stages per rank in a V"),
-        (Layout(stages=2, chunks=4, shard=True), {},
-         "shard=True shards each stage over its replicas: it needs replicas >= 2, got 1"),
-        (Layout(stages=2, chunks=4, shard=True), {"spelling": PIPE},
-         "shard='all' or 'params' shards each stage over its replicas: it needs "
-         "data_parallel_group's "
-         "size >= 2, got 1: pass data_parallel_group="),
+        (Layout(stages=2, chunks=4, shard="all"), {},
+         "shard='all' shards each stage over its replicas: it needs replicas >= 2, got 1"),
+        (Layout(stages=2, chunks=4, shard="params"), {"spelling": PIPE},
+         "shard='params' shards each stage over its replicas: it needs "
+         "data_parallel_group's size >= 2, got 1: pass data_parallel_group="),
+        (Layout(stages=2, chunks=4, replicas=2, shard=True), {},
+         "shard must be one of params, all (or None: every replica holds all), got True"),
         (Layout(stages=2, chunks=4), {"balance": [1, 1, 1]},
          "balance=[1, 1, 1] has 3 entries, but stages=2 make 2 stages"),
         (Layout(stages=2, chunks=4), {"balance": [1, 1, 1], "spelling": PIPE},
@@ -104,9 +99,12 @@ def test_each_rule(layout, context, expected):
 
 def test_the_command_line_spells_settings_as_flags():
     problems = Layout(stages=2, chunks=4, schedule="zb-v", virtual_stages=1, replicas=1,
-                      shard=True).problems(balance=[1, 1, 1], spelling=FLAGS)  # fmt: skip
+                      shard="all").problems(balance=[1, 1, 1], spelling=FLAGS)  # fmt: skip
     text = "\n".join(problems)
-    assert "--shard shards each stage over its replicas: it needs --replicas >= 2, got 1" in text
+    assert (
+        "--shard all shards each stage over its replicas: it needs --replicas >= 2, got 1 (or "
+        "leave --shard out)" in text
+    )
     assert "--schedule zb-v, --virtual-stages 1, --chunks 4 on 2 ranks: it places 2" in text
     assert "--balance 1,1,1 has 3 entries, but --stages 2 make 2 stages" in text
     assert Layout(stages=5).problems(layers=4, spelling=FLAGS)[0].endswith("use --stages <= 4")
@@ -138,7 +136,7 @@ def test_canonical_layouts_train_alike():
 def test_layouts_enumerates_the_valid_canonical_ones_once():
     found = layouts(
         stages=[1, 2, 3], chunks=[1, 2, 3, 4], schedules=list(SCHEDULES),
-        virtual_stages=[1, 2], replicas=[1, 2], shard=[False, True], processes=4, layers=6,
+        virtual_stages=[1, 2], replicas=[1, 2], shard=[None, *SHARD_MODES], processes=4, layers=6,
         batch=8,
     )  # fmt: skip
     assert len(found) == len(set(found))
@@ -148,7 +146,7 @@ def test_layouts_enumerates_the_valid_canonical_ones_once():
     brute = {
         Layout(stages=k, chunks=m, schedule=s, virtual_stages=v, checkpoint=c, replicas=r, shard=sh)
         for k, m, s, v, c, r, sh in itertools.product(
-            [1, 2, 3], [1, 2, 3, 4], SCHEDULES, [1, 2], REMAT_MODES, [1, 2], [False, True]
+            [1, 2, 3], [1, 2, 3, 4], SCHEDULES, [1, 2], REMAT_MODES, [1, 2], [None, *SHARD_MODES]
         )
     }
     valid = {
@@ -159,6 +157,19 @@ def test_layouts_enumerates_the_valid_canonical_ones_once():
     assert Layout(stages=2, chunks=4, schedule="zb-v") in found
     assert Layout(stages=1, chunks=4, schedule="1f1b") in found
     assert not any(x.stages == 1 and x.schedule not in ("gpipe", "1f1b") for x in found)
+
+
+def test_a_layout_is_written_and_read_as_a_dict():
+    layout = Layout(stages=2, chunks=4, schedule="zb-v", replicas=2, shard="params")
+    written = layout.to_dict()
+    assert written == {
+        "stages": 2, "chunks": 4, "schedule": "zb-v", "virtual_stages": 2,
+        "checkpoint": "except_last", "checkpoint_layers": None, "replicas": 2, "shard": "params",
+    }  # fmt: skip
+    assert Layout.from_dict({**written, "balance": [1, 1, 1, 1]}) == layout  # others ignored
+    built = build_schedule("1f1b", num_ranks=2, num_microbatches=4)
+    assert Layout(stages=2, chunks=4, schedule=built).to_dict()["schedule"] == "1f1b"
+    assert "R=2 sharded params M=4" in layout.label()
 
 
 def test_even_balance():

@@ -336,6 +336,37 @@ def test_without_a_balance_the_layers_are_split_evenly_over_the_devices(devices,
     assert worst <= 1e-10, where
 
 
+def test_a_layout_is_the_keywords_in_one_value():
+    """Pipe(layout=Layout(...)) trains as its keywords do (they build the same Layout); its
+    stages are the devices' (by default that many CPU devices)."""
+    torch.manual_seed(0)
+    model = mlp([16, 32, 32, 8]).double()  # 5 layers
+    x, y = torch.randn(BATCH, 16, dtype=torch.float64), torch.randint(0, 8, (BATCH,))
+    reference = twin(model)
+    layout = gpipe.Layout(stages=2, chunks=4, schedule="1f1b", checkpoint="always")
+    pipe = gpipe.Pipe(model, layout=layout)
+    assert pipe.layout == layout and pipe.balance == [3, 2] and len(pipe.devices) == 2
+    spelled = gpipe.Pipe(twin(model), devices=["cpu"] * 2, chunks=4, schedule="1f1b",
+                         checkpoint="always")  # fmt: skip
+    assert spelled.layout == layout
+    loss = pipe.step(x, y, F.cross_entropy, seed=1)
+    expected = reference_step(reference, x, y, F.cross_entropy, chunks=4, seed=1)
+    assert relative_error(loss, expected) <= 1e-10
+    assert worst_gradient_error(pipe, reference)[0] <= 1e-10
+
+
+def test_a_layout_and_its_keywords_or_other_devices_are_refused():
+    model, layout = mlp([4, 4, 4]), gpipe.Layout(stages=2, chunks=2)
+    with pytest.raises(TypeError, match=r"Pipe\(layout=...\) was also given chunks"):
+        gpipe.Pipe(model, layout=layout, chunks=2)
+    with pytest.raises(gpipe.PartitionError, match="stages=2 but devices has 3 entries"):
+        gpipe.Pipe(model, layout=layout, devices=["cpu"] * 3)
+    with pytest.raises(gpipe.PartitionError, match="replicas=2 but data_parallel_group holds 1"):
+        gpipe.Pipe(model, layout=gpipe.Layout(stages=2, replicas=2))
+    with pytest.raises(gpipe.PartitionError, match="shard must be one of params, all"):
+        gpipe.Pipe(model, shard="both")
+
+
 def test_without_a_balance_fewer_layers_than_stages_is_refused():
     with pytest.raises(gpipe.PartitionError, match=r"2 devices needs at least 2 layers"):
         gpipe.Pipe(nn.Sequential(nn.Linear(2, 2)), devices=["cpu", "cpu"])

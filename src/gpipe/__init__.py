@@ -23,6 +23,7 @@ from gpipe.errors import NonFiniteError, PartitionError, PipelineError
 from gpipe.estimate.balance import balance_by_size, balance_by_time
 from gpipe.estimate.profile import profile
 from gpipe.exactness import check
+from gpipe.layout import Layout
 from gpipe.parallel.launch import launch
 from gpipe.pipe import Pipe
 from gpipe.planner import plan
@@ -31,6 +32,7 @@ from gpipe.schedule.simulate import simulate
 
 __all__ = [
     "DeferredBatchNorm",
+    "Layout",
     "NonFiniteError",
     "PartitionError",
     "Pipe",

@@ -40,7 +40,7 @@ from gpipe.materialize.record import Recording
 from gpipe.parallel.data_parallel import GradientReducer
 from gpipe.parallel.group import PipelineGroup, default_device
 from gpipe.parallel.mesh import group_size
-from gpipe.parallel.sharded import SHARD_MODES, ShardedStages, sharing_problems
+from gpipe.parallel.sharded import ShardedStages, sharing_problems
 from gpipe.parallel.tied import TiedParameters
 from gpipe.partition import check_not_shared, cut, device_problems, fingerprint
 from gpipe.schedule import Schedule
@@ -52,6 +52,7 @@ __all__ = [
     "Wiring",
     "capture_device",
     "configure",
+    "layout_of",
     "place",
     "tie",
     "wire",
@@ -73,7 +74,6 @@ class Configuration:
     # how the function built it, until place() replays this rank's layers from it (once:
     # it holds every operation of the whole model)
     recording: Recording | None = None
-    shard: str | None = None  # Pipe(shard=...): a mode of gpipe.parallel.sharded, or None
 
     @property
     def stage_devices(self) -> list[torch.device]:
@@ -85,19 +85,45 @@ class Configuration:
         return [sum(self.balance[:s]) for s in range(len(self.balance))]
 
 
+def layout_of(
+    given: Layout | None,
+    ranks: PipelineGroup,
+    *,
+    devices: Sequence[Any] | None,
+    balance: Sequence[int] | str | None,
+    data_parallel_group: Any,
+    **shorthand: Any,
+) -> Layout:
+    """The Pipe's layout: ``given``, or the one its ``shorthand`` keywords (``chunks=``,
+    ``schedule=``, ... : :class:`Layout`'s fields, None where not given) spell on the ranks
+    of ``devices`` (else the group's, else one per stage of ``balance``) and the replicas
+    of ``data_parallel_group``. The only place a Pipe's keywords become a Layout."""
+    spelled = {key: value for key, value in shorthand.items() if value is not None}
+    if given is not None:
+        if not isinstance(given, Layout):
+            raise TypeError(f"layout must be a gpipe.Layout, got {type(given).__name__}")
+        if spelled:
+            raise TypeError(
+                f"Pipe(layout=...) was also given {', '.join(spelled)}: set them in the "
+                f"Layout (dataclasses.replace(layout, ...)), or drop layout="
+            )
+        return given
+    layout = Layout(**spelled, replicas=group_size(data_parallel_group))
+    if devices is None:
+        v = layout.virtual_stages if isinstance(layout.virtual_stages, int) else 1
+        cut = 1 if balance is None or isinstance(balance, str) else len(balance) // max(1, v)
+        devices = ranks.default_devices(max(1, cut))  # a group's: one per rank
+    return replace(layout, stages=len(list(devices)))
+
+
 def configure(
     module: ModelOrFactory,
     ranks: PipelineGroup,
+    layout: Layout,
     *,
     balance: Sequence[int] | str | None,
     devices: Sequence[Any] | None,
-    chunks: int,
-    checkpoint: str,
-    checkpoint_layers: int | None = None,
-    schedule: str | Schedule,
-    virtual_stages: int | None,
     data_parallel_group: Any,
-    shard: str | None,
     init_seed: int,
     sample: Any,
     sample_loss: Any,
@@ -105,27 +131,15 @@ def configure(
 ) -> Configuration:
     """Every argument checked (one :class:`PartitionError` listing every problem), the
     balance chosen when ``"auto"`` (profiled) or None (:meth:`Layout.default_balance` over
-    one stage per device, or per rank of the group: ``virtual_stages`` each), and the ranks'
-    agreement that they were built alike (``settings``: what else must agree, e.g. ``tied``)."""
-    if shard is not None and shard not in SHARD_MODES:
-        raise ValueError(f"shard must be None or one of {SHARD_MODES}, got {shard!r}")
+    the layout's stages), and the ranks' agreement that they were built alike
+    (``settings``: what else must agree, e.g. ``tied``)."""
     factory = _factory_of(module)
-    wanted = Layout(
-        chunks=chunks,
-        schedule=schedule,
-        virtual_stages=virtual_stages,
-        checkpoint=checkpoint,
-        checkpoint_layers=checkpoint_layers,
-        replicas=group_size(data_parallel_group),
-        shard=shard is not None,
-    )
     if isinstance(balance, str):
-        balance = _auto_balance(module, balance, ranks, devices, wanted, sample, sample_loss)
+        balance = _auto_balance(module, balance, ranks, devices, layout, sample, sample_loss)
     if devices is None:
-        v = wanted.virtual_stages if isinstance(wanted.virtual_stages, int) else 1
-        devices = ranks.default_devices(1 if balance is None else max(1, len(balance) // max(1, v)))
+        stages = layout.stages if isinstance(layout.stages, int) and layout.stages > 0 else 0
+        devices = ranks.default_devices(stages)
     devices = list(devices)
-    layout = replace(wanted, stages=len(devices))
     # A function is recorded on meta (no memory) to check the configuration against; place()
     # replays this rank's layers from the same record.
     model, recording = module, None
@@ -138,17 +152,12 @@ def configure(
     ):
         balance = layout.default_balance(len(model))
     balance = None if balance is None else list(balance)
-    _check(layout, model, balance, devices, ranks)
+    _check(layout, model, balance, devices, ranks, group_size(data_parallel_group))
     built = layout.build_schedule()
-    ranks.check_same(
-        fingerprint(
-            model, balance=balance, chunks=chunks, checkpoint=checkpoint,
-            checkpoint_layers=checkpoint_layers, schedule=built.actions, init_seed=init_seed,
-            **settings,
-        )
-    )  # fmt: skip
+    agreed = {**layout.to_dict(), "schedule": built.actions, "balance": balance}
+    ranks.check_same(fingerprint(model, **agreed, init_seed=init_seed, **settings))
     devices = [torch.device(d) for d in devices]
-    return Configuration(layout, balance, devices, built, model, factory, recording, shard)
+    return Configuration(layout, balance, devices, built, model, factory, recording)
 
 
 def _factory_of(module: ModelOrFactory) -> Callable[[], nn.Sequential] | None:
@@ -179,7 +188,12 @@ def _auto_balance(module, balance, ranks, devices, layout, sample, sample_loss) 
 
 
 def _check(
-    layout: Layout, model: nn.Module, balance: list[int] | None, devices: list, ranks: PipelineGroup
+    layout: Layout,
+    model: nn.Module,
+    balance: list[int] | None,
+    devices: list,
+    ranks: PipelineGroup,
+    replicas: int,
 ) -> None:
     """Every problem of the configuration against the model, in one error; a warning for a
     pipeline that cannot overlap its stages."""
@@ -191,6 +205,17 @@ def _check(
         )
     problems = layout.problems(layers=len(model), balance=balance, spelling=PIPE)
     problems += device_problems(devices) + ranks.device_problems(devices)
+    if len(devices) != layout.stages:
+        problems.append(
+            f"the layout has stages={layout.stages!r} but devices has {len(devices)} entries: "
+            "give one device per rank"
+        )
+    if replicas != layout.replicas:
+        problems.append(
+            f"the layout has replicas={layout.replicas!r} but data_parallel_group holds "
+            f"{replicas} process(es): give a group of {layout.replicas!r} (e.g. "
+            "gpipe.parallel.mesh.Mesh.build(stages, replicas, ...).dp)"
+        )
     if layout.shard and not problems:
         problems += sharing_problems(cut(model, balance))
     if problems:
@@ -380,7 +405,7 @@ def wire(
             if any(schedule.splits_backward(stage.index, m) for m in microbatches)
         }
         reducer = sharded = ShardedStages(
-            placed.stages, data_parallel_group, timeout=timeout, mode=config.shard,
+            placed.stages, data_parallel_group, timeout=timeout, mode=config.layout.shard,
             split_stages=split,
         )  # fmt: skip
         if tied is not None:

@@ -3,8 +3,9 @@
 A layout is K pipeline ranks (``stages``: devices, or processes of one replica), each holding
 ``virtual_stages`` stages, M micro-batches per mini-batch (``chunks``), a schedule, a
 re-materialization mode (``checkpoint``, recomputing ``checkpoint_layers`` layers at a
-time or the whole stage) and R replicas of the pipeline (``replicas``),
-sharded or not (``shard``). Which combinations are valid is decided here and nowhere else:
+time or the whole stage) and R replicas of the pipeline (``replicas``), sharded or not
+(``shard``: a mode of :data:`SHARD_MODES`). Which combinations are valid is decided here and
+nowhere else:
 :meth:`Layout.problems` lists every problem at once, each with its values and a remedy, and
 :func:`layouts` enumerates the valid ones. ``Pipe``, ``gpipe train``'s configuration, the
 planner and the capacity search all ask this module; what a named schedule allows comes
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from gpipe import remat
@@ -29,7 +30,15 @@ from gpipe.errors import PartitionError
 from gpipe.microbatch import chunk_sizes
 from gpipe.schedule import SCHEDULES, Schedule, build_schedule
 
-__all__ = ["FLAGS", "KEYWORDS", "PIPE", "Layout", "Spelling", "even_balance", "layouts"]
+__all__ = [
+    "FLAGS", "KEYWORDS", "PIPE", "SHARD_MODES", "Layout", "Spelling", "check_choices",
+    "even_balance", "layouts",
+]  # fmt: skip
+
+# How replicas shard a stage (FSDP2, ``gpipe.parallel.sharded``): "params" accumulates the
+# step's gradients whole and reduce-scatters them once per step; "all" reduce-scatters each
+# micro-batch's into the shards.
+SHARD_MODES = ("params", "all")
 
 
 @dataclass(frozen=True)
@@ -63,8 +72,6 @@ class Spelling:
             return f"{value} devices"
         if self.style == "pipe" and field == "replicas":
             return f"a data_parallel_group of {value}"
-        if self.style == "pipe" and field == "shard":
-            return "shard='all' or 'params'" if value else "shard=None"
         return f"{field}={value!r}"
 
 
@@ -85,8 +92,20 @@ def even_balance(layers: int, stages: int) -> list[int]:
 class Layout:
     """K ranks × v stages each, M micro-batches, a schedule, remat, R replicas (sharded?).
 
-    ``schedule`` is a name from ``gpipe.schedule.SCHEDULES`` or a built ``Schedule``;
-    ``virtual_stages`` defaults to the schedule's (2 for interleaved and the V schedules).
+    * ``schedule``: a name from ``gpipe.schedule.SCHEDULES`` (``"gpipe"``, ``"1f1b"``,
+      ``"interleaved-1f1b"``, ``"zb-h1"``, ``"zb-v"``, ``"dualpipe-v"``, ``"zb-auto"``) or a
+      built ``Schedule``; ``virtual_stages`` defaults to the schedule's (2 for interleaved,
+      where stage s lives on rank s mod K, and for the V schedules; 1 or 2 for zb-auto).
+    * ``checkpoint``: ``"always"``, ``"except_last"`` (every micro-batch but the last, whose
+      backward follows its forward at once) or ``"never"``; ``checkpoint_layers``: recompute
+      that many layers at a time (nested checkpoints: the peak holds one group's
+      activations, not the stage's, for one more forward without autograd). Zero-bubble
+      schedules and stages with skip connections recompute whole.
+    * ``shard`` (FSDP2 over the replicas, one unit per layer, gathered per layer for each
+      forward and backward): ``"params"`` accumulates the step's gradients whole and
+      reduce-scatters them once, P + 3P / R bytes per process with AdamW instead of 4P;
+      ``"all"`` reduce-scatters each micro-batch's (M times the communication): 4P / R.
+      None: every replica holds all.
     """
 
     stages: int = 1  # K: pipeline ranks
@@ -96,7 +115,7 @@ class Layout:
     checkpoint: str = "except_last"
     checkpoint_layers: int | None = None  # layers recomputed at a time; None: a whole stage
     replicas: int = 1  # R: data-parallel replicas of the pipeline
-    shard: bool = False  # each stage's parameters sharded over the replicas
+    shard: str | None = None  # a mode of SHARD_MODES: each stage sharded over the replicas
 
     def __post_init__(self) -> None:
         if self.virtual_stages is None:
@@ -107,6 +126,19 @@ class Layout:
             return max(1, self.schedule.num_stages // max(1, self.schedule.num_ranks))
         spec = SCHEDULES.get(self.schedule) if isinstance(self.schedule, str) else None
         return spec.default_virtual_stages if spec is not None else 1
+
+    def to_dict(self) -> dict[str, Any]:
+        """Its fields as plain values (a built schedule by its name): the one format a layout
+        is written in (fingerprints, checkpoints' manifests, configuration files)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)} | {
+            "schedule": self.schedule_name
+        }
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> Layout:
+        """The layout of :meth:`to_dict`'s ``values`` (other keys are ignored: a manifest's
+        ``balance``, a run configuration's other options)."""
+        return cls(**{f.name: values[f.name] for f in fields(cls) if f.name in values})
 
     @classmethod
     def of_stages(cls, num_stages: int, **fields: Any) -> Layout:
@@ -143,9 +175,8 @@ class Layout:
     def label(self) -> str:
         """One line: ``K=2 v=2 R=2 sharded M=8 interleaved-1f1b except_last``."""
         virtual = f" v={self.virtual_stages}" if self.virtual_stages != 1 else ""
-        replicas = (
-            f" R={self.replicas}{' sharded' if self.shard else ''}" if self.replicas > 1 else ""
-        )
+        sharded = {None: "", "all": " sharded"}.get(self.shard, f" sharded {self.shard}")
+        replicas = f" R={self.replicas}{sharded}" if self.replicas > 1 else ""
         per = self.checkpoint_layers
         granularity = "" if per is None else f" per {per} layer{'s' if per != 1 else ''}"
         return (
@@ -177,21 +208,19 @@ class Layout:
             value = getattr(self, field)
             if not _positive_int(value):
                 problems.append(f"{say.name(field)} must be a positive int ({what}), got {value!r}")
-        if self.checkpoint not in remat.REMAT_MODES:
-            problems.append(
-                f"{say.name('checkpoint')} must be one of {', '.join(remat.REMAT_MODES)}, got "
-                f"{self.checkpoint!r}"
-            )
+        problems += _unknown("checkpoint", self.checkpoint, say)
         sizes_ok = not problems
         problems += self._granularity_problems(say)
-        if self.shard and _positive_int(self.replicas) and self.replicas < 2:
+        if _unknown("shard", self.shard, say):
+            problems += _unknown("shard", self.shard, say)
+        elif self.shard and _positive_int(self.replicas) and self.replicas < 2:
             remedy = {
-                "flags": " (or --no-shard)",
+                "flags": " (or leave --shard out)",
                 "pipe": ": pass data_parallel_group= (and group=), e.g. from "
                 "gpipe.parallel.mesh.Mesh.build(stages, replicas, ...)",
             }.get(say.style, "")
             problems.append(
-                f"{say('shard', True)} shards each stage over its replicas: it needs "
+                f"{say('shard', self.shard)} shards each stage over its replicas: it needs "
                 f"{say.name('replicas')} >= 2, got {self.replicas}{remedy}"
             )
         # The cut needs only the number of stages.
@@ -242,11 +271,10 @@ class Layout:
                     f"stages on {self.stages} ranks and {say('chunks', self.chunks)}"
                 ]
             return []
-        spec = SCHEDULES.get(self.schedule) if isinstance(self.schedule, str) else None
-        if spec is None:
-            return [f"unknown schedule {self.schedule!r}; known: {', '.join(SCHEDULES)}"]
-        if not check_sizes:
-            return []
+        unknown = _unknown("schedule", self.schedule, say)
+        if unknown or not check_sizes:
+            return unknown
+        spec = SCHEDULES[self.schedule]
         settings = ", ".join(
             say(field, getattr(self, field)) for field in ("schedule", "virtual_stages", "chunks")
         )
@@ -340,6 +368,38 @@ class Layout:
         return simpler
 
 
+def _unknown(field: str, value: Any, say: Spelling = KEYWORDS) -> list[str]:
+    """The problem of a name that ``field`` (schedule, checkpoint, shard) does not take."""
+    if field == "schedule":
+        if isinstance(value, Schedule) or (isinstance(value, str) and value in SCHEDULES):
+            return []
+        return [f"unknown schedule {value!r}; known: {', '.join(SCHEDULES)}"]
+    if field == "checkpoint":
+        if value in remat.REMAT_MODES:
+            return []
+        return [f"{say.name(field)} must be one of {', '.join(remat.REMAT_MODES)}, got {value!r}"]
+    if value is None or value in SHARD_MODES:
+        return []
+    return [
+        f"{say.name(field)} must be one of {', '.join(SHARD_MODES)} (or "
+        f"{'left out' if say.flags else 'None'}: every replica holds all), got {value!r}"
+    ]
+
+
+def check_choices(
+    *,
+    schedules: Iterable[Any] = (),
+    checkpoints: Iterable[Any] = (),
+    shard: Iterable[Any] = (),
+) -> None:
+    """:class:`PartitionError` listing every name among these choices (of a search) that no
+    layout takes, e.g. an unknown schedule."""
+    chosen = {"schedule": schedules, "checkpoint": checkpoints, "shard": shard}
+    problems = [p for field, values in chosen.items() for v in values for p in _unknown(field, v)]
+    if problems:
+        raise PartitionError("invalid choices:\n" + "\n".join(f"- {p}" for p in problems))
+
+
 def layouts(
     *,
     stages: Iterable[int],
@@ -349,7 +409,7 @@ def layouts(
     checkpoint_layers: Iterable[int | None] = (None,),
     virtual_stages: Iterable[int] | None = None,
     replicas: Iterable[int] = (1,),
-    shard: Iterable[bool] = (False,),
+    shard: Iterable[str | None] = (None,),
     processes: int | None = None,
     layers: int | None = None,
     batch: int | None = None,
@@ -357,8 +417,12 @@ def layouts(
     """Every valid layout of these choices, once: combinations with a problem
     (:meth:`Layout.problems` with ``layers`` and ``batch``), with more than ``processes``
     processes, or that train as a simpler one does (:meth:`Layout.canonical`) are left out.
-    ``virtual_stages`` None: each schedule's default only."""
+    ``virtual_stages`` None: each schedule's default only; ``shard``: modes of
+    :data:`SHARD_MODES`, None for replicas that hold all. A name no layout takes (an
+    unknown schedule) raises (:func:`check_choices`)."""
     v_choices = None if virtual_stages is None else list(virtual_stages)
+    schedules, checkpoints, shard = list(schedules), list(checkpoints), list(shard)
+    check_choices(schedules=schedules, checkpoints=checkpoints, shard=shard)
     found = []
     for k, r, sharded, m, name, mode, per in itertools.product(
         stages, replicas, shard, chunks, schedules, checkpoints, checkpoint_layers

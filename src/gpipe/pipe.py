@@ -10,38 +10,18 @@ a pipeline spread over processes and machines; what differs between the two is
 
 from __future__ import annotations
 
-import math
 import os
-import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal
 
 import torch
 from torch import nn
 
-from gpipe import allocator, assembly, microbatch, remat, through_output
-from gpipe._utils import (
-    DeviceLike,
-    Verdict,
-    add_earlier_gradients,
-    first_nonfinite,
-    gradient_norms,
-    local_value,
-    norm_part,
-    poison,
-    read_verdict,
-    restore_gradients,
-    seconds,
-    set_aside_gradients,
-    to_device,
-)
-from gpipe.engine import batchnorm
-from gpipe.engine.runtime import StepInputs, StepResult
-from gpipe.engine.stage import LossSpec, check_batch, loss_specs
-from gpipe.errors import PartitionError, PipelineError
+from gpipe import allocator, assembly, microbatch, remat, stepping, through_output
+from gpipe._utils import DeviceLike, local_value, norm_part, seconds
+from gpipe.errors import PartitionError
 from gpipe.frontend import ModelNames, Original, calls, capture, origin_of
 from gpipe.layout import Layout
-from gpipe.losses import NO_TOKEN, NOTHING_COUNTS, UNCOUNTED, declared, uncounted
 from gpipe.parallel.clipping import GradientWatch
 from gpipe.parallel.group import pipeline_group
 from gpipe.parallel.sharded import full_value, shard_like
@@ -73,42 +53,25 @@ class Pipe(ModelNames, nn.Module):
             model trained by micro-batches.
         devices: one device per rank (default: all ``"cpu"``; with ``group``, this
             process's ``cuda:LOCAL_RANK`` under NCCL). A rank holds one stage, or
-            ``virtual_stages`` stages with ``"interleaved-1f1b"``, two with ``"zb-v"`` and
-            ``"dualpipe-v"`` (rank r holds stages r and 2K-1-r).
-        chunks: micro-batches per mini-batch (M).
-        checkpoint: re-materialization: ``"always"``, ``"except_last"`` (every
-            micro-batch but the last, whose backward follows its forward at once) or
-            ``"never"``.
-        checkpoint_layers: with ``checkpoint`` on, recompute this many layers at a time in
-            backward instead of a whole stage (nested checkpoints: a pass without autograd
-            keeps each group's input, then each group is recomputed and differentiated from
-            the last down), so that the peak holds one group's activations, not the stage's,
-            for one more forward without autograd. ``None`` (default): the whole stage.
-            Zero-bubble schedules (a split backward) and stages with skip connections
-            recompute whole.
-        schedule: a name from ``gpipe.schedule.SCHEDULES`` (``"gpipe"``, ``"1f1b"``,
-            ``"interleaved-1f1b"``, ``"zb-h1"``, ``"zb-v"``, ``"dualpipe-v"``, ``"zb-auto"``)
-            or a ``Schedule`` of your own for these stages and M micro-batches (e.g.
-            ``gpipe.schedule.auto.zb_auto`` built for measured costs).
+            ``virtual_stages`` stages (two for the V schedules: rank r holds stages r and
+            2K-1-r).
+        layout: a :class:`gpipe.Layout`: micro-batches, schedule, re-materialization, stages
+            per rank and sharding (see its fields); its ``stages`` are the ranks of
+            ``devices`` (or of ``group``), its ``replicas`` ``data_parallel_group``'s.
+        chunks, checkpoint, checkpoint_layers, schedule, virtual_stages, shard: the shorthand
+            for ``layout=``: ``Pipe(model, chunks=8)`` is ``Pipe(model,
+            layout=Layout(chunks=8))``, on the ranks the devices and groups make (None: the
+            Layout's default). ``schedule`` may also be a ``Schedule`` of your own for these
+            stages and M micro-batches (e.g. ``gpipe.schedule.auto.zb_auto`` built for
+            measured costs).
         deferred_batch_norm: replace BatchNorm layers by ``DeferredBatchNorm`` so that
             running statistics are updated once per mini-batch, as without splitting.
-        virtual_stages: stages per device for ``"interleaved-1f1b"`` (stage s lives on
-            ``devices[s % len(devices)]``; default 2 for that schedule, 1 otherwise); see
-            ``gpipe.schedule.interleaved_1f1b`` for the constraint on ``chunks``. 2 for
-            the V schedules (their default), and 1 or 2 (a V) for ``"zb-auto"``.
         group: a ``torch.distributed`` process group whose ranks are the pipeline's
             ranks; each process then holds only its own stages. ``None``: one process.
         data_parallel_group: with ``group``, the replicas of this rank's stages; their
-            gradients are averaged over it once per step (bucketed all-reduce).
-        shard: with ``data_parallel_group``, shards each stage's parameters, gradients
-            and optimizer state over the replicas (FSDP2, one unit per layer, gathered per
-            layer for each forward and backward; see ``gpipe.parallel.sharded``).
-            ``"params"``: the step's gradients are accumulated whole and reduce-scattered
-            once per step, P + 3P / R bytes per process with AdamW instead of 4P;
-            ``"all"``: each micro-batch's are reduce-scattered into the shards (M times
-            the communication), 4P / R and one layer's gradient. Parameters become
-            ``DTensor`` shards: build the optimizer after the Pipe. ``None`` (default):
-            every replica holds all.
+            gradients are averaged over it once per step (bucketed all-reduce), or with
+            ``shard`` each stage is sharded over them (``gpipe.parallel.sharded``): build
+            the optimizer after the Pipe.
         init_seed: seed of the per-layer initialization when ``module`` is a function.
         timeout: seconds any rank waits for another before raising (multi-process).
         receive_ahead: multi-process, how receives are posted (``gpipe.transport.distributed``):
@@ -144,15 +107,16 @@ class Pipe(ModelNames, nn.Module):
         *,
         balance: Sequence[int] | Literal["auto"] | None = None,
         devices: Sequence[DeviceLike] | None = None,
-        chunks: int = 1,
-        checkpoint: remat.Remat = "except_last",
+        layout: Layout | None = None,
+        chunks: int | None = None,
+        checkpoint: remat.Remat | None = None,
         checkpoint_layers: int | None = None,
-        schedule: str | Schedule = "gpipe",
-        deferred_batch_norm: bool = False,
+        schedule: str | Schedule | None = None,
         virtual_stages: int | None = None,
+        shard: Literal["params", "all"] | None = None,
+        deferred_batch_norm: bool = False,
         group: Any = None,
         data_parallel_group: Any = None,
-        shard: Literal["params", "all"] | None = None,
         init_seed: int = 0,
         timeout: float = 60.0,
         sample: Any = None,
@@ -169,16 +133,30 @@ class Pipe(ModelNames, nn.Module):
             group, timeout=self.timeout, receive_ahead=receive_ahead, transport=transport
         )
         self.rank = self._ranks.rank
+        layout = assembly.layout_of(
+            layout, self._ranks, devices=devices, balance=balance,
+            data_parallel_group=data_parallel_group, chunks=chunks, checkpoint=checkpoint,
+            checkpoint_layers=checkpoint_layers, schedule=schedule,
+            virtual_stages=virtual_stages, shard=shard,
+        )  # fmt: skip
         config = assembly.configure(
-            module, self._ranks, balance=balance, devices=devices, chunks=chunks,
-            checkpoint=checkpoint, checkpoint_layers=checkpoint_layers, schedule=schedule,
-            virtual_stages=virtual_stages,
-            data_parallel_group=data_parallel_group, shard=shard, init_seed=init_seed,
-            sample=sample, sample_loss=sample_loss,
+            module, self._ranks, layout, balance=balance, devices=devices,
+            data_parallel_group=data_parallel_group, init_seed=init_seed, sample=sample,
+            sample_loss=sample_loss,
             settings={"tied": tied, "deferred_batch_norm": deferred_batch_norm},
         )  # fmt: skip
         self.layout: Layout = config.layout
         self.balance, self.devices, self.schedule = config.balance, config.devices, config.schedule
+        self._assemble(config, tied, deferred_batch_norm, init_seed, data_parallel_group)
+        self.last_trace: list[TimedAction] = []
+        # Across processes torch's own clip sees one stage: gpipe notices it (clipping.py).
+        self._watch = GradientWatch(self._ranks.check_edit) if self.rank is not None else None
+        self._warned_uncounted = False
+
+    def _assemble(
+        self, config: assembly.Configuration, tied, deferred_batch_norm, init_seed, dp_group
+    ) -> None:
+        """This process's layers placed, tied and wired (``assembly``'s steps in order)."""
         placed = assembly.place(
             config, self._ranks, deferred_batch_norm=deferred_batch_norm,
             tied_names={name for names in tied for name in names}, init_seed=init_seed,
@@ -188,15 +166,11 @@ class Pipe(ModelNames, nn.Module):
         self.stages = placed.stages
         self._tied = assembly.tie(config, placed, tied)
         wiring = assembly.wire(
-            config, placed, self._ranks, self._tied,
-            data_parallel_group=data_parallel_group, timeout=self.timeout,
+            config, placed, self._ranks, self._tied, data_parallel_group=dp_group,
+            timeout=self.timeout,
         )  # fmt: skip
         self._transport, self._runtime = wiring.transport, wiring.runtime
         self._reducer, self._sharded = wiring.reducer, wiring.sharded
-        self.last_trace: list[TimedAction] = []
-        # Across processes torch's own clip sees one stage: gpipe notices it (clipping.py).
-        self._watch = GradientWatch(self._ranks.check_edit) if self.rank is not None else None
-        self._warned_uncounted = False
         if config.factory is not None:
             # The record of the whole model and its other layers (on meta) go now; the pages
             # they held go back, so that no process keeps a cost per layer of the whole model.
@@ -306,17 +280,16 @@ class Pipe(ModelNames, nn.Module):
     ) -> torch.Tensor:
         """Run one pipelined training step; gradients are accumulated into the parameters.
 
-        ``loss_fn(output, target)`` returns the scalar loss of one micro-batch.
-        ``reduction`` says how it reduces over samples, so that the gradient left in the
-        parameters is that of the whole mini-batch's loss (``None``: what the loss shows,
-        ``gpipe.losses.declared``: an ``nn`` loss's ``reduction``; else ``"mean"``):
+        ``loss_fn(output, target)`` returns the scalar loss of one micro-batch; ``reduction``
+        says how it reduces over samples, so that the gradient left in the parameters is the
+        whole mini-batch loss's (``None``: what the loss shows, ``gpipe.losses.declared``:
+        an ``nn`` loss's ``reduction``; else ``"mean"``):
 
-        * ``"mean"`` (e.g. ``F.cross_entropy``): micro-batch losses are weighted
-          by their share of the samples (uneven micro-batches included) or, with
-          ``count``, by their share of ``count(target)`` over the mini-batch. A loss that
-          averages over something else than samples needs ``count``: e.g. a token mean
-          over a padded batch, which averages over the tokens that are not padding. The
-          losses of ``gpipe.losses``, ``nn.CrossEntropyLoss`` and ``nn.NLLLoss`` (any
+        * ``"mean"`` (e.g. ``F.cross_entropy``): micro-batch losses are weighted by their
+          share of the samples (uneven micro-batches included) or, with ``count``, of
+          ``count(target)`` over the mini-batch. A loss that averages over something else
+          than samples (a token mean over a padded batch) needs ``count``; those of
+          ``gpipe.losses``, ``nn.CrossEntropyLoss`` and ``nn.NLLLoss`` (any
           ``ignore_index``, class weights) count for themselves::
 
               pipe.step(input_ids, labels, gpipe.losses.causal_lm())  # shifted inside
@@ -326,17 +299,15 @@ class Pipe(ModelNames, nn.Module):
           ignore index) and no ``count`` warn (once per Pipe), with the recipe.
         * ``"sum"``: micro-batch losses are added (a sum-reduced loss).
 
-        ``seed`` fixes the random numbers (dropout) of this step (default: one draw from
-        torch's global generator, on every rank alike); see ``gpipe.rng``. With
-        ``trace=True`` the start and end of every action is recorded in ``self.last_trace``
-        (seconds from the step's start; multi-process: this rank's actions, in
-        ``time.perf_counter`` seconds, which all ranks of a machine share).
+        ``seed`` fixes this step's random numbers (dropout; default: one draw from torch's
+        global generator, alike on every rank; ``gpipe.rng``). ``trace=True`` records the
+        start and end of every action in ``self.last_trace`` (seconds from the step's start;
+        multi-process: this rank's, in ``time.perf_counter`` seconds, shared on a machine).
 
-        ``scaler``: a ``torch.amp.GradScaler`` for float16 mixed precision. Backward runs
-        from each micro-batch's loss times its scale; a step whose gradients are not finite
-        (anywhere, on any rank) is not refused but left to the scaler, which every rank's
-        ``scaler.step(optimizer)`` then skips alike (and ``scaler.update()`` lowers the
-        scale alike); the loss returned is unscaled. Unscale before clipping, as usual::
+        ``scaler``: a ``torch.amp.GradScaler`` (float16): backward runs from each
+        micro-batch's loss times its scale; a step with gradients not finite on any rank is
+        left to the scaler, whose ``step(optimizer)`` then skips it on every rank alike
+        (``update()`` lowers the scale alike); the loss returned is unscaled::
 
             loss = pipe.step(x, y, loss_fn, scaler=scaler)
             scaler.unscale_(optimizer); pipe.clip_grad_norm_(1.0)
@@ -345,27 +316,16 @@ class Pipe(ModelNames, nn.Module):
         With ``group``, every rank calls ``step``; ``inputs`` matter only where the first
         stage lives and ``targets`` where the last does (elsewhere they may be ``None``).
         With ``data_parallel_group`` this step's gradients are averaged over the replicas.
-        A step that fails leaves the gradients as they were before it.
-
-        Returns the mini-batch loss, detached, as a float64 tensor (which holds a float32 or
-        bfloat16 loss exactly), the same on every rank when multi-process.
+        A step that fails leaves the gradients as they were before it. Returns the
+        mini-batch loss, detached, as a float64 tensor (which holds a float32 or bfloat16
+        loss exactly), the same on every rank when multi-process.
         """
-        first, last = self._holds(0), self._holds(self.num_stages - 1)
-        reduction, count = declared(loss_fn, reduction, count, chunks=self.chunks)
-        scale = _scale_of(scaler, self.stages[-1].device)
-        inputs_mb = microbatch.split(inputs, self.chunks, name="inputs") if first else None
-        losses: list[LossSpec | None] = [None] * self.chunks
-        ignored = None  # labels < 0 in targets with no count=: read with the step's verdict
-        if last:
-            targets_mb = microbatch.split(targets, self.chunks, name="targets")
-            if count is None and reduction == "mean":
-                ignored = uncounted(targets_mb)
-            losses = loss_specs(
-                loss_fn, targets_mb, inputs_mb, reduction=reduction, count=count,
-                device=self.stages[-1].device, scale=scale,
-            )  # fmt: skip
-        result = self._run(inputs_mb, losses, seed, trace, scale=scale, ignored=ignored)
-        return result.loss
+        scale = stepping.scale_of(scaler, self.stages[-1].device)
+        inputs_mb = microbatch.split(inputs, self.chunks, name="inputs") if self._holds(0) else None
+        losses, ignored = stepping.losses_of(
+            self, inputs_mb, targets, loss_fn, reduction=reduction, count=count, scale=scale
+        )
+        return stepping.run(self, inputs_mb, losses, seed, trace, scale=scale, ignored=ignored).loss
 
     def forward(self, inputs: Any) -> Any:
         """Outputs joined on the last stage's device. In training mode with autograd on (one
@@ -381,117 +341,10 @@ class Pipe(ModelNames, nn.Module):
         first = self._holds(0)
         inputs_mb = microbatch.split(inputs, self.chunks, name="inputs") if first else None
         with calls.without_autograd():  # under torch.inference_mode() too
-            result = self._run(inputs_mb, None, None, False)
+            result = stepping.run(self, inputs_mb, None, None, False)
         if not self._holds(self.num_stages - 1):
             return None
         return microbatch.join([result.outputs[m] for m in range(self.chunks)])
-
-    def _run(
-        self,
-        inputs_mb,
-        losses,
-        seed: int | None,
-        trace: bool,
-        scale: torch.Tensor | None = None,
-        ignored: torch.Tensor | None = None,
-    ) -> StepResult:
-        self._follow_model()  # a captured model's mode, and no hook added since capture
-        if self._ranks.broken is not None:
-            raise PipelineError(
-                f"this pipeline failed in an earlier step ({self._ranks.broken}); "
-                "its ranks may disagree on what was sent: build a new Pipe",
-            )
-        if self._tied is not None:
-            self._tied.refresh()
-        if inputs_mb is not None:
-            inputs_mb = [
-                to_device(x, self.stages[0].device, differentiable=True) for x in inputs_mb
-            ]
-        # Gradients of earlier steps wait aside: a failed step must leave them as they were.
-        earlier = set_aside_gradients(self.parameters()) if losses is not None else {}
-        try:
-            self._transport.begin(training=losses is not None)
-            batch = sum(microbatch.batch_size(x) for x in inputs_mb) if inputs_mb else None
-            seed, first_batch = self._ranks.begin_step(seed, batch)
-            mbs = range(self.chunks)
-            if losses is not None and losses[0] is not None and first_batch is not None:
-                check_batch(losses, first_batch)
-            step = StepInputs(
-                microbatches=inputs_mb or [None] * self.chunks,
-                seed=seed,
-                remat=[remat.recomputes(self.checkpoint, m, self.chunks) for m in mbs],
-                losses=losses,
-            )
-            result = self._runtime.run(step, trace=trace, clock_origin=self._ranks.clock_origin)
-            if self._reducer is not None and losses is not None:
-                self._reducer.finish()
-            if self._tied is not None and losses is not None:
-                # this step's gradients only: every holder already carries the earlier sum
-                self._tied.sync_gradients(self._ranks.exchange)
-            add_earlier_gradients(earlier)
-        except BaseException as error:
-            self._abandon_step(earlier)
-            explained = self._sharded.explain(error) if self._sharded is not None else error
-            self._ranks.fail(explained, self.stages)
-            if explained is not error:
-                raise explained from error
-            raise
-        local_loss = None
-        if losses is not None and self._holds(self.num_stages - 1):
-            # Stacked as they are, then widened: exact, in two operations instead of M.
-            losses_mb = torch.stack([result.losses[m] for m in range(self.chunks)])
-            local_loss = losses_mb.to(torch.float64).sum()
-        training = losses is not None
-        with_grads = [(n, p) for n, p in self.named_parameters() if p.grad is not None]
-        grads = [p.grad for _, p in with_grads] if training else []
-        # The watch compares norms before and after the script's edits: those need float64.
-        norms = gradient_norms(grads, precise=self._watch is not None) if grads else None
-        try:
-            verdict = read_verdict(
-                local_loss, norms, ignored if not self._warned_uncounted else None
-            )
-            local_trouble = first_nonfinite(
-                [n for n, _ in with_grads], verdict.finite, grads, norms
-            )
-            if verdict.ignored and not self._warned_uncounted:
-                self._warned_uncounted = True
-                warnings.warn(UNCOUNTED, stacklevel=3)
-            trouble = local_trouble
-            if self._sharded is not None and training:
-                trouble = self._sharded.nonfinite_anywhere(trouble, doing="ending a step")
-            if self._watch is not None and training:
-                self._watch.forget()
-            agreed = self._ranks.agree(
-                local_loss, verdict.loss, trouble, refuse_nonfinite=scale is None,
-                why=_why_not_finite(verdict, ignored, losses),
-            )  # fmt: skip
-            # Every rank has received all of its messages: no send can be waiting.
-            self._transport.finish()
-        except BaseException:  # refused here or elsewhere: this step counts nowhere
-            self._abandon_step(earlier)
-            raise
-        result.loss = agreed.loss
-        if scale is not None and agreed.nonfinite_grads and local_trouble is None:
-            # Every rank's scaler must find what one rank's found, and skip the step alike.
-            for _, p in with_grads:
-                poison(p.grad)
-        if self._watch is not None and training:
-            self._watch.note([p for _, p in with_grads], norms, scale)
-        batchnorm.commit_all(self)
-        self.last_trace = result.trace
-        return result
-
-    def _abandon_step(self, earlier: dict) -> None:
-        """Nothing of a failed or refused step survives: messages, stored micro-batches,
-        running statistics and gradient reductions are dropped, the gradients of earlier
-        steps restored; one process is ready for the next step."""
-        self._transport.clear()
-        for stage in self.stages:
-            stage.clear()
-        batchnorm.reset_all(self)
-        if self._reducer is not None:
-            self._reducer.reset()
-        restore_gradients(self.parameters(), earlier)
 
     # -- parameters and gradients ------------------------------------------------------------
 
@@ -575,32 +428,3 @@ class Pipe(ModelNames, nn.Module):
             f"chunks={self.chunks}, checkpoint={self.checkpoint!r}, "
             f"schedule={self.schedule.name!r}, virtual_stages={self.virtual_stages}, {self._ranks}"
         )
-
-
-def _scale_of(scaler: Any, device: torch.device) -> torch.Tensor | None:
-    """A GradScaler's scale as a tensor on ``device`` (None without an enabled scaler); the
-    call also gives the scaler its scale on a rank that computes no loss, so that its
-    ``unscale_``, ``step`` and ``update`` work there."""
-    if scaler is None:
-        return None
-    if not callable(getattr(scaler, "scale", None)) or not hasattr(scaler, "is_enabled"):
-        raise TypeError(f"scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}")
-    if not scaler.is_enabled():
-        return None
-    return scaler.scale(torch.ones((), device=device))
-
-
-def _why_not_finite(
-    verdict: Verdict, ignored: torch.Tensor | None, losses: list[LossSpec | None] | None
-) -> str:
-    """Why the loss is not finite, when the targets say (read only then: a refused step)."""
-    if verdict.loss is None or math.isfinite(verdict.loss):
-        return ""
-    if ignored is not None:
-        empty = [m for m, flag in enumerate(ignored[1:].tolist()) if flag]
-        if empty:
-            return NOTHING_COUNTS.format(microbatch=empty[0])
-    divisor = losses[0].divisor if losses and losses[0] is not None else None
-    if divisor is not None and int(divisor) == 0:
-        return NO_TOKEN
-    return ""

@@ -228,7 +228,7 @@ def test_verify_measures_the_found_model_and_the_next_size_up(calibration):
 
 def test_layout_labels_and_options():
     layout = Layout(
-        stages=2, replicas=2, shard=True, chunks=8, schedule="1f1b", checkpoint="always"
+        stages=2, replicas=2, shard="all", chunks=8, schedule="1f1b", checkpoint="always"
     )
     assert layout.label() == "K=2 R=2 sharded M=8 1f1b always"
     with pytest.raises(ValueError, match="unknown optimizer"):
@@ -241,7 +241,7 @@ def test_layout_labels_and_options():
 @pytest.mark.slow
 def test_sharded_replicas_are_measured(calibration):
     family = tiny_gpt(batch=8)
-    layout = Layout(stages=1, replicas=2, shard=True, chunks=2, checkpoint="always")
+    layout = Layout(stages=1, replicas=2, shard="all", chunks=2, checkpoint="always")
     budget = calibration.baseline + calibration.process + 4 * MiB
     fit = fit_of(family, layout, 2, budget=budget, overhead=calibration)
     assert fit.fits and fit.terms()["gathered"] > 0

@@ -28,7 +28,7 @@ GIVEN = {
     "checkpoint_layers": (["--checkpoint-layers", "2"], 2),
     "balance": (["--balance", "2,2,2,2,1,1"], [2, 2, 2, 2, 1, 1]),
     "replicas": (["-R", "2"], 2),
-    "shard": (["--shard"], True),
+    "shard": (["--shard", "params"], "params"),
     "compile": (["--compile"], True),
     "batch": (["--batch", "24"], 24),
     "steps": (["--steps", "7"], 7),
@@ -114,6 +114,8 @@ def test_each_option_lands_in_the_config(tmp_path):
         assert getattr(config, name) == value, words
         assert value != getattr(TrainConfig(), name), f"{words}: the default proves nothing"
     assert config.out == str(tmp_path / "run")
+    # The layout's options make the run's Layout, the one value Pipe and the manifest take.
+    assert config.layout.to_dict() == {name: GIVEN[name][1] for name in config.layout.to_dict()}
 
 
 @pytest.mark.parametrize("model", sorted(RECIPES))
@@ -146,6 +148,7 @@ def test_help_shows_each_default_of_the_field(capsys):
         parse("--help")
     text = " ".join(capsys.readouterr().out.split())  # unwrapped
     assert "--timeout TIMEOUT seconds a rank waits for another (default: 120)" in text
-    assert "--shard, --no-shard shard each stage's" in text and "(default: off)" in text
+    assert "--shard {params,all} shard each stage's" in text
+    assert "(default: none: every replica holds all)" in text
     assert "--steps STEPS optimizer steps in all; on --resume" in text
     assert "at the new last step (default: preset)" in text

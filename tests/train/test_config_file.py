@@ -71,7 +71,7 @@ def test_each_built_in_models_config_toml_gives_back_the_same_run(model, tmp_pat
         ("virtual-stages = 2", "unknown key 'virtual-stages': did you mean virtual_stages?"),
         ("stagez = 2", "unknown key 'stagez': did you mean stages?"),
         ('stages = "2"', 'stages = "2" is a string; give an integer, e.g. stages = 2'),
-        ("shard = 1", "shard = 1 is an integer; give true or false, e.g. shard = false"),
+        ("compile = 1", "compile = 1 is an integer; give true or false, e.g. compile = false"),
         ("lr = true", "lr = true is a boolean; give a number, e.g. lr = 0.003"),
         ('balance = "3,3"', "is a string; give a list of integers, e.g. balance = [3, 3]"),
         ("steps = 1.5", "steps = 1.5 is a number; give an integer, e.g. steps = 500"),
@@ -93,7 +93,7 @@ def test_a_value_outside_an_options_choices_is_named_with_them(tmp_path, capsys)
     assert main(["train", "--config", str(file), "--out", str(tmp_path / "x")]) == 2
     err = capsys.readouterr().err
     assert "--transport 'tcp': choose one of auto, sockets, group" in err
-    assert "--schedule '1F1B': choose one of gpipe, 1f1b," in err
+    assert "unknown schedule '1F1B'; known: gpipe, 1f1b," in err
     assert not (tmp_path / "x").exists()
 
 

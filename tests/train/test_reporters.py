@@ -14,7 +14,8 @@ import fake_trackers
 import pytest
 
 from gpipe.train import reporters
-from gpipe.train.config import ConfigError, resolve
+from gpipe.train.config import ConfigError
+from gpipe.train.options import resolve
 from gpipe.train.report import Metrics
 from gpipe.train.reporters import TensorBoard, open_sinks
 

@@ -286,13 +286,13 @@ def test_resnet_with_replicas_and_bfloat16(in_process, tmp_path):
 def test_sharded_replicas_train_as_plain_ones_and_their_checkpoints_load_at_other_layouts(
     in_process, tmp_path
 ):
-    """--replicas 2 --shard: the losses of plain replicas; a checkpoint (each rank writes its
+    """--replicas 2 --shard all: the losses of plain replicas; a checkpoint (each rank writes its
     shards) resumes at K=1 with the same losses and exports; a plain replicas' checkpoint
     resumes into sharded ones."""
     common = ["train", "--size", "tiny", "--steps", "6", "--save-every", "3", "--eval-every",
               "3", "--replicas", "2", "--sample-tokens", "4"]  # fmt: skip
     sharded, plain, resumed = tmp_path / "sharded", tmp_path / "plain", tmp_path / "resumed"
-    for out, extra in ((sharded, ["--shard"]), (plain, [])):
+    for out, extra in ((sharded, ["--shard", "all"]), (plain, [])):
         done = in_process(*common, *extra, "--out", str(out))
         assert done.returncode == 0, done.stderr
     for step, loss in losses(plain).items():
@@ -311,7 +311,7 @@ def test_sharded_replicas_train_as_plain_ones_and_their_checkpoints_load_at_othe
 
     into_shards = tmp_path / "into-shards"
     middle = plain / "checkpoints" / "step-000003"
-    done = in_process("train", "--resume", str(middle), "--stages", "1", "--shard",
+    done = in_process("train", "--resume", str(middle), "--stages", "1", "--shard", "all",
                       "--out", str(into_shards))  # fmt: skip
     assert done.returncode == 0, done.stderr
     for step in (4, 5, 6):

@@ -238,7 +238,7 @@ def run_capacity(args: argparse.Namespace) -> int:
     models = family(args)
     processes = args.processes or args.devices
     overhead = _calibration(args, models, processes)
-    shard = {"both": None, "yes": [True], "no": [False]}[args.shard]
+    shard = {"both": None, "yes": ["all"], "no": [None]}[args.shard]
     start = time.perf_counter()
     with _threads(args.threads):
         result = capacity(

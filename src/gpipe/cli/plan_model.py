@@ -65,12 +65,7 @@ def write_train_config(path: str, trained: TrainedModel, best: Any, *, budget: b
     reads them: it trains exactly what was planned."""
     from gpipe.train.config_file import write_options
 
-    options = {
-        **trained.options,
-        "stages": best.stages, "chunks": best.chunks, "schedule": best.schedule,
-        "virtual_stages": best.virtual_stages, "checkpoint": best.checkpoint,
-        "balance": list(best.balance),
-    }  # fmt: skip
+    options = {**trained.options, **best.layout.to_dict(), "balance": list(best.balance)}
     if budget:
         # planned within a budget: peaks as measured need freed memory given back
         options["cpu_allocator"] = "return"

@@ -6,7 +6,7 @@
     gpipe train --model hf-llama                  # a Hugging Face Llama, as it is (gpipe[hf])
     gpipe train --stages 3 --chunks 8 --schedule 1f1b --dtype bfloat16
     gpipe train --stages 2 --replicas 2           # 2 replicas x 2 stages = 4 processes
-    gpipe train --stages 2 --replicas 2 --shard   # the same, each stage sharded over its 2
+    gpipe train --stages 2 --replicas 2 --shard all  # the same, each stage sharded over its 2
     gpipe train --resume runs/gpt-small-...       # continue from the newest checkpoint
     torchrun --nproc-per-node 2 --max-restarts 3 -m gpipe train --out runs/a --resume auto
                                                   # a restarted job continues by itself

@@ -162,13 +162,9 @@ def _solve(
 
 
 def _check_stages(n: int, stages: Any) -> None:
-    if not isinstance(stages, int) or isinstance(stages, bool) or stages < 1:
-        raise PartitionError(f"stages must be a positive int, got {stages!r}")
-    if stages > n:
-        raise PartitionError(
-            f"cannot cut {n} layers into {stages} stages: every stage needs a layer; "
-            f"use stages <= {n}"
-        )
+    problems = Layout(stages=stages).problems(layers=n)  # the rule is Layout's
+    if problems:
+        raise PartitionError(problems[0])
 
 
 def balance_costs(costs: Sequence[float], stages: int) -> list[int]:

@@ -104,7 +104,8 @@ class MemoryModel:
             value = getattr(self, label)
             if not (isinstance(value, int | float) and value >= 0):
                 raise ValueError(f"{label} must be a non-negative number, got {value!r}")
-        problems = Layout(replicas=self.replicas, shard=self.shard).problems()
+        mode = ("params" if self.whole_gradients else "all") if self.shard else None
+        problems = Layout(replicas=self.replicas, shard=mode).problems()
         if problems:
             raise ValueError("; ".join(problems))
 

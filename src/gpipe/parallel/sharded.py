@@ -52,7 +52,6 @@ from gpipe.errors import COMMUNICATION_FAILURES, PartitionError, PipelineError
 from gpipe.parallel.collectives import Collectives
 
 __all__ = [
-    "SHARD_MODES",
     "ShardedStages",
     "full_value",
     "shard_like",
@@ -60,7 +59,6 @@ __all__ = [
     "sharing_problems",
 ]
 
-SHARD_MODES = ("params", "all")
 # How gloo and NCCL say that a peer did not come (timeout) or left (closed connection).
 _COMMUNICATION_FAILURES = (*COMMUNICATION_FAILURES, "NCCL")
 

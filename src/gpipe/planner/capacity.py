@@ -47,7 +47,7 @@ from gpipe.estimate.memory_model import (
     StageMemoryTable,
     held_microbatches,
 )
-from gpipe.layout import Layout, layouts
+from gpipe.layout import Layout, check_choices, layouts
 from gpipe.planner.families import Family, FamilyCosts, smallest_depth
 from gpipe.planner.results import Capacity, Fit, cheaper_first
 from gpipe.schedule import SCHEDULES
@@ -68,13 +68,9 @@ CHECKPOINT_LAYERS = (None, 1, 2, 4)
 OPTIMIZER_STATE = {"adamw": 2.0, "adam": 2.0, "sgd": 0.0, "sgd-momentum": 1.0}
 
 
-def _choices(values: Iterable[Any] | None, default: list[Any], label: str, allowed=None) -> list:
-    chosen = list(dict.fromkeys(values)) if values is not None else default
-    if allowed is not None:
-        bad = [v for v in chosen if v not in allowed]
-        if bad:
-            raise ValueError(f"unknown {label} {bad}; choose from {', '.join(map(str, allowed))}")
-    return chosen
+def _choices(values: Iterable[Any] | None, default: list[Any], label: str) -> list:
+    # the names are Layout's to check (gpipe.layout.check_choices)
+    return list(dict.fromkeys(values)) if values is not None else default
 
 
 def optimizer_state_of(optimizer: str | float) -> float:
@@ -97,7 +93,7 @@ def capacity_layouts(
     *,
     stages: Iterable[int] | None = None,
     replicas: Iterable[int] | None = None,
-    shard: Iterable[bool] | None = None,
+    shard: Iterable[str | None] | None = None,
     chunks: Iterable[int] | None = None,
     schedules: Iterable[str] | None = None,
     checkpoints: Iterable[str] | None = None,
@@ -111,7 +107,8 @@ def capacity_layouts(
         raise ValueError(f"processes must be a positive int, got {processes!r}")
     one_per_rank = [n for n, spec in SCHEDULES.items() if 1 in spec.virtual_stages]
     searched = [n for n in one_per_rank if not SCHEDULES[n].takes_costs]
-    schedule_list = _choices(schedules, searched, "schedules", SCHEDULES)
+    schedule_list = _choices(schedules, searched, "schedules")
+    check_choices(schedules=schedule_list)
     several = [s for s in schedule_list if s not in one_per_rank]
     if several:
         raise ValueError(
@@ -120,12 +117,10 @@ def capacity_layouts(
     found = layouts(
         stages=_choices(stages, list(range(1, processes + 1)), "stages"),
         replicas=_choices(replicas, list(range(1, processes + 1)), "replicas"),
-        shard=_choices(shard, [False, True], "shard", (False, True)),
+        shard=_choices(shard, [None, "all"], "shard"),
         chunks=_choices(chunks, [1, 2, 4, 8, 16, 32], "chunks"),
         schedules=schedule_list,
-        checkpoints=_choices(
-            checkpoints, list(remat.REMAT_MODES), "checkpoints", remat.REMAT_MODES
-        ),
+        checkpoints=_choices(checkpoints, list(remat.REMAT_MODES), "checkpoints"),
         checkpoint_layers=_choices(checkpoint_layers, list(CHECKPOINT_LAYERS), "layers"),
         virtual_stages=[1],
         processes=processes,
@@ -143,7 +138,7 @@ def capacity(
     overhead: float | Calibration = 0.0,
     stages: Iterable[int] | None = None,
     replicas: Iterable[int] | None = None,
-    shard: Iterable[bool] | None = None,
+    shard: Iterable[str | None] | None = None,
     chunks: Iterable[int] | None = None,
     schedules: Iterable[str] | None = None,
     checkpoints: Iterable[str] | None = None,
@@ -192,7 +187,8 @@ def _memory_model(layout: Layout, state: float, per_stage_layer: float) -> Memor
     return MemoryModel(
         optimizer_state=state,
         replicas=layout.replicas,
-        shard=layout.shard,
+        shard=layout.shard is not None,
+        whole_gradients=layout.shard == "params",
         workspace=True,
         layer_overhead=per_stage_layer,
     )
@@ -325,7 +321,7 @@ def _advice(costs, rows, budget, calibration, state, cap) -> str:
     closest = min(rows, key=lambda r: max(r.missing)).layout
     for k in range(searched + 1, 8 * searched + 1):
         layout = replace(
-            closest, stages=k, replicas=1, shard=False, checkpoint="always", checkpoint_layers=1
+            closest, stages=k, replicas=1, shard=None, checkpoint="always", checkpoint_layers=1
         )
         row = _largest(costs, layout, budget, calibration, state, cap)
         if row.fits:

@@ -246,7 +246,7 @@ def _train_rank(
     x, y = x[replica * share : (replica + 1) * share], y[replica * share : (replica + 1) * share]
     options: dict[str, Any] = {}
     if layout.shard:
-        options["shard"] = "all"
+        options["shard"] = layout.shard
     gc.collect()
     _reset_peak()
     before = _resident_bytes()

@@ -207,7 +207,7 @@ def cheaper_first(layout: Layout) -> tuple:
     per = layout.checkpoint_layers
     return (
         layout.processes,
-        layout.shard,
+        layout.shard is not None,
         RECOMPUTATION[layout.checkpoint],
         per is not None,
         -(per or 0),

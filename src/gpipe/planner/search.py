@@ -24,7 +24,7 @@ from gpipe.estimate.memory_model import (
     stage_memory,
 )
 from gpipe.estimate.profile import Profile, profile
-from gpipe.layout import Layout, layouts
+from gpipe.layout import Layout, check_choices, layouts
 from gpipe.parallel import mesh
 from gpipe.parallel.launch import launch
 from gpipe.pipe import Pipe
@@ -124,14 +124,8 @@ def plan_from_profiles(
     if too_many:
         raise ValueError(f"chunks {too_many} are not in 1..batch_size ({batch_size})")
     schedule_list = sorted(set(schedules)) if schedules is not None else sorted(SEARCHED)
-    unknown = [s for s in schedule_list if s not in SCHEDULES]
     modes = list(checkpoints) if checkpoints is not None else list(REMAT_MODES)
-    unknown += [c for c in modes if c not in REMAT_MODES]
-    if unknown:
-        raise ValueError(
-            f"unknown schedule or checkpoint {unknown}; schedules: {', '.join(SCHEDULES)}; "
-            f"checkpoints: {', '.join(REMAT_MODES)}"
-        )
+    check_choices(schedules=schedule_list, checkpoints=modes)  # before any profiling
     stage_list = sorted(set(stages)) if stages is not None else list(range(1, devices + 1))
     if any(not 1 <= k <= devices for k in stage_list):
         raise ValueError(f"stages {stage_list} must lie in 1..devices ({devices})")

@@ -7,7 +7,7 @@ with validation, checkpoints, resume, metrics, a measured timeline and a summary
 ``gpipe train`` (``gpipe.cli.train``) is this package behind a command line. Its parts, each
 usable alone:
 
-* ``config``: :class:`TrainConfig` and :func:`resolve` (options, checkpoint, presets);
+* ``config``: :class:`TrainConfig`; ``options``: :func:`resolve` (options, checkpoint, presets);
 * ``tasks``: :class:`Task`, a run's model source, objective and data (``networks``, ``hf``,
   ``objectives``, ``sources``, ``tokenizers``), the built-in models' :data:`RECIPES`;
 * ``trainer``: :class:`Trainer`, one rank's loop;
@@ -16,8 +16,9 @@ usable alone:
 * ``job``: starting the processes (locally or under torchrun) and finding a failure's cause.
 """
 
-from gpipe.train.config import ConfigError, TrainConfig, model_spec, resolve
+from gpipe.train.config import ConfigError, TrainConfig, model_spec
 from gpipe.train.job import TrainingError, run, run_under_torchrun, train
+from gpipe.train.options import resolve
 from gpipe.train.tasks import RECIPES, Task, build_model, constructor, task_of
 from gpipe.train.trainer import Trainer
 

@@ -24,8 +24,9 @@ from gpipe.parallel.launch import LaunchError, launch, threads_per_process
 from gpipe.parallel.mesh import Mesh
 from gpipe.pipe import Pipe
 from gpipe.train.checkpoint_integrity import choose
-from gpipe.train.config import ConfigError, TrainConfig, _option, model_spec, num_layers, resolve
+from gpipe.train.config import ConfigError, TrainConfig, _option, model_spec, num_layers
 from gpipe.train.evaluation import build_pipe, validate
+from gpipe.train.options import resolve
 from gpipe.train.precision import autocast_of
 
 __all__ = ["EvalConfig", "load_pipe", "resolve_eval", "resolve_model", "run_eval"]

@@ -73,7 +73,8 @@ def memory_problems(config: TrainConfig, source: ModelSource, *, processes: int)
         return []  # resolve named it
     schedule = layout.build_schedule()
     model = MemoryModel(optimizer_state=_optimizer_state(config), replicas=config.replicas,
-                        shard=config.shard)  # fmt: skip
+                        shard=config.shard is not None,
+                        whole_gradients=config.shard == "params")  # fmt: skip
     table = StageMemoryTable(layers, [Held(0, 0)] * len(balance), model,
                              splits_backward=schedule.splits_backward(0, 0))  # fmt: skip
     starts = [sum(balance[:s]) for s in range(len(balance) + 1)]

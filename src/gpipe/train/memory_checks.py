@@ -1,5 +1,5 @@
 """Sizes this machine cannot hold, found before any process starts (see
-:func:`gpipe.train.config.resolve`)."""
+:func:`gpipe.train.options.resolve`)."""
 
 from __future__ import annotations
 

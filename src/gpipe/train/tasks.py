@@ -226,13 +226,14 @@ class Task:
         checkpoint's are loaded next)."""
         weights = None if resume else self.weights
         example = self.objective.example(self.seq) if isinstance(self.source, TextData) else None
-        warn_per_microbatch(self.model.aux_loss_coef(), options.get("chunks", 1))
         previous = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:
-            return self.model.pipe(example, weights=weights, **options)
+            pipe = self.model.pipe(example, weights=weights, **options)
         finally:
             torch.set_default_dtype(previous)
+        warn_per_microbatch(self.model.aux_loss_coef(), pipe.chunks)
+        return pipe
 
     def logits(self, output: Any) -> torch.Tensor:
         return self.model.logits(output)

@@ -34,6 +34,7 @@ from gpipe._utils import local_value
 from gpipe.allocator import cpu_allocator
 from gpipe.engine.memory import measure_activations
 from gpipe.errors import NonFiniteError
+from gpipe.layout import Layout
 from gpipe.parallel.launch import threads_per_process
 from gpipe.parallel.mesh import Mesh
 from gpipe.parallel.sharded import sharded_optimizer_state
@@ -336,11 +337,9 @@ class Trainer:
         ckpt.write(folder, model=self.pipe.state_dict(), optimizer=optimizer, rng=rng)
         final = root / run_folder.step_folder(step)
         if self.rank == 0:
-            layout = {"stages": c.stages, "replicas": c.replicas,
-                      "virtual_stages": c.virtual_stages, "balance": self.balance}  # fmt: skip
             manifest = ckpt.Manifest(
                 step=step, config=asdict(c), model=self.spec, data=self.sampler.state_dict(),
-                layout=layout, scheduler=save_scaler(
+                layout={**c.layout.to_dict(), "balance": self.balance}, scheduler=save_scaler(
                     self.scheduler and lr_schedule.state(self.scheduler), self.scaler),
             )  # fmt: skip
             final = ckpt.commit(root, folder, manifest, keep=c.keep)
@@ -355,7 +354,8 @@ class Trainer:
 
     def _load(self, path: str) -> None:
         manifest = ckpt.read_manifest(path)
-        same_cut = manifest.layout["stages"] == self.config.stages  # the same ranks' random state
+        # the same ranks' random state
+        same_cut = Layout.from_dict(manifest.layout).stages == self.config.stages
         loaded = ckpt.load(
             manifest, model=list(self.pipe.state_dict()),
             optimizer=self.optimizer and list(self.names.values()),
