@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from distributed_cases import DISAGREEMENT_TIMEOUT, disagreeing
+from fault_cases import DISAGREEMENT_TIMEOUT, disagreeing
 from gpipe.parallel.launch import launch
 
 pytestmark = pytest.mark.timeout(120)  # multi-process: a hang fails

@@ -11,7 +11,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import gpipe
-from distributed_cases import BackwardFault, data_parallel_fault, faulty, faulty_backward
+from fault_cases import BackwardFault, data_parallel_fault, faulty, faulty_backward
 from gpipe.parallel.launch import LaunchError, launch
 from gpipe.train.job import root_cause
 from gpipe.transport.inquest import grace

@@ -8,7 +8,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import gpipe
-from distributed_cases import Overflows, nonfinite
+from fault_cases import Overflows, nonfinite
 from gpipe import checkpoint as ckpt
 from gpipe.parallel.launch import launch
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from distributed_cases import data_parallel_fault, data_parallel_stalled, stalled, stalled_two_hops
+from fault_cases import data_parallel_fault, data_parallel_stalled, stalled, stalled_two_hops
 from gpipe.parallel.launch import LaunchError, launch
 
 TIMEOUT = 4.0  # the pipeline's; the process group's is far longer, as torchrun's 30 minutes

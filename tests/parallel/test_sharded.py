@@ -17,9 +17,9 @@ from distributed_cases import (
     data_and_pipeline,
     loss_of,
     reused_factory,
-    sharded_faulty,
     sharded_reuse,
 )
+from fault_cases import sharded_faulty
 from gpipe.materialize import build_full
 from gpipe.parallel.launch import launch
 from reference import reference_step, relative_error
