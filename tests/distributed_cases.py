@@ -20,8 +20,10 @@ from torch.nn import functional as F
 import gpipe
 from gpipe._utils import local_value
 from gpipe.errors import PartitionError
+from gpipe.materialize import build_full
 from gpipe.models import GPTConfig, convnet, gpt, gpt_tied_names, lm_loss, unet
 from gpipe.parallel.sharded import _param_groups, full_value
+from reference import reference_step
 
 GPT = GPTConfig(vocab_size=32, context=8, d_model=16, n_heads=2, n_layers=4, dropout=0.1)
 INIT_SEED = 3
@@ -88,6 +90,32 @@ def loss_of(model: str):
     if model == "wide":
         return F.mse_loss
     return lm_loss if model.startswith("gpt") else F.cross_entropy
+
+
+def trained_reference(case, replicas=(0,)):
+    """The un-split model through ``case``'s steps as :func:`train_steps` takes them: per
+    step the loss of each replica and the gradients averaged over them, AdamW between steps
+    (``case["train"]``). Returns the last step's losses, gradients, and the weights."""
+    model = build_full(FACTORIES[case["model"]], seed=INIT_SEED)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    lengths = case.get("lengths", [GPT.context])
+    for step, length in enumerate(lengths):
+        model.zero_grad(set_to_none=True)
+        grads, losses = {}, []
+        for replica in replicas:
+            x, y = batch(case["model"], step, length, replica)
+            losses.append(
+                reference_step(model, x, y, loss_of(case["model"]), chunks=case["chunks"],
+                               seed=100 + step)
+            )  # fmt: skip
+            for name, p in model.named_parameters():
+                grads[name] = grads.get(name, 0) + p.grad / len(replicas)
+            model.zero_grad(set_to_none=True)
+        for name, p in model.named_parameters():
+            p.grad = grads[name]
+        if case.get("train") and step < len(lengths) - 1:
+            optimizer.step()
+    return losses, grads, {n: p.detach() for n, p in model.named_parameters()}
 
 
 def train_steps(rank, cases, group=None, data_parallel_group=None, replica=0, keep=None):

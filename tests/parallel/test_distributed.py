@@ -30,6 +30,7 @@ from distributed_cases import (
     rank_of,
     thread_count,
     train_steps,
+    trained_reference,
 )
 from gpipe.materialize import build_full
 from gpipe.parallel import launch as launch_module
@@ -335,10 +336,21 @@ def test_tied_copies_in_two_processes_stay_identical_through_training():
     first, second = launch(train_steps, 2, args=([case],), timeout=60)
     embedding, head = GPT_TIED
     assert torch.equal(first[0]["params"][embedding], second[0]["params"][head])
-    # Trained: the random tokens teach nothing (the loss starts at ln(vocab) already), but
-    # the optimizer moved the tied weight.
+    # After 9 AdamW steps, the weights and the last step's gradients and loss are the
+    # un-split model's (its one tensor: the head's copy carries the embedding's values).
+    losses, grads, weights = trained_reference(case)
+    weights[head], grads[head] = weights[embedding], grads[embedding]
+    ours = {**second[0]["params"], **first[0]["params"]}
+    ours_grads = {**second[0]["grads"], **first[0]["grads"]}
+    assert sorted(ours) == sorted(weights)
+    for name, value in weights.items():
+        assert relative_error(ours[name], value) <= 1e-10, name
+        assert relative_error(ours_grads[name], grads[name]) <= 1e-10, name
+    loss = torch.tensor(second[0]["losses"][-1], dtype=torch.float64)
+    assert relative_error(loss, losses[0]) <= 1e-10
+    # Trained: the optimizer moved the tied weight.
     initial = dict(build_full(FACTORIES["gpt-tied"], seed=INIT_SEED).named_parameters())
-    assert relative_error(first[0]["params"][embedding], initial[embedding].detach()) > 1e-3
+    assert relative_error(weights[embedding], initial[embedding].detach()) > 1e-3
 
 
 @pytest.mark.slow
