@@ -313,6 +313,11 @@ def sharded_reuse(rank):
     return grads, error
 
 
+def sharded_cases_and_reuse(rank, cases):
+    """:func:`data_and_pipeline` sharded, then :func:`sharded_reuse`: one launch of four."""
+    return data_and_pipeline(rank, cases), sharded_reuse(rank)
+
+
 def thread_count(rank):
     """The threads ``launch`` left this process to compute with."""
     return torch.get_num_threads()

@@ -11,9 +11,8 @@ import torch
 
 from distributed_cases import (
     GPT_TIED,
-    data_and_pipeline,
     reused_factory,
-    sharded_reuse,
+    sharded_cases_and_reuse,
     trained_reference,
 )
 from fault_cases import sharded_faulty
@@ -71,7 +70,10 @@ CASES = _cases()
 
 @pytest.mark.slow
 def test_sharded_replicas_give_the_unsplit_models_gradients_for_every_schedule_and_remat():
-    outcomes = launch(data_and_pipeline, 4, args=(CASES,), timeout=240)
+    """And, in the same launch, a module used twice in a stage (check_reuse)."""
+    launched = launch(sharded_cases_and_reuse, 4, args=(CASES,), timeout=240)
+    check_reuse([reuse for _, reuse in launched])
+    outcomes = [outcome for outcome, _ in launched]
     assert sorted(o["replica"] for o in outcomes) == [0, 0, 1, 1]
     for index, case in enumerate(CASES):
         losses, grads, params = trained_reference(case, replicas=(0, 1))
@@ -118,9 +120,8 @@ def test_a_failure_in_one_rank_of_a_sharded_run_ends_every_rank_within_the_timeo
     assert not multiprocessing.active_children()
 
 
-@pytest.mark.slow
-def test_a_module_used_twice_in_a_stage_shards_and_modules_sharing_a_weight_are_refused():
-    outcomes = launch(sharded_reuse, 4, timeout=60)
+def check_reuse(outcomes):
+    """A module used twice in a stage shards; modules sharing a weight are refused."""
     model = build_full(reused_factory(False), seed=2)
     for replica in (0, 1):
         generator = torch.Generator().manual_seed(replica)
