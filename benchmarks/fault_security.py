@@ -18,9 +18,9 @@ from torch.nn import functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 import gpipe
-from distributed_cases import Stall, _outcome
 from gpipe.parallel.launch import launch
 from gpipe.transport.inquest import grace
+from injected_faults import Stall, _outcome
 from transport.intruders import Marker, trains_with_intruders
 
 TIMEOUT = 5.0

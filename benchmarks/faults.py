@@ -32,7 +32,9 @@ from fault_inputs import rows_inputs  # noqa: E402
 from fault_security import SECTION, rows_security  # noqa: E402
 from fault_stops import STORE_NOTE, rows_one_process  # noqa: E402
 
-from distributed_cases import (  # noqa: E402
+from gpipe import checkpoint as ckpt  # noqa: E402
+from gpipe.parallel.launch import LaunchError, launch  # noqa: E402
+from injected_faults import (  # noqa: E402
     data_parallel_fault,
     data_parallel_stalled,
     disagreeing,
@@ -42,8 +44,6 @@ from distributed_cases import (  # noqa: E402
     stalled,
     stalled_two_hops,
 )
-from gpipe import checkpoint as ckpt  # noqa: E402
-from gpipe.parallel.launch import LaunchError, launch  # noqa: E402
 
 TIMEOUT = 20.0  # the pipeline's timeout in the library cases
 DP_TIMEOUT = 10.0  # the pipeline's timeout in the data-parallel stall

@@ -1,5 +1,5 @@
 """Code that runs inside the processes the multi-process tests launch: runs that go right
-(their faults: tests/fault_cases.py).
+(their faults: tests/injected_faults.py).
 
 It lives in a module (not in the test file) so that spawned processes can import it.
 Every function returns plain data; the references are computed by the tests.

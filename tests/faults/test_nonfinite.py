@@ -8,9 +8,9 @@ from torch import nn
 from torch.nn import functional as F
 
 import gpipe
-from fault_cases import Overflows, nonfinite
 from gpipe import checkpoint as ckpt
 from gpipe.parallel.launch import launch
+from injected_faults import Overflows, nonfinite
 
 pytestmark = pytest.mark.timeout(200)  # multi-process: a hang fails
 

@@ -15,9 +15,9 @@ from distributed_cases import (
     sharded_cases_and_reuse,
     trained_reference,
 )
-from fault_cases import sharded_faulty
 from gpipe.materialize import build_full
 from gpipe.parallel.launch import launch
+from injected_faults import sharded_faulty
 from reference import relative_error
 
 pytestmark = pytest.mark.timeout(300)
