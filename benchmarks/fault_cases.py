@@ -13,8 +13,8 @@ from torch import nn
 from torch.nn import functional as F
 
 import gpipe
-from distributed_cases import BackwardFault, Fault, _outcome
 from gpipe.errors import PipelineError
+from injected_faults import BackwardFault, Fault, _outcome
 
 
 def carries_on(rank, timeout):

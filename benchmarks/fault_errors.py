@@ -17,7 +17,7 @@ from pathlib import Path
 
 import fault_jobs as jobs
 
-from distributed_cases import data_parallel_fault, stalled_two_hops
+from injected_faults import data_parallel_fault, stalled_two_hops
 
 # What each case of rows_errors printed before the errors named their cause (commit 9de4e29).
 _BEFORE = {

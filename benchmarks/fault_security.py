@@ -20,9 +20,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import fault_jobs as jobs
 
 import gpipe
-from distributed_cases import Stall, _outcome
 from gpipe.parallel.launch import launch
 from gpipe.transport.inquest import grace
+from injected_faults import Stall, _outcome
 from transport.intruders import Marker, trains_with_intruders
 
 TIMEOUT = 5.0

@@ -33,7 +33,7 @@ from fault_security import SECTION, rows_security  # noqa: E402
 from fault_signals import rows_kill_while_saving, rows_refused, rows_signals  # noqa: E402
 from fault_stops import RESTARTS, STORE_NOTE, rows_restart, rows_stops, rows_store  # noqa: E402
 
-from distributed_cases import (  # noqa: E402
+from injected_faults import (  # noqa: E402
     data_parallel_stalled,
     disagreeing,
     faulty,

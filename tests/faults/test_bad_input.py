@@ -113,10 +113,12 @@ def test_an_output_on_a_read_only_file_system_is_a_clear_error(capsys):
 @pytest.mark.timeout(200)
 @pytest.mark.slow
 def test_two_runs_into_one_folder_are_refused(cache, in_process, tmp_path):
-    out = tmp_path / "shared"
+    out, text = tmp_path / "shared", tmp_path / "text.txt"
+    text.write_text("a few lines to train on\n" * 400)  # small: both runs read it first
     first = subprocess.Popen(
         [sys.executable, "-m", "gpipe", "train", "--size", "tiny", "--stages", "1",
-         "--steps", "3000", "--save-every", "0", "--progress", "lines", "--out", str(out)],
+         "--data", str(text), "--steps", "3000", "--save-every", "0", "--progress", "lines",
+         "--out", str(out)],
         env={**os.environ, "GPIPE_CACHE_DIR": str(cache), "PYTHONPATH": str(SRC)},
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
@@ -124,7 +126,7 @@ def test_two_runs_into_one_folder_are_refused(cache, in_process, tmp_path):
         for line in first.stdout:
             if line.startswith("step "):
                 break
-        second = in_process("train", "--size", "tiny", "--out", str(out))
+        second = in_process("train", "--size", "tiny", "--data", str(text), "--out", str(out))
         assert second.returncode == 2
         assert "is in use by another run" in second.stderr
     finally:
@@ -204,10 +206,12 @@ def test_a_process_waiting_for_peers_that_never_come_names_them_within_the_timeo
     env = {**os.environ, "GPIPE_CACHE_DIR": str(cache), "PYTHONPATH": str(SRC)}
     env.update(RANK="0", WORLD_SIZE="3", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     timeout = 5.0
+    text = tmp_path / "text.txt"  # small: read before it waits
+    text.write_text("a few lines to train on\n" * 400)
     began = time.monotonic()
     done = subprocess.run(
         [sys.executable, "-m", "gpipe", "train", "--size", "tiny", "--stages", "3",
-         "--timeout", str(timeout), "--out", str(tmp_path / "alone")],
+         "--data", str(text), "--timeout", str(timeout), "--out", str(tmp_path / "alone")],
         env=env, capture_output=True, text=True, timeout=100,
     )  # fmt: skip
     seconds = time.monotonic() - began

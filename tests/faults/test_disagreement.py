@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from distributed_cases import DISAGREEMENT_TIMEOUT, disagreeing
 from gpipe.parallel.launch import launch
+from injected_faults import DISAGREEMENT_TIMEOUT, disagreeing
 
 pytestmark = pytest.mark.timeout(120)  # multi-process: a hang fails
 

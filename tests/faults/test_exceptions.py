@@ -11,10 +11,10 @@ from torch import nn
 from torch.nn import functional as F
 
 import gpipe
-from distributed_cases import BackwardFault, data_parallel_fault, faulty, faulty_backward
 from gpipe.parallel.launch import LaunchError, launch
 from gpipe.train.job import root_cause
 from gpipe.transport.inquest import grace
+from injected_faults import BackwardFault, data_parallel_fault, faulty, faulty_backward
 from reference import even_balance, twin, worst_gradient_error
 from test_pipe import make_case
 

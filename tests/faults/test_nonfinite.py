@@ -9,8 +9,8 @@ from torch.nn import functional as F
 
 import gpipe
 import gpipe.train.checkpoint as ckpt
-from distributed_cases import Overflows, nonfinite
 from gpipe.parallel.launch import launch
+from injected_faults import Overflows, nonfinite
 
 pytestmark = pytest.mark.timeout(200)  # multi-process: a hang fails
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from distributed_cases import data_parallel_fault, data_parallel_stalled, stalled, stalled_two_hops
 from gpipe.parallel.launch import LaunchError, launch
+from injected_faults import data_parallel_fault, data_parallel_stalled, stalled, stalled_two_hops
 
 TIMEOUT = 4.0  # the pipeline's; the process group's is far longer, as torchrun's 30 minutes
 LATE = TIMEOUT + 5  # the latest a waiting rank may raise (TIMEOUT + grace + 3 s of load)

@@ -30,6 +30,7 @@ from distributed_cases import (
     rank_of,
     thread_count,
     train_steps,
+    trained_reference,
 )
 from gpipe.materialize import build_full
 from gpipe.parallel import launch as launch_module
@@ -137,10 +138,15 @@ TWO_STAGE_CASES += [
 
 
 @pytest.mark.slow
-def test_two_processes_every_schedule_and_remat_mode():
-    results = launch(train_steps, 2, args=(TWO_STAGE_CASES,), timeout=60)
+def test_two_processes_every_schedule_and_remat_mode_clipping_and_tied_training():
+    """One launch: every two-stage case, the global clip, and training with tied copies."""
+    cases = [*TWO_STAGE_CASES, CLIP_CASE, TIED_TRAINING_CASE]
+    results = launch(train_steps, 2, args=(cases,), timeout=90)
     for index, case in enumerate(TWO_STAGE_CASES):
         check(case, [results[0][index], results[1][index]])
+    clip, tied = ([r[index] for r in results] for index in (-2, -1))
+    check_clipping(clip)
+    check_tied_training(tied)
 
 
 FOUR_STAGE_CASES = (
@@ -261,26 +267,21 @@ def test_data_parallel_times_pipeline_parallel():
         assert len(grads) == 2 and torch.equal(grads[0], grads[1])
 
 
-@pytest.mark.slow
-def test_clip_grad_norm_uses_the_global_norm():
-    case = {
-        "model": "gpt",
-        "balance": [3, 3],
-        "chunks": 2,
-        "schedule": "gpipe",
-        "checkpoint": "never",
-        "clip": 0.05,
-    }
-    results = launch(train_steps, 2, args=([case],), timeout=60)
-    _, grads, _ = reference(case)
+CLIP_CASE = {"model": "gpt", "balance": [3, 3], "chunks": 2, "schedule": "gpipe",
+             "checkpoint": "never", "clip": 0.05}  # fmt: skip
+
+
+def check_clipping(results):
+    """clip_grad_norm_ scales by the global norm, over both processes."""
+    _, grads, _ = reference(CLIP_CASE)
     total = torch.sqrt(sum(g.pow(2).sum() for g in grads.values()))
     scale = min(1.0, 0.05 / (total.item() + 1e-6))  # as torch.nn.utils.clip_grad_norm_
     assert scale < 0.5, "the case must actually clip"
-    merged = {**results[0][0]["grads"], **results[1][0]["grads"]}
+    merged = {**results[0]["grads"], **results[1]["grads"]}
     for name in grads:
         assert relative_error(merged[name], grads[name] * scale) <= 1e-9, name
     for result in results:
-        assert abs(result[0]["norm"] - total.item()) <= 1e-6 * total.item()
+        assert abs(result["norm"] - total.item()) <= 1e-6 * total.item()
 
 
 @pytest.mark.timeout(120)
@@ -321,24 +322,31 @@ def test_two_machines_with_torchrun(tmp_path):
     check({**CASE, "transport": "group"}, results)  # each parameter against the un-split model
 
 
-@pytest.mark.slow
-def test_tied_copies_in_two_processes_stay_identical_through_training():
-    case = {
-        "model": "gpt-tied",
-        "balance": [3, 3],
-        "chunks": 2,
-        "schedule": "1f1b",
-        "checkpoint": "except_last",
-        "lengths": [8] * 10,
-        "train": True,
-    }
-    first, second = launch(train_steps, 2, args=([case],), timeout=60)
+TIED_TRAINING_CASE = {"model": "gpt-tied", "balance": [3, 3], "chunks": 2, "schedule": "1f1b",
+                      "checkpoint": "except_last", "lengths": [8] * 10, "train": True}  # fmt: skip
+
+
+def check_tied_training(results):
+    """Tied copies in two processes stay identical through training, and equal the
+    un-split model's one tensor."""
+    first, second = results
     embedding, head = GPT_TIED
-    assert torch.equal(first[0]["params"][embedding], second[0]["params"][head])
-    # Trained: the random tokens teach nothing (the loss starts at ln(vocab) already), but
-    # the optimizer moved the tied weight.
+    assert torch.equal(first["params"][embedding], second["params"][head])
+    # After 9 AdamW steps, the weights and the last step's gradients and loss are the
+    # un-split model's (its one tensor: the head's copy carries the embedding's values).
+    losses, grads, weights = trained_reference(TIED_TRAINING_CASE)
+    weights[head], grads[head] = weights[embedding], grads[embedding]
+    ours = {**second["params"], **first["params"]}
+    ours_grads = {**second["grads"], **first["grads"]}
+    assert sorted(ours) == sorted(weights)
+    for name, value in weights.items():
+        assert relative_error(ours[name], value) <= 1e-10, name
+        assert relative_error(ours_grads[name], grads[name]) <= 1e-10, name
+    loss = torch.tensor(second["losses"][-1], dtype=torch.float64)
+    assert relative_error(loss, losses[0]) <= 1e-10
+    # Trained: the optimizer moved the tied weight.
     initial = dict(build_full(FACTORIES["gpt-tied"], seed=INIT_SEED).named_parameters())
-    assert relative_error(first[0]["params"][embedding], initial[embedding].detach()) > 1e-3
+    assert relative_error(weights[embedding], initial[embedding].detach()) > 1e-3
 
 
 @pytest.mark.slow

@@ -10,19 +10,15 @@ import pytest
 import torch
 
 from distributed_cases import (
-    FACTORIES,
     GPT_TIED,
-    INIT_SEED,
-    batch,
-    data_and_pipeline,
-    loss_of,
     reused_factory,
-    sharded_faulty,
-    sharded_reuse,
+    sharded_cases_and_reuse,
+    trained_reference,
 )
 from gpipe.materialize import build_full
 from gpipe.parallel.launch import launch
-from reference import reference_step, relative_error
+from injected_faults import sharded_faulty
+from reference import relative_error
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -72,37 +68,15 @@ def _cases():
 CASES = _cases()
 
 
-def _reference(case):
-    """Per step: the loss of each replica, and the gradients averaged over both; AdamW
-    between steps, as the pipes do."""
-    model = build_full(FACTORIES[case["model"]], seed=INIT_SEED)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    lengths = case.get("lengths", [8])
-    for step, length in enumerate(lengths):
-        model.zero_grad(set_to_none=True)
-        grads, losses = {}, []
-        for replica in (0, 1):
-            x, y = batch(case["model"], step, length, replica)
-            losses.append(
-                reference_step(model, x, y, loss_of(case["model"]), chunks=case["chunks"],
-                               seed=100 + step)
-            )  # fmt: skip
-            for name, p in model.named_parameters():
-                grads[name] = grads.get(name, 0) + p.grad / 2
-            model.zero_grad(set_to_none=True)
-        for name, p in model.named_parameters():
-            p.grad = grads[name]
-        if step < len(lengths) - 1:
-            optimizer.step()
-    return losses, grads, {n: p.detach() for n, p in model.named_parameters()}
-
-
 @pytest.mark.slow
 def test_sharded_replicas_give_the_unsplit_models_gradients_for_every_schedule_and_remat():
-    outcomes = launch(data_and_pipeline, 4, args=(CASES,), timeout=240)
+    """And, in the same launch, a module used twice in a stage (check_reuse)."""
+    launched = launch(sharded_cases_and_reuse, 4, args=(CASES,), timeout=240)
+    check_reuse([reuse for _, reuse in launched])
+    outcomes = [outcome for outcome, _ in launched]
     assert sorted(o["replica"] for o in outcomes) == [0, 0, 1, 1]
     for index, case in enumerate(CASES):
-        losses, grads, params = _reference(case)
+        losses, grads, params = trained_reference(case, replicas=(0, 1))
         merged, weights = {}, {}
         norm = sum(g.pow(2).sum() for g in grads.values()).sqrt()
         for outcome in outcomes:
@@ -146,9 +120,8 @@ def test_a_failure_in_one_rank_of_a_sharded_run_ends_every_rank_within_the_timeo
     assert not multiprocessing.active_children()
 
 
-@pytest.mark.slow
-def test_a_module_used_twice_in_a_stage_shards_and_modules_sharing_a_weight_are_refused():
-    outcomes = launch(sharded_reuse, 4, timeout=60)
+def check_reuse(outcomes):
+    """A module used twice in a stage shards; modules sharing a weight are refused."""
     model = build_full(reused_factory(False), seed=2)
     for replica in (0, 1):
         generator = torch.Generator().manual_seed(replica)

@@ -12,8 +12,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from distributed_cases import Fault, _outcome
 from gpipe.parallel.launch import launch
+from injected_faults import Fault, _outcome
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]
 

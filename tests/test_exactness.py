@@ -103,16 +103,17 @@ def test_the_loss_parameters_and_a_private_generator_are_compared():
 
 
 def test_the_command_prints_exact_and_exits_0(capsys):
-    argv = ["check", "--model", "test_check:tiny", "--loss", "torch.nn:CrossEntropyLoss",
-            "--batch", "test_check:tiny_batch", "--chunks", "3", "--schedule", "1f1b"]  # fmt: skip
+    argv = ["check", "--model", "test_exactness:tiny", "--loss", "torch.nn:CrossEntropyLoss",
+            "--batch", "test_exactness:tiny_batch", "--chunks", "3",
+            "--schedule", "1f1b"]  # fmt: skip
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert out.startswith("gpipe check: exact (worst |Δ| = ") and "schedule 1f1b" in out
 
 
 def test_the_command_names_an_inexact_parameter_and_exits_1(capsys):
-    argv = ["check", "--model", "test_check:tiny", "--loss", "test_check:summed",
-            "--batch", "test_check:tiny_batch", "--chunks", "2", "--optimizer",
+    argv = ["check", "--model", "test_exactness:tiny", "--loss", "test_exactness:summed",
+            "--batch", "test_exactness:tiny_batch", "--chunks", "2", "--optimizer",
             "torch.optim:Adam", "--steps", "2"]  # fmt: skip
     assert main(argv) == 1
     out = capsys.readouterr().out
@@ -120,7 +121,7 @@ def test_the_command_names_an_inexact_parameter_and_exits_1(capsys):
 
 
 def test_the_command_refuses_missing_imports_in_one_line(capsys):
-    assert main(["check", "--model", "test_check:tiny"]) == 2
+    assert main(["check", "--model", "test_exactness:tiny"]) == 2
     assert "missing --loss, --batch" in capsys.readouterr().err
     assert main(["check", "--model", "tiny", "--loss", "x:y", "--batch", "x:y"]) == 2
     assert "--model 'tiny' is not module:name" in capsys.readouterr().err
