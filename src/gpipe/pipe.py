@@ -36,8 +36,8 @@ from gpipe._utils import (
     to_device,
 )
 from gpipe.engine import batchnorm
+from gpipe.engine.loss import LossSpec, check_batch, loss_specs
 from gpipe.engine.runtime import StepInputs, StepResult
-from gpipe.engine.stage import LossSpec, check_batch, loss_specs
 from gpipe.errors import PartitionError, PipelineError
 from gpipe.frontend import ModelNames, Original, calls, capture, origin_of
 from gpipe.layout import Layout
