@@ -331,6 +331,8 @@ class Stage:
             ModuleState.restored(stored.state) as replay,
         ):
             kept = self._group_inputs(stored, groups, microbatch, replay)
+            # Metered until B ends, as the memory model counts it: every group input at once.
+            last_held = kept[-1][2]  # noqa: F841
             # From the last group down: recompute with autograd, differentiate, free.
             grads = grad_outputs
             for k in reversed(range(len(groups))):
