@@ -175,7 +175,14 @@ def _signature(ep: ExportedProgram, gm: fx.GraphModule):
     return inputs, attrs, mutations, results
 
 
-def _carried(gm, inputs, body, unit_of, results, names) -> list[list[fx.Node]]:
+def _carried(
+    gm: fx.GraphModule,
+    inputs: list[fx.Node],
+    body: list[fx.Node],
+    unit_of: dict[fx.Node, int],
+    results: list,
+    names: list[str],
+) -> list[list[fx.Node]]:
     """Per cut c (before unit c), the values it carries, in graph order: defined before it,
     used at or after it (the output counts as the last unit); each must be carriable."""
     count = len(names)
