@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from gpipe.engine.batchnorm import DeferredBatchNorm
-from gpipe.engine.loss_reads import ForeignParameters
+from gpipe.engine.loss import ForeignParameters
 from gpipe.engine.runtime import Runtime
 from gpipe.engine.skip import SkipLayout
 from gpipe.engine.stage import Stage
@@ -288,7 +288,7 @@ def place(
                 checkpoint_layers=config.layout.checkpoint_layers,
             )
         )
-    if stages[-1].is_last:  # what its loss must not read (gpipe.engine.loss_reads)
+    if stages[-1].is_last:  # what its loss must not read (gpipe.engine.loss)
         as_placed = dict(placed_layers)
         named = CapturedModel.original_name if isinstance(model, CapturedModel) else str
         stages[-1].foreign = ForeignParameters(

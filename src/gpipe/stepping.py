@@ -30,8 +30,8 @@ from gpipe._utils import (
     to_device,
 )
 from gpipe.engine import batchnorm
+from gpipe.engine.loss import LossSpec, check_batch, loss_specs
 from gpipe.engine.runtime import StepInputs, StepResult
-from gpipe.engine.stage import LossSpec, check_batch, loss_specs
 from gpipe.errors import PipelineError
 from gpipe.losses import NO_TOKEN, NOTHING_COUNTS, UNCOUNTED, declared, uncounted
 

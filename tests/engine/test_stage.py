@@ -8,7 +8,8 @@ from torch import nn
 from torch.nn import functional as F
 
 import gpipe
-from gpipe.engine.stage import LossSpec, Stage
+from gpipe.engine.loss import LossSpec
+from gpipe.engine.stage import Stage
 from gpipe.models import GPTConfig, convnet, gpt, lm_loss
 from reference import (
     assert_step_matches,

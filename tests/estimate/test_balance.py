@@ -12,7 +12,8 @@ from torch.nn import functional as F
 
 import gpipe
 from gpipe.errors import PartitionError
-from gpipe.estimate.balance import BudgetError, balance_costs, balance_profile
+from gpipe.estimate.balance import BudgetError, balance_profile
+from gpipe.estimate.cuts import balance_costs
 from gpipe.estimate.memory_model import Held, MemoryModel, held_microbatches
 from gpipe.estimate.profile import Profile
 from gpipe.schedule import build_schedule

@@ -21,7 +21,8 @@ from typing import Any, Protocol
 import torch
 
 from gpipe._utils import synchronize
-from gpipe.engine.stage import LossSpec, Stage
+from gpipe.engine.loss import LossSpec
+from gpipe.engine.stage import Stage
 from gpipe.schedule.ir import Action, Kind, Schedule, TimedAction
 from gpipe.schedule.routes import Message, Routes
 

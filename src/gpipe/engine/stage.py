@@ -38,96 +38,18 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from gpipe import microbatch, rng
-from gpipe._utils import tensors_of, to_device
-from gpipe.engine.loss_reads import ForeignParameters, check_loss
+from gpipe import rng
+from gpipe._utils import tensors_of
+from gpipe.engine.loss import ForeignParameters, LossSpec, check_loss, compute_loss
 from gpipe.engine.skip import SkipError, StageSkips, tracking
 from gpipe.engine.split_backward import WeightWork, backward_input, backward_weight
 from gpipe.engine.state import ModuleState, SavedState, running_stats_frozen
-from gpipe.losses import TokenCrossEntropy
 from gpipe.remat import recomputing, replaying
 
 if TYPE_CHECKING:
     from gpipe.engine.memory import ActivationMeter
 
-__all__ = ["LossSpec", "Stage", "check_batch", "loss_specs"]
-
-LossFn = Callable[[Any, Any], torch.Tensor]
-
-
-@dataclass
-class LossSpec:
-    """What the last stage needs to turn a micro-batch's output into its loss.
-
-    ``weight`` is this micro-batch's share of the mini-batch loss, known on the host. A
-    token loss of ``gpipe.losses`` comes with ``divisor`` instead: its sum over the
-    micro-batch is divided by the mini-batch's count, a tensor on the last stage's device,
-    so that no count is read before the step, and a micro-batch where no token counts
-    adds an exact zero.
-    """
-
-    loss_fn: LossFn
-    target: Any
-    weight: float = 1.0
-    scale: torch.Tensor | None = None  # a GradScaler's: backward runs from loss * scale
-    divisor: torch.Tensor | None = None
-
-
-def loss_specs(
-    loss_fn: LossFn,
-    targets_mb: list[Any],
-    inputs_mb: list[Any] | None,
-    *,
-    reduction: str,
-    count: Callable[[Any], Any] | None,
-    device: torch.device,
-    scale: torch.Tensor | None = None,
-) -> list[LossSpec]:
-    """The last stage's loss for each micro-batch, weighted so that the gradients add up
-    to the mini-batch loss's (see ``Pipe.step`` for ``reduction`` and ``count``)."""
-    if reduction not in ("mean", "sum"):
-        raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
-    if count is not None and reduction != "mean":
-        raise ValueError("count= weighs the micro-batches' means: use reduction='mean'")
-    sizes = [microbatch.batch_size(y, name="targets") for y in targets_mb]
-    if inputs_mb is not None:
-        input_sizes = [microbatch.batch_size(x, name="inputs") for x in inputs_mb]
-        if input_sizes != sizes:
-            raise ValueError(
-                f"inputs and targets have different batch sizes "
-                f"({sum(input_sizes)} and {sum(sizes)}); give one target per sample"
-            )
-    targets_mb = [to_device(y, device) for y in targets_mb]
-    if isinstance(loss_fn, TokenCrossEntropy) and count == loss_fn.count:
-        # Nothing counts in the whole mini-batch: 0/0, a NaN loss, and the step is refused.
-        total = torch.stack([loss_fn.count(y) for y in targets_mb]).sum()
-        return [LossSpec(loss_fn.summed, y, scale=scale, divisor=total) for y in targets_mb]
-    if count is None:
-        shares = [float(n) for n in sizes]
-    else:  # one read of the host for all the counts
-        shares = torch.stack(
-            [torch.as_tensor(count(y)).to(device, torch.float64) for y in targets_mb]
-        ).tolist()
-    if any(not c >= 0 for c in shares) or not sum(shares) > 0:
-        raise ValueError(
-            f"count(target) must be >= 0 for each micro-batch and > 0 in all, got {shares}: "
-            "it counts what loss_fn averages over (e.g. the tokens that are not padding)"
-        )
-    total = sum(shares)
-    return [
-        LossSpec(loss_fn, y, n / total if reduction == "mean" else 1.0, scale=scale)
-        for y, n in zip(targets_mb, shares, strict=True)
-    ]
-
-
-def check_batch(losses: list[LossSpec], inputs: int) -> None:
-    """The targets (on the last stage's rank) describe the inputs' mini-batch (the first's)."""
-    targets = sum(microbatch.batch_size(spec.target) for spec in losses)
-    if targets != inputs:
-        raise ValueError(
-            f"the targets hold {targets} samples but the inputs on the first stage's rank "
-            f"{inputs}: every rank must step the same mini-batch (one target per sample)"
-        )
+__all__ = ["Stage"]
 
 
 @dataclass
@@ -278,7 +200,7 @@ class Stage:
             # Nothing of this micro-batch counts (e.g. all padding): its mean may be NaN.
             stored.loss_value = torch.zeros((), device=self.device)
         elif spec is not None:
-            loss = _compute_loss(spec, self.value_of(stored.outputs))
+            loss = compute_loss(spec, self.value_of(stored.outputs))
             divisor = spec.divisor
             stored.loss_value = loss / divisor if divisor is not None else loss * spec.weight
             if torch.is_grad_enabled():  # the loss reaches the model, and the model only
@@ -408,16 +330,9 @@ class Stage:
             self._metered(),
             ModuleState.restored(stored.state) as replay,
         ):
-            # Without autograd: each group's input, and the buffers each group found.
-            kept: list[tuple[Any, dict, list]] = []
-            x = stored.inputs
-            with torch.no_grad():
-                for k, group in enumerate(groups):
-                    meter = self.meter if k else None  # the stage input is held already
-                    held = meter.hold(self.index, tensors_of(x)) if meter is not None else []
-                    kept.append((x, ModuleState.snapshot(stored.state, group), held))
-                    x = self._run_group(x, group, microbatch, stored.seed, replay)
-            del x
+            kept = self._group_inputs(stored, groups, microbatch, replay)
+            # Metered until B ends, as the memory model counts it: every group input at once.
+            last_held = kept[-1][2]  # noqa: F841
             # From the last group down: recompute with autograd, differentiate, free.
             grads = grad_outputs
             for k in reversed(range(len(groups))):
@@ -451,6 +366,20 @@ class Stage:
                 del leaf
         stored.held.clear()
         return grads
+
+    def _group_inputs(
+        self, stored: _Stored, groups: list[range], microbatch: int, replay: frozenset[int]
+    ) -> list[tuple[Any, dict, list]]:
+        """Without autograd: each group's input, the buffers it found, its meter tokens."""
+        kept: list[tuple[Any, dict, list]] = []
+        x = stored.inputs
+        with torch.no_grad():
+            for k, group in enumerate(groups):
+                meter = self.meter if k else None  # the stage input is held already
+                held = meter.hold(self.index, tensors_of(x)) if meter is not None else []
+                kept.append((x, ModuleState.snapshot(stored.state, group), held))
+                x = self._run_group(x, group, microbatch, stored.seed, replay)
+        return kept
 
     def backward_weight(self, microbatch: int) -> None:
         """Run W for one micro-batch: the parameter gradients its split B left."""
@@ -503,17 +432,6 @@ def _grads_of(inputs: list[torch.Tensor]) -> list[torch.Tensor | None]:
 
 def _copied(value: Any) -> Any:
     return tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, value)
-
-
-def _compute_loss(spec: LossSpec, outputs: Any) -> torch.Tensor:
-    loss = spec.loss_fn(outputs, spec.target)
-    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-        shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-        raise ValueError(
-            f"loss_fn must return a scalar tensor, got {shape}; reduce it inside loss_fn "
-            "(reduction='mean' or 'sum') and tell Pipe.step which one with reduction=..."
-        )
-    return loss
 
 
 def _detached(value: Any, needs_grad: Callable[[torch.Tensor], bool]) -> Any:

@@ -1,18 +1,10 @@
-"""Choose the cuts: the contiguous partition whose slowest stage is fastest.
+"""Choose the cuts of a model: the contiguous partition whose slowest stage is fastest.
 
 A pipeline runs at the speed of its slowest stage, so the best cut of ``L`` layers into
-``K`` stages minimises the largest stage cost. That problem is solved exactly, by dynamic
-programming over (stages used, layers covered) — O(K·L²), not a greedy guess:
-
-    best(s, j) = min over i of max(best(s-1, i), cost(stage s-1 = layers i..j-1))
-
-Of the partitions that reach the optimum, the one with the smallest sum of squared stage
-costs is chosen (a second pass of the same recursion), so the other stages are as even as
-they can be too.
-
-The cost of a stage may depend on its position (the first stage of a 1F1B pipeline holds
-K micro-batches, the last one), and a stage may be required to fit a memory budget;
-both enter the same recursion. By time, that cut is then the start of a hill climb on the
+``K`` stages minimises the largest stage cost, exactly (``gpipe.estimate.cuts``). The cost
+of a stage may depend on its position (the first stage of a 1F1B pipeline holds K
+micro-batches, the last one), and a stage may be required to fit a memory budget; both
+enter the same recursion. By time, that cut is then the start of a hill climb on the
 schedule's simulated step (``_by_makespan``): a stage's actions are not one number (a split
 backward's B and W, the first stage's empty B, the loss on the last), and the schedule, not
 the slowest stage alone, sets the step. Entry points:
@@ -23,15 +15,13 @@ the slowest stage alone, sets the step. Entry points:
   ``"parameters"`` method) or, given a sample, the whole memory model below;
 * :func:`balance_profile` — either objective on a :class:`~gpipe.estimate.profile.Profile` you
   have (measured once, or synthetic), returning the stage times and memory too;
-* :func:`balance_costs` — the bare algorithm on a list of numbers.
+* :func:`gpipe.estimate.cuts.balance_costs` — the bare algorithm on a list of numbers.
 
 The memory of a stage is :mod:`gpipe.estimate.memory_model`'s.
 """
 
 from __future__ import annotations
 
-import bisect
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -41,31 +31,22 @@ from torch import nn
 from gpipe import remat
 from gpipe._utils import MiB
 from gpipe.errors import PartitionError
-from gpipe.estimate.costs import stage_costs
+from gpipe.estimate.costs import layer_times, stage_costs
+from gpipe.estimate.cuts import check_stages, min_max_cut
 from gpipe.estimate.memory_model import (
     Held,
     MemoryModel,
     StageMemory,
     StageMemoryTable,
     held_microbatches,
-    layer_times,
-    prefix_sums,
 )
 from gpipe.estimate.profile import LayerProfile, Profile, profile
+from gpipe.estimate.ranges import prefix_sums
 from gpipe.layout import Layout
 from gpipe.schedule import Schedule
 from gpipe.schedule.simulate import per_stage, simulate
 
-__all__ = [
-    "BudgetError",
-    "Partition",
-    "balance_by_size",
-    "balance_by_time",
-    "balance_costs",
-    "balance_profile",
-    "cut_within",
-    "lightest_cut",
-]
+__all__ = ["BudgetError", "Partition", "balance_by_size", "balance_by_time", "balance_profile"]
 
 
 class BudgetError(PartitionError):
@@ -98,94 +79,6 @@ class Partition:
         """Slowest stage over the mean stage: 1.0 is perfect balance."""
         mean = sum(self.times) / len(self.times)
         return max(self.times) / mean if mean > 0 else 1.0
-
-
-# -- the exact algorithm ------------------------------------------------------------------
-
-
-def _solve(
-    n: int,
-    stages: int,
-    cost: Callable[[int, int, int], float],
-    fits: Callable[[int, int, int], bool] | None = None,
-) -> tuple[float, list[int]] | None:
-    """Min over contiguous partitions of max over stages of ``cost(stage, start, stop)``.
-
-    Stages are non-empty; only stages with ``fits(stage, start, stop)`` are allowed.
-    Returns (optimum, balance), or None if no partition is allowed. Many partitions
-    usually share the optimal slowest stage; among them the one with the smallest sum of
-    squared stage costs is returned (the others as even as they can be), so that the
-    answer does not hang on which layer a noisy measurement made the slowest.
-    """
-    inf = math.inf
-    best = [[inf] * (n + 1) for _ in range(stages + 1)]
-    best[0][0] = -inf  # max over no stages
-    for s in range(1, stages + 1):
-        # stage s-1 covers layers i..j-1; the stages after it need a layer each
-        for j in range(s, n - (stages - s) + 1):
-            row = inf
-            for i in range(s - 1, j):
-                before = best[s - 1][i]
-                if before >= row or (fits is not None and not fits(s - 1, i, j)):
-                    continue
-                row = min(row, max(before, cost(s - 1, i, j)))
-            best[s][j] = row
-    optimum = best[stages][n]
-    if optimum == inf:
-        return None
-
-    # Second pass: the least sum of squares among partitions within the optimum (a
-    # rounding's worth of slack, so that the optimal partition itself qualifies).
-    bound = optimum + 1e-9 * abs(optimum) + 1e-300
-    squares = [[inf] * (n + 1) for _ in range(stages + 1)]
-    choice = [[-1] * (n + 1) for _ in range(stages + 1)]
-    squares[0][0] = 0.0
-    for s in range(1, stages + 1):
-        for j in range(s, n - (stages - s) + 1):
-            row, row_choice = inf, -1
-            for i in range(s - 1, j):
-                if squares[s - 1][i] == inf:
-                    continue
-                c = cost(s - 1, i, j)
-                if c > bound or (fits is not None and not fits(s - 1, i, j)):
-                    continue
-                value = squares[s - 1][i] + c * c
-                if value < row:
-                    row, row_choice = value, i
-            squares[s][j], choice[s][j] = row, row_choice
-    balance, j = [], n
-    for s in range(stages, 0, -1):
-        i = choice[s][j]
-        balance.append(j - i)
-        j = i
-    return optimum, balance[::-1]
-
-
-def _check_stages(n: int, stages: Any) -> None:
-    problems = Layout(stages=stages).problems(layers=n)  # the rule is Layout's
-    if problems:
-        raise PartitionError(problems[0])
-
-
-def balance_costs(costs: Sequence[float], stages: int) -> list[int]:
-    """The balance (layers per stage) that minimises the largest sum of ``costs``.
-
-    Exact for any non-negative costs::
-
-        >>> balance_costs([1, 1, 1, 9, 1, 1], stages=3)
-        [3, 1, 2]
-    """
-    values = [float(c) for c in costs]
-    _check_stages(len(values), stages)
-    if any(not v >= 0 for v in values):
-        raise ValueError(f"costs must be non-negative numbers, got {list(costs)}")
-    prefix = prefix_sums(values)
-    solved = _solve(len(values), stages, lambda s, i, j: prefix[j] - prefix[i])
-    assert solved is not None  # without a memory constraint every partition is allowed
-    return solved[1]
-
-
-# -- entry points ---------------------------------------------------------------------------
 
 
 def _budgets(memory_budget: float | Sequence[float] | None, stages: int) -> list[float] | None:
@@ -231,7 +124,7 @@ def balance_profile(
     lacks, when no partition fits.
     """
     n = len(prof.layers)
-    _check_stages(n, stages)
+    check_stages(n, stages)
     if by not in ("time", "step", "size"):
         raise ValueError(f"by must be 'time', 'step' or 'size', got {by!r}")
     model = memory or MemoryModel()
@@ -250,7 +143,7 @@ def balance_profile(
     fits = None
     if budgets is not None:
         fits = lambda s, i, j: table.total(s, i, j) <= budgets[s]  # noqa: E731
-    solved = _solve(n, stages, cost, fits)
+    solved = min_max_cut(n, stages, cost, fits)
     if solved is None:
         assert budgets is not None
         _raise_budget(prof, stages, table, budgets, chunks, checkpoint, schedule)
@@ -304,7 +197,7 @@ def _by_makespan(prof: Profile, balance: list[int], schedule: Schedule, checkpoi
 def _raise_budget(prof, stages, table, budgets, chunks, checkpoint, schedule) -> None:
     n = len(prof.layers)
     # The partition that misses the budget by the least, in the worst stage.
-    closest = _solve(n, stages, lambda s, i, j: table.total(s, i, j) - budgets[s])
+    closest = min_max_cut(n, stages, lambda s, i, j: table.total(s, i, j) - budgets[s])
     assert closest is not None
     balance = closest[1]
     lines, needed, missing, start = [], [], [], 0
@@ -449,63 +342,3 @@ def _parameters_only(model: nn.Sequential) -> Profile:
             )
         )
     return Profile(tuple(layers), None, "none")
-
-
-# -- cuts within a memory bound (the capacity search's) ------------------------------------
-
-
-def cut_within(table: StageMemoryTable, n: int, stages: int, bound: float) -> list[int] | None:
-    """A cut of ``n`` layers into ``stages`` stages whose every stage needs at most ``bound``
-    bytes (``table.total``), or None if there is none. Exact, in about O(stages · n):
-
-    stage s may end at layer j if it can start at a layer i where stage s - 1 ended with
-    ``table.weights(i, j) <= bound`` — the weights never shrink as a stage grows, so the
-    smallest such i only moves right as j does — and ``table.total(s, i, j) <= bound``,
-    tried from the latest such end down.
-    """
-    ends = [0]  # where the stages so far can end, ascending
-    came_from: list[dict[int, int]] = []  # per stage: end -> start
-    for s in range(stages):
-        last = s == stages - 1
-        reach, starts, lo = [], {}, 0
-        for j in [n] if last else range(s + 1, n - (stages - s - 1) + 1):
-            while lo < j and table.weights(lo, j) > bound:
-                lo += 1
-            if lo > ends[-1]:  # too heavy to start after any end: so is every later j
-                break
-            k = bisect.bisect_right(ends, j - 1) - 1
-            while k >= 0 and ends[k] >= lo:
-                if table.total(s, ends[k], j) <= bound:
-                    reach.append(j)
-                    starts[j] = ends[k]
-                    break
-                k -= 1
-        if not reach:
-            return None
-        ends = reach
-        came_from.append(starts)
-    balance, j = [], n
-    for s in range(stages - 1, -1, -1):
-        i = came_from[s][j]
-        balance.append(j - i)
-        j = i
-    return balance[::-1]
-
-
-def lightest_cut(table: StageMemoryTable, n: int, stages: int) -> list[int]:
-    """The cut whose fullest stage needs the least (to a relative 1e-6), by bisection on
-    :func:`cut_within`'s bound."""
-    even = [n // stages + (s < n % stages) for s in range(stages)]
-    high, start = 0.0, 0
-    for s, size in enumerate(even):
-        high = max(high, table.total(s, start, start + size))
-        start += size
-    best, low = even, 0.0
-    while high - low > 1e-6 * high:
-        middle = (low + high) / 2
-        balance = cut_within(table, n, stages, middle)
-        if balance is None:
-            low = middle
-        else:
-            best, high = balance, middle
-    return best

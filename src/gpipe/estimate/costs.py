@@ -26,7 +26,7 @@ from gpipe.remat import recompute_fraction
 from gpipe.schedule.ir import Schedule
 from gpipe.schedule.simulate import Costs
 
-__all__ = ["stage_costs"]
+__all__ = ["layer_times", "stage_costs"]
 
 
 def stage_costs(
@@ -63,3 +63,16 @@ def stage_costs(
         backward.append(b * slowdown + overhead)
         weight.append(w * slowdown + overhead if split else 0.0)
     return Costs(forward=forward, backward=backward, weight=weight)
+
+
+def layer_times(
+    prof: Profile, *, checkpoint: str = "never", chunks: int = 1, split: bool = False
+) -> list[float]:
+    """Seconds per micro-batch of each layer: forward (+ its share of recomputation) +
+    backward (``split``: input-gradient and weight-gradient parts timed apart)."""
+    again = recompute_fraction(checkpoint, chunks)
+    return [
+        lay.forward * (1.0 + again)
+        + (lay.backward_input + lay.backward_weight if split else lay.backward)
+        for lay in prof.layers
+    ]

@@ -67,6 +67,7 @@ from dataclasses import dataclass
 from gpipe import remat
 from gpipe._utils import MiB
 from gpipe.estimate.profile import LayerProfile, Profile
+from gpipe.estimate.ranges import RangeMax, StridedMax, prefix_sums
 from gpipe.layout import Layout
 from gpipe.schedule.ir import Kind, Schedule
 from gpipe.schedule.simulate import Costs, SimulationResult, simulate
@@ -79,8 +80,6 @@ __all__ = [
     "StageMemoryTable",
     "held_in",
     "held_microbatches",
-    "layer_times",
-    "prefix_sums",
     "stage_memory",
 ]
 
@@ -186,13 +185,6 @@ class StageMemory:
         )
 
 
-def prefix_sums(values: Sequence[float]) -> list[float]:
-    out = [0.0]
-    for v in values:
-        out.append(out[-1] + v)
-    return out
-
-
 def held_microbatches(
     schedule: Schedule, checkpoint: str, costs: Costs | None = None
 ) -> list[Held]:
@@ -250,37 +242,6 @@ def held_in(result: SimulationResult, checkpoint: str) -> list[Held]:
     return held
 
 
-class _RangeMax:
-    """Largest of ``values[i:j]`` in O(1), after O(n log n) preparation (a sparse table)."""
-
-    def __init__(self, values: Sequence[float]) -> None:
-        self.levels = [list(values)]
-        width = 1
-        while 2 * width <= len(values):
-            below = self.levels[-1]
-            self.levels.append(
-                [max(below[i], below[i + width]) for i in range(len(values) - 2 * width + 1)]
-            )
-            width *= 2
-
-    def __call__(self, i: int, j: int) -> float:
-        level = (j - i).bit_length() - 1
-        row = self.levels[level]
-        return max(row[i], row[j - (1 << level)])
-
-
-class _StridedMax:
-    """Largest of ``values[start], values[start + step], ...`` (``count`` of them) in O(1)."""
-
-    def __init__(self, values: Sequence[float], step: int) -> None:
-        self.step = step
-        self.rows = [_RangeMax(values[r::step]) for r in range(min(step, len(values)))]
-
-    def __call__(self, start: int, count: int) -> float:
-        first = start // self.step
-        return self.rows[start % self.step](first, first + count)
-
-
 class StageMemoryTable:
     """O(1) memory of any stage (layers i..j-1 at position s), from prefix sums.
 
@@ -308,8 +269,8 @@ class StageMemoryTable:
         self.factor = (1.0 + model.optimizer_state) * model.kept + self.gradient_factor
         self.factor += model.reduction
         self.params = prefix_sums([lay.param_bytes for lay in layers])
-        self.largest = _RangeMax([lay.param_bytes for lay in layers])
-        self.largest_saved = _RangeMax([lay.saved_bytes for lay in layers])
+        self.largest = RangeMax([lay.param_bytes for lay in layers])
+        self.largest_saved = RangeMax([lay.saved_bytes for lay in layers])
         self.buffers = prefix_sums([lay.buffer_bytes for lay in layers])
         self.inner = prefix_sums([lay.inner_bytes for lay in layers])
         self.has_params = [lay.param_bytes > 0 for lay in layers]
@@ -329,7 +290,7 @@ class StageMemoryTable:
             for x in range(n):
                 below = self.strided_inputs[x - g + 1] if x >= g else 0.0
                 self.strided_inputs[x + 1] = below + layers[x].input_bytes
-            self.group_inner = _StridedMax([self._inner(x, x + g) for x in range(n - g + 1)], g)
+            self.group_inner = StridedMax([self._inner(x, x + g) for x in range(n - g + 1)], g)
 
     def _inner(self, i: int, j: int) -> float:
         return (
@@ -451,19 +412,6 @@ def stage_memory(
         out.append(table(s, start, start + size))
         start += size
     return out
-
-
-def layer_times(
-    prof: Profile, *, checkpoint: str = "never", chunks: int = 1, split: bool = False
-) -> list[float]:
-    """Seconds per micro-batch of each layer: forward (+ its share of recomputation) +
-    backward (``split``: input-gradient and weight-gradient parts timed apart)."""
-    again = remat.recompute_fraction(checkpoint, chunks)
-    return [
-        lay.forward * (1.0 + again)
-        + (lay.backward_input + lay.backward_weight if split else lay.backward)
-        for lay in prof.layers
-    ]
 
 
 @dataclass(frozen=True)

@@ -230,16 +230,7 @@ def profile(
         prof = gpipe.profile(model, torch.randint(0, 256, (8, 64)))
         print(prof.table())
     """
-    if not isinstance(model, nn.Sequential) or len(model) == 0:
-        raise TypeError(
-            f"profile takes a non-empty nn.Sequential, got {type(model).__name__}"
-            + (" of length 0" if isinstance(model, nn.Sequential) else "")
-        )
-    for label, value, low in (("repeats", repeats, 1), ("warmup", warmup, 0)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < low:
-            raise ValueError(f"{label} must be an int >= {low}, got {value!r}")
-    if (target is None) != (loss_fn is None):
-        raise ValueError("give both target and loss_fn (the last layer's loss), or neither")
+    _check_arguments(model, target, loss_fn, repeats=repeats, warmup=warmup)
     device = _resolve_device(model, device)
     try:
         batch = microbatch.batch_size(sample, name="sample")
@@ -266,6 +257,20 @@ def profile(
             for run in runs:
                 run.time_once(keep=round_ >= warmup)
     return Profile(tuple(run.result() for run in runs), batch, str(device))
+
+
+def _check_arguments(model: Any, target: Any, loss_fn: Any, **counts: int) -> None:
+    if not isinstance(model, nn.Sequential) or len(model) == 0:
+        raise TypeError(
+            f"profile takes a non-empty nn.Sequential, got {type(model).__name__}"
+            + (" of length 0" if isinstance(model, nn.Sequential) else "")
+        )
+    for label, low in (("repeats", 1), ("warmup", 0)):
+        value = counts[label]
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            raise ValueError(f"{label} must be an int >= {low}, got {value!r}")
+    if (target is None) != (loss_fn is None):
+        raise ValueError("give both target and loss_fn (the last layer's loss), or neither")
 
 
 def _resolve_device(model: nn.Module, device: DeviceLike | None) -> torch.device:

@@ -28,8 +28,9 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils import _pytree as pytree
 
 from gpipe.frontend.cut import CaptureError, Piece, cut_graph, keep_as_calls
+from gpipe.frontend.holders import units_of
 from gpipe.frontend.hooks import forward_hooked, refuse_gradient_hooks
-from gpipe.frontend.units import CapturedModel, Unit
+from gpipe.frontend.units import CapturedModel
 
 __all__ = ["CaptureError", "capture", "fit_devices", "split_points"]
 
@@ -83,18 +84,7 @@ def capture(
     paths = split_points(model, split)
     refuse_gradient_hooks(model)
     hooked = forward_hooked(model, paths)
-    path_leaves, _ = pytree.tree_flatten_with_path(example)
-    constants = [
-        f"{pytree.keystr(path)}={leaf!r}"
-        for path, leaf in path_leaves
-        if not isinstance(leaf, torch.Tensor)
-    ]
-    if constants:
-        raise CaptureError(
-            f"the example holds values that are not tensors: {', '.join(constants)}; the "
-            "inputs are split into micro-batches and carried between stages, so pass tensors "
-            "only, and set options on the model instead (e.g. model.config.output_attentions)"
-        )
+    _refuse_constants(example)
     target = _target_device(model, device)
     fakes = _needs_fakes(model, target)
     if fakes:
@@ -112,45 +102,64 @@ def capture(
     ]
     kept += [name for name in hooked if name not in kept]
     was_training = {m: m.training for m in model.modules()}  # each module's, kept as it is
-    pieces: dict[bool, list[Piece]] = {}
+    exported = {}
     try:
         for mode in (True, False):
             model.train(mode)
-            program = _export(model, args, kwargs, dynamic, target if fakes else None)
-            gm = program.graph_module
-            specs = program.graph_signature.input_specs
-            placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-            for node, spec in zip(placeholders, specs, strict=True):
-                node.meta["gpipe_attr"] = spec.kind != InputKind.USER_INPUT
-            keep_as_calls(gm, model, kept, hooked)
-            pieces[mode] = cut_graph(program, gm, model, paths, _sources(model, args, kwargs))
+            exported[mode] = _cut_in_mode(
+                model, (args, kwargs), dynamic, target if fakes else None, paths, (kept, hooked)
+            )
     finally:
         for m, mode in was_training.items():
             m.training = mode
-    train, evaluate = pieces[True], pieces[False]
+    train, evaluate = exported[True], exported[False]
     if [p.name for p in train] != [p.name for p in evaluate]:
         raise CaptureError(
             "train() and eval() capture cut the model differently: "
             f"{[p.name for p in train]} vs {[p.name for p in evaluate]}"
         )
-    _add_other_names(model, train, evaluate)
-    _add_unused(model, paths, train, evaluate)
-    positions = _positions(model)
-    order: dict[str, int] = {}  # a tensor's or a module's place in the model's order
-    for key, index in positions.items():
-        parts = key.split(".")
-        for end in range(1, len(parts) + 1):
-            order.setdefault(".".join(parts[:end]), index)
-    units = [
-        Unit(t.name, _holder([t, e], order), {True: t.graph, False: e.graph}, target)
-        for t, e in zip(train, evaluate, strict=True)
-    ]
-    captured = CapturedModel(*units, tied=_ties(train, evaluate), split=paths)
-    captured.source, captured.order = source, positions
+    captured = units_of(model, paths, train, evaluate, target)
+    captured.source = source
     captured.train(model.training)
     for m, mode in was_training.items():  # the kept modules are the model's: as they were
         m.training = mode
     return captured
+
+
+def _refuse_constants(example: Any) -> None:
+    path_leaves, _ = pytree.tree_flatten_with_path(example)
+    constants = [
+        f"{pytree.keystr(path)}={leaf!r}"
+        for path, leaf in path_leaves
+        if not isinstance(leaf, torch.Tensor)
+    ]
+    if constants:
+        raise CaptureError(
+            f"the example holds values that are not tensors: {', '.join(constants)}; the "
+            "inputs are split into micro-batches and carried between stages, so pass tensors "
+            "only, and set options on the model instead (e.g. model.config.output_attentions)"
+        )
+
+
+def _cut_in_mode(
+    model: nn.Module,
+    inputs: tuple[tuple, dict],
+    dynamic: bool,
+    fake_device: torch.device | None,
+    paths: list[str],
+    calls: tuple[list[str], list[str]],
+) -> list[Piece]:
+    """The model exported in its current mode, the modules of ``calls`` (batch norms, and
+    those with forward hooks) kept as calls, cut at ``paths``."""
+    args, kwargs = inputs
+    program = _export(model, args, kwargs, dynamic, fake_device)
+    gm = program.graph_module
+    specs = program.graph_signature.input_specs
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for node, spec in zip(placeholders, specs, strict=True):
+        node.meta["gpipe_attr"] = spec.kind != InputKind.USER_INPUT
+    keep_as_calls(gm, model, *calls)
+    return cut_graph(program, gm, model, paths, _sources(model, args, kwargs))
 
 
 def fit_devices(
@@ -310,112 +319,6 @@ def _explain(model: nn.Module, error: Exception) -> str:
         "wrap the offending code in a module that export can trace, or pass the model's "
         "inputs as tensors only (no Python values that change between steps)"
     )
-
-
-def _positions(model: nn.Module) -> dict[str, int]:
-    """Each tensor's place in the model's own order (a module's parameters, then its buffers,
-    module by module): that of ``named_parameters()``, ``named_buffers()``, ``state_dict()``."""
-    positions: dict[str, int] = {}
-    for path, module in model.named_modules(remove_duplicate=False):
-        for name in (*module._parameters, *module._buffers):
-            positions.setdefault(f"{path}.{name}" if path else name, len(positions))
-    return positions
-
-
-def _holder(pieces: list[Piece], order: dict[str, int]) -> nn.Module:
-    """The unit's tensors and kept modules at their paths in the model, in the model's
-    order (so that state dicts list them as the model's does)."""
-    root = nn.Module()
-    items = [(path, None, module) for piece in pieces for path, module in piece.modules.items()]
-    items += [(name, *kt) for piece in pieces for name, kt in piece.tensors.items()]
-    items.sort(key=lambda item: order.get(item[0], len(order)))
-    for name, kind, tensor in items:
-        if kind is None:
-            _place(root, name, tensor)
-            continue
-        owner, attr = _owner(root, name)
-        if attr in owner._parameters or attr in owner._buffers:
-            continue
-        if kind == "parameter":
-            owner.register_parameter(attr, tensor)
-        else:
-            owner.register_buffer(attr, tensor, persistent=kind == "buffer")
-    return root
-
-
-def _add_other_names(model: nn.Module, *modes: list[Piece]) -> None:
-    """A tensor with several names in the model (BERT's decoder bias) gets them all, in the
-    first unit that holds it, so that state dicts have the model's keys."""
-    names: dict[int, list[str]] = {}
-    for name, t in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(t), []).append(name)
-    for name, t in model.named_buffers(remove_duplicate=False):
-        names.setdefault(id(t), []).append(name)
-    held = {name for pieces in modes for piece in pieces for name in piece.tensors}
-    for pieces in modes:
-        for piece in pieces:
-            for kind, tensor in list(piece.tensors.values()):
-                for other in names.get(id(tensor), []):
-                    if other not in held:
-                        piece.tensors[other] = (kind, tensor)
-                        held.add(other)
-
-
-def _add_unused(model: nn.Module, paths: list[str], *modes: list[Piece]) -> None:
-    """Parameters and buffers the forward never reads stay the model's (in its state dict, or
-    its ``buffers()``): in the unit of the split module that owns them, else the first unit."""
-    held = {id(t) for pieces in modes for piece in pieces for _, _, t in _read(piece)}
-    persistent = dict(model.state_dict(keep_vars=True))
-    for name, t in [*model.named_parameters(), *model.named_buffers()]:
-        if id(t) in held:
-            continue
-        kind = "parameter" if isinstance(t, nn.Parameter) else "buffer"
-        kind = kind if name in persistent or kind == "parameter" else "constant"
-        owner = [p for p in paths if name.startswith(p + ".")]
-        index = [piece.name for piece in modes[0]].index(owner[0]) if owner else 0
-        for pieces in modes:
-            pieces[index].tensors[name] = (kind, t)
-        held.add(id(t))
-
-
-def _read(piece: Piece) -> list[tuple[str, str, torch.Tensor]]:
-    """(name, kind, tensor) of what a unit reads: its tensors, and those of the modules it
-    keeps as calls (a batch norm's weight is the module's, not the graph's)."""
-    read = [(name, kind, t) for name, (kind, t) in piece.tensors.items()]
-    for path, module in piece.modules.items():
-        read += [(f"{path}.{n}", "parameter", t) for n, t in module.named_parameters()]
-        read += [(f"{path}.{n}", "buffer", t) for n, t in module.named_buffers()]
-    return read
-
-
-def _owner(root: nn.Module, name: str) -> tuple[nn.Module, str]:
-    *prefix, attr = name.split(".")
-    module = root
-    for part in prefix:
-        if part not in module._modules:
-            module.add_module(part, nn.Module())
-        module = module._modules[part]
-    return module, attr
-
-
-def _place(root: nn.Module, path: str, module: nn.Module) -> None:
-    parent, attr = _owner(root, path)
-    parent.add_module(attr, module)
-
-
-def _ties(*modes: list[Piece]) -> list[tuple[str, ...]]:
-    """Parameters read by more than one unit, as ``Pipe``'s ``tied=`` groups."""
-    holders: dict[int, dict[int, str]] = {}
-    for pieces in modes:
-        for u, piece in enumerate(pieces):
-            for name, kind, tensor in _read(piece):
-                if kind == "parameter":
-                    holders.setdefault(id(tensor), {}).setdefault(u, name)
-    return [
-        tuple(f"{u}.{name}" for u, name in sorted(units.items()))
-        for units in holders.values()
-        if len(units) > 1
-    ]
 
 
 def _check_known(model: nn.Module, modules: dict[str, nn.Module], paths: list[str]) -> None:

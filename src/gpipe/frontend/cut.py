@@ -121,6 +121,36 @@ def cut_graph(
 ) -> list[Piece]:
     """The units of ``gm`` (``ep``'s graph, maybe with modules kept as calls); ``sources``:
     export's name of each input (``L['input_ids']``), for its guards."""
+    inputs, attrs, mutations, results = _signature(ep, gm)
+    body = [n for n in gm.graph.nodes if n.op in ("call_function", "call_module", "get_attr")]
+    unit_of, names = _assign(body, split)
+    count = len(names)
+    live = _carried(gm, inputs, body, unit_of, results, names)
+    reads = _Reads(ep, gm, model, attrs, mutations, _aliases(model))
+    pieces = []
+    for u in range(count):
+        carried_in = inputs if u == 0 else live[u]
+        piece, g, env = reads.copy(names[u], [n for n in body if unit_of[n] == u], carried_in)
+        if u == count - 1:
+            g.output(tuple(env[a] if isinstance(a, fx.Node) else a for a in results))
+            piece.graph.out_spec = ep.call_spec.out_spec
+        else:
+            g.output(tuple(env[v] for v in live[u + 1]))
+            piece.graph.int_outputs = _int_slots(live[u + 1])
+        if u == 0:
+            piece.graph.in_spec = ep.call_spec.in_spec
+            guards = getattr(ep, "_guards_code", None) or ()
+            piece.graph.shapes = InputShapes.of(inputs, ep.range_constraints, guards, sources)
+        else:
+            piece.graph.int_inputs = _int_slots(carried_in)
+        g.lint()
+        pieces.append(piece)
+    return pieces
+
+
+def _signature(ep: ExportedProgram, gm: fx.GraphModule):
+    """The user's inputs, the tensor inputs (parameters, buffers, constants) by node, the
+    buffers written (node name -> buffer), and the user's outputs."""
     signature = ep.graph_signature
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     specs = dict(zip(placeholders, signature.input_specs, strict=True))
@@ -136,19 +166,27 @@ def cut_graph(
     ]
     if unsupported:
         raise CaptureError(f"the captured graph has outputs gpipe cannot carry: {unsupported}")
-
-    body = [n for n in gm.graph.nodes if n.op in ("call_function", "call_module", "get_attr")]
-    unit_of, names = _assign(body, split)
-    count = len(names)
     output = next(n for n in gm.graph.nodes if n.op == "output")
     results = [
         a
         for a, s in zip(output.args[0], signature.output_specs, strict=True)
         if s.kind == OutputKind.USER_OUTPUT
     ]
-    defined = {n: 0 for n in inputs} | {n: unit_of[n] for n in body}
+    return inputs, attrs, mutations, results
 
-    # last_use[v]: the latest unit that reads v (the output counts as the last unit).
+
+def _carried(
+    gm: fx.GraphModule,
+    inputs: list[fx.Node],
+    body: list[fx.Node],
+    unit_of: dict[fx.Node, int],
+    results: list,
+    names: list[str],
+) -> list[list[fx.Node]]:
+    """Per cut c (before unit c), the values it carries, in graph order: defined before it,
+    used at or after it (the output counts as the last unit); each must be carriable."""
+    count = len(names)
+    defined = {n: 0 for n in inputs} | {n: unit_of[n] for n in body}
     last_use: dict[fx.Node, int] = {}
     for n in body:
         for a in n.all_input_nodes:
@@ -170,52 +208,52 @@ def cut_graph(
                     f"{module_path(v) or 'the model forward'}) crosses the cut before "
                     f"{names[c]}; gpipe carries tensors and integers only: cut elsewhere"
                 )
+    return live
 
-    aliases = _aliases(model)
-    pieces = []
-    for u in range(count):
-        nodes = [n for n in body if unit_of[n] == u]
+
+@dataclass
+class _Reads:
+    """What a unit's copied nodes read of the model: its tensors under the model's names,
+    its kept modules, its subgraphs, and the buffers it writes."""
+
+    ep: ExportedProgram
+    gm: fx.GraphModule
+    model: nn.Module
+    attrs: dict
+    mutations: dict[str, str]
+    aliases: dict[str, list[str]]
+
+    def copy(self, name: str, nodes: list[fx.Node], carried_in: list[fx.Node]):
+        """A new graph of ``nodes`` taking ``carried_in``: (piece, graph, node map)."""
+        gm, attrs = self.gm, self.attrs
         g = fx.Graph()
         env: dict[fx.Node, fx.Node] = {}
-        carried_in = inputs if u == 0 else live[u]
         for v in carried_in:
             env[v] = g.placeholder(v.name)
             env[v].meta = dict(v.meta)
-        piece = Piece(names[u], UnitGraph(g))
+        piece = Piece(name, UnitGraph(g))
         for n in nodes:
             for a in n.all_input_nodes:
                 if a in attrs and a not in env:
-                    name = _name_for(attrs[a], n, aliases)
-                    tensor = _tensor(ep, model, attrs[a])
-                    kind = attrs[a].kind
-                    persistent = kind == InputKind.PARAMETER or bool(attrs[a].persistent)
-                    label = "parameter" if kind == InputKind.PARAMETER else "buffer"
-                    piece.tensors[name] = (label if persistent else "constant", tensor)
-                    piece.reads[id(tensor)] = name
-                    env[a] = g.get_attr(name)
+                    env[a] = self._tensor_read(piece, g, attrs[a], n)
             if n.op == "call_module":
-                piece.modules[n.target] = model.get_submodule(n.target)
+                piece.modules[n.target] = self.model.get_submodule(n.target)
             env[n] = g.node_copy(n, env.__getitem__)
             if n.op == "get_attr":  # a subgraph of a higher-order op (a no_grad region)
                 env[n].target = _subgraph(piece, gm.get_submodule(n.target))
-            if n.name in mutations:
-                target = _name_for_buffer(mutations[n.name], piece, model, g, env)
+            if n.name in self.mutations:
+                target = _name_for_buffer(self.mutations[n.name], piece, self.model, g, env)
                 g.call_function(torch.Tensor.copy_, (target, env[n]))
-        if u == count - 1:
-            g.output(tuple(env[a] if isinstance(a, fx.Node) else a for a in results))
-            piece.graph.out_spec = ep.call_spec.out_spec
-        else:
-            g.output(tuple(env[v] for v in live[u + 1]))
-            piece.graph.int_outputs = _int_slots(live[u + 1])
-        if u == 0:
-            piece.graph.in_spec = ep.call_spec.in_spec
-            guards = getattr(ep, "_guards_code", None) or ()
-            piece.graph.shapes = InputShapes.of(inputs, ep.range_constraints, guards, sources)
-        else:
-            piece.graph.int_inputs = _int_slots(carried_in)
-        g.lint()
-        pieces.append(piece)
-    return pieces
+        return piece, g, env
+
+    def _tensor_read(self, piece: Piece, g: fx.Graph, spec, user: fx.Node) -> fx.Node:
+        name = _name_for(spec, user, self.aliases)
+        tensor = _tensor(self.ep, self.model, spec)
+        persistent = spec.kind == InputKind.PARAMETER or bool(spec.persistent)
+        label = "parameter" if spec.kind == InputKind.PARAMETER else "buffer"
+        piece.tensors[name] = (label if persistent else "constant", tensor)
+        piece.reads[id(tensor)] = name
+        return g.get_attr(name)
 
 
 def _assign(body: list[fx.Node], split: Sequence[str]) -> tuple[dict[fx.Node, int], list[str]]:

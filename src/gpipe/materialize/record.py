@@ -13,19 +13,15 @@ skipped. Random draws after the last one that matters are skipped too. Generator
 factory makes itself (``torch.manual_seed``, ``set_rng_state``, ``fork_rng``) are noticed at the
 next draw and replayed. ``torch.tensor(data)``, which bypasses the dispatcher on meta, is made
 on the CPU and moved to meta by a recorded copy. The ``nn.init`` functions that return at once on
-meta (``trunc_normal_``, ``orthogonal_``, ``sparse_``, ``dirac_``: their draws depend on the
-values drawn) are recorded as whole calls while the factory runs. gpipe.materialize states the
-contract and names the tensors in errors.
+meta are recorded as whole calls while the factory runs (``gpipe.materialize.init_calls``).
+gpipe.materialize states the contract and names the tensors in errors.
 """
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import inspect
-import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +30,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map
 
+from gpipe.materialize.init_calls import InitCall, init_functions_recorded
 from gpipe.rng import device_generator
 
 __all__ = ["Recording", "TensorRef", "Unreplayable", "record"]
@@ -203,7 +200,7 @@ class Recording:
             self._after_draw(generator)
         return out
 
-    def _observe_call(self, call: _Call, tensor: torch.Tensor, args: tuple, kwargs: dict) -> Any:
+    def observe_call(self, call: InitCall, tensor: torch.Tensor, args: tuple, kwargs: dict) -> Any:
         generator, events = None, ()
         if call.random:
             bound = inspect.signature(call.fn).bind(tensor, *args, **kwargs).arguments
@@ -348,68 +345,6 @@ class Unreplayable(ValueError):
         self.label, self.reason = label, reason
 
 
-class _Call:
-    """An ``nn.init`` function that does nothing on meta (its draws depend on the values drawn:
-    rejection sampling, QR): recorded whole, called on the real tensor at replay."""
-
-    def __init__(self, name: str, fn: Callable, random: bool) -> None:
-        self.name, self.fn, self.random = name, fn, random
-
-    def __call__(self, *args: Any, **kwargs: Any) -> None:
-        self.fn(*args, **kwargs)
-
-    def __repr__(self) -> str:
-        return f"torch.nn.init.{self.name}"
-
-
-# Name in torch.nn.init -> draws random numbers. trunc_normal_ calls the private helper.
-_META_NO_OPS = {
-    "_no_grad_trunc_normal_": True,
-    "orthogonal_": True,
-    "sparse_": True,
-    "dirac_": False,
-}
-
-
-class _Patch:
-    """torch.nn.init patched while any thread records; each thread's calls go to its record."""
-
-    lock = threading.Lock()
-    users = 0
-    originals: dict[str, Callable] = {}  # noqa: RUF012
-    local = threading.local()
-
-
-def _recorded(call: _Call) -> Callable:
-    def init(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        recording = getattr(_Patch.local, "recording", None)
-        if recording is None or not tensor.is_meta:
-            return call.fn(tensor, *args, **kwargs)
-        return recording._observe_call(call, tensor, args, kwargs)
-
-    return functools.wraps(call.fn)(init)
-
-
-@contextmanager
-def _init_functions_recorded(recording: Recording) -> Iterator[None]:
-    with _Patch.lock:
-        if _Patch.users == 0:
-            for name, random in _META_NO_OPS.items():
-                _Patch.originals[name] = original = getattr(torch.nn.init, name)
-                setattr(torch.nn.init, name, _recorded(_Call(name, original, random)))
-        _Patch.users += 1
-    outer, _Patch.local.recording = getattr(_Patch.local, "recording", None), recording
-    try:
-        yield
-    finally:
-        _Patch.local.recording = outer
-        with _Patch.lock:
-            _Patch.users -= 1
-            if _Patch.users == 0:
-                for name, original in _Patch.originals.items():
-                    setattr(torch.nn.init, name, original)
-
-
 class _Recorder(TorchDispatchMode):
     def __init__(self, recording: Recording) -> None:
         super().__init__()
@@ -445,7 +380,7 @@ def record(factory: Callable[[], Any], *, seed: int, device: torch.device) -> tu
         generator.manual_seed(seed)
         recording._watch(generator)
     with (
-        _init_functions_recorded(recording),
+        init_functions_recorded(recording),
         _Literals(),
         torch.device("meta"),
         _Recorder(recording),

@@ -311,55 +311,15 @@ def _launch(
     results = context.SimpleQueue()
     # Held here, on loopback: a rank that stops cannot take it (gpipe.parallel.store).
     store = job_store.serve("127.0.0.1", None, nprocs, timeout)
-    port = store.port
-    processes = [
-        context.Process(
-            target=_worker,
-            args=(
-                rank,
-                fn,
-                args,
-                nprocs,
-                port,
-                backend,
-                timeout,
-                results,
-                os.getpid(),
-                dict(os.environ),
-                _Outputs(),
-            ),
-            name=f"gpipe-rank-{rank}",
-            daemon=False,
-        )
-        for rank in range(nprocs)
-    ]
+    worker = (fn, args, nprocs, store.port, backend, timeout, results)
+    processes = [_process(context, rank, worker) for rank in range(nprocs)]
     outcomes: dict[int, tuple[str, Any]] = {}
-    first_failure: float | None = None
     frozen: set[int] = set()  # ranks stopped (SIGSTOP, a debugger) when the others failed
     previous = _stop_on_sigterm()
     try:
         for process in processes:
             process.start()
-        while True:
-            while not results.empty():
-                rank, status, value = results.get()
-                outcomes[rank] = (status, value)
-            alive = [p for p in processes if p.is_alive()]
-            failed = [r for r, p in enumerate(processes) if p.exitcode not in (None, 0)] + [
-                r for r, (status, _) in outcomes.items() if status in ("error", "start")
-            ]
-            if any(status == "start" for status, _ in outcomes.values()):
-                break  # the group cannot form: the others wait in vain
-            if failed and first_failure is None:
-                first_failure = time.monotonic()
-            if not alive:
-                break
-            if first_failure is not None and time.monotonic() - first_failure > grace:
-                break
-            if failed and all(_stopped(p.pid) for p in alive):
-                frozen = {processes.index(p) for p in alive}  # none of them can notice
-                break
-            time.sleep(0.05)
+        frozen = _watch(processes, results, outcomes, grace)
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
@@ -367,9 +327,7 @@ def _launch(
         # and save (see gpipe.train); a second Ctrl-C kills them at once.
         stopped = sys.exc_info()[0] in (KeyboardInterrupt, SystemExit)
         _end(processes, wait=grace if stopped else 5.0)
-        while not results.empty():
-            rank, status, value = results.get()
-            outcomes[rank] = (status, value)
+        _drain(results, outcomes)
         del store  # its server stops: nobody is left to reach it
 
     mesh = [
@@ -379,6 +337,65 @@ def _launch(
     ]
     if again and mesh and len(mesh) == len(outcomes):  # that, and nothing else, went wrong
         raise _MeshFailed(mesh[0].splitlines()[0])
+    failures = _failures(processes, outcomes, frozen)
+    if failures:
+        summary = "\n".join(
+            f"- rank {rank}: {text.splitlines()[0]}" for rank, text in sorted(failures.items())
+        )
+        first = min(failures)
+        raise LaunchError(
+            f"{len(failures)} of {nprocs} processes failed:\n{summary}\n\n"
+            f"rank {first}'s error:\n{failures[first]}",
+            failures,
+            {r: pickle.loads(v) for r, (status, v) in outcomes.items() if status == "ok"},
+        )
+    return [pickle.loads(outcomes[rank][1]) for rank in range(nprocs)]
+
+
+def _process(context: Any, rank: int, worker: tuple) -> Any:
+    """Rank ``rank``'s process, not yet started: ``_worker`` with ``worker`` (fn, args, world
+    size, port, backend, timeout, results queue), the launcher, its environment and outputs."""
+    fn, args, *job = worker
+    return context.Process(
+        target=_worker,
+        args=(rank, fn, args, *job, os.getpid(), dict(os.environ), _Outputs()),
+        name=f"gpipe-rank-{rank}",
+        daemon=False,
+    )
+
+
+def _drain(results: Any, outcomes: dict[int, tuple[str, Any]]) -> None:
+    while not results.empty():
+        rank, status, value = results.get()
+        outcomes[rank] = (status, value)
+
+
+def _watch(processes: list, results: Any, outcomes: dict, grace: float) -> set[int]:
+    """Collect the ranks' outcomes until every process has ended, or the group cannot form,
+    or ``grace`` has passed since the first failure, or the ones left are all stopped
+    (returned: none of them can notice)."""
+    first_failure: float | None = None
+    while True:
+        _drain(results, outcomes)
+        alive = [p for p in processes if p.is_alive()]
+        failed = [r for r, p in enumerate(processes) if p.exitcode not in (None, 0)] + [
+            r for r, (status, _) in outcomes.items() if status in ("error", "start")
+        ]
+        if any(status == "start" for status, _ in outcomes.values()):
+            return set()  # the group cannot form: the others wait in vain
+        if failed and first_failure is None:
+            first_failure = time.monotonic()
+        if not alive:
+            return set()
+        if first_failure is not None and time.monotonic() - first_failure > grace:
+            return set()
+        if failed and all(_stopped(p.pid) for p in alive):
+            return {processes.index(p) for p in alive}
+        time.sleep(0.05)
+
+
+def _failures(processes: list, outcomes: dict, frozen: set[int]) -> dict[int, str]:
+    """Each failed rank's error, or what became of a rank that left none."""
     failures: dict[int, str] = {}
     for rank, process in enumerate(processes):
         status, value = outcomes.get(rank, (None, None))
@@ -395,15 +412,4 @@ def _launch(
                 failures[rank] = f"killed by signal {-code}"
             else:
                 failures[rank] = f"exited with code {code} without a result"
-    if failures:
-        summary = "\n".join(
-            f"- rank {rank}: {text.splitlines()[0]}" for rank, text in sorted(failures.items())
-        )
-        first = min(failures)
-        raise LaunchError(
-            f"{len(failures)} of {nprocs} processes failed:\n{summary}\n\n"
-            f"rank {first}'s error:\n{failures[first]}",
-            failures,
-            {r: pickle.loads(v) for r, (status, v) in outcomes.items() if status == "ok"},
-        )
-    return [pickle.loads(outcomes[rank][1]) for rank in range(nprocs)]
+    return failures

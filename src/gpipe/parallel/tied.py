@@ -73,6 +73,48 @@ def _owner(root: nn.Module, name: str) -> tuple[nn.Module, str]:
     return (root.get_submodule(prefix) if prefix else root), attr
 
 
+def _place_copies(
+    tie: _Tie,
+    model: nn.Module,
+    every: dict[str, nn.Parameter],
+    stage_of_layer: dict[str, int],
+    local_stages: set[int],
+    devices: Sequence[torch.device],
+) -> None:
+    """Each local holder stage holds the tensor on its device: the caller's Parameter where
+    it can (an optimizer built before the Pipe holds it), shared by the stages on one
+    device; a stage on another device gets gpipe's own copy (of the last name's value,
+    which sync_values() gives every copy). In a process that builds only its own layers
+    the reference may be on meta: start from the local value, which sync_values() then
+    replaces."""
+    held: dict[torch.device, nn.Parameter] = {}  # this process's copy on each device
+    for stage in tie.stages:  # the reference first: it keeps the caller's
+        if stage not in local_stages:
+            continue
+        here = [n for n in tie.names if stage_of_layer[n.split(".")[0]] == stage]
+        device = _placed(devices[stage])
+        copy = held.get(device)
+        if copy is None:
+            copy = every[here[-1]]
+            if not held and copy.device.type != "meta" and copy.device != device:
+                # placed with a later stage that uses it: the reference lives here
+                copy.data = copy.data.to(device)
+            elif any(copy is other for other in held.values()):
+                source = every[tie.names[-1]]
+                if source.device.type == "meta":
+                    source = every[here[0]]
+                copy = nn.Parameter(
+                    source.detach().to(device, copy=True),
+                    requires_grad=source.requires_grad,
+                )
+            held[device] = copy
+        for name in here:
+            module, attr = _owner(model, name)
+            setattr(module, attr, copy)
+        tie.copies[stage] = copy
+        tie.names_at[stage] = here
+
+
 class TiedParameters:
     """The tie groups of a Pipe and the copies this process holds."""
 
@@ -102,39 +144,8 @@ class TiedParameters:
             self.ties.append(_Tie(names, stages, {}))
         if problems:
             raise TiedError("invalid tied=:\n" + "\n".join(f"- {p}" for p in problems))
-        # Each local holder stage holds the tensor on its device: the caller's Parameter where
-        # it can (an optimizer built before the Pipe holds it), shared by the stages on one
-        # device; a stage on another device gets gpipe's own copy (of the last name's value,
-        # which sync_values() gives every copy). In a process that builds
-        # only its own layers the reference may be on meta: start from the local value, which
-        # sync_values() then replaces.
         for tie in self.ties:
-            held: dict[torch.device, nn.Parameter] = {}  # this process's copy on each device
-            for stage in tie.stages:  # the reference first: it keeps the caller's
-                if stage not in local_stages:
-                    continue
-                here = [n for n in tie.names if stage_of_layer[n.split(".")[0]] == stage]
-                device = _placed(devices[stage])
-                copy = held.get(device)
-                if copy is None:
-                    copy = every[here[-1]]
-                    if not held and copy.device.type != "meta" and copy.device != device:
-                        # placed with a later stage that uses it: the reference lives here
-                        copy.data = copy.data.to(device)
-                    elif any(copy is other for other in held.values()):
-                        source = every[tie.names[-1]]
-                        if source.device.type == "meta":
-                            source = every[here[0]]
-                        copy = nn.Parameter(
-                            source.detach().to(device, copy=True),
-                            requires_grad=source.requires_grad,
-                        )
-                    held[device] = copy
-                for name in here:
-                    module, attr = _owner(model, name)
-                    setattr(module, attr, copy)
-                tie.copies[stage] = copy
-                tie.names_at[stage] = here
+            _place_copies(tie, model, every, stage_of_layer, local_stages, devices)
         if self.extra_copies():
             self._follow_optimizers()
 

@@ -14,7 +14,7 @@ number of processes and an optimizer:
    plus what a process needs beyond it (``Calibration``), by bisection (a deeper member
    never needs less memory);
 3. cut the largest fitting depth with the memory balance
-   (``gpipe.estimate.balance.lightest_cut``: the partition with the most room in its
+   (``gpipe.estimate.cuts.lightest_cut``: the partition with the most room in its
    fullest stage).
 
 Layouts are ranked by parameters, then by fewer processes, no sharding, less
@@ -40,7 +40,7 @@ from dataclasses import replace
 from typing import Any
 
 from gpipe import remat
-from gpipe.estimate.balance import cut_within, lightest_cut
+from gpipe.estimate.cuts import cut_within, lightest_cut
 from gpipe.estimate.memory_model import (
     Calibration,
     MemoryModel,

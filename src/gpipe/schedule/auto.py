@@ -126,95 +126,121 @@ def _greedy(
     slope: int,
 ) -> list[list[Action]]:
     """One action list per rank, by the rules of the module docstring."""
-    S, K = len(placement), max(placement) + 1
-    stages_of = [[s for s in range(S) if placement[s] == r] for r in range(K)]
-    f_end = [[-1.0] * M for _ in range(S)]  # -1: not scheduled yet
-    b_end = [[-1.0] * M for _ in range(S)]
-    next_f, next_b = [0] * S, [0] * S  # both in micro-batch order on every stage
-    clock = [0.0] * K
-    live = [0] * K  # (stage, micro-batch) pairs whose W has not been scheduled
-    owed: list[deque[tuple[int, int]]] = [deque() for _ in range(K)]
-    rows: list[list[Action]] = [[] for _ in range(K)]
-
-    def arrival(done: float, producer: int, consumer: int) -> float | None:
-        if done < 0:
-            return None
-        return done + (transfer if placement[producer] != placement[consumer] else 0.0)
-
-    def fits(s: int) -> bool:
-        """Whether a forward on s fits the memory limit. A micro-batch entering the rank
-        (on its first stage) reserves its later stages' share too: otherwise a V rank full
-        of first-stage activations could never run the second stage that frees them."""
-        r = placement[s]
-        first, later = stages_of[r][0], stages_of[r][1:]
-        if s != first:
-            return True
-        reserved = sum(next_f[first] - next_f[t] for t in later)
-        return live[r] + reserved + len(stages_of[r]) <= units
-
-    def ready_f(s: int) -> float | None:
-        """When stage s's next forward may start (None: not known yet, or none left)."""
-        m = next_f[s]
-        if m == M or not fits(s):
-            return None
-        return 0.0 if s == 0 else arrival(f_end[s - 1][m], s - 1, s)
-
-    def ready_b(s: int) -> float | None:
-        m = next_b[s]
-        if m == next_f[s]:  # its forward has not been scheduled
-            return None
-        if s == S - 1:
-            return f_end[s][m]
-        grad = arrival(b_end[s + 1][m], s + 1, s)
-        return None if grad is None else max(grad, f_end[s][m])
-
-    def earliest(ready: list[tuple[float | None, int]], now: float) -> int | None:
-        """The stage whose action can start now and became ready first (the later stage
-        on a tie: it is nearer the loss)."""
-        due = [(t, -s) for t, s in ready if t is not None and t <= now]
-        return -min(due)[1] if due else None
-
-    remaining = 3 * S * M
+    play = _Play(placement, M, (forward, backward, weight), transfer, units)
+    K = play.K
+    remaining = 3 * play.S * M
     blocked = [False] * K
     while remaining:
+        rows, stages_of = play.rows, play.stages_of
         waiting = [
             r for r in range(K) if not blocked[r] and len(rows[r]) < 3 * M * len(stages_of[r])
         ]
         if not waiting:  # cannot happen: the last stage can always go on
             raise RuntimeError("zb-auto: the greedy search stalled; please report this")
-        r = min(waiting, key=lambda rank: (clock[rank], rank))
-        now = clock[r]
-        f_ready = [(ready_f(s), s) for s in stages_of[r]]
-        b_ready = [(ready_b(s), s) for s in stages_of[r]]
-        f_now, b_now = earliest(f_ready, now), earliest(b_ready, now)
-        awaiting_b = sum(next_f[s] - next_b[s] for s in stages_of[r])
-        pay = bool(owed[r]) and (
-            len(owed[r]) > defer + slope * r or (f_now is None and b_now is None)  # rules 1, 4
-        )
-        if pay:
-            s, m = owed[r].popleft()
-            live[r] -= 1
-            clock[r] = now + weight[s]
-            rows[r].append(Action(Kind.WEIGHT, s, m))
-        elif f_now is not None and (b_now is None or awaiting_b < warmup - shape * r):
-            s, m = f_now, next_f[f_now]
-            next_f[s] += 1
-            live[r] += 1
-            clock[r] = f_end[s][m] = now + forward[s]
-            rows[r].append(Action(Kind.FORWARD, s, m))
+        r = min(waiting, key=lambda rank: (play.clock[rank], rank))
+        acted = play.act(r, warmup - shape * r, defer + slope * r)
+        if acted is None:
+            blocked[r] = True  # until another rank produces its input
+        elif acted:
+            remaining -= 1
+            blocked = [False] * K
+    return play.rows
+
+
+class _Play:
+    """The step played forward by the greedy rules: what each stage has scheduled, when
+    each action ends, what each rank holds and owes."""
+
+    def __init__(
+        self,
+        placement: tuple[int, ...],
+        M: int,
+        costs: tuple[list[float], list[float], list[float]],
+        transfer: float,
+        units: int,
+    ) -> None:
+        S, K = len(placement), max(placement) + 1
+        self.placement, self.M, self.S, self.K = placement, M, S, K
+        self.forward, self.backward, self.weight = costs
+        self.transfer, self.units = transfer, units
+        self.stages_of = [[s for s in range(S) if placement[s] == r] for r in range(K)]
+        self.f_end = [[-1.0] * M for _ in range(S)]  # -1: not scheduled yet
+        self.b_end = [[-1.0] * M for _ in range(S)]
+        self.next_f, self.next_b = [0] * S, [0] * S  # both in micro-batch order on every stage
+        self.clock = [0.0] * K
+        self.live = [0] * K  # (stage, micro-batch) pairs whose W has not been scheduled
+        self.owed: list[deque[tuple[int, int]]] = [deque() for _ in range(K)]
+        self.rows: list[list[Action]] = [[] for _ in range(K)]
+
+    def act(self, r: int, warmup: int, defer: int) -> bool | None:
+        """Rank r takes its next action (True), or waits until its first input arrives
+        (False), or until another rank produces one (None)."""
+        now, owed, stages = self.clock[r], self.owed[r], self.stages_of[r]
+        f_ready = [(self.ready_f(s), s) for s in stages]
+        b_ready = [(self.ready_b(s), s) for s in stages]
+        f_now, b_now = _earliest(f_ready, now), _earliest(b_ready, now)
+        awaiting_b = sum(self.next_f[s] - self.next_b[s] for s in stages)
+        if owed and (len(owed) > defer or (f_now is None and b_now is None)):  # rules 1, 4
+            s, m = owed.popleft()
+            self.live[r] -= 1
+            self.clock[r] = now + self.weight[s]
+            self.rows[r].append(Action(Kind.WEIGHT, s, m))
+        elif f_now is not None and (b_now is None or awaiting_b < warmup):
+            s, m = f_now, self.next_f[f_now]
+            self.next_f[s] += 1
+            self.live[r] += 1
+            self.clock[r] = self.f_end[s][m] = now + self.forward[s]
+            self.rows[r].append(Action(Kind.FORWARD, s, m))
         elif b_now is not None:
-            s, m = b_now, next_b[b_now]
-            next_b[s] += 1
-            owed[r].append((s, m))
-            clock[r] = b_end[s][m] = now + backward[s]
-            rows[r].append(Action(Kind.BACKWARD, s, m))
+            s, m = b_now, self.next_b[b_now]
+            self.next_b[s] += 1
+            owed.append((s, m))
+            self.clock[r] = self.b_end[s][m] = now + self.backward[s]
+            self.rows[r].append(Action(Kind.BACKWARD, s, m))
         else:
             later = [t for t, _ in f_ready + b_ready if t is not None]
-            if later:
-                clock[r] = min(later)
-            else:
-                blocked[r] = True  # until another rank produces its input
-            continue
-        remaining -= 1
-        blocked = [False] * K
-    return rows
+            if not later:
+                return None
+            self.clock[r] = min(later)
+            return False
+        return True
+
+    def arrival(self, done: float, producer: int, consumer: int) -> float | None:
+        if done < 0:
+            return None
+        placement = self.placement
+        return done + (self.transfer if placement[producer] != placement[consumer] else 0.0)
+
+    def fits(self, s: int) -> bool:
+        """Whether a forward on s fits the memory limit. A micro-batch entering the rank
+        (on its first stage) reserves its later stages' share too: otherwise a V rank full
+        of first-stage activations could never run the second stage that frees them."""
+        r = self.placement[s]
+        first, later = self.stages_of[r][0], self.stages_of[r][1:]
+        if s != first:
+            return True
+        reserved = sum(self.next_f[first] - self.next_f[t] for t in later)
+        return self.live[r] + reserved + len(self.stages_of[r]) <= self.units
+
+    def ready_f(self, s: int) -> float | None:
+        """When stage s's next forward may start (None: not known yet, or none left)."""
+        m = self.next_f[s]
+        if m == self.M or not self.fits(s):
+            return None
+        return 0.0 if s == 0 else self.arrival(self.f_end[s - 1][m], s - 1, s)
+
+    def ready_b(self, s: int) -> float | None:
+        m = self.next_b[s]
+        if m == self.next_f[s]:  # its forward has not been scheduled
+            return None
+        if s == self.S - 1:
+            return self.f_end[s][m]
+        grad = self.arrival(self.b_end[s + 1][m], s + 1, s)
+        return None if grad is None else max(grad, self.f_end[s][m])
+
+
+def _earliest(ready: list[tuple[float | None, int]], now: float) -> int | None:
+    """The stage whose action can start now and became ready first (the later stage on a
+    tie: it is nearer the loss)."""
+    due = [(t, -s) for t, s in ready if t is not None and t <= now]
+    return -min(due)[1] if due else None

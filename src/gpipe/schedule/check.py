@@ -227,9 +227,15 @@ class _Checker:
                     queued[other] = True
                     pending.append(other)
 
-        stuck = [r for r in range(R) if pc[r] < lengths[r]]
-        if not stuck:
-            return
+        if any(pc[r] < lengths[r] for r in range(R)):
+            self._report_deadlock(pc, computed)
+
+    def _report_deadlock(self, pc: list[int], computed: list[bool]) -> None:
+        """Fail at the first rank stuck with its program counter at pc, naming who waits on
+        whom."""
+        acts, inbound, outbound = self.s.actions, self.inbound, self.outbound
+        lengths = [len(a) for a in acts]
+        stuck = [r for r in range(len(acts)) if pc[r] < lengths[r]]
 
         def state(rank: int) -> str:
             if pc[rank] == lengths[rank]:

@@ -106,44 +106,12 @@ class Schedule:
             Schedule.from_actions([["F0@0", "F1@0", "B1@0", "B0@0"],
                                    ["F0@1", "B0@1", "F1@1", "B1@1"]])
         """
-        if isinstance(actions, str) or not all(
-            isinstance(acts, Sequence) and not isinstance(acts, str) for acts in actions
-        ):
-            raise ScheduleError(
-                "actions must be one list per rank, e.g. [['F0@0', 'B0@0'], ['F0@1', 'B0@1']]"
-            )
-        parsed: list[tuple[Action, ...]] = []
-        for acts in actions:
-            row = []
-            for a in acts:
-                if isinstance(a, str):
-                    a = Action.parse(a)
-                elif not isinstance(a, Action):
-                    raise ScheduleError(f"expected an Action or a string like 'F0@1', got {a!r}")
-                row.append(a)
-            parsed.append(tuple(row))
+        parsed = _parse_rows(actions)
         everything = [a for row in parsed for a in row]
         if not everything:
             raise ScheduleError("the schedule has no actions; give at least one rank's list")
         if stage_to_rank is None:
-            owner: dict[int, int] = {}
-            for rank, row in enumerate(parsed):
-                for a in row:
-                    if owner.setdefault(a.stage, rank) != rank:
-                        raise ScheduleError(
-                            f"stage {a.stage} has actions on rank {owner[a.stage]} and rank "
-                            f"{rank} (e.g. {a}); a stage lives on one rank: move them or pass "
-                            "stage_to_rank",
-                            action=a,
-                        )
-            num_stages = max(owner) + 1
-            unowned = [s for s in range(num_stages) if s not in owner]
-            if unowned:
-                raise ScheduleError(
-                    f"stage {unowned[0]} has no actions, so its rank is unknown; add its "
-                    "actions or pass stage_to_rank"
-                )
-            stage_to_rank = [owner[s] for s in range(num_stages)]
+            stage_to_rank = _owners(parsed)
         if num_microbatches is None:
             num_microbatches = max(a.microbatch for a in everything) + 1
         return cls(
@@ -154,3 +122,46 @@ class Schedule:
             actions=tuple(parsed),
             buffered_sends=buffered_sends,
         ).validate()
+
+
+def _parse_rows(actions: Sequence[Sequence[Action | str]]) -> list[tuple[Action, ...]]:
+    """Per-rank lists of actions or strings like 'F0@1', as actions."""
+    if isinstance(actions, str) or not all(
+        isinstance(acts, Sequence) and not isinstance(acts, str) for acts in actions
+    ):
+        raise ScheduleError(
+            "actions must be one list per rank, e.g. [['F0@0', 'B0@0'], ['F0@1', 'B0@1']]"
+        )
+    parsed: list[tuple[Action, ...]] = []
+    for acts in actions:
+        row = []
+        for a in acts:
+            if isinstance(a, str):
+                a = Action.parse(a)
+            elif not isinstance(a, Action):
+                raise ScheduleError(f"expected an Action or a string like 'F0@1', got {a!r}")
+            row.append(a)
+        parsed.append(tuple(row))
+    return parsed
+
+
+def _owners(parsed: list[tuple[Action, ...]]) -> list[int]:
+    """The rank of each stage: the one its actions appear on."""
+    owner: dict[int, int] = {}
+    for rank, row in enumerate(parsed):
+        for a in row:
+            if owner.setdefault(a.stage, rank) != rank:
+                raise ScheduleError(
+                    f"stage {a.stage} has actions on rank {owner[a.stage]} and rank "
+                    f"{rank} (e.g. {a}); a stage lives on one rank: move them or pass "
+                    "stage_to_rank",
+                    action=a,
+                )
+    num_stages = max(owner) + 1
+    unowned = [s for s in range(num_stages) if s not in owner]
+    if unowned:
+        raise ScheduleError(
+            f"stage {unowned[0]} has no actions, so its rank is unknown; add its "
+            "actions or pass stage_to_rank"
+        )
+    return [owner[s] for s in range(num_stages)]

@@ -131,10 +131,57 @@ def simulate(
     )
     rank_of = schedule.stage_to_rank
     split = {(s, m) for s in range(S) for m in range(M) if schedule.splits_backward(s, m)}
+    programs, wakes = _programs(schedule, (fwd, bwd, wgt), split, transfer)
+    SM = S * M
+    begin, end, clock = _run(programs, wakes, 3 * SM)
+    starts = tuple([begin[k] for k in p[0]] for p in programs)
+    ends = tuple([end[k] for k in p[0]] for p in programs)
+    if any(None in e for e in ends):
+        # Cannot happen for a validated schedule; guards this function's own logic.
+        raise RuntimeError(f"simulation of {schedule.name!r} stalled; please report this")
+    makespan = max(clock, default=0.0)
+    busy = tuple(float(sum(p[1])) for p in programs)
+    bubble = 1.0 - sum(busy) / (R * makespan) if makespan > 0 else 0.0
 
-    # Actions are numbered key = kind * S * M + stage * M + micro-batch, indexing `end`.
-    # Each rank's program, flat for speed: key, cost, and up to two inputs (key or -1, and
-    # the latency to add when the input comes from another rank).
+    # Live interval of each (stage, micro-batch): forward start .. backward complete.
+    intervals = []
+    for s in range(S):
+        for m in range(M):
+            k = s * M + m
+            last = end[2 * SM + k] if (s, m) in split else end[SM + k]
+            intervals.append((s, begin[k], last))
+    live_stage, live_rank, bytes_stage, bytes_rank = _peaks(intervals, rank_of, R, sizes)
+    return SimulationResult(
+        schedule=schedule,
+        makespan=makespan,
+        busy=busy,
+        idle=tuple(makespan - b for b in busy),
+        bubble_fraction=bubble,
+        peak_live_per_stage=live_stage,
+        peak_live_per_rank=live_rank,
+        peak_bytes_per_stage=bytes_stage,
+        peak_bytes_per_rank=bytes_rank,
+        _starts=starts,
+        _ends=ends,  # type: ignore[arg-type]
+    )
+
+
+# Each rank's program, flat for speed: key, cost, and up to two inputs (key or -1, and the
+# latency to add when the input comes from another rank).
+Program = tuple[list[int], list[float], list[int], list[float], list[int], list[float]]
+
+
+def _programs(
+    schedule: Schedule,
+    costs: tuple[list[float], list[float], list[float]],
+    split: set[tuple[int, int]],
+    transfer: float,
+) -> tuple[list[Program], dict[int, int]]:
+    """Each rank's program, and for each result another rank consumes, that rank.
+
+    Actions are numbered key = kind * S * M + stage * M + micro-batch, indexing `end`."""
+    fwd, bwd, wgt = costs
+    S, M, rank_of = schedule.num_stages, schedule.num_microbatches, schedule.stage_to_rank
     SM = S * M
     FORWARD, BACKWARD = Kind.FORWARD, Kind.BACKWARD
     programs = []
@@ -171,9 +218,18 @@ def simulate(
             if cross:
                 wakes[in1[-1]] = r
         programs.append((keys, durations, in1, lat1, in2, lat2))
+    return programs, wakes
 
-    end: list[float | None] = [None] * (3 * SM)
-    begin = [0.0] * (3 * SM)  # start times, kept exact for the live intervals
+
+def _run(
+    programs: list[Program], wakes: dict[int, int], num_keys: int
+) -> tuple[list[float], list[float | None], list[float]]:
+    """Start and end of every action by key, and each rank's clock at its last action.
+
+    A rank runs until an input is missing; the rank producing it wakes it when it gets there."""
+    end: list[float | None] = [None] * num_keys
+    begin = [0.0] * num_keys  # start times, kept exact for the live intervals
+    R = len(programs)
     pc, clock = [0] * R, [0.0] * R
     pending = list(range(R))
     while pending:
@@ -185,7 +241,7 @@ def simulate(
             if (k := in1[i]) >= 0:
                 done = end[k]
                 if done is None:
-                    break  # the rank producing it wakes this one when it gets there
+                    break
                 if done + lat1[i] > start:
                     start = done + lat1[i]
             if (k := in2[i]) >= 0:
@@ -201,37 +257,7 @@ def simulate(
             if (other := wakes.get(key)) is not None:
                 pending.append(other)
         pc[r], clock[r] = i, now
-    if pc != [len(p[0]) for p in programs]:
-        # Cannot happen for a validated schedule; guards this function's own logic.
-        raise RuntimeError(f"simulation of {schedule.name!r} stalled; please report this")
-
-    starts = tuple([begin[k] for k in p[0]] for p in programs)
-    ends = tuple([end[k] for k in p[0]] for p in programs)
-    makespan = max(clock, default=0.0)
-    busy = tuple(float(sum(p[1])) for p in programs)
-    bubble = 1.0 - sum(busy) / (R * makespan) if makespan > 0 else 0.0
-
-    # Live interval of each (stage, micro-batch): forward start .. backward complete.
-    intervals = []
-    for s in range(S):
-        for m in range(M):
-            k = s * M + m
-            last = end[2 * SM + k] if (s, m) in split else end[SM + k]
-            intervals.append((s, begin[k], last))
-    live_stage, live_rank, bytes_stage, bytes_rank = _peaks(intervals, rank_of, R, sizes)
-    return SimulationResult(
-        schedule=schedule,
-        makespan=makespan,
-        busy=busy,
-        idle=tuple(makespan - b for b in busy),
-        bubble_fraction=bubble,
-        peak_live_per_stage=live_stage,
-        peak_live_per_rank=live_rank,
-        peak_bytes_per_stage=bytes_stage,
-        peak_bytes_per_rank=bytes_rank,
-        _starts=starts,
-        _ends=ends,  # type: ignore[arg-type]
-    )
+    return begin, end, clock
 
 
 def _peaks(
