@@ -68,11 +68,17 @@ def _threads(config: PlanConfig, processes: int) -> Iterator[None]:
     """Profile with the torch threads each of ``processes`` gets (gpipe train's --threads:
     0 shares the cores), then restore."""
     before = torch.get_num_threads()
-    torch.set_num_threads(config.threads or max(1, (os.cpu_count() or 1) // processes))
+    torch.set_num_threads(_thread_count(config, processes))
     try:
         yield
     finally:
         torch.set_num_threads(before)
+
+
+def _thread_count(config: PlanConfig, processes: int) -> int:
+    from gpipe.parallel.launch import threads_per_process
+
+    return config.threads or threads_per_process(processes)
 
 
 def family(config: PlanConfig):
@@ -190,8 +196,8 @@ def run_plan(config: PlanConfig) -> int:
     result = _search(config, trained)
     print(
         f"gpipe plan: {trained.what} ({len(model)} layers, {params:,} parameters); profiled "
-        f"on {config.device}, {torch.get_num_threads()} thread(s), {len(result.profiles)} "
-        f"micro-batch sizes in {time.perf_counter() - start:.1f} s"
+        f"on {config.device}, {_thread_count(config, config.processes)} thread(s), "
+        f"{len(result.profiles)} micro-batch sizes in {time.perf_counter() - start:.1f} s"
     )
     print(result.table(top=config.top))
     if config.verify:
