@@ -120,6 +120,27 @@ def run_row(name: str, k: int, mode: str, repeats: int, overhead, emit) -> None:
               "independent_fits": max(own) <= BUDGET})  # fmt: skip
 
 
+def markdown(records: list[dict]) -> str:
+    """The repeats, then the independent check, as the doc's tables."""
+    lines = ["| row | run | layout | predicted | measured | scatter MiB | peaks MiB (depth: runs) "
+             "| minutes |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for r in (r for r in records if "repeat" in r):
+        low, high = r["depths"]
+        verdict = f"{low} (exact)" if r["exact"] else f"{low}–{high} (within the scatter)"
+        peaks = "; ".join(f"{d}: {' / '.join(map(str, p))}" for d, p in r["peaks_mib"].items())
+        cells = [r["row"], r["repeat"], r["layout"], r["predicted"], verdict,
+                 f"{r['scatter_mib']:.2f}", peaks, f"{r['minutes']:.1f}"]  # fmt: skip
+        lines.append("| " + " | ".join(map(str, cells)) + " |")
+    lines += ["", "| row | depth | VmHWM, each process on its own (MiB) | the tool's "
+              "readings (MiB) | difference of the largest | scatter |",
+              "|---|---|---|---|---|---|"]  # fmt: skip
+    for r in (r for r in records if "independent_depth" in r):
+        cells = [r["row"], r["independent_depth"], r["vmhwm_mib"], r["tool_mib"],
+                 f"{r['difference_mib']:+.2f}", f"{r['scatter_mib']:.2f}"]  # fmt: skip
+        lines.append("| " + " | ".join(map(str, cells)) + " |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -130,7 +151,11 @@ def main() -> None:
     parser.add_argument("--calibration", type=float, nargs=4,
                         default=[233.8, 98.0, 0.033, 0.211])  # fmt: skip
     parser.add_argument("--out", type=Path, default=Path("capacity_repeats.jsonl"))
+    parser.add_argument("--table", type=Path, help="print --out's JSON lines kept in this file "
+                        "as the doc's tables, measuring nothing")  # fmt: skip
     args = parser.parse_args()
+    if args.table:
+        return print(markdown([json.loads(line) for line in args.table.read_text().splitlines()]))
     if args.worker:
         return worker(json.loads(args.worker))
     base, process, per_layer, per_stage = (v * MiB for v in args.calibration)
