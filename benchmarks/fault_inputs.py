@@ -88,8 +88,8 @@ def rows_inputs(work: Path) -> list[tuple]:
                      unchanged=[p.name for p in model.iterdir()] == ["config.json"],
                      work=work))  # fmt: skip
     rows += _export_rows(work, cache)
-    for argv, before in [(("--chunks", "0"), "a traceback"),
-                         (("--schedules", "fifo"), "a traceback")]:  # fmt: skip
+    for argv, before in [(("--search-chunks", "0"), "a traceback"),
+                         (("--search-schedules", "fifo"), "a traceback")]:  # fmt: skip
         result = _gpipe("plan", *argv, cache=cache)
         rows.append(_row(f"gpipe plan {' '.join(argv)} (before: {before})", *result,
                          expected=argv[0], unchanged=True, work=work))  # fmt: skip

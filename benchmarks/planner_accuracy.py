@@ -2,7 +2,7 @@
 
     python benchmarks/planner_accuracy.py [--out docs/planner.md] [--runs 2] [--quick]
 
-For the two presets of ``gpipe plan`` (its GPT and its ResNet, default sizes, batch 32) on
+For two models of ``gpipe plan`` (the GPT and the ResNet, as gpipe train's presets build them) on
 2 processes, each run:
 
 1. ``gpipe.plan(..., calibrate=True)`` profiles the model at every micro-batch count and
@@ -30,7 +30,8 @@ from pathlib import Path
 import torch
 
 from gpipe.allocator import cpu_allocator, started_with
-from gpipe.cli.plan import build, configure
+from gpipe.cli.plan_config import PlanConfig, resolve_plan
+from gpipe.cli.plan_model import TrainedModel, trained_model
 from gpipe.planner import Machine, plan, plan_from_profiles, verify
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -40,10 +41,9 @@ MARKER = "<!-- benchmark results -->"
 COMMAND = "python benchmarks/planner_accuracy.py --out docs/planner.md"
 
 
-def preset(name: str) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    configure(parser)
-    return parser.parse_args(["--model", name])
+def preset(name: str) -> TrainedModel:
+    """``gpipe plan --model NAME``'s model, data and loss (gpipe train's preset)."""
+    return trained_model(resolve_plan(PlanConfig(model=name)))
 
 
 def median_interval(times, draws: int = 2000, seed: int = 0) -> tuple[float, float]:
@@ -54,9 +54,9 @@ def median_interval(times, draws: int = 2000, seed: int = 0) -> tuple[float, flo
 
 
 def one_run(name: str, run: int, top: int, steps: int, rounds: int) -> tuple[list[str], str]:
-    args = preset(name)
     torch.set_num_threads(1)
-    model, x, y, loss_fn, what = build(args)
+    t = preset(name)
+    model, x, y, loss_fn, what = t.model, t.inputs, t.targets, t.loss_fn, t.what
     started = time.perf_counter()
     calibrated = plan(model, x, devices=2, target=y, loss_fn=loss_fn, calibrate=True)
     planned = time.perf_counter() - started

@@ -298,14 +298,19 @@ def test_a_model_too_large_for_this_machine_is_refused_with_its_peak(tmp_path, m
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["plan", "--chunks", "0"], "gpipe plan: error: argument --chunks: '0': give a whole "
-         "number >= 1; see gpipe plan --help"),
-        (["plan", "--schedules", "fifo"], "gpipe plan: error: argument --schedules: invalid "
-         "choice: 'fifo' (choose from 'gpipe', '1f1b',"),
-        (["plan", "--checkpoints", "sometimes"], "gpipe plan: error: argument --checkpoints: "
-         "invalid choice: 'sometimes'"),
-        (["plan", "--batch", "8", "--chunks", "4", "16"], "gpipe plan: error: --chunks 16: a "
-         "micro-batch holds at least one sample of --batch 8; give at most 8"),
+        (["plan", "--search-chunks", "0"], "gpipe plan: error: --search-chunks 0: give whole "
+         "numbers >= 1, comma-separated, e.g. 1,2,4"),
+        (["plan", "--search-schedules", "gpipe,fifo"], "gpipe plan: error: --search-schedules "
+         "gpipe,fifo: 'fifo' is not one of gpipe, 1f1b,"),
+        (["plan", "--search-checkpoints", "sometimes"], "gpipe plan: error: --search-checkpoints "
+         "sometimes: 'sometimes' is not one of always,"),
+        (["plan", "--batch", "8", "--search-chunks", "4,16"], "gpipe plan: error: "
+         "--search-chunks 16: a micro-batch holds at least one sample of --batch 8; give at "
+         "most 8"),
+        (["plan", "--memory", "lots"], "gpipe plan: error: --memory lots: cannot read 'lots' as "
+         "a size"),
+        (["plan", "--optimizer", "adagrad"], "gpipe plan: error: argument --optimizer: invalid "
+         "choice: 'adagrad'"),
         (["plan", "--capacity"], "gpipe plan: error: --capacity needs --memory"),
         (["checkpoints", "/nonexistent"], "gpipe checkpoints: error: no checkpoint in "
          "/nonexistent"),

@@ -143,7 +143,8 @@ def test_nothing_fits_names_the_stage_the_term_and_the_shortfall():
 def test_cli_prints_the_capacity_table(in_process):
     done = in_process(
         "plan", "--capacity", "--model", "gpt", "--d-model", "16", "--heads", "2", "--seq", "8",
-        "--vocab", "64", "--batch", "4", "--memory", "2MiB", "--processes", "2", "--chunks", "2",
+        "--vocab", "64", "--batch", "4", "--memory", "2MiB", "--processes", "2",
+        "--search-chunks", "2",
         "--top", "4", "--baseline-memory", "0", "--process-memory", "0",
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
@@ -158,7 +159,8 @@ def test_cli_budget_is_the_whole_process(in_process):
     # the answer names that fixed cost.
     done = in_process(
         "plan", "--capacity", "--model", "gpt", "--d-model", "16", "--heads", "2", "--seq", "8",
-        "--vocab", "64", "--batch", "4", "--memory", "2MiB", "--processes", "2", "--chunks", "2",
+        "--vocab", "64", "--batch", "4", "--memory", "2MiB", "--processes", "2",
+        "--search-chunks", "2",
         "--process-memory", "1MiB",
     )  # fmt: skip
     assert done.returncode == 1
@@ -179,7 +181,7 @@ def test_cli_calibrates_unless_given_and_prints_the_flags(monkeypatch, in_proces
     out = in_process(
         "plan", "--capacity", "--model", "gpt", "--d-model", "16", "--heads", "2", "--seq", "8",
         "--vocab", "64", "--batch", "4", "--memory", "64MiB", "--processes", "1",
-        "--chunks", "2",
+        "--search-chunks", "2",
     ).stdout  # fmt: skip
     assert "calibrating 1/2" in out
     assert ("--baseline-memory 7.0MiB --process-memory 3.0MiB --model-layer-memory 0.2500MiB "

@@ -98,8 +98,9 @@ def test_measuring_the_machine_runs_the_model_in_processes():
 @pytest.mark.slow
 def test_cli_calibrates_before_it_ranks(capsys):
     code = main(["plan", "--model", "gpt", "--model-config", "n_layers=1,d_model=16,n_heads=2",
-                 "--seq", "8", "--batch", "4", "--devices", "2", "--chunks",
-                 "2", "--repeats", "1", "--warmup", "0", "--top", "2", "--calibrate"])  # fmt: skip
+                 "--seq", "8", "--batch", "4", "--processes", "2", "--search-chunks",
+                 "2", "--profile-repeats", "1", "--profile-warmup", "0", "--top", "2",
+                 "--calibrate"])  # fmt: skip
     out = capsys.readouterr().out
     assert code == 0
     assert "compute slowdown K=1 M=2" in out and "K=2 M=2" in out and "(measured)" in out

@@ -28,8 +28,8 @@ def llama_config(folder) -> str:
 def planned(tmp_path, capsys, model: str, *extra: str):
     file = tmp_path / "plan.toml"
     code = main([
-        "plan", "--model", model, "--seq", "16", "--batch", "4", "--devices", "2",
-        "--chunks", "2", "--repeats", "1", "--warmup", "0", "--top", "2",
+        "plan", "--model", model, "--seq", "16", "--batch", "4", "--processes", "2",
+        "--search-chunks", "2", "--profile-repeats", "1", "--profile-warmup", "0", "--top", "2",
         "--write-config", str(file), *extra,
     ])  # fmt: skip
     out = capsys.readouterr().out

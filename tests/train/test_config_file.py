@@ -113,8 +113,9 @@ def test_every_problem_of_a_file_is_listed_and_a_missing_file_is_named(tmp_path,
 def test_plan_writes_its_first_choice_for_train(tmp_path, capsys):
     file = tmp_path / "plan.toml"
     shape = ["--model-config", "n_layers=2,d_model=16,n_heads=2", "--seq", "8"]
-    search = ["--batch", "8", "--devices", "2", "--chunks", "2", "4", "--repeats", "1"]
-    assert main(["plan", *shape, *search, "--warmup", "0", "--write-config", str(file)]) == 0
+    search = ["--batch", "8", "--processes", "2", "--search-chunks", "2,4"]
+    profile = ["--profile-repeats", "1", "--profile-warmup", "0"]
+    assert main(["plan", *shape, *search, *profile, "--write-config", str(file)]) == 0
     assert f"gpipe train --config {file}" in capsys.readouterr().out
     written = config_file.read(file)
     config = resolve(config_file.merge(file, {"out": str(tmp_path / "run")}))
@@ -129,9 +130,9 @@ def test_plan_writes_its_first_choice_for_train(tmp_path, capsys):
 def test_a_plan_within_a_budget_carries_the_allocator_it_was_planned_with(tmp_path, capsys):
     file = tmp_path / "plan.toml"
     shape = ["--model-config", "n_layers=2,d_model=16,n_heads=2", "--seq", "8"]
-    search = ["--batch", "8", "--devices", "2", "--chunks", "2", "--repeats", "1"]
-    budget = ["--memory", "1GiB", "--schedules", "gpipe", "--checkpoints", "always"]
-    assert main(["plan", *shape, *search, *budget, "--warmup", "0", "--write-config",
+    search = ["--batch", "8", "--processes", "2", "--search-chunks", "2", "--profile-repeats", "1"]
+    budget = ["--memory", "1GiB", "--search-schedules", "gpipe", "--search-checkpoints", "always"]
+    assert main(["plan", *shape, *search, *budget, "--profile-warmup", "0", "--write-config",
                  str(file)]) == 0  # fmt: skip
     config = resolve(config_file.merge(file, {"out": str(tmp_path / "run")}))
     assert config.cpu_allocator == "return"

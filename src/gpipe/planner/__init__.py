@@ -45,10 +45,11 @@ process's peak; ``gpipe.planner.measured``).
 """
 
 from gpipe.layout import Layout
+from gpipe.planner.calibration import calibrate
 from gpipe.planner.capacity import capacity
 from gpipe.planner.families import Family
 from gpipe.planner.machine import Link, Machine
-from gpipe.planner.measured import CapacityCheck, Measured, calibrate, verify_capacity
+from gpipe.planner.measured import CapacityCheck, Measured, verify_capacity
 from gpipe.planner.results import Candidate, Capacity, Fit, Plan, Verified
 from gpipe.planner.search import plan, plan_from_profiles, verify
 

@@ -229,25 +229,43 @@ class Machine:
         )
         link = Link.from_ping_pong(results[0]["ping_pong"]) if devices > 1 else Link()
         action, step = _solve_runtime(results[0]["tiny"], devices, link.latency)
-        inside = results[0]["tiny_inside"]  # the part of ``action`` within a traced action
-        slowdown = {}
-        for k in stages:
-            for m in counts:
-                busy = sum(r["busy"][k, m] for r in results[:k])
-                # Less the runtime's part (F and B of each micro-batch on each rank). With
-                # layers as small as the tiny pipeline's that difference is noise: keep half.
-                compute = max(busy - 2 * m * k * inside, busy / 2)
-                profiled = m * sum(lay.forward + lay.backward for lay in profiles[m].layers)
-                slowdown[k, m] = compute / profiled
+        slowdown = _slowdown(results, profiles, stages)
         machine = cls(link=link, action=action, step=step, slowdown=slowdown, measured=True)
-        waiting = {}
-        for k in stages:
-            for m in counts:
-                schedule = build_schedule("1f1b", num_ranks=k, num_microbatches=m)
-                costs, transfer = machine.stage_costs(profiles[m], cuts[k], schedule, "never")
-                makespan = simulate(schedule, costs, transfer=transfer).makespan
-                waiting[k, m] = max(results[0]["steps"][k, m] - step, 1e-9) / makespan
-        return replace(machine, waiting=waiting)
+        return replace(machine, waiting=_waiting(machine, results[0]["steps"], profiles, cuts))
+
+
+def _slowdown(
+    results: list[dict[str, Any]], profiles: Mapping[int, Profile], stages: range
+) -> dict[tuple[int, int], float]:
+    """Per (K, M): the time the K ranks spent computing over the profile's time for it."""
+    inside = results[0]["tiny_inside"]  # the part of the time per action within a traced one
+    slowdown = {}
+    for k in stages:
+        for m in sorted(profiles):
+            busy = sum(r["busy"][k, m] for r in results[:k])
+            # Less the runtime's part (F and B of each micro-batch on each rank). With
+            # layers as small as the tiny pipeline's that difference is noise: keep half.
+            compute = max(busy - 2 * m * k * inside, busy / 2)
+            profiled = m * sum(lay.forward + lay.backward for lay in profiles[m].layers)
+            slowdown[k, m] = compute / profiled
+    return slowdown
+
+
+def _waiting(
+    machine: Machine,
+    steps: Mapping[tuple[int, int], float],
+    profiles: Mapping[int, Profile],
+    cuts: Mapping[int, Sequence[int]],
+) -> dict[tuple[int, int], float]:
+    """Per (K, M): the measured 1F1B step over the one simulated with every other term."""
+    waiting = {}
+    for k, cut in cuts.items():
+        for m in sorted(profiles):
+            schedule = build_schedule("1f1b", num_ranks=k, num_microbatches=m)
+            costs, transfer = machine.stage_costs(profiles[m], cut, schedule, "never")
+            makespan = simulate(schedule, costs, transfer=transfer).makespan
+            waiting[k, m] = max(steps[k, m] - machine.step, 1e-9) / makespan
+    return waiting
 
 
 def _measure_rank(

@@ -43,7 +43,6 @@ import gc
 import inspect
 import os
 import resource
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -52,7 +51,6 @@ import torch
 
 from gpipe._utils import MiB
 from gpipe.allocator import started_with
-from gpipe.estimate.memory_model import Calibration
 from gpipe.layout import Layout
 from gpipe.parallel import mesh
 from gpipe.parallel.launch import launch
@@ -61,7 +59,7 @@ from gpipe.planner.capacity import fit_of, optimizer_state_of
 from gpipe.planner.families import Family
 from gpipe.planner.results import Fit
 
-__all__ = ["CapacityCheck", "Measured", "calibrate", "measure_fit", "verify_capacity"]
+__all__ = ["CapacityCheck", "Measured", "measure_fit", "verify_capacity"]
 
 SHARDING = "shard" in inspect.signature(Pipe).parameters  # Pipe(shard=...) has landed
 
@@ -332,7 +330,16 @@ def verify_capacity(
     if not (refine and found.ran):
         bigger = measure(fit.depth + 1) if next_size else None
         return _repeated(CapacityCheck(found, bigger, fit), measure, repeats)
-    measured = {fit.depth: found}
+    found, bigger = _refined(found, measure, moves)
+    return _repeated(CapacityCheck(found, bigger, fit), measure, repeats)
+
+
+def _refined(
+    first: Measured, measure: Callable[[int], Measured], moves: int
+) -> tuple[Measured, Measured | None]:
+    """From ``first``, the found depth and the next size up (see :func:`verify_capacity`'s
+    ``refine``): galloping, then halving the bracket, at most ``moves`` runs."""
+    measured = {first.fit.depth: first}
     stride = 1
     while moves > 0:
         within = [d for d, m in measured.items() if m.fits]
@@ -351,13 +358,11 @@ def verify_capacity(
         measured[depth] = measure(depth)
         moves -= 1
     runs = sorted(measured.values(), key=lambda m: m.fit.depth)
-    if any(m.fits for m in runs):
-        found = [m for m in runs if m.fits][-1]
-        deeper = [m for m in runs if m.fit.depth > found.fit.depth]
-        bigger = deeper[0] if deeper else measure(found.fit.depth + 1)
-    else:  # nothing measured fits
-        found, bigger = runs[0], (runs[1] if len(runs) > 1 else None)
-    return _repeated(CapacityCheck(found, bigger, fit), measure, repeats)
+    if not any(m.fits for m in runs):  # nothing measured fits
+        return runs[0], (runs[1] if len(runs) > 1 else None)
+    found = [m for m in runs if m.fits][-1]
+    deeper = [m for m in runs if m.fit.depth > found.fit.depth]
+    return found, (deeper[0] if deeper else measure(found.fit.depth + 1))
 
 
 def _repeated(check: CapacityCheck, measure: Callable[[int], Measured], repeats: int):
@@ -365,79 +370,3 @@ def _repeated(check: CapacityCheck, measure: Callable[[int], Measured], repeats:
     depths = [m.fit.depth for m in (check.found, check.next_size) if m is not None and m.ran]
     again = tuple(measure(d) for _ in range(repeats - 1) for d in depths)
     return replace(check, again=again)
-
-
-def calibrate(
-    family: Family,
-    *,
-    processes: int = 1,
-    layers: int = 64,
-    optimizer: str | float = "adamw",
-    steps: int = 2,
-    timeout: float = 300.0,
-    progress: Callable[[str], None] | None = None,
-) -> Calibration:
-    """What a training process needs beyond the memory model's terms, measured in
-    micro-batches of one sample with re-materialization (where the terms are smallest, so
-    the excess shows most): what it holds before its model, a constant, a cost per layer
-    of its stage and one per layer of the whole model.
-
-    On one process (every layer local) at the shallowest member and the first with
-    ``layers`` layers, the slope is the sum of the two per-layer costs. On a pipeline of
-    ``processes`` stages (as many processes as the rows will use: each peer costs
-    connection buffers) at the shallowest member and the first with 4 × ``layers``
-    layers, whose last stage holds the last layer alone, that stage's slope is the cost
-    per layer of the whole model: its own layers do not change. The baseline is the most
-    any process held before its model was built; the constant is the largest excess of a
-    stage's whole-process peak over its terms and the baseline, less its layers' share.
-    With one process the whole slope is charged to the stage's layers. ``progress``, if
-    given, is called with a line before and after each of the (2 or 4) runs.
-    """
-    batch = family.batch_size
-
-    def first_depth(n: int) -> int:
-        depth = 1
-        while len(family.kinds(depth)) < n:
-            depth += 1
-        return depth
-
-    def last_alone(depth: int, k: int) -> list[int]:
-        n = len(family.kinds(depth))
-        rest = [(n - 1) // (k - 1) + (s < (n - 1) % (k - 1)) for s in range(k - 1)]
-        return [*rest, 1]
-
-    one = Layout(stages=1, chunks=batch, checkpoint="always")
-    runs = [(one, first_depth(1), None), (one, first_depth(layers), None)]
-    if processes > 1:
-        pipeline = Layout(stages=processes, chunks=batch, checkpoint="always")
-        # a long lever: the cost per layer of the whole model is small against the scatter
-        for depth in (first_depth(processes), first_depth(4 * layers)):
-            runs.append((pipeline, depth, last_alone(depth, processes)))
-    rows = []
-    say = progress or (lambda line: None)
-    for i, (layout, depth, balance) in enumerate(runs, 1):
-        row = fit_of(family, layout, depth, optimizer=optimizer, budget=float("inf"),
-                     balance=balance)  # fmt: skip
-        say(f"calibrating {i}/{len(runs)}: {layout.label()} at depth {depth} ...")
-        start = time.perf_counter()
-        rows.append(measure_fit(family, row, optimizer=optimizer, steps=steps, timeout=timeout))
-        say(f"calibrating {i}/{len(runs)}: peak {max(rows[-1].per_stage) / MiB:.1f} MiB "
-            f"in {time.perf_counter() - start:.0f} s")  # fmt: skip
-    baseline = max(b for measured in rows for b in measured.before)
-    stages = []  # per run: (model layers, [(excess, stage layers) per stage])
-    for measured in rows:
-        row = measured.fit
-        excess = [
-            m - p.total - baseline for m, p in zip(measured.per_stage, row.memory, strict=True)
-        ]
-        stages.append((len(family.kinds(row.depth)), list(zip(excess, row.balance, strict=True))))
-
-    (n0, ((e0, _),)), (n1, ((e1, _),)) = stages[0], stages[1]
-    both = max(0.0, (e1 - e0) / (n1 - n0))  # per layer that is both local and the model's
-    whole = 0.0
-    if processes > 1 and stages[3][0] > stages[2][0]:
-        (n2, last2), (n3, last3) = stages[2], stages[3]
-        whole = min(max(0.0, (last3[-1][0] - last2[-1][0]) / (n3 - n2)), both)
-    local = both - whole
-    process = max(e - local * l - whole * n for n, per_stage in stages for e, l in per_stage)
-    return Calibration(max(0.0, process), whole, local, baseline)

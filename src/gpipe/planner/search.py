@@ -3,6 +3,7 @@ method is told in the docstring of :mod:`gpipe.planner`."""
 
 from __future__ import annotations
 
+import functools
 import math
 import statistics
 import time
@@ -108,17 +109,62 @@ def plan_from_profiles(
     accumulation; every other schedule runs as one of the two there), and
     ``"except_last"`` only with M > 1 (at M = 1 it is ``"never"``).
     """
+    _check_sizes(devices, batch_size, memory_budget, overhead)
+    profile_of = _profile_source(profiles, batch_size)
+    memory = memory or MemoryModel()
+    machine = (machine or Machine()).with_overrides(link=link, action=overhead)
+    chunk_list, schedule_list, modes, stage_list = _ranges(
+        devices, batch_size, stages, chunks, schedules, checkpoints
+    )
+
+    settings = {"batch_size": batch_size, "budget": memory_budget, "memory": memory,
+                "machine": machine}  # fmt: skip
+    ranges = {"stages": stage_list, "schedules": schedule_list, "checkpoints": modes,
+              "virtual_stages": sorted(set(virtual_stages))}  # fmt: skip
+    profiles_used = {m: profile_of(m) for m in chunk_list}
+    fitting, rejected = _candidates(profiles_used, ranges, settings)
+    fitting.sort(key=Candidate.rank_key)
+    if schedules is None and refine > 0:
+        fitting += _zb_auto_for_the_best(fitting, profiles_used, virtual_stages, refine, settings)
+        fitting.sort(key=Candidate.rank_key)
+    rejected.sort(key=lambda c: (max(c.memory) if c.memory else math.inf, c.rank_key()))
+    return Plan(fitting, rejected, batch_size, devices, memory_budget, profiles_used,
+                machine=machine)  # fmt: skip
+
+
+def _candidates(
+    profiles: dict[int, Profile], ranges: dict[str, list], settings: dict[str, Any]
+) -> tuple[list[Candidate], list[Candidate]]:
+    """Every layout of ``ranges`` at each M of ``profiles``, evaluated: those that fit the
+    budget and those that do not."""
+    fitting, rejected = [], []
+    for m, prof in profiles.items():
+        for layout in layouts(chunks=[m], layers=len(prof.layers), **ranges):
+            candidate = _evaluate(prof, layout, **settings)
+            (fitting if candidate.fits else rejected).append(candidate)
+    return fitting, rejected
+
+
+def _check_sizes(devices: Any, batch_size: Any, budget: Any, overhead: Any) -> None:
     if not isinstance(devices, int) or devices < 1:
         raise ValueError(f"devices must be a positive int, got {devices!r}")
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
-    if memory_budget is not None and not memory_budget > 0:
-        raise ValueError(f"memory_budget must be a positive number of bytes, got {memory_budget!r}")
+    if budget is not None and not budget > 0:
+        raise ValueError(f"memory_budget must be a positive number of bytes, got {budget!r}")
     if overhead is not None and (not isinstance(overhead, int | float) or overhead < 0):
         raise ValueError(f"overhead must be a non-negative number of seconds, got {overhead!r}")
-    profile_of = _profile_source(profiles, batch_size)
-    memory = memory or MemoryModel()
-    machine = (machine or Machine()).with_overrides(link=link, action=overhead)
+
+
+def _ranges(
+    devices: int,
+    batch_size: int,
+    stages: Iterable[int] | None,
+    chunks: Iterable[int] | None,
+    schedules: Iterable[str] | None,
+    checkpoints: Iterable[str] | None,
+) -> tuple[list[int], list[str], list[str], list[int]]:
+    """The M, schedules, checkpoint modes and K searched (the defaults where not given)."""
     chunk_list = _chunk_list(chunks, batch_size)
     too_many = [m for m in chunk_list if not 1 <= m <= batch_size]
     if too_many:
@@ -129,41 +175,7 @@ def plan_from_profiles(
     stage_list = sorted(set(stages)) if stages is not None else list(range(1, devices + 1))
     if any(not 1 <= k <= devices for k in stage_list):
         raise ValueError(f"stages {stage_list} must lie in 1..devices ({devices})")
-
-    profiles_used: dict[int, Profile] = {}
-    fitting, rejected = [], []
-    settings = {
-        "batch_size": batch_size,
-        "budget": memory_budget,
-        "memory": memory,
-        "machine": machine,
-    }
-    for m in chunk_list:
-        prof = profiles_used[m] = profile_of(m)
-        for layout in layouts(
-            stages=stage_list,
-            chunks=[m],
-            schedules=schedule_list,
-            checkpoints=modes,
-            virtual_stages=sorted(set(virtual_stages)),
-            layers=len(prof.layers),
-        ):
-            candidate = _evaluate(prof, layout, **settings)
-            (fitting if candidate.fits else rejected).append(candidate)
-    fitting.sort(key=Candidate.rank_key)
-    if schedules is None and refine > 0:
-        fitting += _zb_auto_for_the_best(fitting, profiles_used, virtual_stages, refine, settings)
-        fitting.sort(key=Candidate.rank_key)
-    rejected.sort(key=lambda c: (max(c.memory) if c.memory else math.inf, c.rank_key()))
-    return Plan(
-        fitting,
-        rejected,
-        batch_size,
-        devices,
-        memory_budget,
-        profiles_used,
-        machine=machine,
-    )
+    return chunk_list, schedule_list, modes, stage_list
 
 
 def _chunk_list(chunks: Iterable[int] | None, batch_size: int) -> list[int]:
@@ -213,12 +225,10 @@ def _evaluate(
     auto = layout.schedule == AUTO
     like = replace(layout, schedule="zb-h1" if v == 1 else "zb-v") if auto else layout
     schedule = like.build_schedule()
-    num_stages = layout.num_stages
-    base = {"layout": layout}
     try:
         part = balance_profile(
             prof,
-            stages=num_stages,
+            stages=layout.num_stages,
             by="step",
             chunks=m,
             checkpoint=mode,  # type: ignore[arg-type]
@@ -228,19 +238,7 @@ def _evaluate(
             held=held_microbatches(schedule, mode),
         )
     except BudgetError as error:
-        per_device = [0.0] * k
-        for s, need in enumerate(error.needed):
-            per_device[schedule.stage_to_rank[s]] += need
-        return Candidate(
-            **base,
-            balance=tuple(error.balance),
-            step_time=math.inf,
-            throughput=0.0,
-            bubble=math.nan,
-            memory=tuple(per_device),
-            fits=False,
-            reason=f"no cut fits: {max(error.missing) / MiB:.1f} MiB missing on a stage",
-        )
+        return _no_cut(layout, schedule, error)
     costs, transfer = machine.stage_costs(prof, part.balance, schedule, mode)
     if auto:
         schedule = zb_auto(k, m, costs=costs, transfer=transfer, virtual_stages=v)
@@ -252,9 +250,7 @@ def _evaluate(
         memory,
         splits_backward=schedule.splits_backward(0, 0),
     )
-    per_device = [0.0] * k
-    for s, stage in enumerate(stage_mem):
-        per_device[schedule.stage_to_rank[s]] += stage.total
+    per_device = _per_rank(schedule, k, [stage.total for stage in stage_mem])
     fits = budget is None or max(per_device) <= budget
     reason = ""
     if not fits:
@@ -262,7 +258,7 @@ def _evaluate(
         reason = f"device {worst} needs {per_device[worst] / MiB:.1f} MiB"
     step = machine.step_time(result.makespan, k, m)
     return Candidate(
-        **base,
+        layout=layout,
         balance=tuple(part.balance),
         step_time=step,
         throughput=batch_size / step if step > 0 else math.inf,
@@ -272,6 +268,28 @@ def _evaluate(
         fits=fits,
         reason=reason,
         built=schedule if auto else None,
+    )
+
+
+def _per_rank(schedule: Any, ranks: int, per_stage: list[float]) -> list[float]:
+    """Bytes per rank: the sum of its stages'."""
+    per_device = [0.0] * ranks
+    for s, need in enumerate(per_stage):
+        per_device[schedule.stage_to_rank[s]] += need
+    return per_device
+
+
+def _no_cut(layout: Layout, schedule: Any, error: BudgetError) -> Candidate:
+    """The candidate of a layout no cut of which fits the budget."""
+    return Candidate(
+        layout=layout,
+        balance=tuple(error.balance),
+        step_time=math.inf,
+        throughput=0.0,
+        bubble=math.nan,
+        memory=tuple(_per_rank(schedule, layout.stages, list(error.needed))),
+        fits=False,
+        reason=f"no cut fits: {max(error.missing) / MiB:.1f} MiB missing on a stage",
     )
 
 
@@ -310,27 +328,20 @@ def plan(
     and predicts with it; ``model`` and ``loss_fn`` must then be picklable.
     """
     batch_size = microbatch.batch_size(sample, name="sample")
-    cache: dict[int, Profile] = {}
 
+    @functools.cache  # each M profiled once, for the calibration and the search
     def profile_of(m: int) -> Profile:
-        if m not in cache:
-            x = microbatch.split(sample, m, name="sample")[0]
-            y = None if target is None else microbatch.split(target, m, name="target")[0]
-            cache[m] = profile(
-                model, x, device, target=y, loss_fn=loss_fn, repeats=repeats, warmup=warmup
-            )
-        return cache[m]
+        x = microbatch.split(sample, m, name="sample")[0]
+        y = None if target is None else microbatch.split(target, m, name="target")[0]
+        return profile(model, x, device, target=y, loss_fn=loss_fn, repeats=repeats,
+                       warmup=warmup)  # fmt: skip
 
     if calibrate:
         if search.get("machine") is not None:
             raise ValueError("give a measured machine or calibrate=True, not both")
+        profiles = {m: profile_of(m) for m in _chunk_list(search.get("chunks"), batch_size)}
         search["machine"] = Machine.measure(
-            model,
-            sample,
-            {m: profile_of(m) for m in _chunk_list(search.get("chunks"), batch_size)},
-            devices=devices,
-            target=target,
-            loss_fn=loss_fn,
+            model, sample, profiles, devices=devices, target=target, loss_fn=loss_fn
         )
     result = plan_from_profiles(
         profile_of, batch_size=batch_size, devices=devices, memory_budget=memory_budget, **search
