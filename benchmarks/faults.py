@@ -4,7 +4,7 @@
     python benchmarks/faults.py --only restart --carrier group     # a group of rows
 
 Library cases run K processes with ``gpipe.launch`` and the fault-injecting functions of
-``tests/distributed_cases.py``; command-line cases run ``gpipe train --size tiny`` as a user
+``tests/injected_faults.py``; command-line cases run ``gpipe train --size tiny`` as a user
 would and stop or damage it. Each runs on both carriers of the messages between stages
 (``benchmarks/fault_jobs.py``). For each case: the seconds until every rank had raised (or the
 job had exited), exit codes, processes left behind, and, for signals, the steps of work lost.
@@ -240,7 +240,7 @@ def main() -> None:
             "torch.distributed's point-to-point (what crosses machines); rows refused before "
             "any process starts run once (`either`). Library cases: K processes started by "
             f"`gpipe.launch` with a pipeline timeout of {TIMEOUT:g} s unless the row says "
-            "otherwise (tests/distributed_cases.py); command-line cases: `gpipe train --size "
+            "otherwise (tests/injected_faults.py); command-line cases: `gpipe train --size "
             "tiny --transport CARRIER`, stopped or damaged as a user or a scheduler would. "
             '"Every rank raised": library cases, the slowest rank\'s time from the start '
             "of the failing step to its exception; command-line cases, from the signal (or the "
