@@ -285,33 +285,39 @@ def sharded_faulty(rank, fault_rank, at, schedule, shard, timeout, folder):
 
 
 class Stall(nn.Module):
-    """Identity that sleeps ``seconds`` in its ``at``-th forward (alive, silent: a hang)."""
+    """Identity that hangs (alive, silent) in its ``at``-th forward, as ``_stall`` does."""
 
-    def __init__(self, at: int, seconds: float) -> None:
+    def __init__(self, at: int, folder: str, others: int, timeout: float) -> None:
         super().__init__()
-        self.at, self.seconds, self.calls = at, seconds, 0
+        self.at, self.calls = at, 0
+        self.folder, self.others, self.timeout = folder, others, timeout
 
     def forward(self, x):
         if not gpipe.is_recomputing():
             self.calls += 1
             if self.calls == self.at:
-                time.sleep(self.seconds)
+                _stall(self.folder, self.others, self.timeout)
         return x
 
 
-def _long_stall(timeout: float) -> float:
-    """Longer than a failed wait, its inquest, and the same again: the failure's agreement
-    once waited for the stalled rank a second time, and ended only when it woke."""
+def _stall(folder: str, others: int, timeout: float) -> None:
+    """Hang until the ``others`` ranks have their outcome (``_alive_until_all_have_raised``
+    marks it), for at most longer than a failed wait, its inquest, and the same again: the
+    failure's agreement once waited for the stalled rank a second time, and ended only when
+    it woke. A rank that waits twice so keeps the stall at its longest and shows as late;
+    the others done, waking early changes nothing they report."""
     from gpipe.transport.inquest import grace
 
-    return 2 * (timeout + grace(timeout)) + 1
+    deadline = time.monotonic() + 2 * (timeout + grace(timeout)) + 1
+    while len(list(Path(folder).iterdir())) < others and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def stalled_two_hops(rank, timeout, folder):
     """K=3; in the second step rank 2 hangs in a forward for longer than everyone's
     timeout. Rank 1 waits on rank 2, rank 0 on rank 1: what each raised, and when."""
     torch.set_num_threads(1)
-    stall = Stall(at=0, seconds=_long_stall(timeout))
+    stall = Stall(at=0, folder=folder, others=2, timeout=timeout)
 
     def factory():
         layers = [nn.Linear(8, 8) if i % 2 == 0 else nn.ReLU() for i in range(6)]
@@ -350,7 +356,7 @@ def data_parallel_fault(rank, how, shard, timeout, folder):
     pipe.step(x, y, F.mse_loss)
     start = None
     if rank == 3 and how == "stall":
-        time.sleep(_long_stall(timeout))
+        _stall(folder, 3, timeout)
         start = time.monotonic()
     outcome = _outcome(lambda: pipe.step(x, y, F.mse_loss), start=start)
     _alive_until_all_have_raised(folder, rank, 4, longest=3 * timeout + 10)
