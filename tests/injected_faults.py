@@ -293,7 +293,7 @@ def sharded_faulty(rank, fault_rank, at, schedule, shard, timeout, folder):
 class Stall(nn.Module):
     """Identity that hangs (alive, silent) in its ``at``-th forward, as ``_stall`` does."""
 
-    def __init__(self, at: int, folder: str, others: int, seconds: float) -> None:
+    def __init__(self, at: int, seconds: float, folder: str | None = None, others: int = 0) -> None:
         super().__init__()
         self.at, self.calls = at, 0
         self.folder, self.others, self.seconds = folder, others, seconds
@@ -306,13 +306,15 @@ class Stall(nn.Module):
         return x
 
 
-def _stall(folder: str, others: int, seconds: float) -> None:
+def _stall(folder: str | None, others: int, seconds: float) -> None:
     """Hang (alive, silent) until the ``others`` ranks have marked in ``folder`` that they
     have their outcome, or ``seconds`` have passed: a rank that waits twice keeps the stall
     at its longest and shows as late; the others done, waking early changes nothing they
-    report."""
+    report. No ``folder``: the whole ``seconds``."""
     deadline = time.monotonic() + seconds
-    while len(list(Path(folder).iterdir())) < others and time.monotonic() < deadline:
+    while (folder is None or len(list(Path(folder).iterdir())) < others) and (
+        time.monotonic() < deadline
+    ):
         time.sleep(0.05)
 
 
