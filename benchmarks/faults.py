@@ -109,7 +109,9 @@ def rows_stalls(work: Path) -> list[tuple]:
     os.environ["GPIPE_CACHE_DIR"] = str(work / "cache")
     for before, where, operation, who in cases:
         messages: list[str] = []
-        args = (before, "stall", TIMEOUT, str(work / f"stall-{before}"), who)
+        marks = work / f"marks-{before}"  # where the waiting rank says it has its outcome
+        marks.mkdir(parents=True, exist_ok=True)
+        args = (before, "stall", TIMEOUT, str(marks), str(work / f"stall-{before}"), who)
         worst, wall, types, left = jobs.library_case(stalled, 2, args, messages=messages)
         waiting = messages[1 - who]
         named = operation in waiting and f"rank {who} did not arrive" in waiting
@@ -126,7 +128,9 @@ def rows_stalls(work: Path) -> list[tuple]:
               "all-reduce"), ("step", "the next step", "left", "rank 1 as gone")]  # fmt: skip
     for before, where, said, naming in dying:
         messages = []
-        args = (before, "die", TIMEOUT)
+        marks = work / f"marks-die-{before}"
+        marks.mkdir(parents=True, exist_ok=True)
+        args = (before, "die", TIMEOUT, str(marks))
         worst, wall, types, left = jobs.library_case(
             stalled, 2, args, expect_kill=True, messages=messages
         )
@@ -136,8 +140,10 @@ def rows_stalls(work: Path) -> list[tuple]:
                      left, types.startswith("PipelineError") and named and worst <= TIMEOUT + 5
                      and left == 0))  # fmt: skip
     messages = []
+    marks = work / "marks-replicas"
+    marks.mkdir(parents=True, exist_ok=True)
     worst, wall, types, left = jobs.library_case(
-        data_parallel_stalled, 4, (DP_TIMEOUT,), messages=messages
+        data_parallel_stalled, 4, (DP_TIMEOUT, str(marks)), messages=messages
     )
     # Replica 1's first stage waits for rank 3's gradients ("... from rank 3 without an
     # answer"); replica 0 in the all-reduce ("did not arrive").

@@ -190,23 +190,24 @@ def nonfinite(rank, where):
     return {"type": None}
 
 
-def _stall_or_die(how: str, timeout: float) -> float:
-    """Rank 1's fault: sleep past the timeout (alive, silent), or die at once. Returns the
-    time it woke."""
+def _stall_or_die(how: str, timeout: float, folder: str) -> float:
+    """Rank 1's fault: stall past the timeout (alive, silent: ``_stall``), or die at once.
+    Returns the time it woke."""
     if how == "die":
         os._exit(3)
-    time.sleep(timeout + 3)
+    _stall(folder, 1, timeout + 3)
     return time.monotonic()
 
 
-def stalled(rank, before, how, timeout, out=None, who=1):
+def stalled(rank, before, how, timeout, folder, out=None, who=1):
     """Rank ``who`` stalls (alive, silent) or dies right before ``before``: "step" (the next
     step's seed broadcast, which rank 0 starts), "clip" (``clip_grad_norm_``'s all-reduce) or
     "save" (the first barrier of ``gpipe train``'s checkpoint save into ``out``), after one
     good step.
 
     Returns what this rank raised there and after how long; the stalled rank, once awake,
-    what its own call raised and how long that took.
+    what its own call raised and how long that took. The waiting rank marks in ``folder``
+    that it has its outcome.
     """
     torch.set_num_threads(1)
     if before == "save":
@@ -225,14 +226,18 @@ def stalled(rank, before, how, timeout, out=None, who=1):
         call = (lambda: pipe.step(x, y, F.mse_loss)) if before == "step" else (
             lambda: pipe.clip_grad_norm_(1.0)
         )  # fmt: skip
-    return _outcome(call, start=_stall_or_die(how, timeout) if rank == who else None)
+    if rank == who:
+        return _outcome(call, start=_stall_or_die(how, timeout, folder))
+    outcome = _outcome(call)
+    (Path(folder) / str(rank)).touch()
+    return outcome
 
 
-def data_parallel_stalled(rank, timeout):
+def data_parallel_stalled(rank, timeout, folder):
     """DP2 x PP2 on four processes; after a good step, rank 3 (replica 1's last stage)
     sleeps past the timeout before its next step, so that replica 0 waits in the
     data-parallel gradient all-reduce. What each rank raised, and when (the stalled one:
-    from when it wakes)."""
+    from when it wakes; the others mark in ``folder`` that they have theirs)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     torch.set_num_threads(1)
@@ -242,11 +247,12 @@ def data_parallel_stalled(rank, timeout):
                       data_parallel_group=mesh.get_group("dp"), timeout=timeout)  # fmt: skip
     x, y = torch.randn(4, 8), torch.randn(4, 8)
     pipe.step(x, y, F.mse_loss)
-    start = None
     if rank == 3:
-        time.sleep(timeout + 3)
-        start = time.monotonic()
-    return _outcome(lambda: pipe.step(x, y, F.mse_loss), start=start)
+        _stall(folder, 3, timeout + 3)
+        return _outcome(lambda: pipe.step(x, y, F.mse_loss))
+    outcome = _outcome(lambda: pipe.step(x, y, F.mse_loss))
+    (Path(folder) / str(rank)).touch()
+    return outcome
 
 
 def _alive_until_all_have_raised(folder: str, rank: int, ranks: int, longest: float) -> None:
@@ -285,18 +291,31 @@ def sharded_faulty(rank, fault_rank, at, schedule, shard, timeout, folder):
 
 
 class Stall(nn.Module):
-    """Identity that sleeps ``seconds`` in its ``at``-th forward (alive, silent: a hang)."""
+    """Identity that hangs (alive, silent) in its ``at``-th forward, as ``_stall`` does."""
 
-    def __init__(self, at: int, seconds: float) -> None:
+    def __init__(self, at: int, seconds: float, folder: str | None = None, others: int = 0) -> None:
         super().__init__()
-        self.at, self.seconds, self.calls = at, seconds, 0
+        self.at, self.calls = at, 0
+        self.folder, self.others, self.seconds = folder, others, seconds
 
     def forward(self, x):
         if not gpipe.is_recomputing():
             self.calls += 1
             if self.calls == self.at:
-                time.sleep(self.seconds)
+                _stall(self.folder, self.others, self.seconds)
         return x
+
+
+def _stall(folder: str | None, others: int, seconds: float) -> None:
+    """Hang (alive, silent) until the ``others`` ranks have marked in ``folder`` that they
+    have their outcome, or ``seconds`` have passed: a rank that waits twice keeps the stall
+    at its longest and shows as late; the others done, waking early changes nothing they
+    report. No ``folder``: the whole ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while (folder is None or len(list(Path(folder).iterdir())) < others) and (
+        time.monotonic() < deadline
+    ):
+        time.sleep(0.05)
 
 
 def _long_stall(timeout: float) -> float:
@@ -311,7 +330,7 @@ def stalled_two_hops(rank, timeout, folder):
     """K=3; in the second step rank 2 hangs in a forward for longer than everyone's
     timeout. Rank 1 waits on rank 2, rank 0 on rank 1: what each raised, and when."""
     torch.set_num_threads(1)
-    stall = Stall(at=0, seconds=_long_stall(timeout))
+    stall = Stall(at=0, folder=folder, others=2, seconds=_long_stall(timeout))
 
     def factory():
         layers = [nn.Linear(8, 8) if i % 2 == 0 else nn.ReLU() for i in range(6)]
@@ -350,7 +369,7 @@ def data_parallel_fault(rank, how, shard, timeout, folder):
     pipe.step(x, y, F.mse_loss)
     start = None
     if rank == 3 and how == "stall":
-        time.sleep(_long_stall(timeout))
+        _stall(folder, 3, _long_stall(timeout))
         start = time.monotonic()
     outcome = _outcome(lambda: pipe.step(x, y, F.mse_loss), start=start)
     _alive_until_all_have_raised(folder, rank, 4, longest=3 * timeout + 10)

@@ -57,9 +57,8 @@ def alive(pid: int) -> bool:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize(("sent", "code"), [(signal.SIGTERM, 143), (signal.SIGKILL, -9)])
 @pytest.mark.slow
-def test_a_stopped_or_killed_launcher_leaves_no_process(tmp_path, sent, code):
+def test_a_stopped_launcher_leaves_no_process(tmp_path):
     script = tmp_path / "job.py"
     script.write_text(LONG_JOB)
     env = {**os.environ, "PYTHONPATH": str(SRC)}
@@ -77,8 +76,8 @@ def test_a_stopped_or_killed_launcher_leaves_no_process(tmp_path, sent, code):
         ranks = [int(pid) for pid in re.findall(r"working as (\d+);", seen)]
         started = descendants(launcher.pid)
         assert len(ranks) == 2 and set(ranks) <= set(started), (ranks, started)
-        launcher.send_signal(sent)
-        assert launcher.wait(timeout=30) == code
+        launcher.send_signal(signal.SIGTERM)  # kill -9: the test below
+        assert launcher.wait(timeout=30) == 143
         deadline = time.monotonic() + 15
         while any(alive(p) for p in started) and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -120,7 +119,8 @@ def _gone_within(pids: list[int], seconds: float) -> list[int]:
 @pytest.mark.timeout(90)
 @pytest.mark.slow
 def test_ranks_end_at_once_with_a_killed_launcher_not_after_their_step(tmp_path):
-    """kill -9 of the launcher: no rank finishes its step or saves (it would train on)."""
+    """kill -9 of the launcher: no rank finishes its step or saves (it would train on), and
+    no process it started (a fork server, multiprocessing's tracker) outlives it."""
     script = tmp_path / "job.py"
     script.write_text(BUSY_JOB)
     env = {**os.environ, "PYTHONPATH": str(SRC)}
@@ -129,9 +129,12 @@ def test_ranks_end_at_once_with_a_killed_launcher_not_after_their_step(tmp_path)
     )
     try:
         ranks = _started_ranks(launcher)
+        started = descendants(launcher.pid)
+        assert len(ranks) == 2 and set(ranks) <= set(started), (ranks, started)
         launcher.kill()
         assert launcher.wait(timeout=30) == -9
         assert not _gone_within(ranks, 10.0)  # far below their 120 s of work
+        assert not [_cmdline(p) for p in _gone_within(started, 15.0)]
     finally:
         launcher.kill()
         for pid in ranks if "ranks" in locals() else []:
@@ -260,7 +263,7 @@ def test_a_stopped_rank_0_ends_the_job_within_the_timeout_naming_it(tmp_path):
     """SIGSTOP of rank 0, which held the job's store once (then the others could not tell
     who stopped, and every process waited on, 150 s and more): the launcher holds it now,
     rank 1 names rank 0 within the timeout + 5 s, and the stopped rank is killed."""
-    timeout = 6.0
+    timeout = 4.0  # the stalls' pipeline timeout
     script = tmp_path / "job.py"
     script.write_text(STEPPING_JOB)
     env = {**os.environ, "PYTHONPATH": str(SRC)}

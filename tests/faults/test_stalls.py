@@ -24,8 +24,9 @@ AT_ONCE = TIMEOUT / 2  # a woken rank learns what happened without waiting a tim
     [("clip", "the clip_grad_norm_ all-reduce", 1), ("step", "the step-seed broadcast", 0)],
 )
 @pytest.mark.slow
-def test_a_stalled_rank_makes_the_other_raise_within_the_timeout(before, operation, who):
-    outcomes = launch(stalled, 2, args=(before, "stall", TIMEOUT, None, who), timeout=600)
+def test_a_stalled_rank_makes_the_other_raise_within_the_timeout(tmp_path, before, operation, who):
+    args = (before, "stall", TIMEOUT, str(tmp_path), None, who)
+    outcomes = launch(stalled, 2, args=args, timeout=600)
     woken, waiting = outcomes[who], outcomes[1 - who]
     assert waiting["type"] == "PipelineError", waiting
     assert TIMEOUT - 0.5 <= waiting["seconds"] <= LATE, waiting
@@ -42,9 +43,10 @@ def test_a_stalled_rank_makes_the_other_raise_within_the_timeout(before, operati
 
 @pytest.mark.timeout(120)
 @pytest.mark.slow
-def test_a_rank_that_dies_before_clip_grad_norm_is_named():
+def test_a_rank_that_dies_before_clip_grad_norm_is_named(tmp_path):
     with pytest.raises(LaunchError) as raised:
-        launch(stalled, 2, args=("clip", "die", TIMEOUT), timeout=600, grace=TIMEOUT + 10)
+        args = ("clip", "die", TIMEOUT, str(tmp_path))
+        launch(stalled, 2, args=args, timeout=600, grace=TIMEOUT + 10)
     assert list(raised.value.failures) == [1]  # exited with code 3
     survivor = raised.value.results[0]
     assert survivor["type"] == "PipelineError" and survivor["seconds"] <= LATE, survivor
@@ -56,8 +58,10 @@ def test_a_rank_that_dies_before_clip_grad_norm_is_named():
 @pytest.mark.slow
 def test_a_rank_stalled_before_the_checkpoint_barrier_of_gpipe_train(tmp_path, monkeypatch):
     monkeypatch.setenv("GPIPE_CACHE_DIR", str(tmp_path / "cache"))
-    out = str(tmp_path / "run")
-    waiting, woken = launch(stalled, 2, args=("save", "stall", TIMEOUT, out), timeout=600)
+    out, folder = str(tmp_path / "run"), tmp_path / "outcomes"
+    folder.mkdir()
+    args = ("save", "stall", TIMEOUT, str(folder), out)
+    waiting, woken = launch(stalled, 2, args=args, timeout=600)
     assert waiting["type"] == "PipelineError", waiting
     assert waiting["seconds"] <= LATE, waiting
     assert "the checkpoint barrier before writing" in waiting["message"]
@@ -67,10 +71,12 @@ def test_a_rank_stalled_before_the_checkpoint_barrier_of_gpipe_train(tmp_path, m
 
 @pytest.mark.timeout(180)
 @pytest.mark.slow
-def test_a_rank_stalled_before_the_data_parallel_all_reduce_is_named_by_its_global_rank():
+def test_a_rank_stalled_before_the_data_parallel_all_reduce_is_named_by_its_global_rank(
+    tmp_path,
+):
     # 2 replicas x 2 stages: rank 3 (replica 1, stage 1) sleeps before its step; rank 1
     # (replica 0, stage 1) waits for it in the data-parallel gradient all-reduce.
-    outcomes = launch(data_parallel_stalled, 4, args=(TIMEOUT,), timeout=600)
+    outcomes = launch(data_parallel_stalled, 4, args=(TIMEOUT, str(tmp_path)), timeout=600)
     for rank in (0, 1, 2):
         assert outcomes[rank]["type"] == "PipelineError", outcomes[rank]
         assert outcomes[rank]["seconds"] <= LATE, outcomes[rank]

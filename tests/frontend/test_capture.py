@@ -151,14 +151,14 @@ def test_eager_attention_stays_causal_because_the_models_own_mask_is_carried():
     """A hand-written wrapper that calls GPT-2's blocks without the mask trains a non-causal
     model under eager attention, silently; capture carries the model's own mask."""
     config = transformers.GPT2Config(
-        vocab_size=64, n_positions=32, n_embd=16, n_layer=3, n_head=2, resid_pdrop=0.0,
+        vocab_size=64, n_positions=32, n_embd=16, n_layer=2, n_head=2, resid_pdrop=0.0,
         embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="eager",
     )  # fmt: skip
     torch.manual_seed(0)
     model = transformers.GPT2LMHeadModel(config).double()
     case = CASES["hf-gpt2"]
     pipe = gpipe.Pipe.from_model(
-        copy.deepcopy(model), case.example(), split="transformer.h", balance=[2, 3], chunks=3
+        copy.deepcopy(model), case.example(), split="transformer.h", balance=[2, 2], chunks=3
     )
     inputs, targets = case.batch()
     assert_trains_as(model, pipe, case, inputs, targets)

@@ -27,14 +27,14 @@ def test_an_moe_built_by_a_function_trains_on_the_cpu():
     def qwen_moe():
         config = transformers.Qwen2MoeConfig(
             vocab_size=64, hidden_size=16, intermediate_size=24, moe_intermediate_size=8,
-            shared_expert_intermediate_size=16, num_hidden_layers=2, num_attention_heads=2,
+            shared_expert_intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
             num_key_value_heads=1, num_experts=4, num_experts_per_tok=2,
             max_position_embeddings=64,
         )  # fmt: skip
         return transformers.Qwen2MoeForCausalLM(config)
 
     case = CASES["hf-llama"]  # token ids in, logits out: its batch and loss
-    pipe = gpipe.Pipe.from_model(qwen_moe, case.example(torch.float32), balance=[2, 2], chunks=2)
+    pipe = gpipe.Pipe.from_model(qwen_moe, case.example(torch.float32), balance=[2, 1], chunks=2)
     torch.manual_seed(0)
     plain = qwen_moe()
     inputs, targets = case.batch(dtype=torch.float32)

@@ -34,11 +34,11 @@ def test_gpipe_eval_of_a_saved_model_is_the_plain_models_loss(in_process, tmp_pa
     folder = model_folder(tmp_path / "llama", llama())
     data = tmp_path / "val.txt"
     data.write_text(TEXT[:6000])
-    done = in_process("eval", str(folder), "--data", str(data), "-K", "3", "-M", "2",
+    done = in_process("eval", str(folder), "--data", str(data), "-K", "2", "-M", "2",
                       "--batch", "4", "--seq", "32", "--dtype", "float64", "--json")  # fmt: skip
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout.strip().splitlines()[-1])
-    config = resolve_eval(EvalConfig(str(folder), data=str(data), seq=32, batch=4, stages=3,
+    config = resolve_eval(EvalConfig(str(folder), data=str(data), seq=32, batch=4, stages=2,
                                      chunks=2, dtype="float64"))  # fmt: skip
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64)
     loss, targets = plain_loss(model, config)
