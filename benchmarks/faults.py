@@ -147,7 +147,14 @@ def rows_stalls(work: Path) -> list[tuple]:
     )
     # Replica 1's first stage waits for rank 3's gradients ("... from rank 3 without an
     # answer"); replica 0 in the all-reduce ("did not arrive").
-    said = ("did not arrive", "left the group", "from rank 3 without an answer")
+    # The stalled rank, once awake, reads the notice of the rank that gave up on it (on the
+    # group carrier sent before that rank's inquest completed its sentence).
+    said = (
+        "did not arrive",
+        "left the group",
+        "from rank 3 without an answer",
+        "gave up on this pipeline",
+    )
     named = all(any(s in m for s in said) for m in messages)
     rows.append(("rank 3 (replica 1, stage 1) of 2 replicas x 2 stages stalled before its step: "
                  f"replica 0 waits in the data-parallel gradient all-reduce (timeout "
