@@ -19,7 +19,7 @@ import json
 import math
 import sys
 
-from gpipe.cli.train import add_config_options
+from gpipe.cli.train import add_config_options, config_of
 from gpipe.train import TrainingError
 from gpipe.train.eval_job import EvalConfig, resolve_eval, run_eval
 
@@ -43,8 +43,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    given = {k: v for k, v in vars(args).items() if k in EvalConfig.__dataclass_fields__}
-    config = resolve_eval(EvalConfig(**{k: v for k, v in given.items() if v is not None}))
+    config = resolve_eval(config_of(args, EvalConfig))
     try:
         result = run_eval(config)
     except TrainingError as error:

@@ -19,7 +19,7 @@ import json
 import sys
 
 from gpipe.cli.eval import add_model_argument
-from gpipe.cli.train import add_config_options
+from gpipe.cli.train import add_config_options, config_of
 from gpipe.train import TrainingError
 from gpipe.train.generate_job import GenerateConfig, resolve_generate, run_generate
 
@@ -35,8 +35,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    given = {k: v for k, v in vars(args).items() if k in GenerateConfig.__dataclass_fields__}
-    options = GenerateConfig(**{k: v for k, v in given.items() if v is not None})
+    options = config_of(args, GenerateConfig)
     config = resolve_generate(options)
     try:
         result = run_generate(config, options)

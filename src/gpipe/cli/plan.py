@@ -51,7 +51,7 @@ from dataclasses import replace
 import torch
 
 from gpipe.cli.plan_config import PlanConfig, optimizer_state, parse_bytes, resolve_plan
-from gpipe.cli.train import add_config_options
+from gpipe.cli.train import add_config_options, config_of
 
 __all__ = ["configure", "parse_bytes", "run"]
 
@@ -165,8 +165,7 @@ def _resident_bytes() -> float:
 
 
 def run(args: argparse.Namespace) -> int:
-    given = {k: v for k, v in vars(args).items() if k in PlanConfig.__dataclass_fields__}
-    config = resolve_plan(PlanConfig(**{k: v for k, v in given.items() if v is not None}))
+    config = resolve_plan(config_of(args, PlanConfig))
     if config.capacity:
         if config.write_config:
             raise ValueError(

@@ -10,13 +10,13 @@ A field ``gpipe train`` also has keeps its name, meaning and choices there (``--
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from gpipe.remat import REMAT_MODES
 from gpipe.schedule import SCHEDULES
 from gpipe.train import ConfigError, TrainConfig
-from gpipe.train.config import Option, option
+from gpipe.train.config import _option, option
 
 __all__ = ["PlanConfig", "optimizer_state", "parse_bytes", "resolve_plan"]
 
@@ -28,10 +28,6 @@ _MODEL, _RESOURCES, _SEARCH = "model (as gpipe train's)", "resources", "search"
 _TIMING, _MEASURING = "timing model", "profiling and verifying"
 _CAPACITY = "--capacity: the largest model of a family that fits --memory per process"
 _FAMILY = "--capacity's families (gpt, resnet), by depth"
-
-
-def _option(default: Any, help: str, group: str, **how: Any) -> Any:
-    return field(default=default, metadata={"option": Option(help, group, **how)})
 
 
 def _train_option(name: str, group: str = _MODEL, **how: Any) -> Any:

@@ -115,6 +115,12 @@ def add_config_options(parser: argparse.ArgumentParser, of: type = TrainConfig) 
     return groups
 
 
+def config_of(args: argparse.Namespace, of: type) -> Any:
+    """The config dataclass ``of`` from ``args``: the options given; the rest its defaults."""
+    names = of.__dataclass_fields__
+    return of(**{k: v for k, v in vars(args).items() if k in names and v is not None})
+
+
 def _shown(default: Any) -> str:
     """A field's default as --help says it ("" for none)."""
     if default is MISSING or default is None:
