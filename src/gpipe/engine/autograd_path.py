@@ -39,8 +39,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 from torch.utils.checkpoint import checkpoint
 
-from gpipe._utils import tensors_of
-from gpipe.engine.stage import Stage, _copied
+from gpipe.engine.stage import Stage
 from gpipe.engine.state import ModuleState, SavedState, running_stats_frozen
 from gpipe.remat import recomputing
 
@@ -95,7 +94,7 @@ def _stage_forward(
 
     def run(x: Any) -> Any:
         with _standing_in(stand_ins, stage.device):
-            return _layers(stage, x, m, seed, replay[0])
+            return stage._guarded(x, m, seed, replay[0])
 
     if not (remat and torch.is_grad_enabled()):
         return run(inputs)
@@ -110,20 +109,6 @@ def _stage_forward(
         run, inputs, use_reentrant=False, preserve_rng_state=False, context_fn=contexts
     )
     learned.append(stage.state.learned(saved))
-    return out
-
-
-def _layers(stage: Stage, inputs: Any, m: int, seed: int, replay: frozenset[int]) -> Any:
-    """The stage's layers on ``inputs``, or on a copy when they write their input in place
-    (learned from the version counters on the first run, the fact the engine learns)."""
-    writes = stage._writes_input
-    if writes is False:
-        return stage._run(inputs, m, seed, replay)
-    copy = _copied(inputs)
-    versions = [t._version for t in tensors_of(copy)]
-    out = stage._run(copy, m, seed, replay)
-    if writes is None:
-        stage._writes_input = [t._version for t in tensors_of(copy)] != versions
     return out
 
 

@@ -97,8 +97,8 @@ class Stage:
         self.meter: ActivationMeter | None = None
         self._stored: dict[int, _Stored] = {}
         self._weight_work: dict[int, WeightWork] = {}
-        self._writes_input: bool | None = None  # do the layers write to their input?
-        self._group_writes: dict[range, bool] = {}  # the same, per group of checkpoint_layers
+        # Do the layers (None: all; a range: a group of checkpoint_layers) write their input?
+        self._writes_input: dict[range | None, bool] = {}
         self.state = ModuleState(self.layers, first_layer)  # buffers the forward writes
         # The layers that may draw random numbers: only they are seeded (gpipe.rng).
         self._draws = [not rng.draws_nothing(layer) for layer in self.layers]
@@ -126,9 +126,11 @@ class Stage:
 
     # -- running layers -------------------------------------------------------------------
 
-    def _run(self, inputs: Any, microbatch: int, seed: int, replay: frozenset[int]) -> Any:
-        if self.skips is None:
-            return self._run_layers(inputs, microbatch, seed, replay)
+    def _run(
+        self, inputs: Any, microbatch: int, seed: int, replay: frozenset[int], group=None
+    ) -> Any:
+        if self.skips is None:  # (groups exist only without skips)
+            return self._run_layers(inputs, microbatch, seed, replay, group)
         value, skip_inputs = inputs
         with tracking(self.skips.local, skip_inputs) as tracker:
             value = self._run_layers(value, microbatch, seed, replay)
@@ -169,28 +171,42 @@ class Stage:
     def _metered(self):
         return self.meter.saved_tensors(self.index) if self.meter is not None else nullcontext()
 
+    def _guarded(
+        self,
+        x: Any,
+        microbatch: int,
+        seed: int,
+        replay: frozenset[int],
+        group: range | None = None,
+        *,
+        share: bool = False,
+    ) -> Any:
+        """The layers (of ``group``) on ``x``, or on a copy when they write their input.
+
+        A layer that changes its input in place (``x.sub_(m)``, ``ReLU(inplace=True)``) must
+        not change what is kept: a recomputation would see the changed value, the caller's
+        batch (micro-batches are views of it) would change, and autograd forbids writing to a
+        leaf that requires grad. The first run learns it from the copy's version counters;
+        with ``share`` an input found unwritten then shares the copy's memory (autograd may
+        have saved the copy; the two are equal), so that the copy costs nothing.
+        """
+        writes = self._writes_input.get(group)
+        if writes is False:
+            return self._run(x, microbatch, seed, replay, group)
+        copy = _copied(x)
+        versions = [t._version for t in tensors_of(copy)]
+        out = self._run(copy, microbatch, seed, replay, group)
+        if writes is None:
+            writes = self._writes_input[group] = [t._version for t in tensors_of(copy)] != versions
+            if not writes and share and torch.is_grad_enabled():
+                for original, same in zip(tensors_of(x), tensors_of(copy), strict=True):
+                    original.data = same.detach()
+        return out
+
     def _outputs_and_loss(
         self, stored: _Stored, microbatch: int, replay: frozenset[int] = frozenset()
     ) -> None:
-        # A layer that changes its input in place (``x.sub_(m)``, ``ReLU(inplace=True)``)
-        # must not change what the stage keeps: a recomputation would see the changed value,
-        # the caller's batch (micro-batches are views of it) would change, and autograd
-        # forbids writing to a leaf that requires grad. Such a stage's layers get a copy.
-        inputs = stored.inputs
-        if self._writes_input is False:
-            stored.outputs = self._run(inputs, microbatch, stored.seed, replay)
-        elif self._writes_input:
-            stored.outputs = self._run(_copied(inputs), microbatch, stored.seed, replay)
-        else:  # the first forward learns it from the copy's version counters
-            copy = _copied(inputs)
-            versions = [t._version for t in tensors_of(copy)]
-            stored.outputs = self._run(copy, microbatch, stored.seed, replay)
-            self._writes_input = [t._version for t in tensors_of(copy)] != versions
-            if not self._writes_input and torch.is_grad_enabled():
-                # Autograd may have saved the copy: the input shares its memory from now
-                # on (the two are equal), so that the copy costs nothing.
-                for original, same in zip(tensors_of(inputs), tensors_of(copy), strict=True):
-                    original.data = same.detach()
+        stored.outputs = self._guarded(stored.inputs, microbatch, stored.seed, replay, share=True)
         self._loss(stored, microbatch)
 
     def _loss(self, stored: _Stored, microbatch: int) -> None:
@@ -298,20 +314,6 @@ class Stage:
             return [range(n)]
         return [range(start, min(start + size, n)) for start in range(0, n, size)]
 
-    def _run_group(
-        self, x: Any, group: range, microbatch: int, seed: int, replay: frozenset[int]
-    ) -> Any:
-        """Run one group on ``x``, or on a copy of it when the group writes its input in
-        place (the input is kept for the group's recomputation; learned on the first run)."""
-        writes = self._group_writes.get(group)
-        if writes is False:
-            return self._run_layers(x, microbatch, seed, replay, group)
-        copy = _copied(x)
-        versions = [t._version for t in tensors_of(copy)]
-        out = self._run_layers(copy, microbatch, seed, replay, group)
-        self._group_writes[group] = writes or [t._version for t in tensors_of(copy)] != versions
-        return out
-
     def _backward_by_groups(
         self, stored: _Stored, grad_outputs: Sequence[torch.Tensor | None] | None, microbatch: int
     ) -> list[torch.Tensor | None]:
@@ -345,7 +347,7 @@ class Stage:
                 del x
                 ModuleState.rebind(buffers)
                 with torch.enable_grad():
-                    out = self._run_group(leaf, groups[k], microbatch, stored.seed, replay)
+                    out = self._guarded(leaf, microbatch, stored.seed, replay, groups[k])
                     if k == len(groups) - 1:
                         stored.outputs = out
                         self._loss(stored, microbatch)
@@ -378,7 +380,7 @@ class Stage:
                 meter = self.meter if k else None  # the stage input is held already
                 held = meter.hold(self.index, tensors_of(x)) if meter is not None else []
                 kept.append((x, ModuleState.snapshot(stored.state, group), held))
-                x = self._run_group(x, group, microbatch, stored.seed, replay)
+                x = self._guarded(x, microbatch, stored.seed, replay, group)
         return kept
 
     def backward_weight(self, microbatch: int) -> None:
