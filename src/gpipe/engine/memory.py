@@ -100,9 +100,6 @@ class ActivationMeter:
         """Count tensors a stage keeps itself; they stay counted while the result lives."""
         return [_Held(self, stage, t) for t in tensors]
 
-    def reset_peak(self) -> None:
-        self.peak_bytes = list(self.live_bytes)
-
 
 @contextmanager
 def measure_activations(pipe: _HasStages) -> Iterator[ActivationMeter]:

@@ -105,7 +105,6 @@ class Runtime:
         self.transport = transport
         self.routes = routes or Routes(schedule.num_stages)
         self.ranks = sorted({schedule.stage_to_rank[s] for s in self.stages})
-        self._last = schedule.num_stages - 1
         # Called around a stage's last backward action of the step, after which its
         # gradients are final (data parallelism reduces them as they become so).
         self._before_final_backward = before_final_backward

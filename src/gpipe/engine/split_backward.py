@@ -286,9 +286,8 @@ def _remove(group: _Group) -> None:
 def backward_weight(work: WeightWork) -> None:
     """W: accumulate the gradients of every leaf B left into ``.grad``."""
     if work.full:
-        pairs = [(r, g) for r, g in zip(work.roots, work.root_grads, strict=True)]
-        if pairs:
-            torch.autograd.backward([r for r, _ in pairs], [g for _, g in pairs])
+        if work.roots:
+            torch.autograd.backward(work.roots, work.root_grads)
         return
     # Each group's recorded gradients are released as soon as its call is done: the
     # allocator then hands that memory straight to the next group's products. Holding

@@ -354,12 +354,7 @@ class Stage:
                         roots, root_grads = self._roots(stored, grads, microbatch)
                         stored.outputs = stored.loss_value = None
                     else:
-                        pairs = [
-                            (t, g)
-                            for t, g in zip(tensors_of(out), grads, strict=True)
-                            if t.requires_grad and g is not None
-                        ]
-                        roots, root_grads = [t for t, _ in pairs], [g for _, g in pairs]
+                        roots, root_grads = _differentiable(tensors_of(out), grads)
                     del out
                     if roots:
                         torch.autograd.backward(roots, root_grads)
@@ -412,10 +407,7 @@ class Stage:
                 f"stage {self.index} produced {len(outputs)} output tensors for micro-batch "
                 f"{microbatch} but received {len(grads)} gradients"
             )
-        pairs = [
-            (t, g) for t, g in zip(outputs, grads, strict=True) if t.requires_grad and g is not None
-        ]
-        return [t for t, _ in pairs], [g for _, g in pairs]
+        return _differentiable(outputs, grads)
 
     def clear(self) -> None:
         """Forget every stored micro-batch (after a failed step)."""
@@ -426,6 +418,14 @@ class Stage:
     def pending(self) -> list[int]:
         """Micro-batches whose backward (or weight gradient) has not run yet."""
         return sorted(set(self._stored) | set(self._weight_work))
+
+
+def _differentiable(outputs: list[torch.Tensor], grads: Sequence) -> tuple[list, list]:
+    """The outputs that need a gradient and got one, and those gradients."""
+    pairs = [
+        (t, g) for t, g in zip(outputs, grads, strict=True) if t.requires_grad and g is not None
+    ]
+    return [t for t, _ in pairs], [g for _, g in pairs]
 
 
 def _grads_of(inputs: list[torch.Tensor]) -> list[torch.Tensor | None]:
