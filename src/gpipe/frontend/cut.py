@@ -11,7 +11,6 @@ reads, under the model's own names (a parameter two units read is reported as ti
 from __future__ import annotations
 
 import hashlib
-from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -21,7 +20,7 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 
 from gpipe.frontend.shapes import InputShapes
-from gpipe.frontend.units import UnitGraph
+from gpipe.frontend.units import UnitGraph, tensor_names
 
 __all__ = ["CaptureError", "Piece", "cut_graph", "module_path"]
 
@@ -314,12 +313,7 @@ def _int_slots(values: Sequence[fx.Node]) -> frozenset[int]:
 
 def _aliases(model: nn.Module) -> dict[str, list[str]]:
     """Every name of a tensor -> all its names (tied weights have several)."""
-    names = defaultdict(list)
-    for name, t in model.named_parameters(remove_duplicate=False):
-        names[id(t)].append(name)
-    for name, t in model.named_buffers(remove_duplicate=False):
-        names[id(t)].append(name)
-    return {name: group for group in names.values() for name in group}
+    return {name: group for group in tensor_names(model).values() for name in group}
 
 
 def _tensor(ep: ExportedProgram, model: nn.Module, spec) -> torch.Tensor:

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from gpipe.frontend.cut import Piece
-from gpipe.frontend.units import CapturedModel, Unit
+from gpipe.frontend.units import CapturedModel, Unit, tensor_names
 
 __all__ = ["units_of"]
 
@@ -74,11 +74,7 @@ def _holder(pieces: list[Piece], order: dict[str, int]) -> nn.Module:
 def _add_other_names(model: nn.Module, *modes: list[Piece]) -> None:
     """A tensor with several names in the model (BERT's decoder bias) gets them all, in the
     first unit that holds it, so that state dicts have the model's keys."""
-    names: dict[int, list[str]] = {}
-    for name, t in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(t), []).append(name)
-    for name, t in model.named_buffers(remove_duplicate=False):
-        names.setdefault(id(t), []).append(name)
+    names = tensor_names(model)
     held = {name for pieces in modes for piece in pieces for name in piece.tensors}
     for pieces in modes:
         for piece in pieces:

@@ -21,6 +21,7 @@ from torch import nn
 
 from gpipe.frontend.files import Checkpoint
 from gpipe.frontend.report import LoadReport
+from gpipe.frontend.units import tensor_names
 
 __all__ = ["KeyMap", "is_hugging_face"]
 
@@ -45,7 +46,7 @@ class KeyMap:
         if self.hugging_face:
             self.unexpected = self._hugging_face(model)
         else:
-            names = {n for n, _ in _named_tensors(model)}
+            names = {n for group in tensor_names(model).values() for n in group}
             self.targets = {k: [k] for k in checkpoint.names() if k in names}
             self.unexpected = sorted(k for k in checkpoint.names() if k not in names)
 
@@ -104,8 +105,3 @@ class KeyMap:
             patterns = model._keys_to_ignore_on_load_missing
             self._ignored = re.compile("|".join(f"({p})" for p in patterns))
         return sorted(info.unexpected_keys)
-
-
-def _named_tensors(model: nn.Module):
-    yield from model.named_parameters(remove_duplicate=False)
-    yield from model.named_buffers(remove_duplicate=False)

@@ -20,6 +20,7 @@ from torch import nn
 
 from gpipe.frontend.keys import KeyMap
 from gpipe.frontend.report import LoadReport
+from gpipe.frontend.units import tensor_names
 
 __all__ = ["Slot", "install", "load_units", "local_slots"]
 
@@ -63,12 +64,7 @@ def load_units(
 ) -> LoadReport:
     """Fill the meta tensors of ``units[i]`` (``i`` in ``layers``) from ``keys.checkpoint``,
     in place; ``model`` is the whole model on meta, whose tensors the units hold."""
-    names_of: dict[int, list[str]] = {}  # a tensor -> its names in the model (tied: several)
-    for name, t in [
-        *model.named_parameters(remove_duplicate=False),
-        *model.named_buffers(remove_duplicate=False),
-    ]:
-        names_of.setdefault(id(t), []).append(name)
+    names_of = tensor_names(model)
     wanted = [s for s in local_slots(units, layers) if s.tensor.is_meta]
     aliases = {id(s.tensor): [s.name, *names_of.get(id(s.tensor), [])] for s in wanted}
     local = {name for names in aliases.values() for name in names}

@@ -23,7 +23,7 @@ from torch.utils import _pytree as pytree
 
 from gpipe.frontend.shapes import InputShapes
 
-__all__ = ["CapturedModel", "Unit", "UnitGraph"]
+__all__ = ["CapturedModel", "Unit", "UnitGraph", "tensor_names"]
 
 
 @dataclass
@@ -165,6 +165,17 @@ class CapturedModel(nn.Sequential):
 
     def extra_repr(self) -> str:
         return f"units={len(self)}, tied={self.tied}"
+
+
+def tensor_names(model: nn.Module) -> dict[int, list[str]]:
+    """Every name of each of ``model``'s parameters and buffers, by ``id`` (tied: several)."""
+    names: dict[int, list[str]] = {}
+    for name, t in [
+        *model.named_parameters(remove_duplicate=False),
+        *model.named_buffers(remove_duplicate=False),
+    ]:
+        names.setdefault(id(t), []).append(name)
+    return names
 
 
 def _flatten_inputs(inputs: Any, in_spec: Any, unit: str) -> list[Any]:
