@@ -41,7 +41,7 @@ from gpipe.estimate.memory_model import (
     held_microbatches,
 )
 from gpipe.estimate.profile import LayerProfile, Profile, profile
-from gpipe.estimate.ranges import prefix_sums
+from gpipe.estimate.ranges import prefix_sums, spans
 from gpipe.layout import Layout
 from gpipe.schedule import Schedule
 from gpipe.schedule.simulate import per_stage, simulate
@@ -150,8 +150,7 @@ def balance_profile(
     balance = solved[1]
     if by == "step" and stages > 1:
         balance = _by_makespan(prof, balance, built, checkpoint, fits)
-    starts = prefix_sums(balance)
-    bounds = [(int(starts[s]), int(starts[s + 1])) for s in range(stages)]
+    bounds = spans(balance)
     return Partition(
         balance=balance,
         times=[times[j] - times[i] for i, j in bounds],
@@ -183,9 +182,8 @@ def _by_makespan(prof: Profile, balance: list[int], schedule: Schedule, checkpoi
                 cut[s + 1] -= move
                 if min(cut) < 1:
                     continue
-                starts = prefix_sums(cut)
                 if fits is not None and not all(
-                    fits(t, int(starts[t]), int(starts[t + 1])) for t in range(len(cut))
+                    fits(t, i, j) for t, (i, j) in enumerate(spans(cut))
                 ):
                     continue
                 time = makespan(cut)
@@ -200,16 +198,15 @@ def _raise_budget(prof, stages, table, budgets, chunks, checkpoint, schedule) ->
     closest = min_max_cut(n, stages, lambda s, i, j: table.total(s, i, j) - budgets[s])
     assert closest is not None
     balance = closest[1]
-    lines, needed, missing, start = [], [], [], 0
-    for s, size in enumerate(balance):
-        need = table(s, start, start + size)
+    lines, needed, missing = [], [], []
+    for s, (start, stop) in enumerate(spans(balance)):
+        need = table(s, start, stop)
         lack = max(0.0, need.total - budgets[s])
         needed.append(need.total)
         missing.append(lack)
-        layers = f"layer {start}" if size == 1 else f"layers {start}-{start + size - 1}"
+        layers = f"layer {start}" if stop - start == 1 else f"layers {start}-{stop - 1}"
         verdict = f"{lack / MiB:.1f} MiB missing" if lack > 0 else "fits"
         lines.append(f"- stage {s} ({layers}): needs {need.describe()}: {verdict}")
-        start += size
     name = schedule if isinstance(schedule, str) else schedule.name
     budget = (
         f"{budgets[0] / MiB:.1f} MiB per stage"

@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from gpipe.estimate.profile import Profile
+from gpipe.estimate.ranges import spans
 from gpipe.remat import recompute_fraction
 from gpipe.schedule.ir import Schedule
 from gpipe.schedule.simulate import Costs
@@ -46,10 +47,8 @@ def stage_costs(
         for m in range(schedule.num_microbatches)
     )
     forward, backward, weight = [], [], []
-    start = 0
-    for s, size in enumerate(balance):
-        layers = prof.layers[start : start + size]
-        start += size
+    for s, (i, j) in enumerate(spans(balance)):
+        layers = prof.layers[i:j]
         f = sum(lay.forward for lay in layers)
         whole = sum(lay.backward for lay in layers)
         if not split:

@@ -24,7 +24,7 @@ from typing import Any
 
 from gpipe.errors import PartitionError
 from gpipe.estimate.memory_model import StageMemoryTable
-from gpipe.estimate.ranges import prefix_sums
+from gpipe.estimate.ranges import prefix_sums, spans
 from gpipe.layout import Layout
 
 __all__ = ["balance_costs", "check_stages", "cut_within", "lightest_cut", "min_max_cut"]
@@ -154,10 +154,7 @@ def lightest_cut(table: StageMemoryTable, n: int, stages: int) -> list[int]:
     """The cut whose fullest stage needs the least (to a relative 1e-6), by bisection on
     :func:`cut_within`'s bound."""
     even = [n // stages + (s < n % stages) for s in range(stages)]
-    high, start = 0.0, 0
-    for s, size in enumerate(even):
-        high = max(high, table.total(s, start, start + size))
-        start += size
+    high = max(0.0, *(table.total(s, i, j) for s, (i, j) in enumerate(spans(even))))
     best, low = even, 0.0
     while high - low > 1e-6 * high:
         middle = (low + high) / 2

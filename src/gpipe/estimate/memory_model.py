@@ -67,7 +67,7 @@ from dataclasses import dataclass
 from gpipe import remat
 from gpipe._utils import MiB
 from gpipe.estimate.profile import LayerProfile, Profile
-from gpipe.estimate.ranges import RangeMax, StridedMax, prefix_sums
+from gpipe.estimate.ranges import RangeMax, StridedMax, prefix_sums, spans
 from gpipe.layout import Layout
 from gpipe.schedule.ir import Kind, Schedule
 from gpipe.schedule.simulate import Costs, SimulationResult, simulate
@@ -407,11 +407,7 @@ def stage_memory(
         prof.layers, held, model or MemoryModel(), splits_backward=splits_backward,
         checkpoint_layers=checkpoint_layers,
     )  # fmt: skip
-    out, start = [], 0
-    for s, size in enumerate(balance):
-        out.append(table(s, start, start + size))
-        start += size
-    return out
+    return [table(s, i, j) for s, (i, j) in enumerate(spans(balance))]
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__ = ["RangeMax", "StridedMax", "prefix_sums"]
+__all__ = ["RangeMax", "StridedMax", "prefix_sums", "spans"]
 
 
 def prefix_sums(values: Sequence[float]) -> list[float]:
@@ -15,6 +15,12 @@ def prefix_sums(values: Sequence[float]) -> list[float]:
     for v in values:
         out.append(out[-1] + v)
     return out
+
+
+def spans(balance: Sequence[int]) -> list[tuple[int, int]]:
+    """The layers ``i..j-1`` of each stage of ``balance``, as ``(i, j)``."""
+    ends = prefix_sums(balance)
+    return [(int(ends[s]), int(ends[s + 1])) for s in range(len(balance))]
 
 
 class RangeMax:
