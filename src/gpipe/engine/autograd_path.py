@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterator, Mapping, Sequence
-from contextlib import ExitStack, contextmanager, nullcontext
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -40,8 +40,7 @@ from torch.utils._pytree import tree_map
 from torch.utils.checkpoint import checkpoint
 
 from gpipe.engine.stage import Stage
-from gpipe.engine.state import ModuleState, SavedState, running_stats_frozen
-from gpipe.remat import recomputing
+from gpipe.engine.state import SavedState
 
 __all__ = ["StandIn", "forward"]
 
@@ -122,18 +121,14 @@ class _Recomputation:
         self, stage: Stage, learned: list[SavedState | None], replay: list[frozenset[int]]
     ) -> None:
         self.stage, self.learned, self.replay = stage, learned, replay
-        self.stack = ExitStack()
 
     def __enter__(self) -> None:
-        with ExitStack() as stack:
-            stack.enter_context(recomputing())
-            stack.enter_context(running_stats_frozen(self.stage.layers))
-            self.replay[0] = stack.enter_context(ModuleState.restored(_fresh(self.learned[0])))
-            self.stack = stack.pop_all()
+        self.entered = self.stage.recomputation(_fresh(self.learned[0]))
+        self.replay[0] = self.entered.__enter__()
 
-    def __exit__(self, *exc: object) -> bool:
+    def __exit__(self, *exc: object) -> bool | None:
         self.replay[0] = frozenset()
-        return self.stack.__exit__(*exc)
+        return self.entered.__exit__(*exc)
 
 
 def _fresh(saved: SavedState | None) -> SavedState | None:

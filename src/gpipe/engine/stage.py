@@ -30,7 +30,7 @@ the gradient of a stage's inputs is what its backward hands to the previous stag
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -168,6 +168,14 @@ class Stage:
         """The model's own value in a stage output (without skip tensors)."""
         return packet[0] if self.skips is not None else packet
 
+    @contextmanager
+    def recomputation(self, state: SavedState | None) -> Iterator[frozenset[int]]:
+        """What a recomputation runs under: ``gpipe.remat.is_recomputing()``, plain batch
+        norm's running statistics frozen, the buffers ``state`` holds (gpipe.engine.state);
+        yields the layers to replay as first forwards."""
+        with recomputing(), running_stats_frozen(self.layers), ModuleState.restored(state) as r:
+            yield r
+
     def _metered(self):
         return self.meter.saved_tensors(self.index) if self.meter is not None else nullcontext()
 
@@ -286,12 +294,7 @@ class Stage:
             return self._backward_by_groups(stored, grad_outputs, microbatch)
         with torch.enable_grad():
             if stored.remat:
-                with (
-                    recomputing(),
-                    running_stats_frozen(self.layers),
-                    self._metered(),
-                    ModuleState.restored(stored.state) as replay,
-                ):
+                with self.recomputation(stored.state) as replay, self._metered():
                     self._outputs_and_loss(stored, microbatch, replay)
             roots, grads = self._roots(stored, grad_outputs, microbatch)
             inputs = tensors_of(stored.inputs)
@@ -326,12 +329,7 @@ class Stage:
             upstream = upstream or any(
                 p.requires_grad for i in group for p in self.layers[i].parameters()
             )
-        with (
-            recomputing(),
-            running_stats_frozen(self.layers),
-            self._metered(),
-            ModuleState.restored(stored.state) as replay,
-        ):
+        with self.recomputation(stored.state) as replay, self._metered():
             kept = self._group_inputs(stored, groups, microbatch, replay)
             # Metered until B ends, as the memory model counts it: every group input at once.
             last_held = kept[-1][2]  # noqa: F841
