@@ -43,14 +43,13 @@ def _build(
     *,
     buffered_sends: bool = False,
 ) -> Schedule:
-    return Schedule(
-        name=name,
-        num_stages=len(stage_to_rank),
+    return Schedule.from_actions(
+        rows,
+        stage_to_rank=stage_to_rank,
         num_microbatches=num_microbatches,
-        stage_to_rank=tuple(stage_to_rank),
-        actions=tuple(tuple(row) for row in rows),
+        name=name,
         buffered_sends=buffered_sends,
-    ).validate()
+    )
 
 
 def fill_drain(num_stages: int, num_microbatches: int) -> Schedule:
