@@ -1,16 +1,5 @@
-"""Schedules as pure data (no tensors, no processes).
-
-* ``actions``: the vocabulary — :class:`Action` (``F3@1``), :class:`Kind`,
-  :class:`TimedAction`, :class:`ScheduleError`;
-* ``ir``: :class:`Schedule`, per-rank action lists (it re-exports the vocabulary);
-* ``builders``: the hand-written schedules (GPipe, 1F1B, interleaved, ZB-H1, ZB-V, DualPipe-V);
-* ``auto``: ``zb-auto``, a zero-bubble schedule searched for given costs and memory;
-* ``registry``: the one table of named schedules (:data:`SCHEDULES`), :func:`build_schedule`;
-* ``check``: what :meth:`Schedule.validate` checks, and the communication model;
-* ``routes``: which messages each action receives and sends (skip connections included);
-* ``comm_plan``: each wire's message order, and where receives are posted;
-* ``simulate``: per-action costs in, makespan, bubble and memory peaks out.
-"""
+"""Schedules as pure data (no tensors, no processes); its modules, one line each, are in
+docs/architecture.md."""
 
 from gpipe.schedule.auto import zb_auto
 from gpipe.schedule.builders import (
