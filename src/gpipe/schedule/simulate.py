@@ -166,9 +166,10 @@ def simulate(
     )
 
 
-# Each rank's program, flat for speed: key, cost, and up to two inputs (key or -1, and the
-# latency to add when the input comes from another rank).
-Program = tuple[list[int], list[float], list[int], list[float], list[int], list[float]]
+# Each rank's program, flat for speed: key, cost, and up to two inputs (key or -1): the
+# first with the latency to add when it comes from another rank, the second (a backward's
+# own forward) always from this rank.
+Program = tuple[list[int], list[float], list[int], list[float], list[int]]
 
 
 def _programs(
@@ -187,7 +188,7 @@ def _programs(
     programs = []
     wakes: dict[int, int] = {}  # key -> the other rank that consumes its result
     for r, acts in enumerate(schedule.actions):
-        keys, durations, in1, lat1, in2, lat2 = [], [], [], [], [], []
+        keys, durations, in1, lat1, in2 = [], [], [], [], []
         for a in acts:
             s, m = a.stage, a.microbatch
             kind = a.kind
@@ -197,13 +198,11 @@ def _programs(
                 prev = s - 1 if s > 0 else -1  # stage whose forward this one needs
                 in1.append((prev * M + m) if prev >= 0 else -1)
                 in2.append(-1)
-                lat2.append(0.0)
                 cross = prev >= 0 and rank_of[prev] != r
             elif kind is BACKWARD:
                 keys.append(SM + s * M + m)
                 durations.append(bwd[s] if (s, m) in split else bwd[s] + wgt[s])
                 in2.append(s * M + m)  # own forward, same rank
-                lat2.append(0.0)
                 nxt = s + 1 if s < S - 1 else -1  # stage whose input gradient this needs
                 in1.append((SM + nxt * M + m) if nxt >= 0 else -1)
                 cross = nxt >= 0 and rank_of[nxt] != r
@@ -212,12 +211,11 @@ def _programs(
                 durations.append(wgt[s])
                 in1.append(SM + s * M + m)
                 in2.append(-1)
-                lat2.append(0.0)
                 cross = False
             lat1.append(transfer if cross else 0.0)
             if cross:
                 wakes[in1[-1]] = r
-        programs.append((keys, durations, in1, lat1, in2, lat2))
+        programs.append((keys, durations, in1, lat1, in2))
     return programs, wakes
 
 
@@ -234,7 +232,7 @@ def _run(
     pending = list(range(R))
     while pending:
         r = pending.pop()
-        keys, durations, in1, lat1, in2, lat2 = programs[r]
+        keys, durations, in1, lat1, in2 = programs[r]
         i, now, n = pc[r], clock[r], len(keys)
         while i < n:
             start = now
@@ -248,8 +246,8 @@ def _run(
                 done = end[k]
                 if done is None:
                     break
-                if done + lat2[i] > start:
-                    start = done + lat2[i]
+                if done > start:
+                    start = done
             now = start + durations[i]
             key = keys[i]
             end[key], begin[key] = now, start
