@@ -53,7 +53,7 @@ try:  # what torch.autograd.backward calls once it has checked its arguments
 except ImportError:  # a private name: other torch versions take the public path
     _engine_run_backward = None
 
-__all__ = ["WeightWork", "backward_input", "backward_weight", "leaves_below"]
+__all__ = ["WeightWork", "backward_input", "backward_weight", "grads_of", "leaves_below"]
 
 # Nodes whose backward runs autograd itself and refuses to run under ``.grad``.
 _UNSPLITTABLE = {
@@ -165,8 +165,12 @@ def _whole(roots, grads, inputs, reason: str) -> tuple[list, WeightWork]:
     """B as the whole backward, for a graph that cannot be split."""
     warnings.warn(f"a split backward runs whole in B (no W to defer): {reason}", stacklevel=4)
     torch.autograd.backward(list(roots), list(grads))
-    grad_inputs = [t.grad if t.requires_grad and t.is_leaf else None for t in inputs]
-    return grad_inputs, WeightWork([], [], [], whole=reason)
+    return grads_of(inputs), WeightWork([], [], [], whole=reason)
+
+
+def grads_of(inputs: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
+    """Each input's ``.grad`` (None where it is not a leaf that requires grad)."""
+    return [t.grad if t.requires_grad and t.is_leaf else None for t in inputs]
 
 
 def backward_input(

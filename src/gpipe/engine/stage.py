@@ -42,14 +42,14 @@ from gpipe import rng
 from gpipe._utils import tensors_of
 from gpipe.engine.loss import ForeignParameters, LossSpec, check_loss, compute_loss
 from gpipe.engine.skip import SkipError, StageSkips, tracking
-from gpipe.engine.split_backward import WeightWork, backward_input, backward_weight
+from gpipe.engine.split_backward import WeightWork, backward_input, backward_weight, grads_of
 from gpipe.engine.state import ModuleState, SavedState, running_stats_frozen
 from gpipe.remat import recomputing, replaying
 
 if TYPE_CHECKING:
     from gpipe.engine.memory import ActivationMeter
 
-__all__ = ["Stage"]
+__all__ = ["Stage", "detached"]
 
 
 @dataclass
@@ -267,13 +267,13 @@ class Stage:
             self._stored[microbatch] = stored
         detached_loss = loss_value.detach() if loss_value is not None else None
         if not keep:
-            return _detached(outputs, lambda t: False), detached_loss
+            return detached(outputs, lambda t: False), detached_loss
         if remat:
             # Computed without a graph: a float output will need a gradient whenever
             # anything upstream of it (an input or a parameter of this stage) does.
             upstream = self.needs_grad(inputs)
-            return _detached(outputs, lambda t: upstream and t.is_floating_point()), detached_loss
-        return _detached(outputs, lambda t: t.requires_grad), detached_loss
+            return detached(outputs, lambda t: upstream and t.is_floating_point()), detached_loss
+        return detached(outputs, lambda t: t.requires_grad), detached_loss
 
     def backward(
         self,
@@ -307,7 +307,7 @@ class Stage:
             if roots:
                 torch.autograd.backward(roots, grads)
         stored.held.clear()
-        return _grads_of(inputs)  # a user's input that requires grad: not a leaf, no .grad
+        return grads_of(inputs)  # a user's input that requires grad: not a leaf, no .grad
 
     def _groups(self) -> list[range]:
         """The groups of ``checkpoint_layers`` layers a re-materialized backward recomputes
@@ -340,7 +340,7 @@ class Stage:
                 leaf = (
                     stored.inputs
                     if k == 0
-                    else _detached(x, lambda t, k=k: needs_grad[k] and t.is_floating_point())
+                    else detached(x, lambda t, k=k: needs_grad[k] and t.is_floating_point())
                 )
                 del x
                 ModuleState.rebind(buffers)
@@ -357,7 +357,7 @@ class Stage:
                     if roots:
                         torch.autograd.backward(roots, root_grads)
                     del roots, root_grads
-                grads = _grads_of(tensors_of(leaf))
+                grads = grads_of(tensors_of(leaf))
                 del leaf
         stored.held.clear()
         return grads
@@ -426,15 +426,11 @@ def _differentiable(outputs: list[torch.Tensor], grads: Sequence) -> tuple[list,
     return [t for t, _ in pairs], [g for _, g in pairs]
 
 
-def _grads_of(inputs: list[torch.Tensor]) -> list[torch.Tensor | None]:
-    return [t.grad if t.requires_grad and t.is_leaf else None for t in inputs]
-
-
 def _copied(value: Any) -> Any:
     return tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, value)
 
 
-def _detached(value: Any, needs_grad: Callable[[torch.Tensor], bool]) -> Any:
+def detached(value: Any, needs_grad: Callable[[torch.Tensor], bool]) -> Any:
     """Detached copies for the next stage, marked ``requires_grad`` where it needs a gradient."""
 
     def detach(leaf: Any) -> Any:

@@ -52,6 +52,7 @@ from gpipe import microbatch, rng
 from gpipe._utils import DeviceLike, storage_key, synchronize, tensors_of, to_device
 from gpipe.engine.memory import ActivationMeter
 from gpipe.engine.split_backward import backward_input, backward_weight
+from gpipe.engine.stage import detached
 
 __all__ = ["LayerProfile", "Profile", "profile"]
 
@@ -311,17 +312,6 @@ def _unique_bytes(tensors: Sequence[torch.Tensor]) -> int:
     return sum(unique.values())
 
 
-def _leaves(value: Any, *, needs_grad: bool) -> Any:
-    """Detached copies of the tensors of ``value``; floats require grad if asked."""
-
-    def leaf(t: Any) -> Any:
-        if not isinstance(t, torch.Tensor):
-            return t
-        return t.detach().requires_grad_(needs_grad and t.is_floating_point())
-
-    return torch.utils._pytree.tree_map(leaf, value)
-
-
 class _LayerRun:
     """One layer's copy on the device, its input, and what has been measured of it."""
 
@@ -374,7 +364,7 @@ class _LayerRun:
         del roots
         if self.inputs:  # without an input gradient B does nothing and frees nothing
             self.memory["freed_after_input_grad_bytes"] = self._freed_by_split_input_grad()
-        return _leaves(out, needs_grad=True)
+        return detached(out, lambda t: t.is_floating_point())
 
     def _freed_by_split_input_grad(self) -> int:
         """Saved bytes a split B frees: what W does not need goes once the roots go."""
