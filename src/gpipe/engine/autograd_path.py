@@ -40,7 +40,7 @@ from torch.utils._pytree import tree_map
 from torch.utils.checkpoint import checkpoint
 
 from gpipe.engine.stage import Stage
-from gpipe.engine.state import SavedState
+from gpipe.engine.state import SavedState, cloned
 
 __all__ = ["StandIn", "forward"]
 
@@ -136,12 +136,7 @@ def _fresh(saved: SavedState | None) -> SavedState | None:
     the buffers it restores, and the next one must start from the same values."""
     if saved is None:
         return None
-    clones: dict[int, torch.Tensor] = {}
-    for tensor in saved.values.values():
-        if id(tensor) not in clones:
-            clones[id(tensor)] = tensor.clone()
-    values = {slot: clones[id(tensor)] for slot, tensor in saved.values.items()}
-    return dataclasses.replace(saved, values=values)  # generators' states are only read
+    return dataclasses.replace(saved, values=cloned(saved.values))  # generators': only read
 
 
 @contextmanager

@@ -211,9 +211,7 @@ class DeferredBatchNorm(_BatchNorm):
             device="meta",
             input_dims=_INPUT_DIMS[type(bn)],
         )
-        for name in ("weight", "bias"):
-            setattr(new, name, getattr(bn, name))
-        for name in ("running_mean", "running_var", "num_batches_tracked"):
+        for name in ("weight", "bias", "running_mean", "running_var", "num_batches_tracked"):
             setattr(new, name, getattr(bn, name))
         new.train(bn.training)
         return new

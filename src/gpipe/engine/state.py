@@ -38,7 +38,7 @@ from torch import nn
 
 from gpipe.engine.batchnorm import DeferredBatchNorm
 
-__all__ = ["ModuleState", "SavedState", "running_stats_frozen"]
+__all__ = ["ModuleState", "SavedState", "cloned", "running_stats_frozen"]
 
 
 @dataclass(frozen=True)
@@ -196,14 +196,16 @@ def _states(generators) -> dict[torch.Generator, torch.Tensor]:
 
 def _copies(slots: list[_Slot]) -> dict[_Slot, torch.Tensor]:
     """A copy of each slot's buffer; a buffer two modules hold is copied once, for both."""
+    return cloned({slot: slot.module._buffers[slot.name] for slot in slots})
+
+
+def cloned(values: dict[_Slot, torch.Tensor]) -> dict[_Slot, torch.Tensor]:
+    """A copy of each tensor; a tensor held in several slots is copied once, for all."""
     by_tensor: dict[int, torch.Tensor] = {}
-    copies = {}
-    for slot in slots:
-        tensor = slot.module._buffers[slot.name]
+    for tensor in values.values():
         if id(tensor) not in by_tensor:
             by_tensor[id(tensor)] = tensor.detach().clone()
-        copies[slot] = by_tensor[id(tensor)]
-    return copies
+    return {slot: by_tensor[id(tensor)] for slot, tensor in values.items()}
 
 
 def frozen_batch_norms(layers: Sequence[nn.Module]) -> list[nn.Module]:
