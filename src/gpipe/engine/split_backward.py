@@ -45,13 +45,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
-from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
+from torch.autograd.graph import GradientEdge, Node, _engine_run_backward, get_gradient_edge
 from torch.overrides import has_torch_function
-
-try:  # what torch.autograd.backward calls once it has checked its arguments
-    from torch.autograd.graph import _engine_run_backward
-except ImportError:  # a private name: other torch versions take the public path
-    _engine_run_backward = None
 
 __all__ = ["WeightWork", "backward_input", "backward_weight", "grads_of", "leaves_below"]
 
@@ -322,10 +317,11 @@ def backward_weight(work: WeightWork) -> None:
 def _accumulate(edges: list[GradientEdge], grads: list[torch.Tensor], params: list) -> None:
     """One group's autograd call. Accumulated by autograd itself, so .grad hooks (e.g. data
     parallelism's bucket reduction) see it as after any backward."""
-    if _engine_run_backward is None or has_torch_function(params):
+    if has_torch_function(params):
         torch.autograd.backward(edges, grads, retain_graph=True, inputs=params)
         return
-    # The engine directly: B recorded these gradients from these very nodes, so the
+    # The engine directly (what torch.autograd.backward calls once it has checked its
+    # arguments; torch >= 2.3): B recorded these gradients from these very nodes, so the
     # public call's checks of each gradient against its edge's metadata (about 40 us per
     # group, 5 % of W for a small micro-batch) have nothing to find.
     _engine_run_backward(
