@@ -1,13 +1,9 @@
 """Choose the cuts of a model: the contiguous partition whose slowest stage is fastest.
 
-A pipeline runs at the speed of its slowest stage, so the best cut of ``L`` layers into
-``K`` stages minimises the largest stage cost, exactly (``gpipe.estimate.cuts``). The cost
-of a stage may depend on its position (the first stage of a 1F1B pipeline holds K
-micro-batches, the last one), and a stage may be required to fit a memory budget; both
-enter the same recursion. By time, that cut is then the start of a hill climb on the
-schedule's simulated step (``_by_makespan``): a stage's actions are not one number (a split
-backward's B and W, the first stage's empty B, the loss on the last), and the schedule, not
-the slowest stage alone, sets the step. Entry points:
+The exact cut, position-dependent costs and memory budgets included, is
+``gpipe.estimate.cuts``'s (the first stage of a 1F1B pipeline holds K micro-batches, the
+last one). By time, that cut is then the start of a hill climb on the schedule's simulated
+step (``_by_makespan`` says why). Entry points:
 
 * :func:`balance_by_time` — profile the model (``gpipe.estimate.profile``) and balance forward +
   backward (+ recomputation) time: what ``Pipe(balance="auto", sample=...)`` uses;
