@@ -41,6 +41,7 @@ from typing import Any, Protocol
 
 import gpipe.train.run_folder as run_folder
 from gpipe._utils import MiB
+from gpipe.train.report import write_json
 
 __all__ = ["DESTINATIONS", "Sink", "TensorBoard", "load_function", "open_sinks", "problems"]
 
@@ -252,10 +253,7 @@ def _ids(out: Path) -> dict[str, str]:
 
 
 def _keep_id(out: Path, name: str, run_id: str) -> None:
-    ids = {**_ids(out), name: run_id}
-    tmp = out / (IDS_FILE + ".tmp")
-    tmp.write_text(json.dumps(ids, indent=1))
-    os.replace(tmp, out / IDS_FILE)
+    write_json(out / IDS_FILE, {**_ids(out), name: run_id})
 
 
 _ARTIFACTS = (run_folder.LOSS_PLOT, run_folder.TIMELINE_PNG, run_folder.OPTIONS, run_folder.SUMMARY)
