@@ -37,6 +37,7 @@ from torch import nn
 from gpipe import microbatch, through_output
 from gpipe._utils import DeviceLike
 from gpipe.layout import PIPE, Layout
+from gpipe.partition import cut
 from gpipe.pipe import Pipe
 
 __all__ = ["GPipe", "verify_module"]
@@ -117,7 +118,8 @@ class GPipe(nn.Module):
                 raise ValueError("invalid GPipe configuration:\n- " + "\n- ".join(problems))
         self.balance, self.chunks, self.checkpoint = balance, chunks, checkpoint
         self.devices = _devices(devices, len(balance))
-        self.partitions = nn.ModuleList(_partitions(module, balance))
+        # Each partition keeps the layers' names (verify_module refused a repeated layer).
+        self.partitions = nn.ModuleList(nn.Sequential(OrderedDict(p)) for p in cut(module, balance))
         pipe = None
         if balance:
             pipe = Pipe(
@@ -206,16 +208,6 @@ def _devices(devices: Sequence[DeviceLike] | None, partitions: int) -> list[torc
             f"{partitions}): give one device per partition, or fewer partitions in balance"
         )
     return devices[:partitions]
-
-
-def _partitions(module: nn.Sequential, balance: list[int]) -> list[nn.Sequential]:
-    """The layers cut by ``balance``, each partition keeping the layers' names."""
-    named = list(module.named_children())
-    partitions, start = [], 0
-    for size in balance:
-        partitions.append(nn.Sequential(OrderedDict(named[start : start + size])))
-        start += size
-    return partitions
 
 
 def _check_tensors(value: Any, what: str) -> None:

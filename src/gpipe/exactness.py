@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map
 
 from gpipe import microbatch, rng
 from gpipe.frontend import split_points
@@ -129,13 +130,11 @@ def check(
 
 
 def _float64(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.double() if value.is_floating_point() else value
-    if isinstance(value, dict):
-        return {k: _float64(v) for k, v in value.items()}
-    if isinstance(value, (tuple, list)):
-        return type(value)(_float64(v) for v in value)
-    return value
+    def widen(leaf: Any) -> Any:
+        floating = isinstance(leaf, torch.Tensor) and leaf.is_floating_point()
+        return leaf.double() if floating else leaf
+
+    return tree_map(widen, value)
 
 
 def _twins(model, seed: int) -> tuple[nn.Module, nn.Module]:

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Literal
 
 __all__ = [
@@ -103,24 +103,22 @@ def rematerializing() -> bool:
     return getattr(_state, "recomputing", False)
 
 
-@contextmanager
-def recomputing() -> Iterator[None]:
+def recomputing() -> AbstractContextManager[None]:
     """Mark the enclosed code (in this thread) as a recomputation."""
-    previous = getattr(_state, "recomputing", False)
-    _state.recomputing = True
-    try:
-        yield
-    finally:
-        _state.recomputing = previous
+    return _marked("recomputing")
 
 
-@contextmanager
-def replaying() -> Iterator[None]:
+def replaying() -> AbstractContextManager[None]:
     """Mark the enclosed layer as replayed: its buffers are as its first forward found
     them, so it runs as that forward did (:func:`is_recomputing` is False inside)."""
-    previous = getattr(_state, "replaying", False)
-    _state.replaying = True
+    return _marked("replaying")
+
+
+@contextmanager
+def _marked(flag: str) -> Iterator[None]:
+    previous = getattr(_state, flag, False)
+    setattr(_state, flag, True)
     try:
         yield
     finally:
-        _state.replaying = previous
+        setattr(_state, flag, previous)

@@ -23,21 +23,23 @@ import importlib
 import os
 import sys
 import typing
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 
+from gpipe.cli.train import add_config_options, config_of
 from gpipe.errors import PartitionError, PipelineError
 from gpipe.exactness import check
 from gpipe.remat import Remat
 from gpipe.schedule.registry import SCHEDULES
+from gpipe.train.config import _option
 
 __all__ = ["CheckConfig", "configure", "run"]
 
 
 def _help(text: str, **more: Any) -> Any:
-    return field(default=None, metadata={"help": text, **more})
+    return _option(None, text, "check", **more)  # an option of gpipe check, none given
 
 
 @dataclass
@@ -51,7 +53,7 @@ class CheckConfig:
     config: str | None = _help("a gpipe train TOML file: its model, loss, data and layout")
     stages: int | None = _help("pipeline ranks K (default 2)")
     chunks: int | None = _help("micro-batches M (default 4)")
-    schedule: str | None = _help("the schedule (default gpipe)", choices=sorted(SCHEDULES))
+    schedule: str | None = _help("the schedule (default gpipe)", choices=tuple(sorted(SCHEDULES)))
     checkpoint: str | None = _help("remat (default except_last)", choices=typing.get_args(Remat))
     virtual_stages: int | None = _help("stages per rank (default: the schedule's)")
     balance: str | None = _help("layers (units) per stage, e.g. 3,3 (default: even)")
@@ -64,17 +66,15 @@ class CheckConfig:
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    kinds = {"int | None": int, "float | None": float}
-    for f in fields(CheckConfig):
-        parser.add_argument(
-            f"--{f.name.replace('_', '-')}", dest=f.name, default=None,
-            type=kinds.get(str(f.type), str), help=f.metadata["help"],
-            choices=f.metadata.get("choices"),
-        )  # fmt: skip
+    add_config_options(parser, CheckConfig)
+
+
+# Not check()'s keywords: what is checked, and --balance (read as ints below).
+_NOT_SETTINGS = ("model", "loss", "batch", "optimizer", "config", "balance")
 
 
 def run(args: argparse.Namespace) -> int:
-    given = CheckConfig(**{f.name: getattr(args, f.name) for f in fields(CheckConfig)})
+    given = config_of(args, CheckConfig)
     try:
         model, loss, batch, settings = _from_train_config(given) if given.config else (
             _from_imports(given)
@@ -84,10 +84,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"gpipe check: error: {error}", file=sys.stderr)
         return 2
     settings = {k: v for k, v in settings.items() if v is not None}
-    for name in ("stages", "chunks", "schedule", "checkpoint", "virtual_stages", "split",
-                 "steps", "reduction", "tolerance", "seed"):  # fmt: skip
-        if getattr(given, name) is not None:
-            settings[name] = getattr(given, name)
+    settings.update(
+        (k, v) for k, v in asdict(given).items() if k not in _NOT_SETTINGS and v is not None
+    )
     if given.balance is not None:
         settings["balance"] = [int(b) for b in given.balance.split(",")]
     settings.setdefault("chunks", 4)

@@ -236,10 +236,6 @@ class Mesh:
     def pp_rank(self) -> int:
         return dist.get_rank(self.pp)
 
-    def global_rank(self, pp_rank: int) -> int:
-        """The global rank of pipeline rank ``pp_rank`` of this process's replica."""
-        return dist.get_global_rank(self.pp, pp_rank)
-
     def sum_over_pipeline(self, value: float, operation: str) -> float:
         total = torch.tensor([float(value)], dtype=torch.float64)
         return float(self.pipeline.all_reduce(total, operation))

@@ -46,6 +46,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._pytree import tree_map
 
 from gpipe.engine.stage import Stage
 from gpipe.errors import COMMUNICATION_FAILURES, PartitionError, PipelineError
@@ -66,13 +67,7 @@ _COMMUNICATION_FAILURES = (*COMMUNICATION_FAILURES, "NCCL")
 def full_value(value: Any) -> Any:
     """``value`` (a tensor, or dicts and lists of them) with every ``DTensor`` gathered
     whole: a collective over its replicas, which must all call it, in the same order."""
-    if hasattr(value, "full_tensor"):  # a DTensor
-        return value.full_tensor()
-    if isinstance(value, dict):
-        return {k: full_value(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return type(value)(full_value(v) for v in value)
-    return value
+    return tree_map(lambda v: v.full_tensor() if hasattr(v, "full_tensor") else v, value)
 
 
 def shard_like(parameter: torch.Tensor, full: torch.Tensor) -> torch.Tensor:

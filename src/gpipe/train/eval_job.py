@@ -20,12 +20,13 @@ import torch
 import gpipe.train.checkpoint as ckpt
 import gpipe.train.inputs as inputs
 from gpipe.layout import Layout
-from gpipe.parallel.launch import LaunchError, launch, threads_per_process
+from gpipe.parallel.launch import threads_per_process
 from gpipe.parallel.mesh import Mesh
 from gpipe.pipe import Pipe
 from gpipe.train.checkpoint_integrity import choose
 from gpipe.train.config import ConfigError, TrainConfig, _option, model_spec, num_layers
 from gpipe.train.evaluation import build_pipe, validate
+from gpipe.train.job import launched
 from gpipe.train.options import resolve
 from gpipe.train.precision import autocast_of
 
@@ -100,18 +101,6 @@ def resolve_model(
 def run_eval(config: TrainConfig) -> dict[str, Any]:
     """Evaluate in K new local processes; rank 0's result (loss, perplexity, speed)."""
     return launched(evaluate, config, inputs.check(config, processes=config.world_size))
-
-
-def launched(fn: Any, config: TrainConfig, *args: Any) -> Any:
-    """``fn(rank, config, *args)`` in K new local processes; rank 0's result."""
-    try:
-        results = launch(fn, nprocs=config.world_size, args=(config, *args), backend="gloo",
-                         timeout=config.timeout)  # fmt: skip
-    except LaunchError as error:
-        from gpipe.train.job import TrainingError  # the same failure report as gpipe train's
-
-        raise TrainingError(error.failures) from None
-    return results[0]
 
 
 def load_pipe(config: TrainConfig, mesh: Mesh) -> Pipe:

@@ -22,7 +22,7 @@ from torch.overrides import TorchFunctionMode
 
 from gpipe.estimate.memory_model import Held, MemoryModel, StageMemoryTable
 from gpipe.estimate.profile import LayerProfile
-from gpipe.train.config import ConfigError, TrainConfig
+from gpipe.train.config import ConfigError, TrainConfig, flag
 from gpipe.train.hf import HFModel
 from gpipe.train.memory_checks import PROCESS_BYTES, gib
 from gpipe.train.networks import ModelSource
@@ -49,13 +49,10 @@ def check(config: TrainConfig, *, processes: int | None) -> Any:
     except DataError as error:  # it names the file
         raise ConfigError([str(error)]) from None
     except (ValueError, OSError, ImportError) as error:
-        given = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in _data_options(config))
+        named = [k for k in ("data", "val_data") if getattr(config, k)]
+        given = " ".join(f"{flag(k)} {getattr(config, k)}" for k in named)
         raise ConfigError([f"{given}: {error}" if given else str(error)]) from None
     return prepared
-
-
-def _data_options(config: TrainConfig) -> list[tuple[str, Any]]:
-    return [(k, getattr(config, k)) for k in ("data", "val_data") if getattr(config, k)]
 
 
 def memory_problems(config: TrainConfig, source: ModelSource, *, processes: int) -> list[str]:

@@ -22,7 +22,7 @@ from gpipe.train.report import write_json
 from gpipe.train.run_folder import CONFIG
 from gpipe.train.trainer import Trainer
 
-__all__ = ["TrainingError", "root_cause", "run", "run_under_torchrun", "train"]
+__all__ = ["TrainingError", "launched", "root_cause", "run", "run_under_torchrun", "train"]
 
 
 class TrainingError(RuntimeError):
@@ -93,17 +93,18 @@ def run(config: TrainConfig) -> dict[str, Any]:
 
 def _run(config: TrainConfig, prepared: Any) -> dict[str, Any]:
     _write_run(config)
+    # The allocator policy is also read at each rank's start (Python's, glibc's defaults).
+    with started_with(config.cpu_allocator):
+        return launched(train, config, prepared)
+
+
+def launched(fn: Any, config: TrainConfig, *args: Any) -> Any:
+    """``fn(rank, config, *args)`` in K × R new local processes; rank 0's result. A failed
+    rank raises :class:`TrainingError` (the others stop with it)."""
     try:
-        # gloo: the main job trains on CPU, and its own collectives carry CPU tensors. The
-        # allocator policy is also read at each rank's start (Python's, glibc's defaults).
-        with started_with(config.cpu_allocator):
-            results = launch(
-                train,
-                nprocs=config.world_size,
-                args=(config, prepared),
-                backend="gloo",
-                timeout=config.timeout,
-            )
+        # gloo: the main job runs on CPU, and its own collectives carry CPU tensors.
+        results = launch(fn, nprocs=config.world_size, args=(config, *args), backend="gloo",
+                         timeout=config.timeout)  # fmt: skip
     except LaunchError as error:
         raise TrainingError(error.failures) from None
     return results[0]

@@ -41,6 +41,7 @@ from typing import Any, Protocol
 
 import gpipe.train.run_folder as run_folder
 from gpipe._utils import MiB
+from gpipe.train.report import write_json
 
 __all__ = ["DESTINATIONS", "Sink", "TensorBoard", "load_function", "open_sinks", "problems"]
 
@@ -232,7 +233,7 @@ class TensorBoard:
         numbers = _summary_numbers(summary)
         table = "| | |\n|---|---|\n" + "".join(f"| {k} | {v:.6g} |\n" for k, v in numbers.items())
         self.writer.add_text("summary", table, step)
-        config = out / "config.toml"
+        config = out / run_folder.OPTIONS
         if config.exists():  # indented: a code block in TensorBoard's markdown
             text = "".join(f"    {line}\n" for line in config.read_text().splitlines())
             self.writer.add_text("config", text, step)
@@ -249,13 +250,6 @@ def _ids(out: Path) -> dict[str, str]:
     except ValueError:
         return {}
     return {k: v for k, v in ids.items() if isinstance(v, str)} if isinstance(ids, dict) else {}
-
-
-def _keep_id(out: Path, name: str, run_id: str) -> None:
-    ids = {**_ids(out), name: run_id}
-    tmp = out / (IDS_FILE + ".tmp")
-    tmp.write_text(json.dumps(ids, indent=1))
-    os.replace(tmp, out / IDS_FILE)
 
 
 _ARTIFACTS = (run_folder.LOSS_PLOT, run_folder.TIMELINE_PNG, run_folder.OPTIONS, run_folder.SUMMARY)
@@ -276,7 +270,7 @@ class WandB:
             project=os.environ.get("WANDB_PROJECT") or "gpipe", name=out.name, dir=str(out),
             id=earlier, resume="allow" if earlier else None, config=options,
         )  # fmt: skip
-        _keep_id(out, "wandb", run.id)
+        write_json(out / IDS_FILE, {**_ids(out), "wandb": run.id})
         sink = cls(run)
         if not earlier:
             for record in history:
@@ -321,7 +315,7 @@ class MLflow:
             params = [Param(k, str(v)[:6000]) for k, v in options.items() if v is not None]
             for i in range(0, len(params), cls._BATCH):
                 client.log_batch(run_id, params=params[i : i + cls._BATCH])
-            _keep_id(out, "mlflow", run_id)
+            write_json(out / IDS_FILE, {**_ids(out), "mlflow": run_id})
         else:
             run_id = earlier
             client.update_run(run_id, status="RUNNING")
