@@ -65,8 +65,8 @@ PURE_DATA = {"errors"}
 NOT_YET_MIRRORED = {
     "_utils", "cli/check", "cli/checkpoints", "cli/demo", "cli/eval", "cli/export",
     "cli/generate", "cli/plan", "cli/plan_model", "cli/train",
-    "estimate/auto", "estimate/costs", "estimate/cuts", "estimate/ranges", "frontend/holders",
-    "materialize/init_calls", "estimate/memory_model", "frontend/cut", "frontend/files",
+    "frontend/holders",
+    "materialize/init_calls", "frontend/cut", "frontend/files",
     "frontend/keys", "frontend/names", "frontend/original", "frontend/report", "frontend/units",
     "materialize/record", "models", "parallel/agreement", "parallel/collectives",
     "parallel/data_parallel", "parallel/dcp", "parallel/launch", "parallel/mesh",
