@@ -65,8 +65,7 @@ PURE_DATA = {"errors"}
 NOT_YET_MIRRORED = {
     "_utils", "cli/check", "cli/checkpoints", "cli/demo", "cli/eval", "cli/export",
     "cli/generate", "cli/plan", "cli/plan_model", "cli/train",
-    "materialize/init_calls",
-    "materialize/record", "models", "parallel/agreement", "parallel/collectives",
+    "models", "parallel/agreement", "parallel/collectives",
     "parallel/data_parallel", "parallel/dcp", "parallel/launch", "parallel/mesh",
     "planner/calibration", "planner/families", "planner/measured", "planner/results",
     "planner/search",
