@@ -63,13 +63,12 @@ PURE_DATA = {"errors"}
 # frontend/holders in frontend/test_capture, materialize/init_calls in test_materialize,
 # planner/calibration in planner/test_capacity).
 NOT_YET_MIRRORED = {
-    "_utils", "cli/check", "cli/checkpoints", "cli/demo", "cli/eval", "cli/export",
+    "cli/check", "cli/checkpoints", "cli/demo", "cli/eval", "cli/export",
     "cli/generate", "cli/plan", "cli/plan_model", "cli/train",
-    "models", "parallel/agreement", "parallel/collectives",
+    "parallel/agreement", "parallel/collectives",
     "parallel/data_parallel", "parallel/dcp", "parallel/launch", "parallel/mesh",
     "planner/calibration", "planner/families", "planner/measured", "planner/results",
     "planner/search",
-    "through_output",
     "train/checkpoint_integrity", "train/eval_job", "train/evaluation", "train/generate_job",
     "train/generation", "train/hf", "train/inputs", "train/job", "train/memory_checks",
     "train/networks", "train/objectives", "train/options", "train/tasks", "train/tokenizers",
