@@ -16,6 +16,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from gpipe.frontend import CapturedModel, capture
+
 try:
     import transformers
 except ImportError:  # the hf extra is not installed: the Hugging Face cases are skipped
@@ -255,3 +257,26 @@ def captured_steps(rank: int, runs: list[dict]) -> list[dict]:
             }
         )
     return results
+
+
+_CAPTURED: dict[tuple[str, torch.dtype], tuple[nn.Module, CapturedModel]] = {}
+
+
+def captured(name: str, dtype: torch.dtype = torch.float64) -> tuple[nn.Module, CapturedModel]:
+    """The model and its capture, once per test session (capture takes a second or two)."""
+    if (name, dtype) not in _CAPTURED:
+        case = CASES[name]
+        model = case.build(dtype)
+        _CAPTURED[name, dtype] = (model, capture(model, case.example(dtype), split=case.split))
+    return _CAPTURED[name, dtype]
+
+
+class Blocks(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = torch.relu(block(x))
+        return x.sum(-1)  # work after the last block, none before the first

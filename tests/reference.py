@@ -1,8 +1,10 @@
-"""Non-pipelined references: the plain model trained the ordinary way, and comparisons."""
+"""Non-pipelined references: the plain model trained the ordinary way, comparisons, and
+brute force over the cuts of a model."""
 
 from __future__ import annotations
 
 import copy
+import itertools
 
 import torch
 from torch import nn
@@ -136,3 +138,21 @@ def assert_step_matches(pipe, reference, x, y, loss_fn, *, chunks: int, seed: in
     assert relative_error(loss, expected) <= 1e-10
     worst, where = worst_gradient_error(pipe, reference)
     assert worst <= 1e-10, f"worst gradient error {worst:.3g} at {where}"
+
+
+# -- brute force over the cuts of a model, for the balancers' tests ---------------------------
+
+
+def compositions(n: int, k: int):
+    """Every balance of n layers into k non-empty stages."""
+    for cuts in itertools.combinations(range(1, n), k - 1):
+        bounds = (0, *cuts, n)
+        yield [b - a for a, b in itertools.pairwise(bounds)]
+
+
+def stage_sums(values, balance):
+    out, start = [], 0
+    for size in balance:
+        out.append(sum(values[start : start + size]))
+        start += size
+    return out

@@ -1,4 +1,4 @@
-"""Training scripts as a user writes them, run in the processes test_user_patterns.py launches.
+"""Training scripts as a user writes them, run in the processes the tests launch.
 
 Every rank runs the same script, as under torchrun; each returns plain data (its batches,
 its gradients by whole-model name, its parameters) for the test to compare with the

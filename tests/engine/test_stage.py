@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -256,3 +258,50 @@ def test_buffers_a_forward_writes_are_restored_for_each_group(per):
     for key, value in pipe.state_dict().items():
         assert relative_error(value, theirs[key]) <= 1e-10, key
     assert int(pipe.state_dict()["1.calls"]) == 2 * 4
+
+
+# -- layers that write to their input --------------------------------------------------------
+
+
+class Shift(nn.Module):
+    """In-model preprocessing that changes its input in place."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.sub_(0.5)
+
+
+def in_place_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        Shift(),
+        nn.Linear(6, 16),
+        nn.ReLU(inplace=True),
+        nn.Linear(16, 16),
+        nn.Dropout(0.2),
+        nn.ReLU(inplace=True),
+        nn.Linear(16, 4),
+    ).double()
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+@pytest.mark.parametrize("balance", [[2, 3, 2], [2, 1, 4], [1, 4, 2]])  # ReLU(inplace) first
+def test_layers_that_write_to_their_input_train_as_in_the_plain_model(
+    schedule, checkpoint, balance
+):
+    plain = in_place_model()
+    pipe = gpipe.Pipe(
+        copy.deepcopy(plain), balance=balance, chunks=4, checkpoint=checkpoint, schedule=schedule
+    )
+    generator = torch.Generator().manual_seed(1)
+    for step in range(3):
+        x = torch.randn(8, 6, generator=generator, dtype=torch.float64)
+        y = torch.randint(0, 4, (8,), generator=generator)
+        caller = x.clone()
+        loss = pipe.step(caller, y, F.cross_entropy, seed=step)
+        assert torch.equal(caller, x)  # the caller's batch is not changed, let alone twice
+        expected = reference_step(plain, x.clone(), y, F.cross_entropy, chunks=4, seed=step)
+        assert relative_error(loss, expected) < 1e-10
+        for (name, ours), theirs in zip(pipe.named_parameters(), plain.parameters(), strict=True):
+            assert relative_error(ours.grad, theirs.grad) < 1e-10, (step, name)
+            ours.grad, theirs.grad = None, None

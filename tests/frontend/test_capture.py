@@ -17,20 +17,21 @@ import gpipe
 from captured_models import (
     CASES,
     HF,
+    Blocks,
     Case,
+    captured,
     captured_steps,
     reference_gradients,
     transformers,
     worst_error,
 )
-from gpipe.frontend import CapturedModel, CaptureError, capture, split_points
+from gpipe.frontend import CaptureError, capture, split_points
 from gpipe.layout import even_balance
 from gpipe.parallel.launch import launch
 from reference import running_stats_of_unsplit_batch
 
 SCHEDULES = ["gpipe", "1f1b", "zb-h1", "interleaved-1f1b"]
 REMAT = ["always", "except_last", "never"]
-_CAPTURED: dict[tuple[str, torch.dtype], tuple[nn.Module, CapturedModel]] = {}
 
 
 def needs(name: str):
@@ -49,15 +50,6 @@ def assert_trains_as(model, pipe, case, inputs, targets, tolerance=1e-10):
     error, where = worst_error(pipe.named_parameters(remove_duplicate=False), grads)
     assert error <= tolerance, (where, error)
     return loss
-
-
-def captured(name: str, dtype: torch.dtype = torch.float64) -> tuple[nn.Module, CapturedModel]:
-    """The model and its capture, once per test session (capture takes a second or two)."""
-    if (name, dtype) not in _CAPTURED:
-        case = CASES[name]
-        model = case.build(dtype)
-        _CAPTURED[name, dtype] = (model, capture(model, case.example(dtype), split=case.split))
-    return _CAPTURED[name, dtype]
 
 
 def pipe_of(name, schedule="gpipe", checkpoint="except_last", dtype=torch.float64, **options):
@@ -233,19 +225,6 @@ def test_buffers_the_forward_mutates_are_the_models():
         torch.testing.assert_close(buffers[name], value, rtol=1e-10, atol=0)
 
 
-def test_a_value_that_jumps_cuts_is_carried():
-    _, units = captured("skips")
-    # enc1's output crosses the cuts before enc2, mid, dec2 and dec1.
-    assert [u.unit_name for u in units] == CASES["skips"].split
-    carried, sizes = CASES["skips"].batch()[0], []
-    for unit in units[:-1]:
-        carried = unit(carried)
-        sizes.append(len(carried))
-    # a = tanh(enc1(x)) rides along until dec1 adds it: (a), (a, b, drop(b)), (a, c + b),
-    # (d + a); dropout is not a split module, so it runs with enc2, before the cut.
-    assert sizes == [1, 3, 2, 1]
-
-
 @needs("hf-llama")
 def test_auto_balance_and_the_timeline_work_on_captured_units():
     case = CASES["hf-llama"]
@@ -269,26 +248,6 @@ def test_auto_balance_and_the_timeline_work_on_captured_units():
     assert plan.candidates and all(sum(c.balance) == case.units for c in plan.candidates)
 
 
-class Blocks(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
-
-    def forward(self, x):
-        for block in self.blocks:
-            x = torch.relu(block(x))
-        return x.sum(-1)  # work after the last block, none before the first
-
-
-def test_units_are_named_by_where_they_run():
-    model = Blocks().double()
-    units = capture(model, (torch.randn(3, 4, dtype=torch.float64),), split="blocks")
-    assert [u.unit_name for u in units] == ["blocks.0", "blocks.1", "after blocks.1"]
-    assert repr(units[0]) == "Unit('blocks.0', 20 parameters)"
-    x = torch.randn(5, 4, dtype=torch.float64)
-    torch.testing.assert_close(units(x), model(x))
-
-
 # -- clear errors -------------------------------------------------------------------------------
 
 
@@ -299,16 +258,6 @@ def test_a_split_name_that_matches_nothing_lists_the_candidates():
     with pytest.raises(CaptureError, match=r"no nn\.ModuleList"):
         split_points(model, None)
     assert split_points(model, "layer2") == ["layer2.0", "layer2.1"]
-
-
-def test_split_modules_out_of_order_or_never_run_are_refused():
-    case = CASES["skips"]
-    model = case.build()
-    with pytest.raises(CaptureError, match="runs enc1 before enc2 has finished"):
-        capture(model, case.example(), split=["enc2", "enc1"])
-    model.unused = nn.Linear(2, 2)
-    with pytest.raises(CaptureError, match=r"\['unused'\] do no work"):
-        capture(model, case.example(), split=["enc1", "unused"])
 
 
 class DataDependent(nn.Module):
