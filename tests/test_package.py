@@ -64,19 +64,18 @@ PURE_DATA = {"errors"}
 # planner/calibration in planner/test_capacity).
 NOT_YET_MIRRORED = {
     "_utils", "assembly", "cli/check", "cli/checkpoints", "cli/demo", "cli/eval", "cli/export",
-    "cli/generate", "cli/plan", "cli/plan_model", "cli/train", "engine/loss", "engine/state",
+    "cli/generate", "cli/plan", "cli/plan_model", "engine/loss", "engine/state",
     "estimate/auto", "estimate/costs", "estimate/cuts", "estimate/ranges", "frontend/holders",
     "materialize/init_calls", "estimate/memory_model", "frontend/cut", "frontend/files",
     "frontend/keys", "frontend/names", "frontend/original", "frontend/report", "frontend/units",
     "materialize/record", "models", "parallel/agreement", "parallel/collectives",
-    "parallel/data_parallel", "parallel/dcp", "parallel/launch", "parallel/mesh",
     "planner/calibration", "planner/families", "planner/measured", "planner/results",
     "planner/search", "remat",
     "schedule/actions", "schedule/auto", "schedule/builders", "schedule/check", "schedule/ir",
     "schedule/registry", "schedule/routes", "stepping", "through_output",
     "train/checkpoint_integrity", "train/eval_job", "train/evaluation", "train/generate_job",
-    "train/generation", "train/hf", "train/inputs", "train/job", "train/memory_checks",
-    "train/networks", "train/objectives", "train/options", "train/tasks", "train/tokenizers",
+    "train/generation", "train/inputs", "train/job", "train/memory_checks",
+    "train/networks", "train/objectives",
     "transport/choice", "transport/distributed", "transport/handshake", "transport/local",
     "transport/peers", "transport/rows",
 }  # fmt: skip
