@@ -63,7 +63,7 @@ PURE_DATA = {"errors"}
 # frontend/holders in frontend/test_capture, materialize/init_calls in test_materialize,
 # planner/calibration in planner/test_capacity).
 NOT_YET_MIRRORED = {
-    "_utils", "assembly", "cli/check", "cli/demo", "cli/eval", "cli/export",
+    "_utils", "assembly", "cli/check", "cli/demo", "cli/export",
     "cli/generate", "cli/plan", "cli/plan_model", "engine/loss", "engine/state",
     "estimate/auto", "estimate/costs", "estimate/cuts", "estimate/ranges", "frontend/holders",
     "materialize/init_calls", "estimate/memory_model", "frontend/cut", "frontend/files",
@@ -73,7 +73,7 @@ NOT_YET_MIRRORED = {
     "planner/search", "remat",
     "schedule/actions", "schedule/auto", "schedule/builders", "schedule/check", "schedule/ir",
     "schedule/registry", "schedule/routes", "stepping", "through_output",
-    "train/eval_job", "train/evaluation", "train/generate_job",
+    "train/generate_job",
     "train/generation", "train/inputs", "train/job", "train/memory_checks",
     "train/networks", "train/objectives",
     "transport/choice", "transport/distributed", "transport/handshake", "transport/local",
