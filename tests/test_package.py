@@ -63,7 +63,7 @@ PURE_DATA = {"errors"}
 # frontend/holders in frontend/test_capture, materialize/init_calls in test_materialize,
 # planner/calibration in planner/test_capacity).
 NOT_YET_MIRRORED = {
-    "_utils", "assembly", "cli/check", "cli/demo", "cli/export",
+    "_utils", "assembly", "cli/demo",
     "cli/generate", "cli/plan", "cli/plan_model", "engine/loss", "engine/state",
     "estimate/auto", "estimate/costs", "estimate/cuts", "estimate/ranges", "frontend/holders",
     "materialize/init_calls", "estimate/memory_model", "frontend/cut", "frontend/files",

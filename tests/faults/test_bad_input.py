@@ -134,39 +134,6 @@ def test_two_runs_into_one_folder_are_refused(cache, in_process, tmp_path):
         first.wait()
 
 
-def test_export_refuses_a_json_name_for_the_weights(tiny_run, tmp_path, capsys):
-    out, _ = tiny_run
-    assert main(["export", str(out), "-o", str(tmp_path / "weights.json")]) == 2
-    assert "another name than the .json file" in capsys.readouterr().err
-    assert not (tmp_path / "weights.json").exists()
-
-
-@pytest.mark.parametrize("where", ["/sys/x.pt", "{tmp}/a-file/x.pt"])
-def test_export_to_an_unwritable_path_is_one_line(tmp_path, capsys, where):
-    from saved_checkpoints import make_model, save
-
-    save(tmp_path / "checkpoints", 3, make_model())
-    (tmp_path / "a-file").write_text("not a folder")
-    out = where.format(tmp=tmp_path)
-    assert main(["export", str(tmp_path), "-o", out]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith(f"gpipe export: error: -o {out}: cannot write there (")
-    assert err.endswith("; choose a writable path\n") and err.count("\n") == 1
-
-
-def test_export_of_a_damaged_checkpoint_names_the_file(tmp_path, capsys):
-    from saved_checkpoints import make_model, save
-
-    folder = save(tmp_path / "checkpoints", 3, make_model())
-    data = bytearray((folder / "__0_0.distcp").read_bytes())
-    data[-10] ^= 0xFF  # in a tensor's bytes: DCP would read it without a word
-    (folder / "__0_0.distcp").write_bytes(bytes(data))
-    assert main(["export", str(tmp_path), "-o", str(tmp_path / "m.pt")]) == 2
-    err = capsys.readouterr().err
-    assert "is damaged: __0_0.distcp is not the file saved (checksum differs)" in err
-    assert not (tmp_path / "m.pt").exists()
-
-
 @pytest.mark.parametrize(
     ("variables", "message"),
     [
