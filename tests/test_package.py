@@ -63,19 +63,18 @@ PURE_DATA = {"errors"}
 # frontend/holders in frontend/test_capture, materialize/init_calls in test_materialize,
 # planner/calibration in planner/test_capacity).
 NOT_YET_MIRRORED = {
-    "_utils", "assembly", "cli/demo",
+    "_utils", "assembly",
     "cli/generate", "cli/plan", "cli/plan_model", "engine/loss", "engine/state",
     "estimate/auto", "estimate/costs", "estimate/cuts", "estimate/ranges", "frontend/holders",
     "materialize/init_calls", "estimate/memory_model", "frontend/cut", "frontend/files",
     "frontend/keys", "frontend/names", "frontend/original", "frontend/report", "frontend/units",
-    "materialize/record", "models", "parallel/agreement", "parallel/collectives",
+    "materialize/record", "models", "parallel/agreement",
     "planner/calibration", "planner/families", "planner/measured", "planner/results",
     "planner/search", "remat",
     "schedule/actions", "schedule/auto", "schedule/builders", "schedule/check", "schedule/ir",
     "schedule/registry", "schedule/routes", "stepping", "through_output",
     "train/generate_job",
-    "train/generation", "train/inputs", "train/job", "train/memory_checks",
-    "train/networks", "train/objectives",
+    "train/generation",
     "transport/choice", "transport/distributed", "transport/handshake", "transport/local",
     "transport/peers", "transport/rows",
 }  # fmt: skip
