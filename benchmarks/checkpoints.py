@@ -58,9 +58,9 @@ checkpoints` check each one (`gpipe.train.checkpoint_integrity.problems`) before
 
 A SHA-256 anyone can recompute proves only that no bytes changed by accident: the last two
 checks are what refuse a crafted checkpoint whose hashes were recomputed, instead of running
-it (benchmarks/faults.py's checkpoint rows; tests/faults/test_checkpoints.py). What stays the
-user's to protect is who may write the run folder: a checkpoint replaced by another genuine
-one (other weights) is read like any.
+it (benchmarks/faults.py's checkpoint rows; tests/train/test_checkpoint_integrity.py). What
+stays the user's to protect is who may write the run folder: a checkpoint replaced by another
+genuine one (other weights) is read like any.
 """
 
 NOTES = """\

@@ -7,10 +7,7 @@ Every function returns plain data; the references are computed by the tests.
 
 from __future__ import annotations
 
-import contextlib
-import os
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -23,7 +20,7 @@ from gpipe.errors import PartitionError
 from gpipe.materialize import build_full
 from gpipe.models import GPTConfig, convnet, gpt, gpt_tied_names, lm_loss, unet
 from gpipe.parallel.sharded import _param_groups, full_value
-from reference import reference_step
+from reference import reference_step, running_stats_of_unsplit_batch
 
 GPT = GPTConfig(vocab_size=32, context=8, d_model=16, n_heads=2, n_layers=4, dropout=0.1)
 INIT_SEED = 3
@@ -318,55 +315,6 @@ def sharded_cases_and_reuse(rank, cases):
     return data_and_pipeline(rank, cases), sharded_reuse(rank)
 
 
-def thread_count(rank):
-    """The threads ``launch`` left this process to compute with."""
-    return torch.get_num_threads()
-
-
-def environment_and_output(rank, name):
-    """The variable ``name`` as this process sees it, after printing a line to fd 1."""
-    print(f"rank {rank} says hello", flush=True)
-    return os.environ.get(name)
-
-
-def listening(port: int) -> list[tuple[str, str]]:
-    """(local address in /proc/net's hex, socket inode) of each TCP socket listening at
-    ``port`` on this machine."""
-    found = []
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        for row in Path(table).read_text().splitlines()[1:]:
-            fields = row.split()
-            address, hexport = fields[1].rsplit(":", 1)
-            if fields[3] == "0A" and int(hexport, 16) == port:
-                found.append((address, fields[9]))
-    return found
-
-
-def _sockets_of(pid: int) -> set[str]:
-    held = set()
-    for fd in Path(f"/proc/{pid}/fd").iterdir():
-        with contextlib.suppress(OSError):
-            held.add(os.readlink(fd))
-    return held
-
-
-def job_store(rank, launcher):
-    """Where the job's store listens (``listening``), and which process holds it: the
-    launcher (pid ``launcher``), this rank, or neither."""
-    from torch.distributed.distributed_c10d import _get_default_store
-
-    store = _get_default_store()
-    while not isinstance(store, dist.TCPStore):  # under the group's prefixes
-        store = store.underlying_store
-    found = listening(store.port)
-    inodes = {f"socket:[{inode}]" for _, inode in found}
-    return {
-        "addresses": [address for address, _ in found],
-        "launcher": bool(inodes) and inodes <= _sockets_of(launcher),
-        "rank": bool(inodes & _sockets_of(os.getpid())),
-    }
-
-
 def told_transports(rank, transports):
     """Build a 2-stage Pipe with ``transports[rank]``; the error each rank raised, if any."""
     torch.set_num_threads(1)
@@ -378,28 +326,6 @@ def told_transports(rank, transports):
         return {"error": str(error)}
     pipe.step(torch.randn(4, 4), torch.randn(4, 4), F.mse_loss)
     return {"transport": pipe.transport}
-
-
-FLAKY_MESH = "gpipe-flaky-mesh"  # a backend whose first mesh of a launch does not form
-
-
-def _flaky_mesh(store, rank, size, timeout):
-    """Gloo, but the first time in a folder (``GPIPE_FLAKY_MESH``) the ranks that come fail
-    as gloo's full mesh does on a busy machine (one marker for all: a rank the launcher
-    stopped before it came must not fail the next attempt)."""
-    marker = Path(os.environ["GPIPE_FLAKY_MESH"]) / "tried"
-    if not marker.exists():
-        marker.touch()
-        raise RuntimeError("Gloo connectFullMesh failed with [pair.cc:553] Connection closed "
-                           "by peer [127.0.0.1]:4794 (simulated)")  # fmt: skip
-    return dist.ProcessGroupGloo(store, rank, size, timeout)
-
-
-dist.Backend.register_backend(FLAKY_MESH, _flaky_mesh, devices=["cpu"])
-
-
-def rank_of(rank):
-    return rank
 
 
 def _leaving_model():
@@ -440,3 +366,22 @@ def leaves_after_its_last_row(rank, wait):
         "loss": None if loss is None else float(loss),
         "grads": {name: p.grad.clone() for name, p in pipe.named_parameters()},
     }
+
+
+def reference(case, replicas=(0,)):
+    """Loss, gradients (averaged over replicas) and BN statistics of the un-split model."""
+    model_name = case["model"]
+    lengths = case.get("lengths", [GPT.context])
+    step = len(lengths) - 1
+    grads, losses, stats = {}, [], {}
+    for replica in replicas:
+        model = build_full(FACTORIES[model_name], seed=INIT_SEED)
+        x, y = batch(model_name, step, lengths[step], replica)
+        if model_name == "cnn":
+            stats = running_stats_of_unsplit_batch(model, x, case["chunks"])
+        losses.append(
+            reference_step(model, x, y, loss_of(model_name), chunks=case["chunks"], seed=100 + step)
+        )
+        for name, p in model.named_parameters():
+            grads[name] = grads.get(name, 0) + p.grad / len(replicas)
+    return losses, grads, stats

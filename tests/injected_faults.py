@@ -264,6 +264,15 @@ def _alive_until_all_have_raised(folder: str, rank: int, ranks: int, longest: fl
         time.sleep(0.05)
 
 
+def _ready_to_shard() -> None:
+    """Import what sharding imports on first use, then wait for every rank (the job's own
+    timeout, not the short one under test): under load, that import (~0.7 s of CPU) took
+    one rank past the pipeline's timeout of a few seconds while the others waited on it."""
+    import torch.distributed.fsdp  # noqa: F401
+
+    dist.barrier()
+
+
 def sharded_faulty(rank, fault_rank, at, schedule, shard, timeout, folder):
     """2 sharded replicas × 2 stages; rank ``fault_rank`` fails in its ``at``-th backward
     of the second step, then stays alive (it must not be the one that ends the others'
@@ -271,6 +280,7 @@ def sharded_faulty(rank, fault_rank, at, schedule, shard, timeout, folder):
     from gpipe.parallel.mesh import Mesh
 
     torch.set_num_threads(1)
+    _ready_to_shard()
     mesh = Mesh.build(2, 2, timeout=timeout)
     fault = BackwardFault(at=0)
 
@@ -354,6 +364,8 @@ def data_parallel_fault(rank, how, shard, timeout, folder):
     from gpipe.parallel.mesh import Mesh
 
     torch.set_num_threads(1)
+    if shard:
+        _ready_to_shard()
     mesh = Mesh.build(2, 2, timeout=timeout)
     fault = Fault(microbatch=0, how="raise", after_steps=1, chunks=2)
 

@@ -1,5 +1,6 @@
 """Checkpoints written by this process alone, for the tests of their format, their checks and
-their readers (train/test_checkpoint.py, faults/test_checkpoints.py and the benchmarks)."""
+their readers (train/test_checkpoint.py, test_checkpoint_integrity.py, cli/test_checkpoints.py
+and the benchmarks)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,29 @@ def save(root, step: int, model: nn.Module, *, layers=None, optimizer=None, rng=
     tmp = ckpt.begin(root, step)
     ckpt.write(tmp, model=state, optimizer=optimizer, rng=rng)
     return ckpt.commit(root, tmp, ckpt.Manifest(step=step, **records))
+
+
+DATA = "__0_0.distcp"  # what DCP wrote for rank 0
+
+
+def run_of_two_checkpoints(folder: pathlib.Path) -> pathlib.Path:
+    """``folder`` made a run's folder with checkpoints at steps 10 and 20 (:func:`newest`)."""
+    root = folder / "checkpoints"
+    model = make_model()
+    for step in (10, 20):
+        save(root, step, model, layout={"stages": 1})
+        model[0].weight.data.add_(1.0)  # the two steps hold different weights
+    return folder
+
+
+def newest(run: pathlib.Path) -> pathlib.Path:
+    return run / "checkpoints" / "step-000020"
+
+
+def flip_a_byte(path: pathlib.Path, offset: int = 200) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0xFF
+    path.write_bytes(bytes(data))
 
 
 class Payload:

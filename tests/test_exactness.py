@@ -1,15 +1,13 @@
-"""``gpipe.check`` and ``gpipe check``: exact on a plain model, and an inexact one named with its
-cause (the library, then the command in this process through its ``main``)."""
+"""``gpipe.check``: exact on a plain model, and an inexact one named with its
+cause (the library; the command: cli/test_check.py)."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 from torch import nn
 from torch.nn import functional as F
 
 import gpipe
-from gpipe.__main__ import main
 
 
 def tiny() -> nn.Sequential:
@@ -100,41 +98,3 @@ def test_the_loss_parameters_and_a_private_generator_are_compared():
                          checkpoint="always")  # fmt: skip
     if not report.exact:  # a recomputation draws again, unless gpipe replays the generator
         assert any("own torch.Generator" in cause for cause in report.causes), report
-
-
-def test_the_command_prints_exact_and_exits_0(capsys):
-    argv = ["check", "--model", "test_exactness:tiny", "--loss", "torch.nn:CrossEntropyLoss",
-            "--batch", "test_exactness:tiny_batch", "--chunks", "3",
-            "--schedule", "1f1b"]  # fmt: skip
-    assert main(argv) == 0
-    out = capsys.readouterr().out
-    assert out.startswith("gpipe check: exact (worst |Δ| = ") and "schedule 1f1b" in out
-
-
-def test_the_command_names_an_inexact_parameter_and_exits_1(capsys):
-    argv = ["check", "--model", "test_exactness:tiny", "--loss", "test_exactness:summed",
-            "--batch", "test_exactness:tiny_batch", "--chunks", "2", "--optimizer",
-            "torch.optim:Adam", "--steps", "2"]  # fmt: skip
-    assert main(argv) == 1
-    out = capsys.readouterr().out
-    assert "NOT exact" in out and "5.weight" in out and "reduction='sum'" in out
-
-
-def test_the_command_refuses_missing_imports_in_one_line(capsys):
-    assert main(["check", "--model", "test_exactness:tiny"]) == 2
-    assert "missing --loss, --batch" in capsys.readouterr().err
-    assert main(["check", "--model", "tiny", "--loss", "x:y", "--batch", "x:y"]) == 2
-    assert "--model 'tiny' is not module:name" in capsys.readouterr().err
-    assert main(["check", "--model", "nowhere:tiny", "--loss", "x:y", "--batch", "x:y"]) == 2
-    assert "--model nowhere:tiny: No module named 'nowhere'" in capsys.readouterr().err
-
-
-@pytest.mark.slow
-def test_the_command_checks_a_gpipe_train_config(tmp_path, capsys):
-    text = tmp_path / "notes.txt"
-    text.write_text("\n".join(f"line {i}: the pipeline carries micro-batches" for i in range(300)))
-    config = tmp_path / "run.toml"
-    config.write_text(f'model = "gpt"\nsize = "tiny"\ndata = "{text}"\nbatch = 4\nchunks = 2\n')
-    assert main(["check", "--config", str(config), "--schedule", "zb-h1", "--steps", "1"]) == 0
-    out = capsys.readouterr().out
-    assert "exact" in out and "K=2, M=2, schedule zb-h1" in out

@@ -12,7 +12,6 @@ from torch.nn import functional as F
 
 import gpipe
 from gpipe.parallel.launch import LaunchError, launch
-from gpipe.train.job import root_cause
 from gpipe.transport.inquest import grace
 from injected_faults import BackwardFault, data_parallel_fault, faulty, faulty_backward
 from reference import even_balance, twin, worst_gradient_error
@@ -130,19 +129,6 @@ def test_launch_reports_the_failing_rank_and_leaves_no_process():
 
 def _divide_on_rank_one(rank):
     return 1 / (1 - rank)
-
-
-def test_a_failed_run_reports_the_rank_that_caused_it():
-    failures = {
-        0: "RuntimeError: [gloo] Connection closed by peer\nTraceback ...",
-        1: "CheckpointError: cannot read shard shard-001.pt\nTraceback ...",
-        2: "PipelineError: rank 2: the step failed elsewhere",
-    }
-    assert root_cause(failures) == 1
-    assert root_cause({3: "killed by signal 9", 2: "exited with code 1 without a result"}) == 2
-    # gloo's words for a wait that ran out while its peer was stuck: a consequence too
-    assert root_cause({0: "RuntimeError: Application timeout caused pair closure",
-                       3: "KeyError: 'boom'"}) == 3  # fmt: skip
 
 
 @pytest.mark.slow

@@ -17,47 +17,17 @@ import torch
 
 from distributed_cases import (
     FACTORIES,
-    FLAKY_MESH,
-    GPT,
     GPT_TIED,
     INIT_SEED,
-    batch,
-    data_and_pipeline,
-    environment_and_output,
-    job_store,
-    listening,
-    loss_of,
-    rank_of,
-    thread_count,
+    reference,
     train_steps,
     trained_reference,
 )
 from gpipe.materialize import build_full
-from gpipe.parallel import launch as launch_module
-from gpipe.parallel.launch import LaunchError, free_port, launch, threads_per_process
-from gpipe.parallel.mesh import _store
-from reference import reference_step, relative_error, running_stats_of_unsplit_batch
+from gpipe.parallel.launch import free_port, launch
+from reference import relative_error
 
 pytestmark = pytest.mark.timeout(600)
-
-
-def reference(case, replicas=(0,)):
-    """Loss, gradients (averaged over replicas) and BN statistics of the un-split model."""
-    model_name = case["model"]
-    lengths = case.get("lengths", [GPT.context])
-    step = len(lengths) - 1
-    grads, losses, stats = {}, [], {}
-    for replica in replicas:
-        model = build_full(FACTORIES[model_name], seed=INIT_SEED)
-        x, y = batch(model_name, step, lengths[step], replica)
-        if model_name == "cnn":
-            stats = running_stats_of_unsplit_batch(model, x, case["chunks"])
-        losses.append(
-            reference_step(model, x, y, loss_of(model_name), chunks=case["chunks"], seed=100 + step)
-        )
-        for name, p in model.named_parameters():
-            grads[name] = grads.get(name, 0) + p.grad / len(replicas)
-    return losses, grads, stats
 
 
 def check(case, per_rank_results, replicas=(0,)):
@@ -203,70 +173,6 @@ def test_four_processes():
         check(case, [r[index] for r in results])
 
 
-@pytest.mark.slow
-def test_data_parallel_times_pipeline_parallel():
-    cases = [
-        {
-            "model": "gpt",
-            "balance": [3, 3],
-            "chunks": 4,
-            "schedule": "1f1b",
-            "checkpoint": "always",
-        },
-        {
-            "model": "cnn",
-            "balance": [4, 4],
-            "chunks": 3,
-            "schedule": "zb-h1",
-            "checkpoint": "never",
-        },
-        # Small buckets: most start reducing while the last backward still runs (B/W
-        # split or not).
-        *(
-            {
-                "model": "gpt",
-                "balance": [3, 3],
-                "chunks": 4,
-                "schedule": schedule,
-                "checkpoint": "never",
-                "bucket_bytes": 4096,
-            }
-            for schedule in ("gpipe", "zb-h1")
-        ),
-    ]
-    outcomes = launch(data_and_pipeline, 4, args=(cases,), timeout=60)
-    for index, case in enumerate(cases):
-        if "bucket_bytes" in case:
-            for outcome in outcomes:
-                (early,) = outcome["results"][index]["buckets_started_during_backward"]
-                assert early >= 2, (case, early)
-    assert sorted(o["replica"] for o in outcomes) == [0, 0, 1, 1]
-    for index, case in enumerate(cases):
-        if case["model"] == "cnn":
-            continue  # replicas keep their own running statistics, as DDP does
-        losses, grads, _ = reference(case, replicas=(0, 1))
-        merged = {}
-        for outcome in outcomes:
-            merged.update(outcome["results"][index]["grads"])  # replicas agree
-            replica_loss = outcome["results"][index]["losses"][-1]
-            assert (
-                relative_error(
-                    torch.tensor(replica_loss, dtype=torch.float64), losses[outcome["replica"]]
-                )
-                <= 1e-10
-            )
-        for name, grad in grads.items():
-            assert relative_error(merged[name], grad) <= 1e-10, name
-    # Replicas hold identical averaged gradients.
-    by_replica = {}
-    for outcome in outcomes:
-        for index in range(len(cases)):
-            for name, grad in outcome["results"][index]["grads"].items():
-                by_replica.setdefault((index, name), []).append(grad)
-    for grads in by_replica.values():
-        assert len(grads) == 2 and torch.equal(grads[0], grads[1])
-
-
 CLIP_CASE = {"model": "gpt", "balance": [3, 3], "chunks": 2, "schedule": "gpipe",
              "checkpoint": "never", "clip": 0.05}  # fmt: skip
 
@@ -347,77 +253,3 @@ def check_tied_training(results):
     # Trained: the optimizer moved the tied weight.
     initial = dict(build_full(FACTORIES["gpt-tied"], seed=INIT_SEED).named_parameters())
     assert relative_error(weights[embedding], initial[embedding].detach()) > 1e-3
-
-
-@pytest.mark.slow
-def test_launch_shares_the_cores_unless_told(monkeypatch):
-    """Each process computes with its share of the cores (torch's default, all of them in
-    every process, oversubscribes them); OMP_NUM_THREADS, when set, decides."""
-    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    assert launch(thread_count, 2, timeout=60) == [threads_per_process(2)] * 2
-    if threads_per_process(1) >= 2:  # torch takes no more threads than there are cores
-        monkeypatch.setenv("OMP_NUM_THREADS", "2")
-        assert launch(thread_count, 2, timeout=60) == [2, 2]
-
-
-@pytest.mark.slow
-def test_a_mesh_that_does_not_form_is_started_once_more(monkeypatch, tmp_path):
-    """Gloo's full mesh sometimes fails to connect on a busy machine, before anything ran:
-    the job starts once more (a warning says so); a second such failure is raised."""
-    monkeypatch.setenv("GPIPE_FLAKY_MESH", str(tmp_path))
-    with pytest.warns(UserWarning, match="gloo's connections did not form"):
-        assert launch(rank_of, 2, backend=FLAKY_MESH, timeout=30) == [0, 1]
-    for marker in tmp_path.iterdir():
-        marker.unlink()
-    monkeypatch.setattr(launch_module, "_launch", _once_without_retry(launch_module._launch))
-    with pytest.warns(UserWarning), pytest.raises(LaunchError, match="connectFullMesh"):
-        launch(rank_of, 2, backend=FLAKY_MESH, timeout=30)
-
-
-def _once_without_retry(run):
-    """Both attempts fail: the first one's failure is the only one."""
-
-    def attempt(*args, again=True, **kwargs):
-        for marker in Path(os.environ["GPIPE_FLAKY_MESH"]).iterdir():
-            marker.unlink()
-        return run(*args, again=again, **kwargs)
-
-    return attempt
-
-
-@pytest.mark.slow
-def test_each_launch_gives_its_processes_the_environment_and_outputs_of_the_call(
-    monkeypatch, capfd
-):
-    """Forked from a server started at the first launch, the processes still get what a
-    fresh interpreter would: the variables and the standard output as they are now."""
-    monkeypatch.setenv("GPIPE_TEST_VALUE", "first")
-    assert launch(environment_and_output, 2, args=("GPIPE_TEST_VALUE",)) == ["first"] * 2
-    capfd.readouterr()
-    monkeypatch.setenv("GPIPE_TEST_VALUE", "second")
-    assert launch(environment_and_output, 2, args=("GPIPE_TEST_VALUE",)) == ["second"] * 2
-    printed = capfd.readouterr().out
-    assert "rank 0 says hello" in printed and "rank 1 says hello" in printed
-
-
-# 127.0.0.1 and ::1 as /proc/net writes them
-LOOPBACK = {"0100007F", "00000000000000000000000001000000"}
-
-
-@pytest.mark.slow
-def test_the_launched_jobs_store_is_the_launchers_on_loopback_only():
-    """torch's store listens on every interface, in rank 0 (SIGSTOP of rank 0 took it, and
-    every process waited on): under launch it is the launcher's, on 127.0.0.1 alone."""
-    for seen in launch(job_store, 2, args=(os.getpid(),), timeout=30):
-        assert seen["addresses"] and set(seen["addresses"]) <= LOOPBACK, seen
-        assert seen["launcher"] and not seen["rank"], seen
-
-
-@pytest.mark.parametrize("address", ["127.0.0.1", "localhost"])
-def test_rank_0s_store_listens_on_loopback_when_master_addr_is_loopback(address):
-    """MASTER_ADDR set by hand: a loopback address means every process is on this host."""
-    store = _store(0, 1, address, free_port(), timeout=5)
-    try:
-        assert [a for a, _ in listening(store.port)] == ["0100007F"]
-    finally:
-        del store

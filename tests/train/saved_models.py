@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import torch
+from torch.nn import functional as F
 
 transformers = __import__("pytest").importorskip("transformers")
 
@@ -92,3 +93,16 @@ def pairs_file(path: Path, count: int = 24) -> Path:
     records = [{"source": a, "target": b} for a, b in itertools.pairwise(lines)]
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     return path
+
+
+def plain_loss(model: torch.nn.Module, config) -> tuple[float, int]:
+    """The reference: the summed token cross-entropy of every window over their targets."""
+    task = config.task
+    data = task.data(batch=config.batch, eval_batches=1, prepared=None, chunks=config.chunks)
+    x, y = task.batch(data.val, torch.arange(len(data.val)), seed=0)
+    model.eval()
+    with torch.no_grad():
+        logits = model(input_ids=x).logits
+    summed = F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=-100,
+                             reduction="sum")  # fmt: skip
+    return float(summed / (y != -100).sum()), int((y != -100).sum())

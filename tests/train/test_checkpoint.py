@@ -1,5 +1,6 @@
 """DCP checkpoints: atomic writes, lookup, the manifest's checks, optimizer state by name,
-loading into other cuts and Pipes, export; a crafted checkpoint is refused, nothing of it run.
+loading into other cuts and Pipes, export. A crafted checkpoint refused, nothing of it run:
+parallel/test_dcp.py.
 
 Saving from a real K=2 pipeline (2 processes) and loading at K=1 and K=4, with replicas
 and sharded ones, is in train/test_train_job.py, which has a checkpoint from the command line
@@ -8,22 +9,18 @@ to work on.
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import pickle
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import filesystem
-from torch.distributed.checkpoint.metadata import StorageMeta
 
 import gpipe
 import gpipe.train.checkpoint as ckpt
 from gpipe.models import mlp
-from gpipe.parallel import dcp as gpipe_dcp
 from gpipe.train.optimizer_state import load_optimizer_state_by_name, optimizer_state_by_name
-from saved_checkpoints import Payload, make_model, plant, save
+from saved_checkpoints import make_model, save
 
 FILES = [".metadata", "__0_0.distcp", "manifest.json"]
 
@@ -209,62 +206,3 @@ def test_a_pipe_saved_at_k2_resumes_at_k3_bitwise(tmp_path):
         assert step(three, three_optimizer, seed) == step(two, two_optimizer, seed)
     for name, tensor in two.state_dict().items():
         assert torch.equal(three.state_dict()[name], tensor), name
-
-
-# -- a checkpoint is data, never code ---------------------------------------------------------
-
-
-def test_a_planted_metadata_payload_is_refused_and_never_runs(tmp_path):
-    folder, marker = save(tmp_path, 1, make_model()), tmp_path / "marker"
-    plant(folder, marker)
-    manifest = ckpt.read_manifest(folder)  # the manifest and every SHA-256 agree
-    refused = r"\.metadata refers to pathlib\.Path\.touch, which a DCP checkpoint never holds"
-    for read in (ckpt.names, lambda m: ckpt.load_tensors(m, ["0.weight"])):
-        with pytest.raises(ckpt.CheckpointError, match=refused):
-            read(manifest)
-    with pytest.raises(ckpt.CheckpointError, match=refused):
-        ckpt.export_state_dict(folder)
-    assert not marker.exists()
-    with open(folder / ".metadata", "rb") as f:
-        pickle.load(f)  # what DCP's own reader does: the payload is live
-    assert marker.exists()
-
-
-def test_metadata_pointing_outside_its_folder_is_refused(tmp_path):
-    folder = save(tmp_path, 1, make_model())
-    storage = gpipe_dcp.read_metadata(folder).storage_data
-    index = next(iter(storage))
-    away = {**storage, index: dataclasses.replace(storage[index], relative_path="../x.distcp")}
-    plant(folder, None, storage_data=away)
-    with pytest.raises(ckpt.CheckpointError, match=r"points to '\.\./x\.distcp', not a file"):
-        ckpt.names(ckpt.read_manifest(folder))
-
-
-def test_metadata_that_sets_attributes_of_a_class_is_refused_and_undone(tmp_path):
-    folder = save(tmp_path, 1, make_model())
-    module = StorageMeta.__module__.encode()
-    # GLOBAL StorageMeta; BUILD it (the class itself) with (None, {"evil": "boom"}); POP.
-    sets = b"c" + module + b"\nStorageMeta\nN}\x8c\x04evil\x8c\x04booms\x86b0"
-    (folder / ".metadata").write_bytes(b"\x80\x04" + sets + pickle.dumps(None)[2:])
-    with pytest.raises(gpipe_dcp.Refused, match="sets attributes of StorageMeta"):
-        gpipe_dcp.read_metadata(folder)
-    assert not hasattr(StorageMeta, "evil")
-
-
-def test_a_stored_object_that_is_not_data_is_refused(tmp_path):
-    """DCP stores objects (an optimizer's hyperparameters) with torch.save and reads them
-    with weights_only=False; gpipe reads them as data only."""
-    model, marker = make_model(), tmp_path / "marker"
-    names = list(model.state_dict())
-    groups = [{"params": names, "lr": Payload(marker)}]
-    folder = save(tmp_path, 1, model, optimizer={"state": {}, "param_groups": groups})
-    with pytest.raises(ckpt.CheckpointError, match=r"its optimizer\.param_groups\.#0\.lr refers"):
-        ckpt.load(ckpt.read_manifest(folder), model=names, optimizer=names)
-    assert not marker.exists()
-
-
-def test_a_refused_global_is_named_without_its_control_characters(tmp_path):
-    folder = save(tmp_path, 1, make_model())
-    (folder / ".metadata").write_bytes(b"\x80\x04cos\nsys\x1b[2Jtem\nN\x85R.")  # os.system(None)
-    with pytest.raises(gpipe_dcp.Refused, match=r"refers to 'os\.sys\\x1b\[2Jtem', which"):
-        gpipe_dcp.read_metadata(folder)

@@ -5,14 +5,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from pathlib import Path
 
-import pytest
-import torch
-
-import gpipe.train.checkpoint as ckpt
 from gpipe.cli import train as train_cli
-from gpipe.train import RECIPES, ConfigError, TrainConfig, resolve
+from gpipe.train import TrainConfig, resolve
 from gpipe.train.config import flag, option
 
 # A value other than the default for every option, as typed and as it lands in the config;
@@ -72,7 +67,7 @@ GIVEN = {
     "mask_prob": (["--mask-prob", "0.2"], 0.2),
 }
 # Tested on their own: --model (one run per built-in model; Hugging Face folders in
-# test_your_model.py), --split (a Hugging Face model's), --data and --val-data (files), --out
+# test_hf.py), --split (a Hugging Face model's), --data and --val-data (files), --out
 # and --resume (a checkpoint), --momentum (SGD's, in test_optimizers.py), --lora (test_lora.py).
 APART = {"model", "split", "data", "val_data", "out", "resume", "momentum", "lora"}
 
@@ -116,39 +111,3 @@ def test_each_option_lands_in_the_config(tmp_path):
     assert config.out == str(tmp_path / "run")
     # The layout's options make the run's Layout, the one value Pipe and the manifest take.
     assert config.layout.to_dict() == {name: GIVEN[name][1] for name in config.layout.to_dict()}
-
-
-@pytest.mark.parametrize("model", sorted(RECIPES))
-def test_each_model_is_a_choice(model, tmp_path):
-    config = resolve(vars(parse("--model", model, "--size", "tiny", "--out", str(tmp_path))))
-    assert (config.model, config.size) == (model, "tiny")
-
-
-def test_resume_takes_the_checkpoints_configuration(tmp_path):
-    saved = resolve({"size": "tiny", "seq": 16, "steps": 8, "out": str(tmp_path / "run")})
-    root = Path(saved.out) / "checkpoints"
-    staging = ckpt.begin(root, 4)
-    ckpt.write(staging, model={"0.weight": torch.zeros(1)})
-    folder = ckpt.commit(root, staging, ckpt.Manifest(step=4, config=dataclasses.asdict(saved)))
-    config = resolve(vars(parse("--resume", str(folder), "--steps", "9")))
-    assert config.resume == str(folder) and config.out == saved.out
-    assert (config.size, config.seq, config.steps) == ("tiny", 16, 9)
-
-
-def test_resume_from_a_checkpoint_without_a_run_configuration_says_so(tmp_path):
-    staging = ckpt.begin(tmp_path, 4)
-    ckpt.write(staging, model={"0.weight": torch.zeros(1)})
-    folder = ckpt.commit(tmp_path, staging, ckpt.Manifest(step=4))  # the library's, no config
-    with pytest.raises(ConfigError, match=r"holds no run configuration .*load_tensors"):
-        resolve(vars(parse("--resume", str(folder), "--steps", "9")))
-
-
-def test_help_shows_each_default_of_the_field(capsys):
-    with pytest.raises(SystemExit):
-        parse("--help")
-    text = " ".join(capsys.readouterr().out.split())  # unwrapped
-    assert "--timeout TIMEOUT seconds a rank waits for another (default: 120)" in text
-    assert "--shard {params,all} shard each stage's" in text
-    assert "(default: none: every replica holds all)" in text
-    assert "--steps STEPS optimizer steps in all; on --resume" in text
-    assert "at the new last step (default: preset)" in text

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from gpipe.train.sources import Files, TextData
-from gpipe.train.tokenizers import BYTES, ByteTokenizer
+from gpipe.train.tokenizers import BYTES
 
 
 @pytest.fixture(autouse=True)
@@ -59,10 +59,3 @@ def test_a_saved_dataset_without_the_datasets_library_names_the_extra(tmp_path, 
     data = TextData(Files(str(tmp_path)), None, 0.5, BYTES)
     with pytest.raises(ImportError, match=r"pip install 'gpipe\[datasets\]'"):
         data.load()
-
-
-def test_bytes_are_the_tokens_and_decode_back_with_escapes():
-    tokenizer = ByteTokenizer()
-    assert tokenizer.encode("é\n".encode()) == [195, 169, 10]
-    assert tokenizer.tokens(b"ab").tolist() == [97, 98] and tokenizer.tokens(b"").numel() == 0
-    assert tokenizer.decode([195, 169, 255]) == "é\\xff"

@@ -1,4 +1,4 @@
-"""``gpipe train`` and ``gpipe export`` end to end, with K processes spawned by the command.
+"""``gpipe train`` end to end, with K processes spawned by the command.
 
 One tiny run (K=2, the session's ``tiny_run``) is shared by these tests: its files, its
 progress output, resuming from its middle checkpoint, and loading its last checkpoint at K=1
@@ -361,13 +361,3 @@ def test_resume_rules(tiny_run, capsys, tmp_path):
     assert f"already holds a run's checkpoints: continue it with --resume {out}" in (
         capsys.readouterr().err
     )
-
-
-def test_export_command(tiny_run, tmp_path, capsys):
-    out, _ = tiny_run
-    assert main(["export", str(out), "-o", str(tmp_path / "m.pt")]) == 0
-    printed = capsys.readouterr().out
-    assert "gpipe.models.gpt(gpipe.models.GPTConfig(vocab_size=256, context=32" in printed
-    assert json.loads((tmp_path / "m.json").read_text())["step"] == 10
-    assert main(["export", str(tmp_path / "nothing")]) == 2
-    assert "does not exist" in capsys.readouterr().err

@@ -3,7 +3,7 @@ and of ``gpipe eval``, and :func:`build_pipe`, one rank's stage of a run's model
 
 The loss is the objective's mean over every target of the samples evaluated (a sum of each
 batch's mean times its targets, in float64), so it does not depend on K, M or the batch: it
-is the plain model's mean over the same samples (tests/train/test_eval.py).
+is the plain model's mean over the same samples (tests/train/test_evaluation.py).
 """
 
 from __future__ import annotations

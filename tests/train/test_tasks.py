@@ -1,13 +1,10 @@
-"""Default learning rates and warm-up by the model's own size and whether it starts from
-weights (a Hugging Face folder; the built-in models' presets are their sizes'), and --help
-saying that -M is gradient accumulation."""
+"""gpipe.train.tasks: default learning rates and warm-up by the model's own size and whether it
+starts from weights (a Hugging Face folder; the built-in models' presets are their sizes')."""
 
 from __future__ import annotations
 
-import pytest
 from saved_models import llama, model_folder
 
-from gpipe.__main__ import main
 from gpipe.train import resolve
 from gpipe.train.tasks import HF_FOLDER, sized_rates
 
@@ -31,9 +28,3 @@ def test_a_tiny_saved_model_gets_its_sizes_rate(tmp_path):
     assert tuned.warmup == HF_FOLDER.preset("tiny")["warmup"] // 2
     given = resolve({"model": str(folder), "lr": 1e-2, "seq": 32, "out": str(tmp_path / "c")})
     assert given.lr == 1e-2  # a given rate wins
-
-
-def test_help_says_that_m_is_gradient_accumulation(capsys):
-    with pytest.raises(SystemExit):
-        main(["train", "--help"])
-    assert "gradient accumulation" in " ".join(capsys.readouterr().out.split())

@@ -1,5 +1,6 @@
-"""Damaged, unreadable, crafted and incomplete checkpoints are found, named, and skipped
-when resuming."""
+"""gpipe.train.checkpoint_integrity: damaged, unreadable, crafted and incomplete checkpoints
+are found, named, and skipped when resuming (``gpipe checkpoints``' listing of them:
+cli/test_checkpoints.py)."""
 
 from __future__ import annotations
 
@@ -14,31 +15,12 @@ import pytest
 import gpipe.train.checkpoint as ckpt
 from gpipe.__main__ import main
 from gpipe.train.checkpoint_integrity import choose, listing, problems
-from saved_checkpoints import make_model, plant, save
+from saved_checkpoints import DATA, flip_a_byte, newest, plant, run_of_two_checkpoints
 
 
 @pytest.fixture
 def run(tmp_path):
-    """A run folder with checkpoints at steps 10 and 20."""
-    root = tmp_path / "checkpoints"
-    model = make_model()
-    for step in (10, 20):
-        save(root, step, model, layout={"stages": 1})
-        model[0].weight.data.add_(1.0)  # the two steps hold different weights
-    return tmp_path
-
-
-DATA = "__0_0.distcp"  # what DCP wrote for rank 0
-
-
-def newest(run):
-    return run / "checkpoints" / "step-000020"
-
-
-def flip_a_byte(path, offset=200):
-    data = bytearray(path.read_bytes())
-    data[offset] ^= 0xFF
-    path.write_bytes(bytes(data))
+    return run_of_two_checkpoints(tmp_path)
 
 
 def test_an_intact_run_resumes_from_its_newest_checkpoint(run):
@@ -103,17 +85,6 @@ def test_a_checkpoint_without_its_manifest_is_incomplete_not_silently_skipped(ru
     folder, notes = choose(run)
     assert folder.name == "step-000010"
     assert "step-000020 is skipped: incomplete" in notes[0]
-
-
-def test_gpipe_checkpoints_lists_each_state(run, capsys):
-    flip_a_byte(newest(run) / DATA)
-    (run / "checkpoints" / "step-000030.tmp").mkdir()
-    assert main(["checkpoints", str(run)]) == 0
-    lines = capsys.readouterr().out.splitlines()
-    assert lines[0].startswith("step-000010") and "intact" in lines[0]
-    assert lines[1].startswith("step-000020") and f"{DATA} is not the file saved" in lines[1]
-    assert "<- latest" in lines[1]
-    assert lines[2].startswith("step-000030.tmp") and "incomplete" in lines[2]
 
 
 def test_resume_folder_without_a_checkpoint_or_with_a_damaged_one(tmp_path, capsys):

@@ -1,8 +1,8 @@
-"""``gpipe train`` on what the user brings, one process: a Hugging Face folder or config.json
-(fine-tuned from its weights, or from scratch at a size the user sets), data from the user's
-files tokenized by the folder's tokenizer (or bytes), packed or padded, each against a plain
-reference: ``from_pretrained``, the tokenizer called by hand, the plain model's loss and
-gradients. Two processes, end to end: ``test_your_model_runs.py``."""
+"""gpipe.train.hf: ``gpipe train`` on what the user brings, one process: a Hugging Face
+folder or config.json (fine-tuned from its weights, or from scratch at a size the user sets),
+data from the user's files tokenized by the folder's tokenizer (or bytes), packed or padded,
+each against a plain reference: ``from_pretrained``, the tokenizer called by hand, the plain
+model's loss and gradients. Two processes, end to end: ``test_your_model_runs.py``."""
 
 from __future__ import annotations
 
