@@ -60,18 +60,16 @@ PURE_DATA = {"errors"}
 # (its tests still in its origin's test module: stepping in test_pipe, train/options in
 # train/test_config, parallel/agreement and transport/choice in parallel/test_group,
 # engine/loss in engine/test_stage, estimate/cuts and ranges in estimate/test_balance,
-# frontend/holders in frontend/test_capture, materialize/init_calls in test_materialize,
-# planner/calibration in planner/test_capacity).
+# frontend/holders in frontend/test_capture, materialize/init_calls in test_materialize).
 NOT_YET_MIRRORED = {
     "_utils", "assembly", "cli/check", "cli/checkpoints", "cli/demo", "cli/eval", "cli/export",
-    "cli/generate", "cli/plan", "cli/plan_model", "cli/train", "engine/loss", "engine/state",
+    "cli/generate", "cli/train", "engine/loss", "engine/state",
     "estimate/auto", "estimate/costs", "estimate/cuts", "estimate/ranges", "frontend/holders",
     "materialize/init_calls", "estimate/memory_model", "frontend/cut", "frontend/files",
     "frontend/keys", "frontend/names", "frontend/original", "frontend/report", "frontend/units",
     "materialize/record", "models", "parallel/agreement", "parallel/collectives",
     "parallel/data_parallel", "parallel/dcp", "parallel/launch", "parallel/mesh",
-    "planner/calibration", "planner/families", "planner/measured", "planner/results",
-    "planner/search", "remat",
+    "remat",
     "schedule/actions", "schedule/auto", "schedule/builders", "schedule/check", "schedule/ir",
     "schedule/registry", "schedule/routes", "stepping", "through_output",
     "train/checkpoint_integrity", "train/eval_job", "train/evaluation", "train/generate_job",
