@@ -43,6 +43,7 @@ import torch
 from gpipe._utils import MiB
 from gpipe.estimate.memory_model import Calibration
 from gpipe.planner import calibrate, capacity, verify_capacity
+from gpipe.planner.capacity import fit_of
 from gpipe.planner.families import Family, gpt_family, resnet_family
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -106,16 +107,23 @@ def measure(
     next_size: tuple[int, ...],
     sharded: tuple[int, ...],
     moves: int = 12,
+    starts: dict[tuple[str, str], int] | None = None,
 ) -> None:
     """Measure each row (and its next size up where K is in ``next_size``, refined at most
-    ``moves`` blocks each way: K = 8's prediction can be 10 blocks off)."""
+    ``moves`` blocks each way: K = 8's prediction can be 10 blocks off), from its depth in
+    ``starts`` (by kind and layout: a previous run's answer) where it has one, else from
+    its prediction."""
     for row in rows:
         if row.fit.layout.shard and row.fit.layout.stages not in sharded:
             continue
         start = time.perf_counter()
         bigger = row.fit.layout.stages in next_size
+        first, depth = row.fit, (starts or {}).get((row.kind, row.fit.layout.label()))
+        if depth is not None and depth != first.depth:
+            first = fit_of(family, first.layout, depth, budget=first.budget,
+                           overhead=first.calibration)  # fmt: skip
         check = verify_capacity(
-            family, row.fit, next_size=bigger, refine=bigger, steps=2, moves=moves
+            family, first, next_size=bigger, refine=bigger, steps=2, moves=moves
         )
         row.found, row.bigger, row.check = check.found, check.next_size, check
         row.minutes = (time.perf_counter() - start) / 60
@@ -152,7 +160,12 @@ def sharded_check(budget: float, stages: tuple[int, ...]) -> str:
 
 
 def rows_alone(
-    name: str, stages: int, mode: str, budget: float, overhead: Calibration | None
+    name: str,
+    stages: int,
+    mode: str,
+    budget: float,
+    overhead: Calibration | None,
+    starts: dict[tuple[str, str], int] | None = None,
 ) -> tuple[list[Row], str]:
     """A family's rows of ``stages`` and ``mode`` measured and refined on their own (at K=1
     "no-remat" is both gpipe's schedule and the best plain layout), calibrated unless
@@ -162,7 +175,7 @@ def rows_alone(
     kind = {"no-remat": "no remat", "remat": "remat", "sharded": "2 sharded replicas"}[mode]
     overhead = overhead or calibrate(family, processes=8)
     rows = search(family, budget, overhead, lambda r, k: r.split(",")[0] == kind and k == stages)
-    measure(family, rows, (stages,), (stages,), moves=16)
+    measure(family, rows, (stages,), (stages,), moves=16, starts=starts)
     elapsed = time.perf_counter() - start
     return rows, "\n".join([
         f"{name}: {family.describe()}, {budget / MiB:.0f} MiB per process (calibrated: "
@@ -215,6 +228,11 @@ def _parser() -> argparse.ArgumentParser:
         "of its stage (as the doc prints them): skips the calibration's runs",
     )  # fmt: skip
     parser.add_argument(
+        "--start-from", type=Path, nargs="+", default=None,
+        help="rows kept by --save: a row of the same kind and layout is refined from the "
+        "depth measured there, not from its prediction (a rerun: 4 runs where it still holds)",
+    )  # fmt: skip
+    parser.add_argument(
         "--save", type=Path, default=None,
         help="keep the measured rows here (JSON), rewritten as each family ends; with "
         "--rows and --load, the loaded rows with the new ones in their place",
@@ -225,6 +243,16 @@ def _parser() -> argparse.ArgumentParser:
         "--rows: those rows measured again, with the file's calibration)",
     )  # fmt: skip
     return parser
+
+
+def starts_of(args: argparse.Namespace, name: str) -> dict[tuple[str, str], int]:
+    """``--start-from``'s measured depths of family ``name``, by kind and layout."""
+    starts = {}
+    for path in args.start_from or []:
+        for row in load(path, families()).get(name, (None, [], 0))[1]:
+            if row.found is not None and row.found.ran:
+                starts[(row.kind, row.fit.layout.label())] = row.final.depth
+    return starts
 
 
 def _calibration(values: list[float] | None) -> Calibration | None:
@@ -275,7 +303,7 @@ def rows_into(results: Results, args: argparse.Namespace, budget: float) -> bool
     name, k, mode = args.rows
     kept = results.get(name)
     overhead = kept[0] if kept else _calibration(args.calibration)
-    rows, text = rows_alone(name, int(k), mode, budget, overhead)
+    rows, text = rows_alone(name, int(k), mode, budget, overhead, starts_of(args, name))
     print(text)
     if kept is None:
         if args.out:
@@ -298,12 +326,13 @@ def family_rows(
     """A family's rows: calibrated, searched and (unless --predict-only) measured."""
     print(f"{family.describe()}:", flush=True)
     begun = time.perf_counter()
-    overhead = calibrate(family, processes=8)
+    overhead = _calibration(args.calibration) or calibrate(family, processes=8)
     print(f"  calibrated: {overhead}", flush=True)
     rows = search(family, budget, overhead, every)
     only = args.predict_only
     if only is None or (only and name not in only):
-        measure(family, rows, tuple(args.next_size), tuple(args.measure_sharded))
+        measure(family, rows, tuple(args.next_size), tuple(args.measure_sharded),
+                starts=starts_of(args, name))  # fmt: skip
     return overhead, rows, (time.perf_counter() - begun) / 60
 
 
