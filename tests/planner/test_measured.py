@@ -129,3 +129,23 @@ def test_exact_means_the_next_size_up_is_over_by_more_than_the_scatter(monkeypat
     assert check.scatter == MiB and check.exact == exact
     assert check.depths == ((5, 5) if exact else (5, 6))
     assert ("exact: depth 5" if exact else "depth 5-6") in check.describe()
+
+
+def test_a_found_depth_over_the_budget_in_a_repeat_is_the_range_below_it(monkeypatch):
+    # Depth 5 fits by 0.5 MiB, then peaks 0.5 MiB over when run again: the runs decide 4-5.
+    from gpipe.planner import measured as module
+
+    family = tiny_gpt()
+    runs: dict[int, int] = {}
+
+    def fake(family, fit, **options):
+        runs[fit.depth] = runs.get(fit.depth, 0) + 1
+        wobble = MiB * (runs[fit.depth] - 1)
+        peak = fit.budget - 0.5 * MiB if fit.depth <= 5 else fit.budget + 3 * MiB
+        return module.Measured(fit, (peak + wobble,), 2, before=(0.0,))
+
+    monkeypatch.setattr(module, "measure_fit", fake)
+    layout = Layout(stages=1, chunks=1, checkpoint="always")
+    check = verify_capacity(family, fit_of(family, layout, 5, budget=100 * MiB), refine=True)
+    assert not check.exact and check.found.fit.depth == 5 and check.depths == (4, 5)
+    assert "depth 4-5: a run of the found depth went over the budget" in check.describe()
