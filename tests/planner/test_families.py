@@ -33,3 +33,9 @@ def test_extrapolated_profile_matches_a_measured_deeper_one(family, depth):
         for name in fields:
             assert getattr(p, name) == pytest.approx(getattr(m, name), rel=0.02), (p.name, name)
     assert costs.parameters(depth) == sum(p.numel() for p in model.parameters())
+
+
+def test_parameters_are_counted_before_any_profile_is_asked_for():
+    family = tiny_gpt()
+    model = family.build(7)
+    assert FamilyCosts(family).parameters(7) == sum(p.numel() for p in model.parameters())
