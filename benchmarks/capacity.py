@@ -4,15 +4,17 @@
     python benchmarks/capacity.py --k1 --out docs/capacity.md   # K=1 against plain PyTorch
     python benchmarks/capacity.py --sharded --out docs/capacity.md  # 2 sharded replicas alone
     # a family per run, each kept, then the doc and plot from both:
-    python benchmarks/capacity.py --family GPT --save gpt.pickle
-    python benchmarks/capacity.py --load gpt.pickle resnet.pickle --out docs/capacity.md ...
+    python benchmarks/capacity.py --family GPT --save gpt.json
+    python benchmarks/capacity.py --load gpt.json resnet.json --out docs/capacity.md ...
+    # rows measured alone (minutes), in place of the kept ones, with their calibration:
+    python benchmarks/capacity.py --load gpt.json --rows GPT 1 no-remat --save gpt.json ...
 
 GPipe's Table 1: with re-materialization the largest trainable model grows about linearly
 with the number of stages K. For the GPT and the ResNet of ``gpipe.models`` (by depth), one
 budget of resident memory per process and AdamW, each row is the largest depth that
 ``gpipe.planner.capacity`` predicts to fit, over micro-batch counts and schedules, for K
 stages without re-materialization, with it, and with 2 sharded replicas
-(``Pipe(shard="params")``). The budget is each process's whole peak resident memory
+(``Pipe(shard="all")``). The budget is each process's whole peak resident memory
 (Python, torch and gloo included). Rows are then trained for real (2 steps, one process per
 stage and replica, ``gpipe.planner.verify_capacity``; sharded ones at ``--measure-sharded``
 K) with the next size up (depth + 1) at ``--next-size`` K, and refined a block at a time
@@ -31,15 +33,17 @@ each refined until exact, and their ratios (minutes instead of the whole table's
 from __future__ import annotations
 
 import argparse
-import pickle
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from gpipe._utils import MiB
+from gpipe.estimate.memory_model import Calibration
 from gpipe.planner import calibrate, capacity, verify_capacity
+from gpipe.planner.capacity import fit_of
 from gpipe.planner.families import Family, gpt_family, resnet_family
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -56,6 +60,7 @@ from capacity_doc import (  # a sibling: the rows and the doc's tables
     terms_table,
     write_doc,
 )
+from capacity_saved import Results, load, save
 
 CHUNKS = (1, 2, 4, 8, 16)
 
@@ -69,21 +74,31 @@ def families() -> dict[str, Family]:
     }
 
 
-def search(family: Family, budget: float, overhead: float) -> list[Row]:
+def search(
+    family: Family, budget: float, overhead: Calibration, wanted: Callable[[str, int], bool]
+) -> list[Row]:
+    """The table's rows (kind, K) that ``wanted`` keeps, each the best layout the search
+    predicts (a single row's search takes seconds; the whole table's minutes)."""
     rows = []
     common = {"memory_budget": budget, "processes": 8, "overhead": overhead, "chunks": CHUNKS}
     for k in STAGES:
-        if k == 1:  # gpipe's schedule keeps every micro-batch: GPipe's "naive-1"
+        if k == 1 and wanted("no remat, gpipe", k):  # gpipe keeps every micro-batch: naive-1
             result = capacity(family, stages=[1], replicas=[1], checkpoints=["never"],
                               schedules=["gpipe"], **common)  # fmt: skip
             rows.append(Row("no remat, gpipe", result.best))
         for kind, modes in (("no remat", ["never"]), ("remat", ["always", "except_last"])):
-            result = capacity(family, stages=[k], replicas=[1], checkpoints=modes, **common)
-            rows.append(Row(kind, result.best))
+            if wanted(kind, k):
+                result = capacity(family, stages=[k], replicas=[1], checkpoints=modes, **common)
+                rows.append(Row(kind, result.best))
     for k in SHARDED_STAGES:
-        result = capacity(family, stages=[k], replicas=[2], shard=[True], **common)
-        rows.append(Row("2 sharded replicas", result.best))
+        if wanted("2 sharded replicas", k):
+            result = capacity(family, stages=[k], replicas=[2], shard=["all"], **common)
+            rows.append(Row("2 sharded replicas", result.best))
     return rows
+
+
+def every(kind: str, k: int) -> bool:
+    return True
 
 
 def measure(
@@ -92,19 +107,27 @@ def measure(
     next_size: tuple[int, ...],
     sharded: tuple[int, ...],
     moves: int = 12,
+    starts: dict[tuple[str, str], int] | None = None,
 ) -> None:
     """Measure each row (and its next size up where K is in ``next_size``, refined at most
-    ``moves`` blocks each way: K = 8's prediction can be 10 blocks off)."""
+    ``moves`` blocks each way: K = 8's prediction can be 10 blocks off), from its depth in
+    ``starts`` (by kind and layout: a previous run's answer) where it has one, else from
+    its prediction."""
     for row in rows:
         if row.fit.layout.shard and row.fit.layout.stages not in sharded:
             continue
         start = time.perf_counter()
         bigger = row.fit.layout.stages in next_size
+        first, depth = row.fit, (starts or {}).get((row.kind, row.fit.layout.label()))
+        if depth is not None and depth != first.depth:
+            first = fit_of(family, first.layout, depth, budget=first.budget,
+                           overhead=first.calibration)  # fmt: skip
         check = verify_capacity(
-            family, row.fit, next_size=bigger, refine=bigger, steps=2, moves=moves
+            family, first, next_size=bigger, refine=bigger, steps=2, moves=moves
         )
         row.found, row.bigger, row.check = check.found, check.next_size, check
-        print(f"  {check.describe()}  ({time.perf_counter() - start:.0f} s)", flush=True)
+        row.minutes = (time.perf_counter() - start) / 60
+        print(f"  {check.describe()}  ({row.minutes:.1f} min)", flush=True)
 
 
 def sharded_check(budget: float, stages: tuple[int, ...]) -> str:
@@ -113,11 +136,8 @@ def sharded_check(budget: float, stages: tuple[int, ...]) -> str:
     start = time.perf_counter()
     family = families()["GPT"]
     overhead = calibrate(family, processes=8)
-    rows = [
-        r
-        for r in search(family, budget, overhead)
-        if r.kind in ("remat", "2 sharded replicas") and r.fit.layout.stages in stages
-    ]
+    kinds = ("remat", "2 sharded replicas")
+    rows = search(family, budget, overhead, lambda kind, k: kind in kinds and k in stages)
     measure(family, rows, stages, stages)
     lines = [
         f"{family.describe()}, {budget / MiB:.0f} MiB per process (calibrated: {overhead}).",
@@ -139,20 +159,25 @@ def sharded_check(budget: float, stages: tuple[int, ...]) -> str:
     return "\n".join(lines)
 
 
-def rows_alone(name: str, stages: int, mode: str, budget: float) -> str:
-    """A family's row of ``stages`` and ``mode`` measured and refined on its own (a run of
-    the whole family takes over an hour here)."""
+def rows_alone(
+    name: str,
+    stages: int,
+    mode: str,
+    budget: float,
+    overhead: Calibration | None,
+    starts: dict[tuple[str, str], int] | None = None,
+) -> tuple[list[Row], str]:
+    """A family's rows of ``stages`` and ``mode`` measured and refined on their own (at K=1
+    "no-remat" is both gpipe's schedule and the best plain layout), calibrated unless
+    ``overhead`` is given (the tables' calibration: the same predictions to start from)."""
     start = time.perf_counter()
     family = families()[name]
     kind = {"no-remat": "no remat", "remat": "remat", "sharded": "2 sharded replicas"}[mode]
-    overhead = calibrate(family, processes=8)
-    rows = [
-        r for r in search(family, budget, overhead)
-        if r.kind == kind and r.fit.layout.stages == stages
-    ]  # fmt: skip
-    measure(family, rows, (stages,), (stages,), moves=16)
+    overhead = overhead or calibrate(family, processes=8)
+    rows = search(family, budget, overhead, lambda r, k: r.split(",")[0] == kind and k == stages)
+    measure(family, rows, (stages,), (stages,), moves=16, starts=starts)
     elapsed = time.perf_counter() - start
-    return "\n".join([
+    return rows, "\n".join([
         f"{name}: {family.describe()}, {budget / MiB:.0f} MiB per process (calibrated: "
         f"{overhead}).",
         "",
@@ -197,14 +222,44 @@ def _parser() -> argparse.ArgumentParser:
         "measured and refined, e.g. --rows ResNet 8 remat",
     )  # fmt: skip
     parser.add_argument(
+        "--calibration", type=float, nargs=4, default=None,
+        metavar=("BEFORE", "PROCESS", "MODEL_LAYER", "STAGE_LAYER"),
+        help="MiB held before the model, per process, per layer of the model and per layer "
+        "of its stage (as the doc prints them): skips the calibration's runs",
+    )  # fmt: skip
+    parser.add_argument(
+        "--start-from", type=Path, nargs="+", default=None,
+        help="rows kept by --save: a row of the same kind and layout is refined from the "
+        "depth measured there, not from its prediction (a rerun: 4 runs where it still holds)",
+    )  # fmt: skip
+    parser.add_argument(
         "--save", type=Path, default=None,
-        help="keep the measured rows here (pickled), rewritten as each family ends",
+        help="keep the measured rows here (JSON), rewritten as each family ends; with "
+        "--rows and --load, the loaded rows with the new ones in their place",
     )  # fmt: skip
     parser.add_argument(
         "--load", type=Path, nargs="+", default=None,
-        help="write the doc and plot from rows kept by --save, measuring nothing",
+        help="write the doc and plot from rows kept by --save, measuring nothing (but "
+        "--rows: those rows measured again, with the file's calibration)",
     )  # fmt: skip
     return parser
+
+
+def starts_of(args: argparse.Namespace, name: str) -> dict[tuple[str, str], int]:
+    """``--start-from``'s measured depths of family ``name``, by kind and layout."""
+    starts = {}
+    for path in args.start_from or []:
+        for row in load(path, families()).get(name, (None, [], 0))[1]:
+            if row.found is not None and row.found.ran:
+                starts[(row.kind, row.fit.layout.label())] = row.final.depth
+    return starts
+
+
+def _calibration(values: list[float] | None) -> Calibration | None:
+    if values is None:
+        return None
+    before, process, model_layer, stage_layer = (v * MiB for v in values)
+    return Calibration(process, model_layer, stage_layer, before)
 
 
 def main() -> None:
@@ -215,27 +270,24 @@ def main() -> None:
 
         return one_process(args.out)
     budget = args.budget * MiB
-    if args.rows:
-        name, k, mode = args.rows
-        text = rows_alone(name, int(k), mode, budget)
-        print(text)
-        if args.out:
-            write_doc(args.out, text, part=f"{name} rows measured alone")
-        return None
     if args.sharded:
         text = sharded_check(budget, tuple(args.measure_sharded))
         print(text)
         if args.out:
             write_doc(args.out, text, part="sharded replicas, measured")
         return None
-    results: dict[str, tuple[str, list[Row], float]] = {}  # calibration, rows, minutes
-    for saved in args.load or []:
-        results.update(pickle.loads(saved.read_bytes()))
-    for name, family in families().items():
-        if not (args.load or (args.family and name not in args.family)):
-            results[name] = family_rows(name, family, budget, args)
-            if args.save:  # each family as it ends: a later family's failure loses nothing
-                args.save.write_bytes(pickle.dumps(results))
+    results: Results = {}
+    for kept in args.load or []:
+        results.update(load(kept, families()))
+    if args.rows:
+        if not rows_into(results, args, budget):
+            return None
+    else:
+        for name, family in families().items():
+            if not (args.load or (args.family and name not in args.family)):
+                results[name] = family_rows(name, family, budget, args)
+                if args.save:  # each family as it ends: a later family's failure loses nothing
+                    save(args.save, results, budget)
     text = results_doc(results)
     print(text)
     if args.out:
@@ -244,22 +296,47 @@ def main() -> None:
         plot({name: rows for name, (_, rows, _) in results.items()}, args.plot, budget)
 
 
+def rows_into(results: Results, args: argparse.Namespace, budget: float) -> bool:
+    """Measure ``--rows``; with the family ``--load``-ed, with its calibration, in place of
+    its rows of that K and mode (then True: the doc is written from the results, and
+    ``--save`` keeps them). Else their own section of the doc, and their own file."""
+    name, k, mode = args.rows
+    kept = results.get(name)
+    overhead = kept[0] if kept else _calibration(args.calibration)
+    rows, text = rows_alone(name, int(k), mode, budget, overhead, starts_of(args, name))
+    print(text)
+    if kept is None:
+        if args.out:
+            write_doc(args.out, text, part=f"{name} rows measured alone")
+        if args.save:
+            minutes = sum(r.minutes for r in rows)
+            save(args.save, {name: (rows[0].fit.calibration, rows, minutes)}, budget)
+        return False
+    fresh = {(r.kind, r.fit.layout.stages): r for r in rows}
+    merged = [fresh.pop((r.kind, r.fit.layout.stages), r) for r in kept[1]]
+    results[name] = (kept[0], merged + list(fresh.values()), kept[2])
+    if args.save:
+        save(args.save, results, budget)
+    return True
+
+
 def family_rows(
     name: str, family: Family, budget: float, args: argparse.Namespace
-) -> tuple[str, list[Row], float]:
+) -> tuple[Calibration, list[Row], float]:
     """A family's rows: calibrated, searched and (unless --predict-only) measured."""
     print(f"{family.describe()}:", flush=True)
     begun = time.perf_counter()
-    overhead = calibrate(family, processes=8)
+    overhead = _calibration(args.calibration) or calibrate(family, processes=8)
     print(f"  calibrated: {overhead}", flush=True)
-    rows = search(family, budget, overhead)
+    rows = search(family, budget, overhead, every)
     only = args.predict_only
     if only is None or (only and name not in only):
-        measure(family, rows, tuple(args.next_size), tuple(args.measure_sharded))
-    return str(overhead), rows, (time.perf_counter() - begun) / 60
+        measure(family, rows, tuple(args.next_size), tuple(args.measure_sharded),
+                starts=starts_of(args, name))  # fmt: skip
+    return overhead, rows, (time.perf_counter() - begun) / 60
 
 
-def results_doc(results: dict[str, tuple[str, list[Row], float]]) -> str:
+def results_doc(results: Results) -> str:
     doc = []
     for name, (overhead, rows, _) in results.items():
         doc += [
@@ -284,6 +361,11 @@ def results_doc(results: dict[str, tuple[str, list[Row], float]]) -> str:
         ]
     minutes = ", ".join(f"{name} {m:.1f} min" for name, (_, _, m) in results.items())
     doc.append(f"Benchmark wall time: {minutes} on this machine.")
+    for name, (_, rows, _) in results.items():
+        each = "; ".join(f"K={r.fit.layout.stages} {r.kind} {r.minutes:.1f}" for r in rows
+                         if r.minutes)  # fmt: skip
+        if each:
+            doc += ["", f"{name}, minutes per row (measured, refined, repeated): {each}."]
     return "\n".join(doc)
 
 

@@ -28,6 +28,7 @@ class Row:
     found: Measured | None = None  # measured (refined: the deepest that fits)
     bigger: Measured | None = None  # its next size up, measured
     check: CapacityCheck | None = None  # the verification, repeats and scatter included
+    minutes: float = 0.0  # the row's measuring, refinement and repeats included
 
     @property
     def final(self) -> Fit:

@@ -159,6 +159,8 @@ class FamilyCosts:
         return extrapolate(small, family.kinds(family.profile_depth), family.kinds(depth))
 
     def parameters(self, depth: int) -> int:
+        if not self.counts:  # counted by the first profile
+            self.profile(1)
         return sum(self.counts[kind] for kind in self.family.kinds(depth))
 
 

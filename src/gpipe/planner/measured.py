@@ -161,10 +161,17 @@ class CapacityCheck:
 
     @property
     def depths(self) -> tuple[int, int]:
-        """The range the runs decide: the found depth (within the budget in every run) up to
-        the deepest that a run's scatter could still fit (the same when ``exact``)."""
+        """The range the runs decide (one depth when ``exact``): the found depth up to the
+        next size up, which a run's scatter could still fit; or, where a run of the found
+        depth itself went over the budget, the one below it up to the found depth."""
         low = self.found.fit.depth
-        return (low, low) if self.exact or self.next_size is None else (low, low + 1)
+        if self.exact or self.next_size is None:
+            return (low, low)
+        return (low - 1, low) if self._over_once() else (low, low + 1)
+
+    def _over_once(self) -> bool:
+        """A run of the found depth measured over the budget."""
+        return max(self._peaks(self.found.fit.depth)) > self.found.fit.budget
 
     @property
     def predicted_depth(self) -> int:
@@ -180,9 +187,9 @@ class CapacityCheck:
             lines.append(f"predicted depth {self.predicted.depth}: off by {moved:+d} block(s)")
         if self.again:
             low, high = self.depths
-            verdict = f"exact: depth {low}" if self.exact else (
-                f"depth {low}-{high}: the next size up is not over the budget by more than it"
-            )  # fmt: skip
+            why = ("a run of the found depth went over the budget" if self._over_once() else
+                   "the next size up is not over the budget by more than it")  # fmt: skip
+            verdict = f"exact: depth {low}" if self.exact else f"depth {low}-{high}: {why}"
             lines.append(
                 f"scatter between runs of one depth {self.scatter / MiB:.1f} MiB; {verdict}"
             )

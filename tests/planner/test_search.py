@@ -1,4 +1,5 @@
-"""The planner: deterministic ranking from known costs, budgets, the CLI, and --verify."""
+"""The throughput planner: deterministic ranking from known costs, budgets, the search
+space, and --verify."""
 
 from __future__ import annotations
 
@@ -10,8 +11,6 @@ from torch import nn
 from torch.nn import functional as F
 
 import gpipe
-from gpipe.__main__ import main
-from gpipe.cli.plan import parse_bytes
 from gpipe.estimate.memory_model import MemoryModel
 from gpipe.estimate.profile import Profile
 from gpipe.planner import Link, plan_from_profiles
@@ -150,52 +149,6 @@ def test_search_space_and_costs_are_honoured():
         plan_from_profiles(prof, batch_size=BATCH, devices=2, schedules=["zb-h9"])
     with pytest.raises(ValueError, match="chunks"):
         plan_from_profiles(prof, batch_size=BATCH, devices=2, chunks=[16])
-
-
-def test_parse_bytes():
-    assert parse_bytes("2GiB") == 2 * 2**30
-    assert parse_bytes("512 MiB") == 512 * 2**20
-    assert parse_bytes("1.5GB") == 1.5e9
-    assert parse_bytes("1e9") == 1e9
-    with pytest.raises(Exception, match="cannot read"):
-        parse_bytes("lots")
-
-
-def test_cli_prints_a_ranked_table(capsys):
-    threads = torch.get_num_threads()
-    code = main(
-        [
-            "plan",
-            "--model",
-            "gpt",
-            "--model-config",
-            "n_layers=1,d_model=16,n_heads=2",
-            "--seq",
-            "8",
-            "--batch",
-            "4",
-            "--processes",
-            "2",
-            "--search-chunks",
-            "1,2",
-            "--profile-repeats",
-            "1",
-            "--profile-warmup",
-            "0",
-            "--top",
-            "3",
-            "--memory",
-            "1GiB",
-        ]
-    )
-    out = capsys.readouterr().out
-    assert code == 0
-    assert torch.get_num_threads() == threads
-    assert "gpipe plan: gpt (small, seq 8, batch 4) (3 layers" in out
-    assert "budget 1,024 MiB per device" in out
-    assert "samples/s" in out and "peak MiB per device" in out
-    rows = [line for line in out.splitlines() if line[:3].strip().isdigit()]
-    assert len(rows) == 3
 
 
 @pytest.mark.timeout(120)

@@ -1,0 +1,151 @@
+"""A capacity row trained for real: its peaks, the next size up, sharded replicas, and the
+refinement and repeats that make a depth exact (on fakes of the measurement)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from gpipe._utils import MiB
+from gpipe.estimate.memory_model import Calibration
+from gpipe.layout import Layout
+from gpipe.planner import calibrate, capacity, verify_capacity
+from gpipe.planner.capacity import fit_of
+from gpipe.planner.families import gpt_family
+from gpipe.planner.measured import measure_fit
+
+
+def tiny_gpt(batch: int = 4):
+    return gpt_family(d_model=16, heads=2, seq=8, vocab=64, batch=batch)
+
+
+@pytest.fixture(scope="module")
+def calibration() -> Calibration:
+    """The tiny family's memory beyond the model's terms (one process: the 2-process runs
+    below miss its peers' buffers, well within their bounds)."""
+    return calibrate(tiny_gpt(batch=8))
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.slow
+def test_verify_measures_the_found_model_and_the_next_size_up(calibration):
+    family = tiny_gpt(batch=8)
+    assert calibration.process > 0 and calibration.per_layer >= 0
+    assert calibration.baseline > 100 * MiB  # Python, torch and gloo: a budget pays them
+    budget = calibration.baseline + calibration.process + 1.0 * MiB
+    result = capacity(
+        family,
+        memory_budget=budget,
+        processes=2,
+        overhead=calibration,
+        stages=[2],
+        replicas=[1],
+        chunks=[2],
+        schedules=["1f1b"],
+        checkpoints=["always"],
+    )
+    found = result.best
+    # one run each: the repeats' scatter is the fakes' subject below
+    check = verify_capacity(family, found, repeats=1)
+    assert check.found.fit == found and len(check.found.measured) == 2
+    assert all(
+        m > b > 100 * MiB for m, b in zip(check.found.measured, check.found.before, strict=True)
+    )
+    for ratio in _growth_ratios(check.found, calibration):
+        assert 0.5 < ratio < 1.5  # measured within 50 % of predicted, beyond the baseline
+    bigger = check.next_size
+    assert bigger is not None and bigger.fit.depth == found.depth + 1
+    assert not bigger.fit.fits and max(bigger.fit.peaks) > budget
+    assert len(bigger.measured) == 2
+    assert "next size" in check.describe() and "measured" in check.describe()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.slow
+def test_sharded_replicas_are_measured(calibration):
+    family = tiny_gpt(batch=8)
+    layout = Layout(stages=1, replicas=2, shard="all", chunks=2, checkpoint="always")
+    budget = calibration.baseline + calibration.process + 4 * MiB
+    fit = fit_of(family, layout, 2, budget=budget, overhead=calibration)
+    assert fit.fits and fit.terms()["gathered"] > 0
+    measured = measure_fit(family, fit)
+    assert measured.ran and len(measured.measured) == 2
+    assert 0.5 < _growth_ratios(measured, calibration)[0] < 1.5
+
+
+def _growth_ratios(measured, calibration: Calibration) -> list[float]:
+    """Per stage, the measured growth over the predicted one (both beyond the baseline)."""
+    k = measured.fit.layout.stages
+    growth = [max(measured.growth[s::k]) for s in range(k)]
+    return [g / (p - calibration.baseline) for g, p in zip(growth, measured.fit.peaks, strict=True)]
+
+
+@pytest.mark.parametrize("predicted", [3, 5, 8, 40, 130])
+def test_refine_settles_on_the_measured_answer(monkeypatch, predicted):
+    # The machine says depth <= 5 fits; wherever the prediction starts, refine ends with the
+    # found depth measured within the budget and the next one over it, in about two runs
+    # per doubling of the prediction's error (it gallops, then halves the bracket).
+    from gpipe.planner import measured as module
+
+    family = tiny_gpt()
+    layout = Layout(stages=1, chunks=1, checkpoint="always")
+    ran = []
+
+    def fake(family, fit, **options):
+        ran.append(fit.depth)
+        peak = fit.budget - 1 if fit.depth <= 5 else fit.budget + 1
+        return module.Measured(fit, (peak,), 2, before=(0.0,))
+
+    monkeypatch.setattr(module, "measure_fit", fake)
+    fit = fit_of(family, layout, predicted, budget=100 * MiB)
+    check = verify_capacity(family, fit, refine=True, moves=16, repeats=1)
+    assert check.exact and check.found.fit.depth == 5 and check.next_size.fit.depth == 6
+    assert check.predicted_depth == predicted and len(ran) == len(set(ran))  # none twice
+    assert len(ran) <= 3 + 2 * math.log2(abs(predicted - 5) + 1), ran
+    assert ("off by" in check.describe()) == (predicted != 5)
+
+
+@pytest.mark.parametrize(("over", "exact"), [(3.0, True), (0.5, False)])
+def test_exact_means_the_next_size_up_is_over_by_more_than_the_scatter(monkeypatch, over, exact):
+    # Peaks move by 1 MiB between runs of one depth: a next size up 0.5 MiB over the budget
+    # may fit in another run, so the row is the range 5-6, not "exact".
+    from gpipe.planner import measured as module
+
+    family = tiny_gpt()
+    runs: dict[int, int] = {}
+
+    def fake(family, fit, **options):
+        runs[fit.depth] = runs.get(fit.depth, 0) + 1
+        wobble = MiB * (runs[fit.depth] - 1)  # 0, then 1 MiB more
+        peak = fit.budget - 2 * MiB if fit.depth <= 5 else fit.budget + over * MiB
+        return module.Measured(fit, (peak + wobble,), 2, before=(0.0,))
+
+    monkeypatch.setattr(module, "measure_fit", fake)
+    layout = Layout(stages=1, chunks=1, checkpoint="always")
+    fit = fit_of(family, layout, 5, budget=100 * MiB)
+    check = verify_capacity(family, fit, refine=True, moves=16)
+    assert runs == {5: 2, 6: 2}  # each depth measured again
+    assert check.scatter == MiB and check.exact == exact
+    assert check.depths == ((5, 5) if exact else (5, 6))
+    assert ("exact: depth 5" if exact else "depth 5-6") in check.describe()
+
+
+def test_a_found_depth_over_the_budget_in_a_repeat_is_the_range_below_it(monkeypatch):
+    # Depth 5 fits by 0.5 MiB, then peaks 0.5 MiB over when run again: the runs decide 4-5.
+    from gpipe.planner import measured as module
+
+    family = tiny_gpt()
+    runs: dict[int, int] = {}
+
+    def fake(family, fit, **options):
+        runs[fit.depth] = runs.get(fit.depth, 0) + 1
+        wobble = MiB * (runs[fit.depth] - 1)
+        peak = fit.budget - 0.5 * MiB if fit.depth <= 5 else fit.budget + 3 * MiB
+        return module.Measured(fit, (peak + wobble,), 2, before=(0.0,))
+
+    monkeypatch.setattr(module, "measure_fit", fake)
+    layout = Layout(stages=1, chunks=1, checkpoint="always")
+    check = verify_capacity(family, fit_of(family, layout, 5, budget=100 * MiB), refine=True)
+    assert not check.exact and check.found.fit.depth == 5 and check.depths == (4, 5)
+    assert "depth 4-5: a run of the found depth went over the budget" in check.describe()
