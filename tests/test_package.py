@@ -74,9 +74,9 @@ NOT_YET_MIRRORED = {
     "planner/search", "remat",
     "schedule/actions", "schedule/auto", "schedule/builders", "schedule/check", "schedule/ir",
     "schedule/registry", "schedule/routes", "stepping", "through_output",
-    "train/checkpoint_integrity", "train/eval_job", "train/evaluation", "train/generate_job",
-    "train/generation", "train/hf", "train/inputs", "train/job", "train/memory_checks",
-    "train/networks", "train/objectives", "train/options", "train/tasks", "train/tokenizers",
+    "train/checkpoint_integrity", "train/eval_job", "train/evaluation", "train/hf", "train/inputs",
+    "train/job", "train/memory_checks", "train/networks", "train/objectives", "train/options",
+    "train/tasks", "train/tokenizers",
     "transport/choice", "transport/distributed", "transport/handshake", "transport/local",
     "transport/peers", "transport/rows",
 }  # fmt: skip

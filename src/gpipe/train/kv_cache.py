@@ -1,0 +1,138 @@
+"""Decoding through the pipeline with a key-value cache, for :mod:`gpipe.train.generation`.
+
+The window's pipe cannot hold a cache: its captured stages take the model's token ids. So a
+second capture, of one decode step: :class:`DecodeStep` wraps the Hugging Face causal LM with
+transformers' own ``StaticCache`` of ``rows`` x ``length`` positions, its keys and values
+registered as buffers (as transformers' ``TorchExportableModuleWithStaticCache`` does for
+``torch.export``). Its forward takes ``input_ids`` (rows, 1) and ``position`` (rows,), writes
+the new keys and values in place and returns the logits (rows, 1, vocab). ``Pipe.from_model``
+captures it and cuts it before the window pipe's blocks, with its balance: layer i's cache is
+read and written by layer i's unit only, so each stage holds (and allocates) the cache of its
+own layers. The weights are the window pipe's, copied under the model's names. The prompt is
+fed one token at a time through the same step, so one capture serves the whole generation.
+
+Where the cache cannot be exact (no cache in the model, adapters, sharded or interleaved
+stages, autocast, more tokens than the window), :func:`why_not` says why, and generation runs
+the whole window per token as before.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import replace
+from typing import Any
+
+import torch
+from torch import nn
+
+from gpipe.pipe import Pipe
+
+__all__ = ["DecodeStep", "Decoder", "decoder", "why_not"]
+
+_PREFIX = "model."  # the wrapped model's names in the decode step
+
+
+class DecodeStep(nn.Module):
+    """One decode step of ``model`` with a static key-value cache as buffers."""
+
+    def __init__(self, model: nn.Module, rows: int, length: int) -> None:
+        super().__init__()
+        from transformers import StaticCache
+
+        self.model = model
+        config = model.config.get_text_config()
+        self.cache = StaticCache(config=config, max_cache_len=length)
+        heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        size = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        weight = next(model.parameters())
+        self.cache.early_initialization(rows, heads, size, weight.dtype, weight.device)
+        for i, layer in enumerate(self.cache.layers):
+            self.register_buffer(f"key_cache_{i}", layer.keys, persistent=False)
+            self.register_buffer(f"value_cache_{i}", layer.values, persistent=False)
+
+    def forward(self, input_ids: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        for i, layer in enumerate(self.cache.layers):
+            # the buffers as the capture sees them (fake or materialized, not on meta where
+            # the step was built), and the position of the new token (not the cache's own
+            # count, which no stage would hold)
+            layer.keys, layer.device = getattr(self, f"key_cache_{i}"), position.device
+            layer.values = getattr(self, f"value_cache_{i}")
+            layer.cumulative_length = position[0].clone()
+        positions = position[:1, None].expand(1, input_ids.shape[1])
+        out = self.model(input_ids=input_ids, position_ids=positions, cache=self.cache,
+                         use_cache=True)  # fmt: skip
+        return out.logits
+
+
+def why_not(pipe: Pipe, task: Any, *, length: int, window: int) -> str | None:
+    """Why ``task``'s model on ``pipe`` decodes without a cache (None: it can use one);
+    the same on every rank. ``length``: prompt and new tokens."""
+    source = task.model
+    if getattr(source, "kind", None) != "hf":
+        return f"gpipe's {getattr(source, 'kind', 'own')} model has no key-value cache"
+    if source.family != "causal-lm":
+        return f"a {source.family} model is decoded without its cache"
+    if source.args.get("lora"):
+        return "LoRA adapters (the cached step is captured without them)"
+    layout = pipe.layout
+    if layout.shard or layout.virtual_stages != 1:
+        return "sharded or interleaved stages"
+    if length > window:
+        return f"prompt and new tokens ({length}) exceed the window ({window}), which slides"
+    if any(torch.is_autocast_enabled(d.type) for d in pipe.devices):
+        return "autocast computes keys and values in another dtype than the weights'"
+    return None
+
+
+class Decoder:
+    """The decode step's pipe: ``decoder(tokens, start)`` feeds ``tokens`` (rows, n), the
+    first at position ``start``, and gives the last one's logits (rows, vocab) on the last
+    stage (None elsewhere)."""
+
+    def __init__(self, pipe: Pipe) -> None:
+        self.pipe = pipe
+
+    def __call__(self, tokens: torch.Tensor, start: int) -> torch.Tensor | None:
+        out = None
+        for i in range(tokens.shape[1]):
+            position = torch.full((tokens.shape[0],), start + i, dtype=torch.int64)
+            out = self.pipe({"input_ids": tokens[:, i : i + 1], "position": position})
+        return None if out is None else out[:, -1, :]
+
+
+def decoder(pipe: Pipe, task: Any, *, rows: int, length: int) -> Decoder:
+    """The decode step of ``task``'s model captured and cut as ``pipe`` is, with its weights
+    and an empty cache of ``rows`` x ``length``; collective over the pipeline. Raises
+    ``CaptureError`` where the step cannot be captured."""
+    source = task.model
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(task.dtype)
+    try:
+        with torch.device("meta"):
+            step = DecodeStep(source.build(), rows, length)
+    finally:
+        torch.set_default_dtype(previous)
+    example = {
+        "input_ids": torch.zeros(rows, 1, dtype=torch.int64),
+        "position": torch.zeros(rows, dtype=torch.int64),
+    }
+    layout = replace(pipe.layout, chunks=1, schedule="gpipe", replicas=1, shard=None)
+    with warnings.catch_warnings():  # one micro-batch: a token goes through stage by stage
+        warnings.filterwarnings("ignore", message=r"Pipe\(chunks=1\)")
+        decode = Pipe.from_model(
+            step, example, split=[_PREFIX + p for p in source.split(step.model)],
+            balance=pipe.balance, layout=layout, group=pipe.group, timeout=pipe.timeout,
+            devices=pipe.devices if pipe.group is None else None,
+            transport=pipe.transport if pipe.transport != "local" else "auto",
+        )  # fmt: skip
+    weights = pipe.state_dict()
+    decode.load_state_dict({k: weights[k.removeprefix(_PREFIX)] for k in decode.state_dict()})
+    buffers = dict(pipe.named_buffers())  # and those outside the state dict (rotary tables)
+    with torch.no_grad():
+        for name, buffer in decode.named_buffers():
+            if not name.startswith(_PREFIX):
+                buffer.zero_()  # the cache starts empty
+            elif name.removeprefix(_PREFIX) in buffers:
+                buffer.copy_(buffers[name.removeprefix(_PREFIX)])
+    decode.eval()
+    return Decoder(decode)
