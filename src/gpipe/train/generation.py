@@ -81,7 +81,7 @@ def generate(
     pipe.eval()
     try:
         with torch.no_grad(), autocast():
-            logits_of = _decoding(pipe, task, rows, tokens.shape[1] + new_tokens, window)
+            logits_of = _decoding(pipe, task, rows, (tokens.shape[1], new_tokens), window)
             for _ in range(new_tokens):
                 logits = logits_of(tokens)  # (rows, vocab) on the last stage
                 chosen = torch.zeros(rows, 1, dtype=torch.int64)
@@ -102,14 +102,16 @@ def generate(
 
 
 def _decoding(
-    pipe: Pipe, task: Any, rows: int, length: int, window: int
+    pipe: Pipe, task: Any, rows: int, lengths: tuple[int, int], window: int
 ) -> Callable[[torch.Tensor], torch.Tensor | None]:
     """The next token's logits of the tokens so far (None off the last stage): through the
-    decode step's cache, fed the tokens it has not seen, else the window's pipe."""
+    decode step's cache, fed the tokens it has not seen (the prompt at once), else the
+    window's pipe. ``lengths``: the prompt's and the new tokens'."""
+    prompt, length = lengths[0], sum(lengths)
     reason = kv_cache.why_not(pipe, task, length=length, window=window)
     if reason is None:
         try:
-            decoder = kv_cache.decoder(pipe, task, rows=rows, length=length)
+            decoder = kv_cache.decoder(pipe, task, rows=rows, length=length, prompt=prompt)
         except CaptureError as error:
             reason = f"the decode step cannot be captured ({str(error).splitlines()[0]})"
     if reason is not None:

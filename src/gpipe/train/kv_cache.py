@@ -30,6 +30,7 @@ from gpipe.pipe import Pipe
 __all__ = ["DecodeStep", "Decoder", "decoder", "why_not"]
 
 _PREFIX = "model."  # the wrapped model's names in the decode step
+_CACHES = ("key_cache_", "value_cache_")  # the cache's buffers
 
 
 class DecodeStep(nn.Module):
@@ -58,7 +59,7 @@ class DecodeStep(nn.Module):
             layer.keys, layer.device = getattr(self, f"key_cache_{i}"), position.device
             layer.values = getattr(self, f"value_cache_{i}")
             layer.cumulative_length = position[0].clone()
-        positions = position[:1, None].expand(1, input_ids.shape[1])
+        positions = position[:1, None] + torch.arange(input_ids.shape[1], device=position.device)
         out = self.model(input_ids=input_ids, position_ids=positions, cache=self.cache,
                          use_cache=True)  # fmt: skip
         return out.logits
@@ -85,25 +86,35 @@ def why_not(pipe: Pipe, task: Any, *, length: int, window: int) -> str | None:
 
 
 class Decoder:
-    """The decode step's pipe: ``decoder(tokens, start)`` feeds ``tokens`` (rows, n), the
+    """The step's pipes by tokens per call (1: a new token; the prompt's length: the prompt,
+    the cache and weights shared): ``decoder(tokens, start)`` feeds ``tokens`` (rows, n), the
     first at position ``start``, and gives the last one's logits (rows, vocab) on the last
-    stage (None elsewhere)."""
+    stage (None elsewhere); n without its own pipe goes token by token."""
 
-    def __init__(self, pipe: Pipe) -> None:
-        self.pipe = pipe
+    def __init__(self, pipes: dict[int, Pipe]) -> None:
+        self.pipes = pipes
 
     def __call__(self, tokens: torch.Tensor, start: int) -> torch.Tensor | None:
+        n = tokens.shape[1]
+        calls = [(tokens, start)] if n in self.pipes else [
+            (tokens[:, i : i + 1], start + i) for i in range(n)
+        ]  # fmt: skip
         out = None
-        for i in range(tokens.shape[1]):
-            position = torch.full((tokens.shape[0],), start + i, dtype=torch.int64)
-            out = self.pipe({"input_ids": tokens[:, i : i + 1], "position": position})
+        for part, first in calls:
+            position = torch.full((part.shape[0],), first, dtype=torch.int64)
+            out = self.pipes[part.shape[1]]({"input_ids": part, "position": position})
         return None if out is None else out[:, -1, :]
 
+    @property
+    def pipe(self) -> Pipe:
+        return self.pipes[1]
 
-def decoder(pipe: Pipe, task: Any, *, rows: int, length: int) -> Decoder:
-    """The decode step of ``task``'s model captured and cut as ``pipe`` is, with its weights
-    and an empty cache of ``rows`` x ``length``; collective over the pipeline. Raises
-    ``CaptureError`` where the step cannot be captured."""
+
+def decoder(pipe: Pipe, task: Any, *, rows: int, length: int, prompt: int = 1) -> Decoder:
+    """The decode step of ``task``'s model captured and cut as ``pipe`` is, for one token and
+    for ``prompt`` tokens, holding ``pipe``'s weights (the same tensors) and an empty cache of
+    ``rows`` x ``length``; collective over the pipeline. Raises ``CaptureError`` where the
+    step cannot be captured."""
     source = task.model
     previous = torch.get_default_dtype()
     torch.set_default_dtype(task.dtype)
@@ -112,27 +123,46 @@ def decoder(pipe: Pipe, task: Any, *, rows: int, length: int) -> Decoder:
             step = DecodeStep(source.build(), rows, length)
     finally:
         torch.set_default_dtype(previous)
+    pipes = {n: _captured(step, pipe, source.split(step.model), rows, n) for n in {1, prompt}}
+    weights = pipe.state_dict()
+    buffers = dict(pipe.named_buffers())  # and those outside the state dict (rotary tables)
+    for n, captured in pipes.items():
+        own = captured.state_dict()
+        captured.load_state_dict(
+            {k: weights[k.removeprefix(_PREFIX)] for k in own}, assign=True
+        )  # fmt: skip
+        with torch.no_grad():
+            for name, buffer in captured.named_buffers():
+                if name.startswith(_CACHES):
+                    buffer.zero_()  # the cache starts empty
+                elif name.removeprefix(_PREFIX) in buffers:
+                    buffer.copy_(buffers[name.removeprefix(_PREFIX)])
+        if n != 1:
+            _share_cache(pipes[1], captured)
+        captured.eval()
+    return Decoder(pipes)
+
+
+def _captured(step: DecodeStep, pipe: Pipe, split: list[str], rows: int, tokens: int) -> Pipe:
     example = {
-        "input_ids": torch.zeros(rows, 1, dtype=torch.int64),
+        "input_ids": torch.zeros(rows, tokens, dtype=torch.int64),
         "position": torch.zeros(rows, dtype=torch.int64),
     }
     layout = replace(pipe.layout, chunks=1, schedule="gpipe", replicas=1, shard=None)
     with warnings.catch_warnings():  # one micro-batch: a token goes through stage by stage
         warnings.filterwarnings("ignore", message=r"Pipe\(chunks=1\)")
-        decode = Pipe.from_model(
-            step, example, split=[_PREFIX + p for p in source.split(step.model)],
-            balance=pipe.balance, layout=layout, group=pipe.group, timeout=pipe.timeout,
+        return Pipe.from_model(
+            step, example, split=[_PREFIX + p for p in split], balance=pipe.balance,
+            layout=layout, group=pipe.group, timeout=pipe.timeout,
             devices=pipe.devices if pipe.group is None else None,
             transport=pipe.transport if pipe.transport != "local" else "auto",
         )  # fmt: skip
-    weights = pipe.state_dict()
-    decode.load_state_dict({k: weights[k.removeprefix(_PREFIX)] for k in decode.state_dict()})
-    buffers = dict(pipe.named_buffers())  # and those outside the state dict (rotary tables)
-    with torch.no_grad():
-        for name, buffer in decode.named_buffers():
-            if not name.startswith(_PREFIX):
-                buffer.zero_()  # the cache starts empty
-            elif name.removeprefix(_PREFIX) in buffers:
-                buffer.copy_(buffers[name.removeprefix(_PREFIX)])
-    decode.eval()
-    return Decoder(decode)
+
+
+def _share_cache(source: Pipe, target: Pipe) -> None:
+    """``target``'s units hold ``source``'s cache tensors (the units are cut alike)."""
+    for mine, theirs in zip(source.stages, target.stages, strict=True):
+        for unit, other in zip(mine.layers, theirs.layers, strict=True):
+            for name, buffer in unit.named_buffers(recurse=False):
+                if name.startswith(_CACHES):
+                    other.register_buffer(name, buffer, persistent=False)
