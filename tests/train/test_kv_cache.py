@@ -10,6 +10,7 @@ import types
 import pytest
 import torch
 
+from gpipe.frontend import CaptureError
 from gpipe.train.kv_cache import DecodeStep, why_not
 
 transformers = pytest.importorskip("transformers")
@@ -31,6 +32,27 @@ def test_the_decode_step_fed_token_by_token_gives_the_models_logits():
             logits = step(tokens[:, i : i + 1], position)
             torch.testing.assert_close(logits[:, 0], expected[:, i], rtol=0, atol=1e-10)
     assert step.key_cache_1[:, :, 9:].abs().sum() == 0  # written up to the last position only
+
+
+def test_a_model_that_ignores_the_cache_or_slides_its_window_is_refused():
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, max_position_embeddings=32,
+    )  # fmt: skip
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    DecodeStep(model, rows=2, length=8).check(2)  # writes its cache: accepted
+    model.forward = lambda input_ids, cache=None, **kwargs: types.SimpleNamespace(
+        logits=torch.zeros(*input_ids.shape, 64, device=input_ids.device)
+    )  # takes cache= and ignores it
+    with pytest.raises(CaptureError, match="does not write transformers' cache="):
+        DecodeStep(model, rows=2, length=8).check(2)
+    config = transformers.MistralConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, max_position_embeddings=32, sliding_window=4,
+    )  # fmt: skip
+    with torch.device("meta"), pytest.raises(CaptureError, match="StaticSlidingWindowLayer"):
+        DecodeStep(transformers.AutoModelForCausalLM.from_config(config), rows=2, length=8)
 
 
 def _pipe(**layout):

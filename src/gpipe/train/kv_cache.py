@@ -25,6 +25,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from gpipe.assembly import capture_device
+from gpipe.frontend import CaptureError, capture, origin_of
 from gpipe.pipe import Pipe
 
 __all__ = ["DecodeStep", "Decoder", "decoder", "why_not"]
@@ -38,11 +40,14 @@ class DecodeStep(nn.Module):
 
     def __init__(self, model: nn.Module, rows: int, length: int) -> None:
         super().__init__()
-        from transformers import StaticCache
+        from transformers.cache_utils import StaticCache, StaticLayer
 
         self.model = model
         config = model.config.get_text_config()
         self.cache = StaticCache(config=config, max_cache_len=length)
+        other = {type(layer).__name__ for layer in self.cache.layers} - {StaticLayer.__name__}
+        if other:  # a sliding window's layers roll their tensors: not one position per token
+            raise CaptureError(f"the model's cache has {', '.join(sorted(other))} layers")
         heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         size = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         weight = next(model.parameters())
@@ -63,6 +68,18 @@ class DecodeStep(nn.Module):
         out = self.model(input_ids=input_ids, position_ids=positions, cache=self.cache,
                          use_cache=True)  # fmt: skip
         return out.logits
+
+    def check(self, rows: int) -> None:
+        """Raise CaptureError unless a step (on meta: no compute) writes every layer's cache,
+        so that a model that takes ``cache=`` but ignores it is never decoded from a cache
+        that stays empty."""
+        ids = torch.zeros(rows, 1, dtype=torch.int64, device="meta")
+        caches = [b for name, b in self.named_buffers() if name.startswith(_CACHES)]
+        before = [b._version for b in caches]
+        with torch.no_grad():
+            self(ids, torch.zeros(rows, dtype=torch.int64, device="meta"))
+        if any(b._version == v for b, v in zip(caches, before, strict=True)):
+            raise CaptureError("the model's forward does not write transformers' cache=")
 
 
 def why_not(pipe: Pipe, task: Any, *, length: int, window: int) -> str | None:
@@ -121,6 +138,9 @@ def decoder(pipe: Pipe, task: Any, *, rows: int, length: int, prompt: int = 1) -
     try:
         with torch.device("meta"):
             step = DecodeStep(source.build(), rows, length)
+        step.check(rows)
+    except (AttributeError, TypeError, ValueError) as error:  # not a model with this cache
+        raise CaptureError(f"{type(error).__name__}: {error}") from error
     finally:
         torch.set_default_dtype(previous)
     pipes = {n: _captured(step, pipe, source.split(step.model), rows, n) for n in {1, prompt}}
@@ -144,17 +164,24 @@ def decoder(pipe: Pipe, task: Any, *, rows: int, length: int, prompt: int = 1) -
 
 
 def _captured(step: DecodeStep, pipe: Pipe, split: list[str], rows: int, tokens: int) -> Pipe:
+    """The step for ``tokens`` per call as a Pipe cut as ``pipe`` is (``Pipe.from_model``'s
+    steps, its eval() graph only: it is never trained), on meta but for its cache."""
     example = {
         "input_ids": torch.zeros(rows, tokens, dtype=torch.int64),
         "position": torch.zeros(rows, dtype=torch.int64),
     }
+    devices = pipe.devices if pipe.group is None else None
+    step, origin = origin_of(step, None, 0)
+    device = capture_device(devices, pipe.group)
+    captured = capture(step, example, split=[_PREFIX + p for p in split], device=device,
+                       inference_only=True)  # fmt: skip
+    captured.origin = origin
     layout = replace(pipe.layout, chunks=1, schedule="gpipe", replicas=1, shard=None)
     with warnings.catch_warnings():  # one micro-batch: a token goes through stage by stage
         warnings.filterwarnings("ignore", message=r"Pipe\(chunks=1\)")
-        return Pipe.from_model(
-            step, example, split=[_PREFIX + p for p in split], balance=pipe.balance,
-            layout=layout, group=pipe.group, timeout=pipe.timeout,
-            devices=pipe.devices if pipe.group is None else None,
+        return Pipe(
+            captured, tied=captured.tied, balance=pipe.balance, layout=layout, group=pipe.group,
+            timeout=pipe.timeout, devices=devices,
             transport=pipe.transport if pipe.transport != "local" else "auto",
         )  # fmt: skip
 
