@@ -82,8 +82,7 @@ def capture(
     a model on meta). A model may take other branches on other devices (transformers' MoE
     picks ``histc``'s dtype by device type), so a model on meta, or on a device of another
     type, is exported on fake tensors of ``device``: shapes only, no memory.
-    ``inference_only``: only the ``eval()`` graph, for both modes (half the capture's time,
-    for a model that is never trained)."""
+    ``inference_only``: one export, of ``eval()``, serving both modes (a model never trained)."""
     paths = split_points(model, split)
     refuse_gradient_hooks(model)
     hooked = forward_hooked(model, paths)
