@@ -135,3 +135,16 @@ def test_capture_leaves_every_module_in_its_mode():
     model.norm.eval()
     capture(model, batch()[0][:2], split="blocks")
     assert model.training and model.drop.training and not model.norm.training
+
+
+def test_an_inference_only_capture_runs_the_eval_graph_in_both_modes():
+    model = build().eval()
+    x = batch()[0]
+    units = capture(model, x[:2], split="blocks", inference_only=True)
+    undropped = copy.deepcopy(model).train()
+    undropped.drop.eval()  # the eval() graph has no dropout; batch norm is the module's call
+    with torch.no_grad():
+        expected = {False: model(x), True: undropped(x)}
+        for mode in (False, True):
+            units.train(mode)
+            torch.testing.assert_close(units(x), expected[mode], rtol=0, atol=1e-12)

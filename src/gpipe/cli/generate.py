@@ -8,7 +8,10 @@ The model is a run's checkpoint (its newest intact one, or the one named), a Hug
 folder (save_pretrained's, or gpipe export's); the text is tokenized by the model's own
 tokenizer (bytes for gpipe's GPT). Greedy decoding (the default, --temperature 0) writes the
 tokens ``model.generate(do_sample=False)`` writes; generation stops at --max-tokens or once
-every sample has written the tokenizer's end of text. gpipe train prints samples of its model
+every sample has written the tokenizer's end of text. A Hugging Face causal LM decodes with a
+key-value cache in each stage (the prompt in one forward, then one token's forward per token)
+when the prompt and --max-tokens fit in --seq; otherwise, and for gpipe's own GPT, each token
+runs the whole window, and a line on stderr says why. gpipe train prints samples of its model
 at its end by the same code (``gpipe.train.generation``).
 """
 

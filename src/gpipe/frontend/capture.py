@@ -73,6 +73,7 @@ def capture(
     split: Split = None,
     dynamic: bool = True,
     device: torch.device | str | None = None,
+    inference_only: bool = False,
 ) -> CapturedModel:
     """Export ``model`` on ``example`` (a tensor, a tuple of positional tensors, or a dict of
     keyword tensors) and cut it before each split module; see the module doc.
@@ -80,7 +81,8 @@ def capture(
     ``device``: where the units will run (default: where the model's tensors are, the CPU for
     a model on meta). A model may take other branches on other devices (transformers' MoE
     picks ``histc``'s dtype by device type), so a model on meta, or on a device of another
-    type, is exported on fake tensors of ``device``: shapes only, no memory."""
+    type, is exported on fake tensors of ``device``: shapes only, no memory.
+    ``inference_only``: one export, of ``eval()``, serving both modes (a model never trained)."""
     paths = split_points(model, split)
     refuse_gradient_hooks(model)
     hooked = forward_hooked(model, paths)
@@ -104,7 +106,7 @@ def capture(
     was_training = {m: m.training for m in model.modules()}  # each module's, kept as it is
     exported = {}
     try:
-        for mode in (True, False):
+        for mode in (False,) if inference_only else (True, False):
             model.train(mode)
             exported[mode] = _cut_in_mode(
                 model, (args, kwargs), dynamic, target if fakes else None, paths, (kept, hooked)
@@ -112,7 +114,7 @@ def capture(
     finally:
         for m, mode in was_training.items():
             m.training = mode
-    train, evaluate = exported[True], exported[False]
+    train, evaluate = exported.get(True, exported[False]), exported[False]
     if [p.name for p in train] != [p.name for p in evaluate]:
         raise CaptureError(
             "train() and eval() capture cut the model differently: "

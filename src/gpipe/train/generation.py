@@ -1,14 +1,18 @@
-"""Text written by a model through its pipeline: :func:`generate`, one token per pipelined
-forward, for the samples at the end of ``gpipe train`` and for ``gpipe generate``.
+"""Text written by a model through its pipeline: :func:`generate`, for the samples at the end
+of ``gpipe train`` and for ``gpipe generate``.
 
-Each new token runs the whole window (the last ``window`` tokens) through the pipeline again:
-no key-value cache, since a captured stage's inputs are the traced model's (the token ids),
-not a cache that grows. Greedy decoding (``temperature`` 0) picks the tokens the plain model
-picks (``model.generate(do_sample=False)``, tests/train/test_generate.py).
+A Hugging Face causal LM decodes with a key-value cache: a second capture of the model, of
+one decode step, cut into the same stages, each holding the cache of its own layers
+(:mod:`gpipe.train.kv_cache`); a new token costs one token's forward. Any other model, or a
+case the cache cannot make exact (its reason printed in one line), runs the whole window (the
+last ``window`` tokens) through the pipeline once per new token. Greedy decoding
+(``temperature`` 0) picks the tokens the plain model picks either way
+(``model.generate(do_sample=False)``, tests/train/test_generation.py).
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -16,6 +20,8 @@ from typing import Any
 import torch
 from torch.nn import functional as F
 
+import gpipe.train.kv_cache as kv_cache
+from gpipe.frontend import CaptureError
 from gpipe.parallel.mesh import Mesh
 from gpipe.pipe import Pipe
 
@@ -75,11 +81,12 @@ def generate(
     pipe.eval()
     try:
         with torch.no_grad(), autocast():
+            logits_of = _decoding(pipe, task, rows, (tokens.shape[1], new_tokens), window)
             for _ in range(new_tokens):
-                out = pipe(tokens[:, -window:])  # (rows, T, vocab) on the last stage
+                logits = logits_of(tokens)  # (rows, vocab) on the last stage
                 chosen = torch.zeros(rows, 1, dtype=torch.int64)
-                if out is not None:
-                    chosen = pick(task.logits(out)[:, -1, :], sampling, generator)
+                if logits is not None:
+                    chosen = pick(logits, sampling, generator)
                 chosen = mesh.pipeline.broadcast(
                     chosen, "the broadcast of a sampled token", src=last_rank
                 )
@@ -92,3 +99,36 @@ def generate(
     finally:
         pipe.train()
     return tokens
+
+
+def _decoding(
+    pipe: Pipe, task: Any, rows: int, lengths: tuple[int, int], window: int
+) -> Callable[[torch.Tensor], torch.Tensor | None]:
+    """The next token's logits of the tokens so far (None off the last stage): through the
+    decode step's cache, fed the tokens it has not seen (the prompt at once), else the
+    window's pipe. ``lengths``: the prompt's and the new tokens'."""
+    prompt, length = lengths[0], sum(lengths)
+    reason = kv_cache.why_not(pipe, task, length=length, window=window)
+    if reason is None:
+        try:
+            decoder = kv_cache.decoder(pipe, task, rows=rows, length=length, prompt=prompt)
+        except CaptureError as error:
+            reason = f"the decode step cannot be captured ({str(error).splitlines()[0]})"
+    if reason is not None:
+        if pipe.rank in (None, 0):
+            print(f"gpipe: generating without a key-value cache: {reason}; each token runs "
+                  "the whole window", file=sys.stderr)  # fmt: skip
+
+        def windowed(tokens: torch.Tensor) -> torch.Tensor | None:
+            out = pipe(tokens[:, -window:])
+            return None if out is None else task.logits(out)[:, -1, :]
+
+        return windowed
+    seen = 0
+
+    def cached(tokens: torch.Tensor) -> torch.Tensor | None:
+        nonlocal seen
+        start, seen = seen, tokens.shape[1]
+        return decoder(tokens[:, start:], start)
+
+    return cached
