@@ -58,7 +58,7 @@ PURE_DATA = {"errors"}
 # of a concept) or are missing. Move or write tests/<package>/test_<module>.py and strike
 # the module from this list; never add one, but a module split out of a mirrored one this round
 # (its tests still in its origin's test module: stepping in test_pipe, train/options in
-# train/test_config, parallel/agreement and transport/choice in parallel/test_group,
+# train/test_config,
 # engine/loss in engine/test_stage, estimate/cuts and ranges in estimate/test_balance,
 # frontend/holders in frontend/test_capture, materialize/init_calls in test_materialize,
 # planner/calibration in planner/test_capacity).
@@ -68,7 +68,7 @@ NOT_YET_MIRRORED = {
     "estimate/auto", "estimate/costs", "estimate/cuts", "estimate/ranges", "frontend/holders",
     "materialize/init_calls", "estimate/memory_model", "frontend/cut", "frontend/files",
     "frontend/keys", "frontend/names", "frontend/original", "frontend/report", "frontend/units",
-    "materialize/record", "models", "parallel/agreement", "parallel/collectives",
+    "materialize/record", "models", "parallel/collectives",
     "parallel/data_parallel", "parallel/dcp", "parallel/launch", "parallel/mesh",
     "planner/calibration", "planner/families", "planner/measured", "planner/results",
     "planner/search", "remat",
@@ -77,8 +77,6 @@ NOT_YET_MIRRORED = {
     "train/checkpoint_integrity", "train/eval_job", "train/evaluation", "train/generate_job",
     "train/generation", "train/hf", "train/inputs", "train/job", "train/memory_checks",
     "train/networks", "train/objectives", "train/options", "train/tasks", "train/tokenizers",
-    "transport/choice", "transport/distributed", "transport/handshake", "transport/local",
-    "transport/peers", "transport/rows",
 }  # fmt: skip
 
 
