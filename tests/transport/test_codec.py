@@ -14,7 +14,6 @@ import torch.distributed as dist
 from gpipe.transport import inquest
 from gpipe.transport.codec import VERSION, CodecError, TensorMeta, decode, encode
 from gpipe.transport.framing import History, notice, read_notice
-from gpipe.transport.peers import PeerTransport
 
 PLAIN = [
     None, True, False, 0, -1, 2**63 - 1, -(2**63), 2**80, -(2**90), 0.1, -0.0, math.inf,
@@ -107,16 +106,6 @@ def test_a_tree_spec_naming_an_enum_is_refused_on_both_sides():
     history.update(encode((spec, [])))
     with pytest.raises(CodecError, match="enum"):
         history.decoded  # noqa: B018
-
-
-def test_a_stage_output_that_cannot_cross_names_the_message_and_the_remedy():
-    from gpipe.schedule.routes import Channel, Message
-
-    transport = PeerTransport.__new__(PeerTransport)
-    transport._sent_meta, transport._training = {}, True
-    message = Message(Channel.ACTIVATION, 1, 2)
-    with pytest.raises(CodecError, match=r"activation of micro-batch 2 for stage 1: .*send tens"):
-        transport._described(1, message, (torch.zeros(2), torch.device("cpu")))
 
 
 def test_a_statement_planted_in_the_store_runs_nothing_and_is_ignored(tmp_path, monkeypatch):

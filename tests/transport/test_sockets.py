@@ -1,23 +1,20 @@
 """The same-host transport (``gpipe.transport.sockets``): messages larger than a socket's
-buffer both ways at once, against the un-split model; and how the transport is chosen."""
+buffer both ways at once, and a peer's last row read before its leaving counts, against the
+un-split model. (Who may connect: test_handshake.py; how the carrier is chosen:
+test_choice.py.)"""
 
 from __future__ import annotations
-
-import os
 
 import pytest
 import torch
 from torch.nn import functional as F
 
-import gpipe
 from distributed_cases import (
     _leaving_batch,
     _leaving_model,
     leaves_after_its_last_row,
-    told_transports,
     train_steps,
 )
-from gpipe.models import mlp
 from gpipe.parallel.launch import launch
 from parallel.test_distributed import check
 from reference import reference_step, relative_error
@@ -39,28 +36,6 @@ def test_messages_larger_than_the_socket_buffer_both_ways_at_once():
         check(case, [r[index] for r in results])
 
 
-def test_the_transport_is_one_of_three_and_sockets_cannot_post_in_nccls_order():
-    model = mlp([4, 4, 4, 4, 4])
-    with pytest.raises(ValueError, match="transport must be one of"):
-        gpipe.Pipe(model, balance=[2, 2], devices=["cpu"] * 2, transport="tcp")
-    with pytest.raises(ValueError, match="receive_ahead=False"):
-        gpipe.Pipe(model, balance=[2, 2], devices=["cpu"] * 2, transport="sockets",
-                   receive_ahead=False)  # fmt: skip
-
-
-@pytest.mark.slow
-def test_the_ranks_choose_the_transport_together():
-    """Chosen by every rank at once: a rank told otherwise stops the build on every rank
-    (never one rank on sockets and its peer on gloo, waiting for each other)."""
-    chosen = launch(told_transports, 2, args=(["sockets", "sockets"],), timeout=60)
-    assert chosen == [{"transport": "sockets"}] * 2
-    chosen = launch(told_transports, 2, args=(["group", "group"],), timeout=60)
-    assert chosen == [{"transport": "group"}] * 2
-    refused = launch(told_transports, 2, args=(["group", "auto"],), timeout=60)
-    for outcome in refused:
-        assert "given different transports (rank 0: 'group', rank 1: 'auto')" in outcome["error"]
-
-
 @pytest.mark.slow
 def test_what_a_peer_sent_before_it_left_is_read_before_its_leaving_counts():
     """Rank 1 ends its step and leaves while rank 0 has yet to read its last row: the row
@@ -75,52 +50,3 @@ def test_what_a_peer_sent_before_it_left_is_read_before_its_leaving_counts():
     assert set(grads) == {name for name, _ in model.named_parameters()}
     for name, p in model.named_parameters():
         assert relative_error(grads[name], p.grad) < 1e-6, name
-
-
-@pytest.mark.slow
-def test_a_stranger_on_the_socket_is_refused_reported_and_the_job_trains_exactly(tmp_path):
-    """Processes not of the job connect to rank 0's socket before rank 1 can: a wrong token,
-    a pickle (whose unpickling would create a marker file) and, as root, another user's
-    process. Each is closed and reported by its uid or pid; nothing ran; the ranks still
-    form their sockets (no silent change of transport) and the step is the un-split
-    model's."""
-    from transport.intruders import trains_with_intruders
-
-    marker = tmp_path / "ran"
-    outcomes = launch(trains_with_intruders, 2, args=(str(marker),), timeout=120)
-    assert not marker.exists()
-    assert [o["transport"] for o in outcomes] == ["sockets", "sockets"]
-    assert set(outcomes[0]["intruders"]) == {"closed"} and len(outcomes[0]["intruders"]) >= 2
-    refused = [w for w in outcomes[0]["warnings"] if "refused a connection" in w]
-    assert len(refused) == len(outcomes[0]["intruders"])
-    assert sum("did not present the job's token" in w for w in refused) == 2
-    if os.geteuid() == 0:
-        assert any("uid 65534" in w and "not this job's user" in w for w in refused)
-    model = _leaving_model()
-    x, y = _leaving_batch()
-    expected = reference_step(model, x, y, F.mse_loss, chunks=2, seed=3)
-    assert relative_error(torch.tensor(outcomes[1]["loss"]).double(), expected) < 1e-6
-    grads = {**outcomes[0]["grads"], **outcomes[1]["grads"]}
-    for name, p in model.named_parameters():
-        assert relative_error(grads[name], p.grad) < 1e-6, name
-
-
-def test_a_listener_refuses_strangers_and_fails_naming_them_when_no_peer_comes():
-    """Alone with a caller of the wrong token: refused and reported, and the wait ends
-    within the timeout with an error naming it, not taken for a peer."""
-    import socket
-    import struct
-
-    from gpipe.transport import handshake
-
-    listener, address, token = handshake.listen(2)
-    stranger = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    stranger.connect(address)
-    stranger.sendall(struct.pack("<q32s", 1, bytes(32)))
-    with (
-        pytest.warns(RuntimeWarning, match=r"refused a connection .* pid \d+, which did not pre"),
-        pytest.raises(handshake.RefusedConnection, match=r"refused connections .*pid \d+"),
-    ):
-        handshake.connect(listener, [(address, token), ("", b"")], 0, timeout=0.5)
-    assert stranger.recv(1) == b""  # closed on it
-    stranger.close()
