@@ -67,7 +67,10 @@ def resolve(options: dict[str, Any], *, world_size: int | None = None) -> TrainC
         chosen, found = _model(given)
         problems += found
         values = {**chosen.pop("preset"), **given, **chosen, "model": given.get("model", "gpt")}
-    problems += _data_problems(values, given) + _output_problems(values, given)
+    problems += _data_problems(values, given)
+    # Asked for by name, TensorBoard must be there; by default a run without it says so and
+    # goes on (gpipe.train.reporters).
+    problems += reporters.problems(values.get("report_to", ""), given="report_to" in given)
     default_layout = Layout(schedule=values.get("schedule", "gpipe"))
     values.setdefault("virtual_stages", default_layout.virtual_stages)
     if world_size is not None and "stages" not in given:
@@ -259,12 +262,6 @@ def _sized(preset: dict[str, Any], model_args: dict[str, Any], **how: Any) -> di
         return {**preset, **sized_rates(HFModel(model_args).parameter_count(), preset, **how)}
     except (ValueError, OSError, ImportError):  # a model transformers cannot build: said later
         return preset
-
-
-def _output_problems(values: dict[str, Any], given: dict[str, Any]) -> list[str]:
-    # Asked for by name, TensorBoard must be there; by default a run without it says so and
-    # goes on (gpipe.train.reporters).
-    return reporters.problems(values.get("report_to", ""), given="report_to" in given)
 
 
 def _needs(recipe: str) -> list[str]:

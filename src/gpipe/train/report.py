@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 from gpipe._utils import MiB
-from gpipe.schedule import build_schedule
 from gpipe.schedule.simulate import simulate
 from gpipe.train.config import TrainConfig
 from gpipe.train.run_folder import FILES, TENSORBOARD
@@ -196,13 +195,7 @@ class Reporter:
             lines.append(f"  val loss     {s['val_loss']:.4f}{acc}")
         lines.append(f"  throughput   {s[f'{unit}_per_s']:,.0f} {unit}/s")
         if s.get("bubble") is not None:
-            schedule = build_schedule(
-                c.schedule,
-                num_ranks=c.stages,
-                num_microbatches=c.chunks,
-                virtual_stages=c.virtual_stages,
-            )
-            ideal = simulate(schedule).bubble_fraction
+            ideal = simulate(c.layout.build_schedule()).bubble_fraction
             lines.append(
                 f"  bubble       {s['bubble']:.1%} measured on step {c.steps} ({c.schedule} "
                 f"with equal action costs: {ideal:.1%})"
