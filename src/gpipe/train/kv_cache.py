@@ -1,20 +1,20 @@
 """Decoding through the pipeline with a key-value cache, for :mod:`gpipe.train.generation`.
 
 The window's pipe cannot hold a cache: its captured stages take the model's token ids. So a
-second capture, of one decode step: :class:`DecodeStep` wraps the Hugging Face causal LM with
+second capture, of a decode step: :class:`DecodeStep` wraps the Hugging Face causal LM with
 transformers' own ``StaticCache`` of ``rows`` x ``length`` positions, its keys and values
 registered as buffers (as transformers' ``TorchExportableModuleWithStaticCache`` does for
-``torch.export``). Its forward takes ``input_ids`` (rows, 1) and ``position`` (rows,), writes
-the new keys and values in place and returns the logits (rows, 1, vocab). ``Pipe.from_model``
-captures it and cuts it before the window pipe's blocks, with its balance: layer i's cache is
-read and written by layer i's unit only, so each stage holds (and allocates) the cache of its
-own layers. The weights are the window pipe's, copied under the model's names. The prompt is
-fed one token at a time through the same step, so one capture serves the whole generation.
+``torch.export``). Its forward takes ``input_ids`` (rows, n) and ``position`` (rows,: the
+first token's), writes the new keys and values in place and returns the logits. It is
+captured (its ``eval()`` graph only) and cut before the window pipe's blocks, with its
+balance: layer i's cache is read and written by layer i's unit only, so each stage holds (and
+allocates) the cache of its own layers. Two captures share the cache and hold the window
+pipe's own weight tensors: one for the prompt at once, one for each new token.
 
 Where the cache cannot be exact (no cache in the model, adapters, sharded or interleaved
-stages, autocast, more tokens than the window), :func:`why_not` says why, and generation runs
-the whole window per token as before.
-"""
+stages, autocast, more tokens than the window, a cache that slides or that the forward
+ignores), :func:`why_not` or a ``CaptureError`` says why, and generation runs the whole window
+per token as before."""
 
 from __future__ import annotations
 
