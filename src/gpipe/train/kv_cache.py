@@ -1,20 +1,20 @@
 """Decoding through the pipeline with a key-value cache, for :mod:`gpipe.train.generation`.
 
 The window's pipe cannot hold a cache: its captured stages take the model's token ids. So a
-second capture, of one decode step: :class:`DecodeStep` wraps the Hugging Face causal LM with
+second capture, of a decode step: :class:`DecodeStep` wraps the Hugging Face causal LM with
 transformers' own ``StaticCache`` of ``rows`` x ``length`` positions, its keys and values
 registered as buffers (as transformers' ``TorchExportableModuleWithStaticCache`` does for
-``torch.export``). Its forward takes ``input_ids`` (rows, 1) and ``position`` (rows,), writes
-the new keys and values in place and returns the logits (rows, 1, vocab). ``Pipe.from_model``
-captures it and cuts it before the window pipe's blocks, with its balance: layer i's cache is
-read and written by layer i's unit only, so each stage holds (and allocates) the cache of its
-own layers. The weights are the window pipe's, copied under the model's names. The prompt is
-fed one token at a time through the same step, so one capture serves the whole generation.
+``torch.export``). Its forward takes ``input_ids`` (rows, n) and ``position`` (rows,: the
+first token's), writes the new keys and values in place and returns the logits. It is
+captured (its ``eval()`` graph only) and cut before the window pipe's blocks, with its
+balance: layer i's cache is read and written by layer i's unit only, so each stage holds (and
+allocates) the cache of its own layers. Two captures share the cache and hold the window
+pipe's own weight tensors: one for the prompt at once, one for each new token.
 
 Where the cache cannot be exact (no cache in the model, adapters, sharded or interleaved
-stages, autocast, more tokens than the window), :func:`why_not` says why, and generation runs
-the whole window per token as before.
-"""
+stages, autocast, more tokens than the window, a cache that slides or that the forward
+ignores), :func:`why_not` or a ``CaptureError`` says why, and generation runs the whole window
+per token as before."""
 
 from __future__ import annotations
 
@@ -143,24 +143,49 @@ def decoder(pipe: Pipe, task: Any, *, rows: int, length: int, prompt: int = 1) -
         raise CaptureError(f"{type(error).__name__}: {error}") from error
     finally:
         torch.set_default_dtype(previous)
+    _adopt(step, pipe)
     pipes = {n: _captured(step, pipe, source.split(step.model), rows, n) for n in {1, prompt}}
-    weights = pipe.state_dict()
-    buffers = dict(pipe.named_buffers())  # and those outside the state dict (rotary tables)
     for n, captured in pipes.items():
-        own = captured.state_dict()
-        captured.load_state_dict(
-            {k: weights[k.removeprefix(_PREFIX)] for k in own}, assign=True
-        )  # fmt: skip
-        with torch.no_grad():
-            for name, buffer in captured.named_buffers():
-                if name.startswith(_CACHES):
-                    buffer.zero_()  # the cache starts empty
-                elif name.removeprefix(_PREFIX) in buffers:
-                    buffer.copy_(buffers[name.removeprefix(_PREFIX)])
+        _fill(captured, pipe)
         if n != 1:
             _share_cache(pipes[1], captured)
         captured.eval()
     return Decoder(pipes)
+
+
+def _adopt(step: DecodeStep, pipe: Pipe) -> None:
+    """The step's model (on meta) takes this rank's tensors of ``pipe``, under the model's
+    names, ties kept: the captured steps hold them, and none is made to be replaced."""
+    held = {**dict(pipe.named_parameters()), **dict(pipe.named_buffers())}
+    taken: dict[int, torch.Tensor] = {}
+    for path, module in step.model.named_modules():
+        for table in (module._parameters, module._buffers):
+            for key, tensor in table.items():
+                real = held.get(f"{path}.{key}" if path else key, taken.get(id(tensor)))
+                if tensor is not None and real is not None:
+                    taken[id(tensor)] = table[key] = real
+
+
+def _fill(captured: Pipe, pipe: Pipe) -> None:
+    """``captured`` holds ``pipe``'s tensors (checked: each of its names is one of
+    ``pipe``'s), and an empty cache."""
+    weights = pipe.state_dict()
+    buffers = dict(pipe.named_buffers())  # and those outside the state dict (rotary tables)
+    known = {*weights, *buffers}
+    names = [*captured.state_dict(), *dict(captured.named_buffers())]
+    missing = [
+        n for n in names if not n.startswith(_CACHES) and n.removeprefix(_PREFIX) not in known
+    ]
+    if missing:
+        raise CaptureError(f"the decode step holds {missing[:4]}, which the window's pipe does not")
+    own = captured.state_dict()
+    captured.load_state_dict({k: weights[k.removeprefix(_PREFIX)] for k in own}, assign=True)
+    with torch.no_grad():
+        for name, buffer in captured.named_buffers():
+            if name.startswith(_CACHES):
+                buffer.zero_()  # the cache starts empty
+            elif buffer is not buffers[name.removeprefix(_PREFIX)]:
+                buffer.copy_(buffers[name.removeprefix(_PREFIX)])
 
 
 def _captured(step: DecodeStep, pipe: Pipe, split: list[str], rows: int, tokens: int) -> Pipe:
