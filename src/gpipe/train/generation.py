@@ -67,12 +67,13 @@ def pick(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator) -
 
 def generate(
     pipe: Pipe, mesh: Mesh, task: Any, prompt: list[int], *, rows: int, new_tokens: int,
-    window: int, sampling: Sampling, seed: int, autocast: Callable[[], Any],
+    window: int, sampling: Sampling, seed: int, autocast: Callable[[], Any], cache: bool = True,
 ) -> torch.Tensor:  # fmt: skip
     """``rows`` continuations of ``prompt`` (rows, prompt + up to ``new_tokens``), the same on
     every rank of the pipeline (collective). The last stage picks each next token and
     broadcasts it; the first feeds it back in. Stops early once every row has written the
-    tokenizer's end of text (a row then continues with it, as ``model.generate`` pads)."""
+    tokenizer's end of text (a row then continues with it, as ``model.generate`` pads).
+    ``cache=False``: the window, without a notice."""
     tokens = torch.tensor(prompt or [0], dtype=torch.int64).repeat(rows, 1)
     generator = torch.Generator().manual_seed(seed)
     last_rank = pipe.schedule.stage_to_rank[-1]
@@ -81,7 +82,7 @@ def generate(
     pipe.eval()
     try:
         with torch.no_grad(), autocast():
-            logits_of = _decoding(pipe, task, rows, (tokens.shape[1], new_tokens), window)
+            logits_of = _decoding(pipe, task, rows, (tokens.shape[1], new_tokens), window, cache)
             for _ in range(new_tokens):
                 logits = logits_of(tokens)  # (rows, vocab) on the last stage
                 chosen = torch.zeros(rows, 1, dtype=torch.int64)
@@ -102,20 +103,20 @@ def generate(
 
 
 def _decoding(
-    pipe: Pipe, task: Any, rows: int, lengths: tuple[int, int], window: int
+    pipe: Pipe, task: Any, rows: int, lengths: tuple[int, int], window: int, cache: bool
 ) -> Callable[[torch.Tensor], torch.Tensor | None]:
     """The next token's logits of the tokens so far (None off the last stage): through the
     decode step's cache, fed the tokens it has not seen (the prompt at once), else the
     window's pipe. ``lengths``: the prompt's and the new tokens'."""
     prompt, length = lengths[0], sum(lengths)
-    reason = kv_cache.why_not(pipe, task, length=length, window=window)
+    reason = kv_cache.why_not(pipe, task, length=length, window=window) if cache else ""
     if reason is None:
         try:
             decoder = kv_cache.decoder(pipe, task, rows=rows, length=length, prompt=prompt)
         except CaptureError as error:
             reason = f"the decode step cannot be captured ({str(error).splitlines()[0]})"
     if reason is not None:
-        if pipe.rank in (None, 0):
+        if reason and pipe.rank in (None, 0):
             print(f"gpipe: generating without a key-value cache: {reason}; each token runs "
                   "the whole window", file=sys.stderr)  # fmt: skip
 

@@ -261,7 +261,8 @@ class Trainer:
 
     def generate(self) -> str | None:
         """Text written by the model through the pipeline (gpipe.train.generation): the M
-        micro-batches carry M samples."""
+        micro-batches carry M samples. The window, not a key-value cache: a few tokens cost
+        less than capturing the decode step (``gpipe generate`` uses the cache)."""
         c = self.config
         if self.replica != 0 and not c.shard:  # sharded: every replica holds part of a layer
             return None
@@ -269,6 +270,7 @@ class Trainer:
             self.pipe, self.mesh, self.task, self.task.encode(c.prompt), rows=c.chunks,
             new_tokens=c.sample_tokens, window=c.seq, seed=hash_seed(c.seed, -1),
             sampling=generation.Sampling(temperature=c.temperature), autocast=self.autocast,
+            cache=False,
         )  # fmt: skip
         texts = [self.task.decode(row.tolist()) for row in tokens]
         if self.rank == 0:
