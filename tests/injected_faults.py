@@ -55,6 +55,7 @@ def faulty(rank, stages, fault_stage, microbatch, how, timeout, after_steps=0, o
             layers += [nn.Linear(8, 8), fault if s == fault_stage else nn.ReLU()]
         return nn.Sequential(*layers)
 
+    _together()
     pipe = gpipe.Pipe(
         factory,
         balance=[2] * stages,
@@ -112,6 +113,7 @@ def faulty_backward(rank, stages, fault_stage, at, schedule, checkpoint, timeout
         layers[2 * fault_stage + 1] = BackwardFault(at)
         return nn.Sequential(*layers)
 
+    _together()
     pipe = gpipe.Pipe(factory, balance=[2] * stages, chunks=4, group=dist.group.WORLD,
                       timeout=timeout, schedule=schedule, checkpoint=checkpoint)  # fmt: skip
     return _outcome(lambda: pipe.step(torch.randn(8, 8), torch.randn(8, 8), F.mse_loss))
@@ -214,11 +216,14 @@ def stalled(rank, before, how, timeout, folder, out=None, who=1):
         from gpipe.train import Trainer, resolve
 
         options = {"size": "tiny", "out": out, "timeout": timeout, "sample_tokens": 0}
-        trainer = Trainer(rank, resolve(options, world_size=2))
+        config = resolve(options, world_size=2)
+        _together()
+        trainer = Trainer(rank, config)
         trainer.train_step(1)
         call = lambda: trainer.save(1)  # noqa: E731
     else:
         model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+        _together()
         pipe = gpipe.Pipe(model, balance=[2, 1], chunks=2, group=dist.group.WORLD, timeout=timeout)
         x, y = torch.randn(4, 8), torch.randn(4, 8)
         pipe.step(x, y, F.mse_loss)
@@ -243,6 +248,7 @@ def data_parallel_stalled(rank, timeout, folder):
     torch.set_num_threads(1)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+    _together()
     pipe = gpipe.Pipe(model, balance=[2, 1], chunks=2, group=mesh.get_group("pp"),
                       data_parallel_group=mesh.get_group("dp"), timeout=timeout)  # fmt: skip
     x, y = torch.randn(4, 8), torch.randn(4, 8)
@@ -264,11 +270,13 @@ def _alive_until_all_have_raised(folder: str, rank: int, ranks: int, longest: fl
         time.sleep(0.05)
 
 
-def _ready_to_shard() -> None:
-    """Import what sharding imports on first use, then wait for every rank (the job's own
-    timeout, not the short one under test): under load, that import (~0.7 s of CPU) took
-    one rank past the pipeline's timeout of a few seconds while the others waited on it."""
-    import torch.distributed.fsdp  # noqa: F401
+def _together(*, shard: bool = False) -> None:
+    """Wait for every rank (the job's own timeout, not the short one under test) before a
+    Pipe is built: its configuration check is the first wait the short timeout bounds, and
+    under load one rank's build (or sharding's first import, ~0.7 s of CPU) came to it more
+    than those few seconds after the others, which then raised there, not at the fault."""
+    if shard:
+        import torch.distributed.fsdp  # noqa: F401
 
     dist.barrier()
 
@@ -280,7 +288,6 @@ def sharded_faulty(rank, fault_rank, at, schedule, shard, timeout, folder):
     from gpipe.parallel.mesh import Mesh
 
     torch.set_num_threads(1)
-    _ready_to_shard()
     mesh = Mesh.build(2, 2, timeout=timeout)
     fault = BackwardFault(at=0)
 
@@ -290,6 +297,7 @@ def sharded_faulty(rank, fault_rank, at, schedule, shard, timeout, folder):
         layers[3] = fault if rank == fault_rank and fault_rank % 2 == 1 else layers[3]
         return nn.Sequential(*layers)
 
+    _together(shard=True)
     pipe = gpipe.Pipe(factory, balance=[2, 2], chunks=4, group=mesh.pp, timeout=timeout,
                       data_parallel_group=mesh.dp, shard=shard, schedule=schedule)  # fmt: skip
     x, y = torch.randn(8, 8), torch.randn(8, 8)
@@ -347,6 +355,7 @@ def stalled_two_hops(rank, timeout, folder):
         layers[5] = stall
         return nn.Sequential(*layers)
 
+    _together()
     pipe = gpipe.Pipe(factory, balance=[2, 2, 2], chunks=2, group=dist.group.WORLD,
                       timeout=timeout)  # fmt: skip
     x, y = torch.randn(4, 8), torch.randn(4, 8)
@@ -364,8 +373,6 @@ def data_parallel_fault(rank, how, shard, timeout, folder):
     from gpipe.parallel.mesh import Mesh
 
     torch.set_num_threads(1)
-    if shard:
-        _ready_to_shard()
     mesh = Mesh.build(2, 2, timeout=timeout)
     fault = Fault(microbatch=0, how="raise", after_steps=1, chunks=2)
 
@@ -375,6 +382,7 @@ def data_parallel_fault(rank, how, shard, timeout, folder):
             layers[3] = fault
         return nn.Sequential(*layers)
 
+    _together(shard=shard)
     pipe = gpipe.Pipe(factory, balance=[2, 2], chunks=2, group=mesh.pp, timeout=timeout,
                       data_parallel_group=mesh.dp, shard="params" if shard else None)  # fmt: skip
     x, y = torch.randn(4, 8), torch.randn(4, 8)
