@@ -63,6 +63,7 @@ from capacity_doc import (  # a sibling: the rows and the doc's tables
 from capacity_saved import Results, load, save
 
 CHUNKS = (1, 2, 4, 8, 16)
+MODES = {"no-remat": "no remat", "remat": "remat", "sharded": "2 sharded replicas"}  # --rows
 
 
 def families() -> dict[str, Family]:
@@ -172,7 +173,7 @@ def rows_alone(
     ``overhead`` is given (the tables' calibration: the same predictions to start from)."""
     start = time.perf_counter()
     family = families()[name]
-    kind = {"no-remat": "no remat", "remat": "remat", "sharded": "2 sharded replicas"}[mode]
+    kind = MODES[mode]
     overhead = overhead or calibrate(family, processes=8)
     rows = search(family, budget, overhead, lambda r, k: r.split(",")[0] == kind and k == stages)
     measure(family, rows, (stages,), (stages,), moves=16, starts=starts)
@@ -301,6 +302,11 @@ def rows_into(results: Results, args: argparse.Namespace, budget: float) -> bool
     its rows of that K and mode (then True: the doc is written from the results, and
     ``--save`` keeps them). Else their own section of the doc, and their own file."""
     name, k, mode = args.rows
+    stages = SHARDED_STAGES if mode == "sharded" else STAGES
+    if name not in families() or mode not in MODES or k not in map(str, stages):
+        sys.exit(f"--rows {name} {k} {mode}: give a family ({', '.join(families())}), K "
+                 f"({', '.join(map(str, STAGES))}; sharded: {', '.join(map(str, SHARDED_STAGES))})"
+                 f" and a mode ({', '.join(MODES)})")  # fmt: skip
     kept = results.get(name)
     overhead = kept[0] if kept else _calibration(args.calibration)
     rows, text = rows_alone(name, int(k), mode, budget, overhead, starts_of(args, name))
