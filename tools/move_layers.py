@@ -57,6 +57,7 @@ notes: list[str] = []
 MOVED: dict[str, str] = {}  # module -> floor, for the modules of this tree
 TESTS: dict[str, str] = {}  # test module (test_rng) -> floor
 PIPE_SUBMODULES: set[str] = set()
+JUST_MOVED: set[Path] = set()  # where this run moved a file
 
 
 def problem(path: Path | str, line: int, what: str) -> None:
@@ -78,7 +79,11 @@ def move(old: Path, new: Path) -> bool:
         return True
     if old.exists():
         new.parent.mkdir(parents=True, exist_ok=True)
-        git("mv", str(old), str(new))
+        JUST_MOVED.add(new)
+        if git("ls-files", str(old)):
+            git("mv", str(old), str(new))
+        else:  # not tracked: moved all the same, left untracked
+            old.rename(new)
         notes.append(f"moved {old} -> {new}")
     return new.exists()
 
@@ -129,6 +134,7 @@ def remap(dotted: str, inside_pipe: bool = False) -> str:
 
 
 NAME = re.compile(r"(?<![\w./-])gpipe(?:\.[A-Za-z_]\w*)+")
+ESCAPED = re.compile(r"(?<![\w./\\-])gpipe(?:\\\.[A-Za-z_]\w*)+")  # in a regex: gpipe\.rng
 FROM_GPIPE = re.compile(r"(?<![\w.])from (gpipe(?:\.pipe)?) import ([\w ,]+\w)")
 
 
@@ -164,6 +170,7 @@ def rewrite_text(text: str, where: Path, first_line: int = 1) -> str:
 
     text = FROM_GPIPE.sub(from_gpipe, text)
     text = NAME.sub(lambda m: remap(m[0]), text)
+    text = ESCAPED.sub(lambda m: remap(m[0].replace("\\.", ".")).replace(".", "\\."), text)
     if MOVED:
         names = "|".join(sorted(MOVED, key=len, reverse=True))
         source = re.compile(rf"(?<![\w./-])((?:src/)?gpipe/)?({names})\.py\b")
@@ -217,8 +224,22 @@ def _import_text(node: ast.stmt, inside_pipe: bool, where: Path) -> str | None:
     return f"import {', '.join(rewritten)}" if changed else None
 
 
+HERE = re.compile(r"(Path\(__file__\)(?:\.resolve\(\))?)\.parent(?:s\[(\d+)\]|\b)")
+
+
+def deeper(path: Path, text: str) -> str:
+    """A file moved by this run: its paths from ``Path(__file__)``, one folder deeper."""
+    if path not in JUST_MOVED:
+        return text
+    for number, line in enumerate(text.split("\n"), 1):
+        if re.search(r"(?<![\w.])__file__", line) and not HERE.search(line):
+            problem(path, number, "a path from __file__ in a moved file: one folder deeper now")
+    return HERE.sub(lambda m: f"{m[1]}.parents[{int(m[2] or 0) + 1}]", text)
+
+
 def rewrite_python(path: Path, text: str) -> str:
     inside_pipe = path.parent == SRC / "pipe"
+    text = deeper(path, text)
     tree = ast.parse(text)
     lines, starts = text.split("\n"), _offsets(text)
 
