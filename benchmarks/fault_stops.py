@@ -74,7 +74,11 @@ RESTARTS = (
     "of its own, so that no key of a dead attempt can answer "
     "(`gpipe.parallel.store.this_attempt`; `TORCHELASTIC_RESTART_COUNT` cannot name the "
     "attempt, as each machine's agent counts its own restarts); each of its waits is "
-    "bounded by `--timeout`. How reliably, many times over: `python "
+    "bounded by `--timeout`. A script of your own that calls `dist.init_process_group()` "
+    "itself under `torchrun --max-restarts` meets the same stale keys: set "
+    "`TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1` in torchrun's environment (torch's own switch: "
+    "each attempt's rank 0 then starts a store of its own at `MASTER_ADDR:MASTER_PORT`, "
+    "which a dead attempt never wrote to). How reliably, many times over: `python "
     "benchmarks/fault_stops.py --only restart --repeat 20`."
 )
 

@@ -45,6 +45,11 @@ def _top(module: str) -> str:
     return module.split(".")[0]
 
 
+def _is_module(dotted: str) -> bool:
+    path = ROOT.joinpath(*dotted.split(".")[1:])
+    return path.with_suffix(".py").exists() or (path / "__init__.py").exists()
+
+
 def _imports(path: Path) -> set[str]:
     """gpipe modules (dotted, without ``gpipe.``) and ``torch.distributed`` that it imports."""
     found = set()
@@ -53,8 +58,12 @@ def _imports(path: Path) -> set[str]:
             names = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             names = [node.module]
-            if node.module == "gpipe":  # from gpipe import rng
+            if node.module == "gpipe":  # from gpipe import layout
                 names = [f"gpipe.{alias.name}" for alias in node.names]
+            elif node.module.startswith("gpipe."):  # from gpipe.parallel import store: a module
+                inner = [f"{node.module}.{alias.name}" for alias in node.names]
+                modules = [name for name in inner if _is_module(name)]
+                names = modules if len(modules) == len(inner) else [node.module, *modules]
         else:
             continue
         for name in names:
@@ -83,7 +92,7 @@ def test_imports_point_down(module):
             if _top(module) not in DISTRIBUTED_OK:
                 wrong.append("torch.distributed (only gpipe.parallel and gpipe.transport)")
             continue
-        # ``from gpipe import rng`` names a module; ``from gpipe.x import y`` names x.
+        # ``from gpipe import layout`` names a module; ``from gpipe.x import y`` names x.
         target_top = _top(target)
         if target_top in RANK and RANK[target_top] > RANK[_top(module)]:
             wrong.append(f"{target} (layer {RANK[target_top]} > {RANK[_top(module)]})")
