@@ -193,14 +193,16 @@ def check_clipping(results):
 @pytest.mark.timeout(120)
 @pytest.mark.slow
 def test_two_machines_with_torchrun(tmp_path):
-    """Two torchrun launches ("nodes") on 127.0.0.1 rendezvous into one 2-stage pipeline.
+    """Two torchrun launches ("nodes") on 127.0.0.1 rendezvous into one 2-stage pipeline,
+    with the flags of docs/your-model.md's several-machines command (``--node-rank``,
+    ``--master-addr``; ``gpipe train`` under torchrun: tests/faults/test_restarts.py).
     Each node is told it is a machine of its own (``GPIPE_TEST_HOST``): the carrier across
     machines, the process group's point-to-point, is what runs."""
     port = free_port()
     script = Path(__file__).parent / "torchrun_job.py"
     command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
-               "--nproc-per-node", "1", "--rdzv-backend", "c10d",
-               "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "gpipe-test"]  # fmt: skip
+               "--nproc-per-node", "1", "--master-addr", "127.0.0.1",
+               "--master-port", str(port)]  # fmt: skip
     nodes = [
         subprocess.Popen(
             [*command, "--node-rank", str(node), str(script), str(tmp_path)],

@@ -1,7 +1,7 @@
 """A training script as a user writes it for torchrun; test_distributed.py launches it.
 
-    torchrun --nnodes 2 --nproc-per-node 1 --rdzv-backend c10d \\
-        --rdzv-endpoint 127.0.0.1:PORT tests/parallel/torchrun_job.py OUT_DIR
+    torchrun --nnodes 2 --nproc-per-node 1 --node-rank N --master-addr 127.0.0.1 \\
+        --master-port PORT tests/parallel/torchrun_job.py OUT_DIR
 """
 
 import os
