@@ -40,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-from gpipe._utils import MiB
+from gpipe.base._utils import MiB
 from gpipe.estimate.memory_model import Calibration
 from gpipe.planner import calibrate, capacity, verify_capacity
 from gpipe.planner.capacity import fit_of

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpipe._utils import MiB
+from gpipe.base._utils import MiB
 from gpipe.planner import CapacityCheck, Fit, Measured
 
 STAGES = (1, 2, 4, 8)

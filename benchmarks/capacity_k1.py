@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-from gpipe._utils import MiB
-from gpipe.allocator import started_with
+from gpipe.base._utils import MiB
+from gpipe.base.allocator import started_with
 from gpipe.parallel.launch import launch
 from gpipe.planner import calibrate, capacity, verify_capacity
 from gpipe.planner.families import Family, gpt_family

@@ -29,8 +29,8 @@ import sys
 import time
 from pathlib import Path
 
-from gpipe._utils import MiB
-from gpipe.allocator import started_with
+from gpipe.base._utils import MiB
+from gpipe.base.allocator import started_with
 from gpipe.estimate.memory_model import Calibration
 from gpipe.planner import capacity, verify_capacity
 from gpipe.planner.capacity import optimizer_state_of

@@ -2,7 +2,7 @@
 
     python benchmarks/equivalence.py [--out docs/equivalence.md]
 
-Runs the test suite's matrix (tests/test_pipe.py: MLP, GPT with dropout, CNN with
+Runs the test suite's matrix (tests/pipe/test_pipe.py: MLP, GPT with dropout, CNN with
 deferred batch norm; K in 1..4, M in {1, 2, 3, 8}, batch 10 so that splits are uneven)
 and reports, for each model and checkpoint mode, the largest relative error over every
 parameter's gradient and the loss, in float64 and float32, and per schedule.
@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 import gpipe
 from gpipe.models import GPTConfig, gpt
+from pipe.test_pipe import CHECKPOINTS, SCHEDULE_CASES, make_case
 from reference import (
     even_balance,
     reference_step,
@@ -28,7 +29,6 @@ from reference import (
     twin,
     worst_gradient_error,
 )
-from test_pipe import CHECKPOINTS, SCHEDULE_CASES, make_case
 
 
 def worst(name, dtype, configs) -> float:

@@ -13,7 +13,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import gpipe
-from gpipe.errors import PipelineError
+from gpipe.base.errors import PipelineError
 from injected_faults import BackwardFault, Fault, _outcome
 
 

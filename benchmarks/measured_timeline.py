@@ -32,7 +32,7 @@ import torch
 
 import gpipe
 import gpipe.train.timeline as timeline
-from gpipe.allocator import POLICIES
+from gpipe.base.allocator import POLICIES
 from gpipe.models import GPTConfig, gpt, lm_loss
 from gpipe.parallel.launch import launch
 from gpipe.schedule import Action, Kind, Schedule, TimedAction, build_schedule, zb_auto

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from gpipe.allocator import cpu_allocator, started_with
+from gpipe.base.allocator import cpu_allocator, started_with
 from gpipe.cli.plan_config import PlanConfig, resolve_plan
 from gpipe.cli.plan_model import TrainedModel, trained_model
 from gpipe.planner import Machine, plan, plan_from_profiles, verify

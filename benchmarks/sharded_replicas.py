@@ -38,8 +38,8 @@ from pipeline_throughput import median_interval
 from torch import nn
 
 import gpipe
-from gpipe._utils import local_value
-from gpipe.allocator import started_with
+from gpipe.base._utils import local_value
+from gpipe.base.allocator import started_with
 from gpipe.materialize import build_full
 from gpipe.models import GPTConfig, gpt, lm_loss
 from gpipe.parallel.launch import launch
@@ -110,7 +110,7 @@ def _exactness_worker(rank: int, dtypes: list[str]) -> dict[tuple, dict[str, tor
 
 
 def _reference(dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    from gpipe import rng
+    from gpipe.base import rng
 
     model = build_full(small(dtype), seed=SEED)
     grads: dict[str, torch.Tensor] = {}

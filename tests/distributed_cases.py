@@ -15,8 +15,8 @@ from torch import nn
 from torch.nn import functional as F
 
 import gpipe
-from gpipe._utils import local_value
-from gpipe.errors import PartitionError
+from gpipe.base._utils import local_value
+from gpipe.base.errors import PartitionError
 from gpipe.materialize import build_full
 from gpipe.models import GPTConfig, convnet, gpt, gpt_tied_names, lm_loss, unet
 from gpipe.parallel.sharded import _param_groups, full_value

@@ -19,7 +19,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import gpipe
-from gpipe.errors import PipelineError
+from gpipe.base.errors import PipelineError
 
 
 class Fault(nn.Module):

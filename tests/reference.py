@@ -9,7 +9,7 @@ import itertools
 import torch
 from torch import nn
 
-from gpipe import rng
+from gpipe.base import rng
 from gpipe.layout import even_balance  # noqa: F401 - re-exported for the tests
 
 
@@ -26,7 +26,7 @@ def reference_step(
 ) -> torch.Tensor:
     """One plain step by gradient accumulation over the same micro-batches.
 
-    Each layer is seeded as documented in ``gpipe.rng``, so dropout masks match; the
+    Each layer is seeded as documented in ``gpipe.base.rng``, so dropout masks match; the
     gradient of the mini-batch loss is accumulated into ``.grad`` as nanoGPT does.
     ``units``: for a model that is not an ``nn.Sequential`` (``Pipe.from_model``), the
     modules that begin each unit, by unit index: the generator is seeded as each starts.

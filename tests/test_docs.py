@@ -4,7 +4,7 @@ Every ``gpipe.X.Y`` in README.md, docs/*.md, examples/ and benchmarks/, and in t
 and comments of src/gpipe (docstrings, error messages), imports: a module of the package or
 an attribute of one. Every path into the repository (``tests/...``, ``src/...``,
 ``benchmarks/...``, ``examples/...``, ``docs/...``), every relative link of a Markdown
-file and every source file or folder a Markdown file names in backticks (``pipe.py``,
+file and every source file or folder a Markdown file names in backticks (``pipe/pipe.py``,
 ``parallel/group.py``: of the package, or of the repository) exists.
 """
 

@@ -9,9 +9,9 @@ import itertools
 import pytest
 
 import gpipe.layout
-from gpipe.errors import PartitionError
+from gpipe.base.errors import PartitionError
+from gpipe.base.remat import REMAT_MODES
 from gpipe.layout import FLAGS, PIPE, SHARD_MODES, Layout, even_balance, layouts
-from gpipe.remat import REMAT_MODES
 from gpipe.schedule import SCHEDULES, ScheduleError, build_schedule, fill_drain
 
 

@@ -15,19 +15,19 @@ gpipe`` stays quick: ``gpipe.train`` (the main job: its data, checkpoints, timel
 
 from types import ModuleType as _Module
 
-from gpipe.allocator import cpu_allocator
+from gpipe.base.allocator import cpu_allocator
+from gpipe.base.errors import NonFiniteError, PartitionError, PipelineError
+from gpipe.base.remat import is_recomputing
 from gpipe.engine.batchnorm import DeferredBatchNorm
 from gpipe.engine.memory import measure_activations
 from gpipe.engine.skip import pop, skippable, stash
-from gpipe.errors import NonFiniteError, PartitionError, PipelineError
 from gpipe.estimate.balance import balance_by_size, balance_by_time
 from gpipe.estimate.profile import profile
-from gpipe.exactness import check
 from gpipe.layout import Layout
 from gpipe.parallel.launch import launch
 from gpipe.pipe import Pipe
+from gpipe.pipe.exactness import check
 from gpipe.planner import plan
-from gpipe.remat import is_recomputing
 from gpipe.schedule.simulate import simulate
 
 __all__ = [

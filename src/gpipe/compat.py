@@ -21,7 +21,7 @@ with gpipe's messages, which name the values and the remedy.
 Where it differs, on purpose (``docs/migrating.md``): ``devices=None`` on a machine without
 CUDA puts every partition on the CPU (torchgpipe found no device); layers that write their
 input in place get a copy instead of an error; dropout draws gpipe's per-layer seeds
-(``gpipe.rng``), the same for any balance and chunks; gradients are autograd's, with no
+(``gpipe.base.rng``), the same for any balance and chunks; gradients are autograd's, with no
 ``CheckpointBackward`` nodes to count (``torch.utils.checkpoint``'s recomputation instead).
 """
 
@@ -34,11 +34,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from gpipe import microbatch, through_output
-from gpipe._utils import DeviceLike
+from gpipe.base import microbatch
+from gpipe.base._utils import DeviceLike
 from gpipe.layout import PIPE, Layout
-from gpipe.partition import cut
-from gpipe.pipe import Pipe
+from gpipe.pipe import Pipe, through_output
+from gpipe.pipe.partition import cut
 
 __all__ = ["GPipe", "verify_module"]
 
@@ -88,7 +88,7 @@ class GPipe(nn.Module):
         devices: a device per partition (extra ones are ignored); default: the CUDA
             devices in order, or the CPU for every partition where there is none.
         chunks: micro-batches per mini-batch.
-        checkpoint: ``"always"``, ``"except_last"`` or ``"never"`` (``gpipe.remat``).
+        checkpoint: ``"always"``, ``"except_last"`` or ``"never"`` (``gpipe.base.remat``).
         deferred_batch_norm: batch norm's running statistics once per mini-batch.
     """
 

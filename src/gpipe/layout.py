@@ -25,9 +25,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
-from gpipe import remat
-from gpipe.errors import PartitionError
-from gpipe.microbatch import chunk_sizes
+from gpipe.base import remat
+from gpipe.base.errors import PartitionError
+from gpipe.base.microbatch import chunk_sizes
 from gpipe.schedule import SCHEDULES, Schedule, build_schedule
 
 __all__ = [

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from gpipe._utils import tensors_of
+from gpipe.base._utils import tensors_of
 
 __all__ = [
     "IGNORE_INDEX",

@@ -10,8 +10,8 @@ from gpipe.__main__ import main
 
 
 def test_the_command_prints_exact_and_exits_0(capsys):
-    argv = ["check", "--model", "test_exactness:tiny", "--loss", "torch.nn:CrossEntropyLoss",
-            "--batch", "test_exactness:tiny_batch", "--chunks", "3",
+    argv = ["check", "--model", "pipe.test_exactness:tiny", "--loss", "torch.nn:CrossEntropyLoss",
+            "--batch", "pipe.test_exactness:tiny_batch", "--chunks", "3",
             "--schedule", "1f1b"]  # fmt: skip
     assert main(argv) == 0
     out = capsys.readouterr().out
@@ -19,8 +19,8 @@ def test_the_command_prints_exact_and_exits_0(capsys):
 
 
 def test_the_command_names_an_inexact_parameter_and_exits_1(capsys):
-    argv = ["check", "--model", "test_exactness:tiny", "--loss", "test_exactness:summed",
-            "--batch", "test_exactness:tiny_batch", "--chunks", "2", "--optimizer",
+    argv = ["check", "--model", "pipe.test_exactness:tiny", "--loss", "pipe.test_exactness:summed",
+            "--batch", "pipe.test_exactness:tiny_batch", "--chunks", "2", "--optimizer",
             "torch.optim:Adam", "--steps", "2"]  # fmt: skip
     assert main(argv) == 1
     out = capsys.readouterr().out
@@ -28,7 +28,7 @@ def test_the_command_names_an_inexact_parameter_and_exits_1(capsys):
 
 
 def test_the_command_refuses_missing_imports_in_one_line(capsys):
-    assert main(["check", "--model", "test_exactness:tiny"]) == 2
+    assert main(["check", "--model", "pipe.test_exactness:tiny"]) == 2
     assert "missing --loss, --batch" in capsys.readouterr().err
     assert main(["check", "--model", "tiny", "--loss", "x:y", "--batch", "x:y"]) == 2
     assert "--model 'tiny' is not module:name" in capsys.readouterr().err

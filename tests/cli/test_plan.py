@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from gpipe.__main__ import main
-from gpipe._utils import MiB
+from gpipe.base._utils import MiB
 from gpipe.cli.plan import parse_bytes
 from gpipe.estimate.memory_model import Calibration
 

@@ -1,5 +1,5 @@
 """``loss(pipe(x)).backward()``: the outputs of ``pipe(x)`` in training carry autograd through
-every stage (gpipe.engine.autograd_path, gpipe.through_output), and every parameter's gradient
+every stage (gpipe.engine.autograd_path, gpipe.pipe.through_output), and every parameter's gradient
 is the un-split model's on the same micro-batches, float64 within 1e-10."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from torch.nn import functional as F
 from torch.utils._pytree import tree_leaves, tree_map
 
 import gpipe
-from gpipe import microbatch, rng
+from gpipe.base import microbatch, rng
 from gpipe.models import convnet, unet
 from reference import relative_error, running_stats_of_unsplit_batch
 
@@ -50,7 +50,7 @@ def pipelined(model, *, seed: int, x, **options):
 
 
 def unsplit(model, inputs, *, seed: int, chunks: int = CHUNKS):
-    """The plain model on the same micro-batches, each layer seeded as gpipe.rng says."""
+    """The plain model on the same micro-batches, each layer seeded as gpipe.base.rng says."""
     torch.manual_seed(seed)
     step_seed = rng.draw_step_seed()
     outputs = []

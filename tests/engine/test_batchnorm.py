@@ -12,8 +12,8 @@ import pytest
 import torch
 from torch import nn
 
+from gpipe.base.remat import recomputing
 from gpipe.engine.batchnorm import DeferredBatchNorm, commit_all, reset_all
-from gpipe.remat import recomputing
 
 SIZES = [3, 3, 2, 2]  # a batch of 10 in 4 uneven micro-batches
 C = 4

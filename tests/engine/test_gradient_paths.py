@@ -19,7 +19,7 @@ from gradient_paths import (
 )
 
 import gpipe
-from gpipe.errors import PartitionError
+from gpipe.base.errors import PartitionError
 
 MODES = ["always", "except_last", "never"]
 

@@ -8,7 +8,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import gpipe
-from gpipe.errors import PartitionError
+from gpipe.base.errors import PartitionError
 from gpipe.estimate.auto import auto_balance
 from reference import twin
 

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from gpipe.errors import PartitionError
+from gpipe.base.errors import PartitionError
 from gpipe.estimate.cuts import balance_costs
 from reference import compositions, stage_sums
 

@@ -14,8 +14,8 @@ import gpipe
 from gpipe.parallel.launch import LaunchError, launch
 from gpipe.transport.inquest import grace
 from injected_faults import BackwardFault, data_parallel_fault, faulty, faulty_backward
+from pipe.test_pipe import make_case
 from reference import even_balance, twin, worst_gradient_error
-from test_pipe import make_case
 
 pytestmark = pytest.mark.timeout(300)  # multi-process: a hang fails
 

@@ -44,7 +44,7 @@ def test_a_captured_models_output_structure_is_kept_and_trains_through_a_backwar
     model = CASES["skips"].build()
     pipe = gpipe.Pipe.from_model(model, CASES["skips"].example(), split=CASES["skips"].split)
     x, _ = CASES["skips"].batch()
-    out = pipe(x)  # training, autograd on: connected to autograd (gpipe.through_output)
+    out = pipe(x)  # training, autograd on: connected to autograd (gpipe.pipe.through_output)
     with torch.no_grad():
         torch.testing.assert_close(out, model(x), rtol=0, atol=1e-12)
     out.sum().backward()

@@ -14,7 +14,7 @@ from torch import nn
 
 import gpipe
 from captured_models import BUILDERS, CASES, reference_gradients, transformers, worst_error
-from gpipe.errors import PartitionError
+from gpipe.base.errors import PartitionError
 from gpipe.frontend import capture, materialize_units, origin_of
 
 pytestmark = pytest.mark.skipif(transformers is None, reason="needs gpipe[hf] (transformers)")

@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from gpipe.errors import NonFiniteError, PipelineError
+from gpipe.base.errors import NonFiniteError, PipelineError
 from gpipe.parallel.agreement import StepAgreement, refuse_step
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from gpipe._utils import gradient_norms
+from gpipe.base._utils import gradient_norms
 from gpipe.parallel.clipping import (
     OTHER,
     SCALED,

@@ -1,6 +1,6 @@
 """The seam between the front end and its ranks: ``PipelineGroup``, which both groups
 satisfy and which is all that ``gpipe.pipe`` asks of them. (What each method does is
-tested through Pipes: tests/test_pipe.py in one process, test_distributed.py in many.)"""
+tested through Pipes: tests/pipe/test_pipe.py in one process, test_distributed.py in many.)"""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import gpipe.assembly
 import gpipe.pipe
+import gpipe.pipe.assembly
 from gpipe.parallel.group import MultiProcess, PipelineGroup, SingleProcess, pipeline_group
 
 METHODS = {
@@ -39,8 +39,8 @@ def test_both_groups_satisfy_the_protocol(group):
 
 def test_the_front_end_asks_only_what_the_protocol_offers():
     """Every attribute ``gpipe.pipe`` reads from the object ``pipeline_group`` gave it, and
-    ``gpipe.assembly`` from the ``ranks`` it is handed."""
-    tree = ast.parse(Path(gpipe.pipe.__file__).read_text())
+    ``gpipe.pipe.assembly`` from the ``ranks`` it is handed."""
+    tree = ast.parse(Path(gpipe.pipe.pipe.__file__).read_text())
     holders = {
         ast.unparse(target)
         for node in ast.walk(tree)
@@ -56,13 +56,13 @@ def test_the_front_end_asks_only_what_the_protocol_offers():
         if isinstance(node, ast.Attribute) and ast.unparse(node.value) in holders
     }
     assert asked, holders
-    steps = ast.parse(Path(gpipe.assembly.__file__).read_text())
+    steps = ast.parse(Path(gpipe.pipe.assembly.__file__).read_text())
     by_steps = {
         node.attr
         for node in ast.walk(steps)
         if isinstance(node, ast.Attribute) and ast.unparse(node.value) == "ranks"
     }
-    assert by_steps, "gpipe.assembly no longer takes ranks: update this test"
+    assert by_steps, "gpipe.pipe.assembly no longer takes ranks: update this test"
     asked |= by_steps
     assert asked <= set(METHODS) | ATTRIBUTES, sorted(asked - set(METHODS) - ATTRIBUTES)
 

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import gpipe
-from gpipe.errors import PartitionError
+from gpipe.base.errors import PartitionError
 from gpipe.models import GPTConfig, gpt, gpt_tied_names, lm_loss
 from gpipe.parallel.tied import TiedError
 from reference import reference_step, relative_error, twin

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from gpipe._utils import MiB
+from gpipe.base._utils import MiB
 from gpipe.estimate.memory_model import Calibration
 from gpipe.planner.calibration import _fitted, _runs
 from gpipe.planner.capacity import fit_of

@@ -7,7 +7,7 @@ import itertools
 
 import pytest
 
-from gpipe._utils import MiB
+from gpipe.base._utils import MiB
 from gpipe.estimate.memory_model import Held, MemoryModel, StageMemoryTable
 from gpipe.estimate.profile import Profile
 from gpipe.layout import Layout

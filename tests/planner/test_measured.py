@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from gpipe._utils import MiB
+from gpipe.base._utils import MiB
 from gpipe.estimate.memory_model import Calibration
 from gpipe.layout import Layout
 from gpipe.planner import calibrate, capacity, verify_capacity

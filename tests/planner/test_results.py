@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gpipe._utils import MiB
+from gpipe.base._utils import MiB
 from gpipe.planner import capacity
 from gpipe.planner.families import gpt_family
 from gpipe.planner.results import NothingFits

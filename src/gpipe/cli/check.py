@@ -28,10 +28,10 @@ from typing import Any
 
 import torch
 
+from gpipe.base.errors import PartitionError, PipelineError
+from gpipe.base.remat import Remat
 from gpipe.cli.train import add_config_options, config_of
-from gpipe.errors import PartitionError, PipelineError
-from gpipe.exactness import check
-from gpipe.remat import Remat
+from gpipe.pipe.exactness import check
 from gpipe.schedule.registry import SCHEDULES
 from gpipe.train.config import _option
 

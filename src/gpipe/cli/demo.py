@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from gpipe.remat import REMAT_MODES
+from gpipe.base.remat import REMAT_MODES
 
 __all__ = ["configure", "run"]
 

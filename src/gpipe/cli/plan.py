@@ -32,7 +32,7 @@ the model's terms, in a few short runs (minutes; it prints the flags that give t
 numbers next time: ``--baseline-memory 230MiB --process-memory 95MiB --model-layer-memory
 0.03MiB --stage-layer-memory 0.2MiB``); ``--verify N`` trains the N largest for real, and each one's
 next size up, and prints measured peaks next to predicted ones (``docs/capacity.md``).
-Measured and planned with the allocator policy ``return`` (``gpipe.allocator``), which a
+Measured and planned with the allocator policy ``return`` (``gpipe.base.allocator``), which a
 run must use to fit what was measured: ``gpipe train --cpu-allocator return``.
 
 The options are the fields of :class:`gpipe.cli.plan_config.PlanConfig`: those ``gpipe

@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
-from gpipe.remat import REMAT_MODES
+from gpipe.base.remat import REMAT_MODES
 from gpipe.schedule import SCHEDULES
 from gpipe.train import ConfigError, TrainConfig
 from gpipe.train.config import _option, option

@@ -9,17 +9,17 @@ the caller's backward: GPipe's schedule. Several losses, several ``backward()`` 
 ``retain_graph=True``, a loss over the whole batch: whatever autograd does, it does here.
 
 Unlike the engine's other path, the graph spans stages, which is why this one exists only in
-one process (``gpipe.through_output`` refuses it across processes).
+one process (``gpipe.pipe.through_output`` refuses it across processes).
 
-Re-materialization: a micro-batch that recomputes (``gpipe.remat.recomputes``) runs each stage
+Re-materialization: a micro-batch that recomputes (``gpipe.base.remat.recomputes``) runs each stage
 under ``torch.utils.checkpoint`` (non-reentrant): its forward keeps only the stage's input, and
 autograd recomputes the stage when it first needs an activation. The engine recomputes at
 the start of B instead (``gpipe.engine.stage``), but here the backward is autograd's, started
 by the caller, so the lazy recomputation is the only one there is. It follows the stage's
-rules: the same per-layer seeds (``gpipe.rng``, through ``Stage._run``), the buffers the
+rules: the same per-layer seeds (``gpipe.base.rng``, through ``Stage._run``), the buffers the
 forward wrote as that forward found them (``gpipe.engine.state``, from a fresh copy at every
 recomputation, so that a second ``backward(retain_graph=True)`` replays the same), plain batch
-norm's running statistics frozen and ``gpipe.remat.is_recomputing()`` true. A stage whose
+norm's running statistics frozen and ``gpipe.base.remat.is_recomputing()`` true. A stage whose
 layers write their input in place runs on a copy, as in the engine.
 
 Tied parameters on several devices (``gpipe.parallel.tied``: a copy per other device): a stage
@@ -103,7 +103,7 @@ def _stage_forward(
     def contexts() -> tuple[Any, Any]:  # made as the forward starts, entered in backward
         return nullcontext(), _Recomputation(stage, learned, replay)
 
-    # gpipe seeds each layer itself (gpipe.rng): torch's copy of the generators is not needed.
+    # gpipe seeds each layer itself (gpipe.base.rng): torch's copy of the generators is not needed.
     out = checkpoint(
         run, inputs, use_reentrant=False, preserve_rng_state=False, context_fn=contexts
     )

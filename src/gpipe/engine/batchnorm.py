@@ -12,7 +12,7 @@ from a full-batch pass (measured in ``docs/equivalence.md``).
 
 Statistics are merged with Chan et al.'s parallel algorithm in float64, so that inputs with a large
 mean (``1e4 + randn``) do not lose the variance to cancellation as ``E[x^2] - E[x]^2`` would.
-Forwards replayed by re-materialization (:func:`gpipe.remat.rematerializing`) add nothing.
+Forwards replayed by re-materialization (:func:`gpipe.base.remat.rematerializing`) add nothing.
 
 Example::
 
@@ -31,7 +31,7 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.lazy import LazyModuleMixin
 
-from gpipe.remat import rematerializing
+from gpipe.base.remat import rematerializing
 
 __all__ = ["DeferredBatchNorm", "commit_all", "reset_all"]
 

@@ -25,10 +25,10 @@ from typing import Any
 
 import torch
 
-from gpipe import microbatch
-from gpipe._utils import tensors_of, to_device
+from gpipe.base import microbatch
+from gpipe.base._utils import tensors_of, to_device
+from gpipe.base.errors import PartitionError
 from gpipe.engine.split_backward import leaves_below
-from gpipe.errors import PartitionError
 from gpipe.losses import TokenCrossEntropy
 
 __all__ = [

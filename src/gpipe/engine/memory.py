@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 import torch
 
-from gpipe._utils import storage_key
+from gpipe.base._utils import storage_key
 
 __all__ = ["ActivationMeter", "measure_activations"]
 

@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 import torch
 
-from gpipe._utils import synchronize
+from gpipe.base._utils import synchronize
 from gpipe.engine.loss import LossSpec
 from gpipe.engine.stage import Stage
 from gpipe.schedule.ir import Action, Kind, Schedule, TimedAction

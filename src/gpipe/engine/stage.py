@@ -38,13 +38,13 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from gpipe import rng
-from gpipe._utils import tensors_of
+from gpipe.base import rng
+from gpipe.base._utils import tensors_of
+from gpipe.base.remat import recomputing, replaying
 from gpipe.engine.loss import ForeignParameters, LossSpec, check_loss, compute_loss
 from gpipe.engine.skip import SkipError, StageSkips, tracking
 from gpipe.engine.split_backward import WeightWork, backward_input, backward_weight, grads_of
 from gpipe.engine.state import ModuleState, SavedState, running_stats_frozen
-from gpipe.remat import recomputing, replaying
 
 if TYPE_CHECKING:
     from gpipe.engine.memory import ActivationMeter
@@ -100,7 +100,7 @@ class Stage:
         # Do the layers (None: all; a range: a group of checkpoint_layers) write their input?
         self._writes_input: dict[range | None, bool] = {}
         self.state = ModuleState(self.layers, first_layer)  # buffers the forward writes
-        # The layers that may draw random numbers: only they are seeded (gpipe.rng).
+        # The layers that may draw random numbers: only they are seeded (gpipe.base.rng).
         self._draws = [not rng.draws_nothing(layer) for layer in self.layers]
         self._any_draws = any(self._draws)
         # Set when the stage's parameters are sharded (gpipe.parallel.sharded): the tensors
@@ -170,7 +170,7 @@ class Stage:
 
     @contextmanager
     def recomputation(self, state: SavedState | None) -> Iterator[frozenset[int]]:
-        """What a recomputation runs under: ``gpipe.remat.is_recomputing()``, plain batch
+        """What a recomputation runs under: ``gpipe.base.remat.is_recomputing()``, plain batch
         norm's running statistics frozen, the buffers ``state`` holds (gpipe.engine.state);
         yields the layers to replay as first forwards."""
         with recomputing(), running_stats_frozen(self.layers), ModuleState.restored(state) as r:

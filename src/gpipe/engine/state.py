@@ -6,8 +6,8 @@ again would start from the buffers as the *later* micro-batches' forwards left t
 them a second time. So a stage learns, on its first re-materialized forward, which buffers its
 forward writes (their version counters move, or the module rebinds them); from then on it keeps
 a copy of just those buffers as each re-materialized forward found them, and the recomputation
-runs from that copy, as the first forward ran: ``gpipe.remat.is_recomputing()`` is False inside
-a layer whose buffers were restored (:func:`gpipe.remat.replaying`), so that a layer which
+runs from that copy, as the first forward ran: ``gpipe.base.remat.is_recomputing()`` is False inside
+a layer whose buffers were restored (:func:`gpipe.base.remat.replaying`), so that a layer which
 skips its update when recomputing still reads what its first forward read. Afterwards the
 buffers the later forwards left are put back, so every micro-batch writes them once, in order,
 as in the un-split model. A stage whose forward writes nothing pays nothing after its first
@@ -225,7 +225,7 @@ def running_stats_frozen(layers: Sequence[nn.Module]) -> Iterator[None]:
     """A plain BatchNorm updates its running statistics on every forward; a recomputation
     must not update them a second time. With track_running_stats off it still normalizes
     by batch statistics (training mode) but leaves the buffers alone. DeferredBatchNorm
-    checks gpipe.remat.rematerializing() itself."""
+    checks gpipe.base.remat.rematerializing() itself."""
     frozen = frozen_batch_norms(layers)
     for module in frozen:
         module.track_running_stats = False

@@ -7,8 +7,8 @@ from typing import Any, TypeVar
 
 from torch import nn
 
-from gpipe._utils import DeviceLike
-from gpipe.errors import PartitionError
+from gpipe.base._utils import DeviceLike
+from gpipe.base.errors import PartitionError
 from gpipe.estimate.balance import balance_by_time
 
 __all__ = ["auto_balance"]

@@ -24,9 +24,9 @@ from typing import Any, Literal
 
 from torch import nn
 
-from gpipe import remat
-from gpipe._utils import MiB
-from gpipe.errors import PartitionError
+from gpipe.base import remat
+from gpipe.base._utils import MiB
+from gpipe.base.errors import PartitionError
 from gpipe.estimate.costs import layer_times, stage_costs
 from gpipe.estimate.cuts import check_stages, min_max_cut
 from gpipe.estimate.memory_model import (

@@ -21,9 +21,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from gpipe.base.remat import recompute_fraction
 from gpipe.estimate.profile import Profile
 from gpipe.estimate.ranges import spans
-from gpipe.remat import recompute_fraction
 from gpipe.schedule.ir import Schedule
 from gpipe.schedule.simulate import Costs
 

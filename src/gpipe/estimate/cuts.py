@@ -22,7 +22,7 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from gpipe.errors import PartitionError
+from gpipe.base.errors import PartitionError
 from gpipe.estimate.memory_model import StageMemoryTable
 from gpipe.estimate.ranges import prefix_sums, spans
 from gpipe.layout import Layout

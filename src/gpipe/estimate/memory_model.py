@@ -64,8 +64,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from gpipe import remat
-from gpipe._utils import MiB
+from gpipe.base import remat
+from gpipe.base._utils import MiB
 from gpipe.estimate.profile import LayerProfile, Profile
 from gpipe.estimate.ranges import RangeMax, StridedMax, prefix_sums, spans
 from gpipe.layout import Layout

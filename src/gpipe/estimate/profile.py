@@ -48,8 +48,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from gpipe import microbatch, rng
-from gpipe._utils import DeviceLike, storage_key, synchronize, tensors_of, to_device
+from gpipe.base import microbatch, rng
+from gpipe.base._utils import DeviceLike, storage_key, synchronize, tensors_of, to_device
 from gpipe.engine.memory import ActivationMeter
 from gpipe.engine.split_backward import backward_input, backward_weight
 from gpipe.engine.stage import detached

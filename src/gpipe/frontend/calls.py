@@ -4,7 +4,7 @@ Pipelined inference runs the stages micro-batch by micro-batch without autograd.
 ``torch.inference_mode()`` as under ``torch.no_grad()``: the engine reads the version counters
 of the tensors it keeps, which inference tensors lack, so it runs outside inference mode (the
 numbers are the same). In training mode with autograd on, ``pipe(x)`` is connected to autograd
-instead (``gpipe.through_output``).
+instead (``gpipe.pipe.through_output``).
 """
 
 from __future__ import annotations

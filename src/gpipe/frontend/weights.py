@@ -118,7 +118,7 @@ def materialize_units(
 
     Returns what loading ``origin.weights`` found (None without weights). With ``strict`` and
     a checkpoint that does not fill these units, nothing else is filled: the caller stops
-    (``report.error()``; ``gpipe.assembly`` on every rank)."""
+    (``report.error()``; ``gpipe.pipe.assembly`` on every rank)."""
     if origin is None:
         missing = _meta_names(units, layers)
         if missing:

@@ -58,8 +58,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from gpipe.base.rng import preserved
 from gpipe.materialize.record import Recording, Unreplayable, record
-from gpipe.rng import preserved
 
 __all__ = [
     "build",

@@ -30,8 +30,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map
 
+from gpipe.base.rng import device_generator
 from gpipe.materialize.init_calls import InitCall, init_functions_recorded
-from gpipe.rng import device_generator
 
 __all__ = ["Recording", "TensorRef", "Unreplayable", "record"]
 

@@ -17,8 +17,8 @@ from typing import TypeVar
 
 import torch
 
+from gpipe.base.errors import NonFiniteError, PipelineError
 from gpipe.engine.stage import Stage
-from gpipe.errors import NonFiniteError, PipelineError
 from gpipe.parallel.clipping import Edit, check_edits
 from gpipe.transport.inquest import state, waited_out
 

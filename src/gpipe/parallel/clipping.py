@@ -36,7 +36,7 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from gpipe._utils import gradient_norms, local_value
+from gpipe.base._utils import gradient_norms, local_value
 
 __all__ = ["ClippedPerStageError", "Edit", "GradientWatch", "check_edits"]
 

@@ -8,7 +8,7 @@ ends the operation itself, so that no abandoned collective stays in flight, wher
 hang the process group's destruction at exit) and waited for as long
 (``Work.wait(timeout=...)``, on gloo and NCCL alike). One that does not complete in time,
 or fails because a peer left the group (gloo: "Connection reset by peer"), raises a
-:class:`~gpipe.errors.PipelineError` that names the operation, what this rank was doing,
+:class:`~gpipe.base.errors.PipelineError` that names the operation, what this rank was doing,
 the timeout, the ranks that did not arrive (with two ranks, the other one; else "a peer":
 a collective does not tell who is missing), each by its global rank, and the remedy.
 
@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import AllgatherOptions  # not re-exported by dist
 
-from gpipe.errors import PipelineError
+from gpipe.base.errors import PipelineError
 from gpipe.transport.codec import decode, encode
 from gpipe.transport.inquest import blame
 

@@ -24,11 +24,11 @@ from typing import Any, Protocol, TypeVar
 
 import torch
 
-from gpipe import rng
-from gpipe._utils import DeviceLike
+from gpipe.base import rng
+from gpipe.base._utils import DeviceLike
+from gpipe.base.errors import PartitionError, PipelineError
 from gpipe.engine.runtime import Transport
 from gpipe.engine.stage import Stage
-from gpipe.errors import PartitionError, PipelineError
 from gpipe.parallel.agreement import Agreement, StepAgreement, refuse_step
 from gpipe.parallel.clipping import Edit
 from gpipe.parallel.collectives import Collectives

@@ -59,7 +59,7 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from gpipe._utils import seconds
+from gpipe.base._utils import seconds
 from gpipe.parallel import store as job_store
 from gpipe.parallel.store import free_port
 

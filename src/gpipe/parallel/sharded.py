@@ -48,8 +48,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_map
 
+from gpipe.base.errors import COMMUNICATION_FAILURES, PartitionError, PipelineError
 from gpipe.engine.stage import Stage
-from gpipe.errors import COMMUNICATION_FAILURES, PartitionError, PipelineError
 from gpipe.parallel.collectives import Collectives
 
 __all__ = [

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from gpipe._utils import local_value
+from gpipe.base._utils import local_value
 
 __all__ = ["TiedError", "TiedParameters"]
 

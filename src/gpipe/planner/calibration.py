@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from gpipe._utils import MiB
+from gpipe.base._utils import MiB
 from gpipe.estimate.memory_model import Calibration
 from gpipe.layout import Layout
 from gpipe.planner.capacity import fit_of

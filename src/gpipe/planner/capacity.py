@@ -39,7 +39,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import replace
 from typing import Any
 
-from gpipe import remat
+from gpipe.base import remat
 from gpipe.estimate.cuts import cut_within, lightest_cut
 from gpipe.estimate.memory_model import (
     Calibration,

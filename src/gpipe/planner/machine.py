@@ -41,8 +41,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from gpipe import microbatch
-from gpipe._utils import tensors_of
+from gpipe.base import microbatch
+from gpipe.base._utils import tensors_of
 from gpipe.estimate.balance import balance_profile
 from gpipe.estimate.costs import stage_costs
 from gpipe.estimate.profile import Profile

@@ -21,7 +21,7 @@ communication buffers. :func:`calibrate` measures them (see its docstring); pass
 answer to ``capacity(overhead=...)``.
 
 The measured processes start with the allocator policy ``"return"``
-(``gpipe.allocator.environment``: glibc's ``MALLOC_MMAP_THRESHOLD_`` fixed at 64 KiB,
+(``gpipe.base.allocator.environment``: glibc's ``MALLOC_MMAP_THRESHOLD_`` fixed at 64 KiB,
 Python's objects from ``malloc``): by default the threshold grows with the largest block
 freed, after which large tensors are carved from the heap and their memory stays resident
 when freed, so the peak RSS would follow the allocator's history (measured: 30-70 MiB of
@@ -49,8 +49,8 @@ from typing import Any
 
 import torch
 
-from gpipe._utils import MiB
-from gpipe.allocator import started_with
+from gpipe.base._utils import MiB
+from gpipe.base.allocator import started_with
 from gpipe.layout import Layout
 from gpipe.parallel import mesh
 from gpipe.parallel.launch import launch

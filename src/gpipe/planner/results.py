@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpipe._utils import MiB
+from gpipe.base._utils import MiB
 from gpipe.estimate.memory_model import Calibration, StageMemory
 from gpipe.estimate.profile import Profile
 from gpipe.layout import Layout

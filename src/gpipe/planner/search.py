@@ -14,8 +14,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from gpipe import microbatch
-from gpipe._utils import MiB
+from gpipe.base import microbatch
+from gpipe.base._utils import MiB
+from gpipe.base.remat import REMAT_MODES
 from gpipe.engine.memory import measure_activations
 from gpipe.estimate.balance import BudgetError, balance_profile
 from gpipe.estimate.memory_model import (
@@ -31,7 +32,6 @@ from gpipe.parallel.launch import launch
 from gpipe.pipe import Pipe
 from gpipe.planner.machine import Link, Machine, loss_or_stand_in
 from gpipe.planner.results import Candidate, Plan, Verified
-from gpipe.remat import REMAT_MODES
 from gpipe.schedule import SCHEDULES, zb_auto
 from gpipe.schedule.simulate import simulate
 

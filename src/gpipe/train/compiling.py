@@ -1,7 +1,7 @@
 """``gpipe train --compile``: every layer of this process's stages compiled by ``torch.compile``.
 
 Per layer, in place: a stage runs its layers one at a time and seeds each layer's random
-numbers before it (``gpipe.rng``), so that dropout masks are the same for every cut and every
+numbers before it (``gpipe.base.rng``), so that dropout masks are the same for every cut and every
 recomputation; a compiled layer draws from the generator gpipe seeded. What is compiled is the
 layer's ``forward`` (``torch.compile(layer.forward)`` in its place): the modules, their
 parameters and names stay what they were (checkpoints, state dicts and the optimizer do not

@@ -9,10 +9,10 @@ from dataclasses import Field, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from gpipe.allocator import POLICIES
+from gpipe.base.allocator import POLICIES
+from gpipe.base.remat import REMAT_MODES
 from gpipe.layout import SHARD_MODES, Layout
 from gpipe.parallel.group import TRANSPORTS
-from gpipe.remat import REMAT_MODES
 from gpipe.schedule import SCHEDULES
 from gpipe.train.hf import FAMILIES
 from gpipe.train.lr_schedule import LR_SCHEDULES
@@ -289,7 +289,7 @@ class TrainConfig:
         "default", "freed CPU tensors: 'default' as the C library does, 'cache' keeps them for "
         "reuse (faster, notably for zero-bubble schedules), 'return' gives them back "
         "(memory-bound runs: what gpipe plan --capacity measures budgets with); each rank "
-        "starts with it; see gpipe.allocator", _PROCESSES, choices=POLICIES,
+        "starts with it; see gpipe.base.allocator", _PROCESSES, choices=POLICIES,
     )  # fmt: skip
     timeout: float = _option(120.0, "seconds a rank waits for another", _PROCESSES)
     transport: str = _option(

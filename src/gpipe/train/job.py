@@ -13,8 +13,8 @@ from typing import Any
 
 import gpipe.train.config_file as config_file
 import gpipe.train.inputs as inputs
-from gpipe.allocator import started_with
-from gpipe.errors import COMMUNICATION_FAILURES
+from gpipe.base.allocator import started_with
+from gpipe.base.errors import COMMUNICATION_FAILURES
 from gpipe.parallel.launch import LaunchError, die_with, launch
 from gpipe.parallel.mesh import ensure_world, leave_world, world_collectives
 from gpipe.train.config import ConfigError, TrainConfig

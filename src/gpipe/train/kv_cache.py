@@ -25,9 +25,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from gpipe.assembly import capture_device
 from gpipe.frontend import CaptureError, capture, origin_of
 from gpipe.pipe import Pipe
+from gpipe.pipe.assembly import capture_device
 
 __all__ = ["DecodeStep", "Decoder", "decoder", "why_not"]
 

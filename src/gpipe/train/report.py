@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from gpipe._utils import MiB
+from gpipe.base._utils import MiB
 from gpipe.schedule.simulate import simulate
 from gpipe.train.config import TrainConfig
 from gpipe.train.run_folder import FILES, TENSORBOARD

@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import gpipe.train.run_folder as run_folder
-from gpipe._utils import MiB
+from gpipe.base._utils import MiB
 from gpipe.train.report import write_json
 
 __all__ = ["DESTINATIONS", "Sink", "TensorBoard", "load_function", "open_sinks", "problems"]

@@ -30,10 +30,10 @@ import gpipe.train.outputs as outputs
 import gpipe.train.reporters as reporters
 import gpipe.train.run_folder as run_folder
 import gpipe.train.timeline as timeline
-from gpipe._utils import local_value
-from gpipe.allocator import cpu_allocator
+from gpipe.base._utils import local_value
+from gpipe.base.allocator import cpu_allocator
+from gpipe.base.errors import NonFiniteError
 from gpipe.engine.memory import measure_activations
-from gpipe.errors import NonFiniteError
 from gpipe.layout import Layout
 from gpipe.parallel.launch import threads_per_process
 from gpipe.parallel.mesh import Mesh

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from gpipe.errors import PipelineError
+from gpipe.base.errors import PipelineError
 from gpipe.schedule.comm_plan import receive_points
 from gpipe.schedule.ir import Kind
 from gpipe.schedule.routes import Message, Routes

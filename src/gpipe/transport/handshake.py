@@ -29,7 +29,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-from gpipe.errors import PartitionError, PipelineError
+from gpipe.base.errors import PartitionError, PipelineError
 
 __all__ = ["RefusedConnection", "connect", "host_key", "links", "listen"]
 

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from gpipe._utils import to_device
+from gpipe.base._utils import to_device
 from gpipe.schedule.routes import Message
 
 __all__ = ["LocalTransport"]

@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 
-from gpipe._utils import to_device
-from gpipe.errors import PipelineError
+from gpipe.base._utils import to_device
+from gpipe.base.errors import PipelineError
 from gpipe.schedule.comm_plan import wire_order
 from gpipe.schedule.routes import Message, Routes
 from gpipe.transport.codec import CodecError

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from gpipe.errors import PipelineError
+from gpipe.base.errors import PipelineError
 from gpipe.schedule.routes import Message, Routes
 from gpipe.transport import framing
 from gpipe.transport.framing import History, notice

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import gpipe
-from gpipe.errors import PartitionError
+from gpipe.base.errors import PartitionError
 
 
 def model(n: int = 4) -> nn.Sequential:

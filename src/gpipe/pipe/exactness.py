@@ -28,9 +28,9 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from gpipe import microbatch, rng
+from gpipe.base import microbatch, rng
 from gpipe.frontend import split_points
-from gpipe.pipe import Pipe
+from gpipe.pipe.pipe import Pipe
 from gpipe.schedule.registry import schedule_spec
 
 __all__ = ["CheckReport", "Difference", "check"]
@@ -200,7 +200,7 @@ def _plain_step(model, inputs, targets, loss_fn, chunks: int, seed: int, units) 
 
 
 def _seeded(model: nn.Module, x_m: Any, seed: int, m: int, units) -> Any:
-    if units is None:  # an nn.Sequential: each layer seeded by its index (gpipe.rng)
+    if units is None:  # an nn.Sequential: each layer seeded by its index (gpipe.base.rng)
         for i, layer in enumerate(model):
             with rng.seeded(rng.layer_seed(seed, i, m), "cpu"):
                 x_m = layer(x_m)

@@ -3,7 +3,7 @@ trains, as every PyTorch model does (and torchgpipe's ``GPipe`` did).
 
 ``Pipe.forward`` comes here in training mode with autograd on, in one process; the stages'
 side is ``gpipe.engine.autograd_path``. This module is the Pipe's side: micro-batches
-(``gpipe.microbatch``), the step's seed, the re-materialization rule (``gpipe.remat``),
+(``gpipe.base.microbatch``), the step's seed, the re-materialization rule (``gpipe.base.remat``),
 tied copies, deferred batch norm committed once per call (one mini-batch), and the refusal
 across processes, where a graph cannot span the ranks and ``Pipe.step`` is the way.
 
@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from gpipe import microbatch, remat
+from gpipe.base import microbatch, remat
 from gpipe.engine import autograd_path, batchnorm
 
 __all__ = ["forward"]
@@ -52,7 +52,7 @@ def forward(pipe: Any, inputs: Any, *, chunks: int | None = None) -> Any:
     chunks = pipe.chunks if chunks is None else chunks
     microbatches = microbatch.split(inputs, chunks, name="inputs")
     training = pipe.training and torch.is_grad_enabled()
-    seed, _ = pipe._ranks.begin_step(None, None)  # the seed a step would draw (gpipe.rng)
+    seed, _ = pipe._ranks.begin_step(None, None)  # the seed a step would draw (gpipe.base.rng)
     flags = [training and remat.recomputes(pipe.checkpoint, m, chunks) for m in range(chunks)]
     try:
         outputs = autograd_path.forward(

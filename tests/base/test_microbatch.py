@@ -1,4 +1,4 @@
-"""Tests for gpipe.microbatch: split / join / batch_size / chunk_sizes."""
+"""Tests for gpipe.base.microbatch: split / join / batch_size / chunk_sizes."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from collections import OrderedDict, defaultdict, namedtuple
 import pytest
 import torch
 
-from gpipe.microbatch import batch_size, chunk_sizes, join, split
+from gpipe.base.microbatch import batch_size, chunk_sizes, join, split
 
 Pair = namedtuple("Pair", ["ids", "mask"])
 

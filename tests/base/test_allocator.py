@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 
-from gpipe.allocator import _glibc, cpu_allocator, environment, started_with
+from gpipe.base.allocator import _glibc, cpu_allocator, environment, started_with
 
 needs_glibc = pytest.mark.skipif(_glibc() is None, reason="mallopt is glibc's")
 
@@ -77,7 +77,7 @@ def test_an_unknown_policy_is_a_clear_error():
 _RECORD = textwrap.dedent(
     """
     import functools, os
-    from gpipe.allocator import trim
+    from gpipe.base.allocator import trim
     from gpipe.materialize import record_model, replay_layers
     from gpipe.models import GPTConfig, gpt
 

@@ -1,11 +1,11 @@
-"""gpipe._utils: moving a stage boundary, a step's gradients set aside, and its one read."""
+"""gpipe.base._utils: moving a stage boundary, a step's gradients set aside, and its one read."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from gpipe._utils import (
+from gpipe.base._utils import (
     add_earlier_gradients,
     first_nonfinite,
     gradient_norms,

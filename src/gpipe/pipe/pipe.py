@@ -1,7 +1,7 @@
 """``Pipe``: the front end that trains an ``nn.Sequential`` as a pipeline.
 
-It cuts the model into stages (``gpipe.partition``), builds the schedule
-(``gpipe.schedule``), splits each mini-batch into micro-batches (``gpipe.microbatch``) and
+It cuts the model into stages (``gpipe.pipe.partition``), builds the schedule
+(``gpipe.schedule``), splits each mini-batch into micro-batches (``gpipe.base.microbatch``) and
 lets the runtime (``gpipe.engine.runtime``) walk the schedule over the stages. The same
 class serves one process holding every stage and, with ``group=``, one process per rank of
 a pipeline spread over processes and machines; what differs between the two is
@@ -17,14 +17,15 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from gpipe import allocator, assembly, microbatch, remat, stepping, through_output
-from gpipe._utils import DeviceLike, local_value, norm_part, seconds
-from gpipe.errors import PartitionError
+from gpipe.base import allocator, microbatch, remat
+from gpipe.base._utils import DeviceLike, local_value, norm_part, seconds
+from gpipe.base.errors import PartitionError
 from gpipe.frontend import ModelNames, Original, calls, capture, origin_of
 from gpipe.layout import Layout
 from gpipe.parallel.clipping import GradientWatch
 from gpipe.parallel.group import pipeline_group
 from gpipe.parallel.sharded import full_value, shard_like
+from gpipe.pipe import assembly, stepping, through_output
 from gpipe.schedule import Schedule, TimedAction
 
 __all__ = ["Pipe"]
@@ -300,7 +301,7 @@ class Pipe(ModelNames, nn.Module):
         * ``"sum"``: micro-batch losses are added (a sum-reduced loss).
 
         ``seed`` fixes this step's random numbers (dropout; default: one draw from torch's
-        global generator, alike on every rank; ``gpipe.rng``). ``trace=True`` records the
+        global generator, alike on every rank; ``gpipe.base.rng``). ``trace=True`` records the
         start and end of every action in ``self.last_trace`` (seconds from the step's start;
         multi-process: this rank's, in ``time.perf_counter`` seconds, shared on a machine).
 
@@ -330,7 +331,7 @@ class Pipe(ModelNames, nn.Module):
     def forward(self, inputs: Any) -> Any:
         """Outputs joined on the last stage's device. In training mode with autograd on (one
         process), connected to autograd: ``loss(pipe(x)).backward()`` trains
-        (``gpipe.through_output``); else pipelined inference, without gradients.
+        (``gpipe.pipe.through_output``); else pipelined inference, without gradients.
 
         Multi-process: every rank calls it; the rank of the last stage gets the output,
         the others ``None``.

@@ -8,7 +8,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import gpipe
-from gpipe import remat
+from gpipe.base import remat
 from reference import twin
 
 

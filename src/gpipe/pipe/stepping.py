@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from gpipe import microbatch, remat
-from gpipe._utils import (
+from gpipe.base import microbatch, remat
+from gpipe.base._utils import (
     Verdict,
     add_earlier_gradients,
     first_nonfinite,
@@ -29,10 +29,10 @@ from gpipe._utils import (
     set_aside_gradients,
     to_device,
 )
+from gpipe.base.errors import PipelineError
 from gpipe.engine import batchnorm
 from gpipe.engine.loss import LossSpec, check_batch, loss_specs
 from gpipe.engine.runtime import StepInputs, StepResult
-from gpipe.errors import PipelineError
 from gpipe.losses import NO_TOKEN, NOTHING_COUNTS, UNCOUNTED, declared, uncounted
 
 __all__ = ["losses_of", "run", "scale_of"]

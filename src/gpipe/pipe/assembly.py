@@ -26,12 +26,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from gpipe.base.errors import PartitionError, PipelineError
 from gpipe.engine.batchnorm import DeferredBatchNorm
 from gpipe.engine.loss import ForeignParameters
 from gpipe.engine.runtime import Runtime
 from gpipe.engine.skip import SkipLayout
 from gpipe.engine.stage import Stage
-from gpipe.errors import PartitionError, PipelineError
 from gpipe.estimate.auto import auto_balance
 from gpipe.frontend import CapturedModel, LoadReport, fit_devices, materialize_units, on_meta
 from gpipe.layout import PIPE, Layout
@@ -42,7 +42,7 @@ from gpipe.parallel.group import PipelineGroup, default_device
 from gpipe.parallel.mesh import group_size
 from gpipe.parallel.sharded import ShardedStages, sharing_problems
 from gpipe.parallel.tied import TiedParameters
-from gpipe.partition import check_not_shared, cut, device_problems, fingerprint
+from gpipe.pipe.partition import check_not_shared, cut, device_problems, fingerprint
 from gpipe.schedule import Schedule
 from gpipe.schedule.routes import Routes
 

@@ -120,7 +120,7 @@ def test_a_factory_is_recorded_once_and_its_record_dropped(monkeypatch):
     # keeps none of it once its own layers are built (docs/capacity.md).
     import weakref
 
-    from gpipe import assembly
+    from gpipe.pipe import assembly
 
     records = []
 

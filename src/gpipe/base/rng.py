@@ -20,7 +20,7 @@ A non-pipelined reference reproduces the same masks with :func:`seeded`::
 
     for m, (x_m, y_m) in enumerate(zip(xs, ys)):
         for i, layer in enumerate(model):
-            with gpipe.rng.seeded(gpipe.rng.layer_seed(seed, i, m), x_m.device):
+            with gpipe.base.rng.seeded(gpipe.base.rng.layer_seed(seed, i, m), x_m.device):
                 x_m = layer(x_m)
 """
 

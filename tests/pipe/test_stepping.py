@@ -9,8 +9,8 @@ from torch.nn import functional as F
 import gpipe
 import user_scripts
 from gpipe.models import GPTConfig, gpt, lm_loss, mlp
+from pipe.test_pipe import make_case
 from reference import relative_error
-from test_pipe import make_case
 
 # -- the step seed leaves every rank's global generator where the others' is ----------------
 
@@ -83,7 +83,7 @@ class HostReads:
         for name in _READS:
             original = getattr(torch.Tensor, name)
             monkeypatch.setattr(torch.Tensor, name, self._counted(name, original))
-        draw = gpipe.rng.draw_step_seed
+        draw = gpipe.base.rng.draw_step_seed
 
         def drawing() -> int:
             self._drawing = True
@@ -92,7 +92,7 @@ class HostReads:
             finally:
                 self._drawing = False
 
-        monkeypatch.setattr(gpipe.rng, "draw_step_seed", drawing)
+        monkeypatch.setattr(gpipe.base.rng, "draw_step_seed", drawing)
 
     def _counted(self, name, original):
         def read(tensor, *args, **kwargs):

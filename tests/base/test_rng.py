@@ -1,4 +1,4 @@
-"""gpipe.rng: which layers are seeded, and that sparing the others changes no mask."""
+"""gpipe.base.rng: which layers are seeded, and that sparing the others changes no mask."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import gpipe
-from gpipe import rng
+from gpipe.base import rng
 from reference import reference_step, relative_error, twin, worst_gradient_error
 
 

@@ -11,7 +11,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import gpipe
-from gpipe import through_output
+from gpipe.pipe import through_output
 from reference import relative_error, running_stats_of_unsplit_batch, twin
 
 

@@ -14,8 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from gpipe._utils import DeviceLike
-from gpipe.errors import PartitionError
+from gpipe.base._utils import DeviceLike
+from gpipe.base.errors import PartitionError
 
 __all__ = ["check_not_shared", "cut", "device_problems", "fingerprint"]
 
