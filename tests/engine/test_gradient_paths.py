@@ -5,7 +5,9 @@ float64, in one process and across two (cases: tests/engine/gradient_paths.py)."
 from __future__ import annotations
 
 import pytest
-from gradient_paths import (
+
+import gpipe
+from engine.gradient_paths import (
     BALANCE,
     CASES,
     SCHEDULES,
@@ -17,8 +19,6 @@ from gradient_paths import (
     regularized,
     worst_error,
 )
-
-import gpipe
 from gpipe.base.errors import PartitionError
 
 MODES = ["always", "except_last", "never"]

@@ -8,10 +8,10 @@ same on GPUs."""
 from __future__ import annotations
 
 import pytest
-from test_distributed import check
 
 from distributed_cases import train_steps
 from gpipe.parallel.launch import launch
+from parallel.test_distributed import check
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]
 

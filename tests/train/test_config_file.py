@@ -8,11 +8,11 @@ import argparse
 import dataclasses
 
 import pytest
-from test_config import GIVEN
 
 from gpipe.__main__ import main
 from gpipe.cli import train as train_cli
 from gpipe.train import ConfigError, TrainConfig, config_file, resolve
+from train.test_config import GIVEN
 
 
 def parse(*argv: str) -> argparse.Namespace:

@@ -7,9 +7,9 @@ import json
 
 import pytest
 import torch
-from saved_models import TEXT, llama, model_folder, plain_loss, transformers
 
 from gpipe.train.eval_job import EvalConfig, resolve_eval
+from train.saved_models import TEXT, llama, model_folder, plain_loss, transformers
 
 
 @pytest.mark.timeout(300)

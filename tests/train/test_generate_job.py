@@ -8,7 +8,8 @@ import json
 
 import pytest
 import torch
-from saved_models import PAD, llama, model_folder, transformers
+
+from train.saved_models import PAD, llama, model_folder, transformers
 
 
 @pytest.mark.timeout(300)

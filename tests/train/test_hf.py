@@ -10,11 +10,11 @@ import json
 
 import pytest
 import torch
-from saved_models import TEXT, bert, llama, mixtral, model_folder, save, transformers
 from torch.nn import functional as F
 
 from gpipe.train import ConfigError, resolve
 from gpipe.train.tokenizers import BYTES
+from train.saved_models import TEXT, bert, llama, mixtral, model_folder, save, transformers
 
 pytestmark = pytest.mark.timeout(120)
 SEQ, BATCH, CHUNKS = 16, 6, 3

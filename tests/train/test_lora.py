@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from saved_models import TEXT, llama, model_folder, transformers
 
 import gpipe.train.checkpoint as ckpt
 from gpipe.train import ConfigError, lora, resolve
 from gpipe.train.data import EpochSampler, hash_seed
+from train.saved_models import TEXT, llama, model_folder, transformers
 
 peft = pytest.importorskip("peft")
 

@@ -10,7 +10,6 @@ import importlib.util
 import json
 import sys
 
-import fake_trackers
 import pytest
 
 from gpipe.train import reporters
@@ -18,6 +17,7 @@ from gpipe.train.config import ConfigError
 from gpipe.train.options import resolve
 from gpipe.train.report import Metrics
 from gpipe.train.reporters import TensorBoard, open_sinks
+from train import fake_trackers
 
 
 def _records(steps, layout):

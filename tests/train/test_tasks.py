@@ -3,10 +3,9 @@ starts from weights (a Hugging Face folder; the built-in models' presets are the
 
 from __future__ import annotations
 
-from saved_models import llama, model_folder
-
 from gpipe.train import resolve
 from gpipe.train.tasks import HF_FOLDER, sized_rates
+from train.saved_models import llama, model_folder
 
 
 def test_smaller_models_take_larger_rates_and_fine_tuning_a_tenth():

@@ -12,7 +12,6 @@ import json
 import shutil
 from dataclasses import asdict
 
-import fake_trackers
 import pytest
 import torch
 
@@ -23,6 +22,7 @@ from gpipe.cli import train as train_cli
 from gpipe.cli.export import export
 from gpipe.train import TrainConfig, Trainer, build_model, config_file, resolve
 from gpipe.train.optimizer_state import optimizer_state_by_name
+from train import fake_trackers
 from train_runs import gpipe_command, losses
 
 RANK_FILES = ["__0_0.distcp", "__1_0.distcp"]

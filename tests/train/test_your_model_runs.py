@@ -16,13 +16,13 @@ import json
 
 import pytest
 import torch
-from saved_models import EOS, PAD, TEXT, bart, mixtral, model_folder, pairs_file, transformers
 from torch.nn import functional as F
 
 import gpipe.train.checkpoint as ckpt
 from gpipe.cli.export import export
 from gpipe.train import resolve
 from gpipe.train.data import EpochSampler, hash_seed
+from train.saved_models import EOS, PAD, TEXT, bart, mixtral, model_folder, pairs_file, transformers
 from train_runs import losses
 
 STEPS, BATCH, CHUNKS, SEQ, LR = 3, 6, 3, 16, 1e-3

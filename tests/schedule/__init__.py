@@ -1,0 +1,1 @@
+"""Tests of gpipe.schedule, one module per module (a package: one name everywhere)."""

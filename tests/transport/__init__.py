@@ -1,0 +1,1 @@
+"""Tests of gpipe.transport, one module per module (a package: one name everywhere)."""
