@@ -223,7 +223,7 @@ def test_two_machines_with_torchrun(tmp_path):
                 node.wait()
     assert all(node.returncode == 0 for node in nodes), "\n".join(outputs)
     assert not any("terminate called" in out for out in outputs), "\n".join(outputs)
-    from torchrun_job import CASE
+    from parallel.torchrun_job import CASE
 
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     assert [result["transport"] for result in results] == ["group", "group"]
