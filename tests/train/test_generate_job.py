@@ -28,9 +28,3 @@ def test_greedy_generation_through_3_processes_is_model_generates(in_process, tm
     print(result["texts"][0])
     assert len(result["tokens"][0]) > prompt.shape[1]
     assert result["tokens"][0] == expected[0].tolist()
-
-
-def test_generate_without_a_prompt_says_so_in_one_line(in_process, tmp_path):
-    done = in_process("generate", str(tmp_path))
-    assert done.returncode == 2
-    assert "--prompt is required" in done.stderr
