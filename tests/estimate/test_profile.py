@@ -174,3 +174,19 @@ def test_recomputing_by_groups_is_the_largest_group_and_the_kept_inputs_by_hand(
         layers, [Held(1, 1, 0, 0, 1)], MemoryModel(), splits_backward=True, checkpoint_layers=1
     )
     assert split(0, 2, 9).inner == whole(0, 2, 9).inner  # W needs the whole stage's graph
+
+
+def test_a_layer_that_writes_its_input_is_profiled_as_its_out_of_place_twin():
+    """``ReLU(inplace=True)`` runs on a copy, as a stage runs it: the same saved bytes and
+    their split into input and output as ``ReLU()``; autograd refused it before."""
+
+    def model(inplace: bool) -> nn.Sequential:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(6, 8), nn.ReLU(inplace=inplace), nn.Linear(8, 3))
+
+    x = torch.randn(4, 6)
+    written, plain = gpipe.profile(model(True), x), gpipe.profile(model(False), x)
+    fields = ("saved_bytes", "saved_input_bytes", "saved_output_bytes", "input_bytes",
+              "output_bytes", "param_bytes")  # fmt: skip
+    for a, b in zip(written.layers, plain.layers, strict=True):
+        assert [getattr(a, f) for f in fields] == [getattr(b, f) for f in fields], a.name

@@ -47,6 +47,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map
 
 from gpipe.base import microbatch, rng
 from gpipe.base._utils import DeviceLike, storage_key, synchronize, tensors_of, to_device
@@ -332,10 +333,20 @@ class _LayerRun:
         self.inputs = [t for t in tensors_of(x) if t.requires_grad]
         self.times: list[tuple[float, float, float, float]] = []
         self.memory: dict[str, int] = {}
+        self.on_copy = False  # the layer writes its input (ReLU(inplace=True)): run on a copy
 
     def run(self) -> tuple[Any, list[torch.Tensor], list[torch.Tensor | None]]:
-        """Forward with autograd; the tensors backward starts from, and their gradients."""
-        out = self.layer(self.x)
+        """Forward with autograd; the tensors backward starts from, and their gradients.
+        A layer that writes its input runs on a copy, as a stage runs it (autograd refuses
+        an in-place write to the leaf that stands for the input here)."""
+        x = tree_map(_cloned, self.x) if self.on_copy else self.x
+        try:
+            out = self.layer(x)
+        except RuntimeError as error:
+            if self.on_copy or "in-place operation" not in str(error):
+                raise
+            self.on_copy = True
+            return self.run()
         if self.loss is not None:
             value = self.loss[1](out, self.loss[0])
             return out, ([value] if value.requires_grad else []), [None]
@@ -431,3 +442,7 @@ def _compact(t: Any) -> Any:
 
 def _random_like(t: torch.Tensor) -> torch.Tensor:
     return torch.randn_like(t) if t.is_floating_point() else torch.zeros_like(t)
+
+
+def _cloned(leaf: Any) -> Any:
+    return leaf.clone() if isinstance(leaf, torch.Tensor) else leaf
