@@ -343,6 +343,13 @@ def test_resume_rules(tiny_run, capsys, tmp_path):
     out, _ = tiny_run
     assert main(["train", "--resume", str(out)]) == 2  # at step 10 of 10 already
     assert "nothing to train; pass --steps > 10" in capsys.readouterr().err
+    # --resume auto (torchrun --max-restarts) after the last checkpoint: done, not an error
+    before = sorted((p, p.stat().st_mtime_ns) for p in out.rglob("*"))
+    assert main(["train", "--resume", "auto", "--out", str(out)]) == 0
+    said = capsys.readouterr().out
+    assert f"{out} is complete (its checkpoint is at step 10 of --steps 10)" in said
+    assert sorted((p, p.stat().st_mtime_ns) for p in out.rglob("*")) == before
+    assert main(["train", "--resume", "auto", "--out", str(out), "--steps", "9"]) == 0
     assert main(["train", "--resume", str(out), "--seq", "16", "--steps", "20"]) == 2
     assert "--seq 16 differs from the checkpoint's 32" in capsys.readouterr().err
     assert main(["train", "--resume", str(out), "--warmup", "2", "--steps", "20"]) == 2

@@ -61,7 +61,7 @@ from gpipe.train import (
     run_under_torchrun,
 )
 from gpipe.train import run as run_job
-from gpipe.train.checkpoint import CheckpointError, holds
+from gpipe.train.checkpoint import CheckpointError, holds, read_manifest
 from gpipe.train.checkpoint_integrity import choose
 from gpipe.train.config import flag, option, option_kinds, preset_fields
 
@@ -163,6 +163,8 @@ def _run(args: argparse.Namespace) -> int:
         speaks = rank == 0
     try:
         config = _config(args, world_size=world_size, speaks=speaks)
+        if config is None:  # --resume auto of a run already complete
+            return 0
         if torchrun:
             run_under_torchrun(config)
             return 0
@@ -173,9 +175,12 @@ def _run(args: argparse.Namespace) -> int:
         return 2
 
 
-def _config(args: argparse.Namespace, *, world_size: int | None, speaks: bool) -> TrainConfig:
+def _config(
+    args: argparse.Namespace, *, world_size: int | None, speaks: bool
+) -> TrainConfig | None:
+    """The run's configuration; None where ``--resume auto`` finds the run complete."""
     options = config_file.merge(args.config, vars(args))
-    resume = options.get("resume")
+    resume = auto = options.get("resume")
     if resume == "auto":  # a job started again (torchrun --max-restarts) continues
         resume = _resume_auto(options.get("out"))
         options = {**options, "resume": resume}
@@ -187,7 +192,23 @@ def _config(args: argparse.Namespace, *, world_size: int | None, speaks: bool) -
         options = {**options, "resume": str(folder)}
         for note in notes if speaks else []:
             print(f"gpipe train: warning: {note}", file=sys.stderr)
+        if auto == "auto" and (done := _complete(folder, options.get("steps"))):
+            # A process that died after the last checkpoint of a finished run makes torchrun
+            # start the job again: that is success, not "nothing to train" (exit 2).
+            if speaks:
+                print(f"gpipe train: {options['out']} is complete ({done}): nothing left to train")
+            return None
     return resolve(options, world_size=world_size)
+
+
+def _complete(folder: Any, steps: int | None) -> str | None:
+    """How the checkpoint in ``folder`` ends its run, where it has reached ``steps`` (given,
+    else the run's own); None while steps are left, or where the run's steps are unknown."""
+    manifest = read_manifest(folder)
+    steps = steps or (manifest.config or {}).get("steps")
+    if steps is None or manifest.step < steps:
+        return None
+    return f"its checkpoint is at step {manifest.step} of --steps {steps}"
 
 
 def _launched(config: TrainConfig) -> int:
