@@ -240,7 +240,7 @@ def profile(
         batch = None
     sync = functools.partial(synchronize, device)
     # Own storages: a sample sliced from a larger batch would otherwise count as all of it.
-    x = torch.utils._pytree.tree_map(_compact, to_device(sample, device))
+    x = tree_map(_cloned, to_device(sample, device))
     if target is not None:
         target = to_device(target, device)
     names = list(model._modules)
@@ -434,10 +434,6 @@ class _LayerRun:
             buffer_bytes=_unique_bytes(list(self.original.buffers())),
             **self.memory,
         )
-
-
-def _compact(t: Any) -> Any:
-    return t.clone() if isinstance(t, torch.Tensor) else t
 
 
 def _random_like(t: torch.Tensor) -> torch.Tensor:

@@ -51,7 +51,6 @@ unless ``tied=True``.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -126,10 +125,7 @@ def record_model(
     device = torch.device(device)
     if device.type == "meta":
         raise ValueError("device='meta' materializes nothing; pass the device the stage runs on")
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(preserved(torch.device("cpu")))
-        if device.type != "cpu":
-            stack.enter_context(preserved(device))
+    with preserved(torch.device("cpu")), preserved(device):  # the generators as found
         return record_factory(factory, seed=seed, device=device)
 
 
@@ -146,10 +142,7 @@ def replay_layers(
     meta (``record(factory)``), in place, on the recording's device. ``model`` may be any
     Sequential whose layers hold the recorded tensors (e.g. a captured model's units)."""
     device = recording.device
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(preserved(torch.device("cpu")))
-        if device.type != "cpu":
-            stack.enter_context(preserved(device))
+    with preserved(torch.device("cpu")), preserved(device):
         local = _local_layers(layers, len(model))
         slots = _slots(model, local, recording)
         _reject_crossing(slots, allowed=tied)
