@@ -66,10 +66,9 @@ class ModelNames:
         self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
     ) -> Iterator[tuple[str, nn.Parameter]]:
         if not self._captured:
-            yield from super().named_parameters(prefix, recurse, remove_duplicate)
-            return
+            return super().named_parameters(prefix, recurse, remove_duplicate)
         every = super().named_parameters(prefix, recurse, remove_duplicate=False)
-        yield from self._in_model_order(every, prefix, remove_duplicate)
+        return self._in_model_order(every, prefix, remove_duplicate)
 
     def named_buffers(
         self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True

@@ -46,10 +46,6 @@ class Candidate:
     reason: str = ""  # why it does not fit
     built: Schedule | None = field(default=None, repr=False, compare=False)  # zb-auto's own
 
-    def __post_init__(self) -> None:
-        if self.schedule == "zb-auto" and self.fits and self.built is None:
-            raise ValueError("a zb-auto candidate carries the schedule built for its costs")
-
     # The layout's settings, read as the candidate's.
     stages = property(lambda self: self.layout.stages)
     virtual_stages = property(lambda self: self.layout.virtual_stages)
@@ -283,13 +279,6 @@ class Capacity:
         if not self.rows or not self.rows[0].fits:
             raise NothingFits(self.explain())
         return self.rows[0]
-
-    def best_of(self, **layout: Any) -> Fit:
-        """The largest row whose layout has the given fields, e.g. ``best_of(stages=4)``."""
-        for row in self.rows:
-            if all(getattr(row.layout, k) == v for k, v in layout.items()):
-                return row
-        raise KeyError(f"no row with {layout}")
 
     def table(self, top: int | None = 12) -> str:
         """Rows as text: layout, depth, parameters, balance and the fullest process's terms."""
