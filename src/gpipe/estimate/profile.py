@@ -99,18 +99,6 @@ class Profile:
     def __len__(self) -> int:
         return len(self.layers)
 
-    @property
-    def forward(self) -> list[float]:
-        return [layer.forward for layer in self.layers]
-
-    @property
-    def backward(self) -> list[float]:
-        return [layer.backward for layer in self.layers]
-
-    @property
-    def param_bytes(self) -> list[int]:
-        return [layer.param_bytes for layer in self.layers]
-
     def scaled(self, factor: float) -> Profile:
         """Times and activation bytes times ``factor`` (a linear guess for another batch).
 
