@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpipe.base._utils import MiB
+from gpipe.base.remat import REMAT_MODES
 from gpipe.estimate.memory_model import Calibration, StageMemory
 from gpipe.estimate.profile import Profile
 from gpipe.layout import Layout
@@ -193,8 +194,6 @@ def _candidate_row(n: int | None, c: Candidate) -> str:
 
 # -- capacity ---------------------------------------------------------------------------------
 
-RECOMPUTATION = {"never": 0, "except_last": 1, "always": 2}  # ranks ties: less is better
-
 
 def cheaper_first(layout: Layout) -> tuple:
     """Ties of capacity go to the cheaper layout: fewer processes, no sharding, less
@@ -204,7 +203,7 @@ def cheaper_first(layout: Layout) -> tuple:
     return (
         layout.processes,
         layout.shard is not None,
-        RECOMPUTATION[layout.checkpoint],
+        -REMAT_MODES.index(layout.checkpoint),  # REMAT_MODES: most recomputation first
         per is not None,
         -(per or 0),
         layout.chunks,

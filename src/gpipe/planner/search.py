@@ -111,14 +111,14 @@ def plan_from_profiles(
     """
     _check_sizes(devices, batch_size, memory_budget, overhead)
     profile_of = _profile_source(profiles, batch_size)
-    memory = memory or MemoryModel()
-    machine = (machine or Machine()).with_overrides(link=link, action=overhead)
+    machine = machine or Machine()
+    given = float(overhead) if overhead is not None else machine.action
+    machine = replace(machine, link=link or machine.link, action=given)
     chunk_list, schedule_list, modes, stage_list = _ranges(
         devices, batch_size, stages, chunks, schedules, checkpoints
     )
-
-    settings = {"batch_size": batch_size, "budget": memory_budget, "memory": memory,
-                "machine": machine}  # fmt: skip
+    settings = {"batch_size": batch_size, "budget": memory_budget,
+                "memory": memory or MemoryModel(), "machine": machine}  # fmt: skip
     ranges = {"stages": stage_list, "schedules": schedule_list, "checkpoints": modes,
               "virtual_stages": sorted(set(virtual_stages))}  # fmt: skip
     profiles_used = {m: profile_of(m) for m in chunk_list}
