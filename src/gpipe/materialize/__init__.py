@@ -62,7 +62,6 @@ from gpipe.materialize.record import Recording, Unreplayable, record
 
 __all__ = [
     "build",
-    "build_full",
     "materialized_bytes",
     "record_factory",
     "record_model",
@@ -164,18 +163,6 @@ def replay_layers(
         for i in local:
             model[i].to(dtype)
     return model
-
-
-def build_full(
-    factory: Callable[[], nn.Sequential],
-    *,
-    seed: int,
-    device: torch.device | str = "cpu",
-    dtype: torch.dtype | None = None,
-) -> nn.Sequential:
-    """:func:`build` of every layer: equal to ``torch.manual_seed(seed); factory()`` on
-    ``device`` (cast to ``dtype``), and so to every cut of ``build``."""
-    return build(factory, seed=seed, layers=None, device=device, dtype=dtype)
 
 
 def materialized_bytes(module: nn.Module) -> int:
