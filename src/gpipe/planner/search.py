@@ -48,14 +48,6 @@ ProfileSource = Profile | Mapping[int, Profile] | Callable[[int], Profile]
 # -- ranking from profiles ------------------------------------------------------------------
 
 
-def _default_chunks(batch_size: int) -> list[int]:
-    out, m = [], 1
-    while m <= min(batch_size, 32):
-        out.append(m)
-        m *= 2
-    return out
-
-
 def _profile_source(source: ProfileSource, batch_size: int) -> Callable[[int], Profile]:
     if isinstance(source, Profile):
         if source.batch_size is None:
@@ -179,7 +171,10 @@ def _ranges(
 
 
 def _chunk_list(chunks: Iterable[int] | None, batch_size: int) -> list[int]:
-    return sorted(set(chunks)) if chunks is not None else _default_chunks(batch_size)
+    """The M searched: as given, else the powers of two up to min(batch_size, 32)."""
+    if chunks is not None:
+        return sorted(set(chunks))
+    return [2**e for e in range(6) if 2**e <= batch_size]
 
 
 def _zb_auto_for_the_best(ranked, profiles, virtual_stages, refine, settings) -> list[Candidate]:
