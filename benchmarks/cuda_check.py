@@ -41,7 +41,7 @@ from runtime_cost import PEERS, WIDTH, mlp, mse
 import gpipe
 from distributed_cases import FACTORIES, INIT_SEED, batch
 from gpipe.layout import even_balance
-from gpipe.materialize import build_full
+from gpipe.materialize import build
 from gpipe.models import lm_loss
 from gpipe.parallel.launch import launch
 from reference import reference_step, relative_error
@@ -65,7 +65,7 @@ def _compare(pipe: gpipe.Pipe, device: torch.device, chunks: int) -> dict:
     the worst of this process's parameters' gradient errors."""
     x, y = batch("gpt", 0)
     loss = float(pipe.step(x, y, lm_loss, seed=100))
-    model = build_full(FACTORIES["gpt"], seed=INIT_SEED).to(device)
+    model = build(FACTORIES["gpt"], seed=INIT_SEED).to(device)
     expected = reference_step(model, x.to(device), y.to(device), lm_loss, chunks=chunks, seed=100)
     theirs = dict(model.named_parameters())
     errors = {n: relative_error(p.grad, theirs[n].grad) for n, p in pipe.named_parameters()}
@@ -100,7 +100,7 @@ def _one_process(device: torch.device) -> list[dict]:
     rows = []
     for schedule, virtual, chunks in SCHEDULES:
         pipe = gpipe.Pipe(
-            build_full(FACTORIES["gpt"], seed=INIT_SEED),
+            build(FACTORIES["gpt"], seed=INIT_SEED),
             balance=even_balance(LAYERS, 2 * virtual),
             devices=[device, device],
             chunks=chunks,

@@ -17,7 +17,7 @@ from torch.nn import functional as F
 import gpipe
 from gpipe.base._utils import local_value
 from gpipe.base.errors import PartitionError
-from gpipe.materialize import build_full
+from gpipe.materialize import build
 from gpipe.models import GPTConfig, convnet, gpt, gpt_tied_names, lm_loss, unet
 from gpipe.parallel.sharded import _param_groups, full_value
 from reference import reference_step, running_stats_of_unsplit_batch
@@ -93,7 +93,7 @@ def trained_reference(case, replicas=(0,)):
     """The un-split model through ``case``'s steps as :func:`train_steps` takes them: per
     step the loss of each replica and the gradients averaged over them, AdamW between steps
     (``case["train"]``). Returns the last step's losses, gradients, and the weights."""
-    model = build_full(FACTORIES[case["model"]], seed=INIT_SEED)
+    model = build(FACTORIES[case["model"]], seed=INIT_SEED)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     lengths = case.get("lengths", [GPT.context])
     for step, length in enumerate(lengths):
@@ -375,7 +375,7 @@ def reference(case, replicas=(0,)):
     step = len(lengths) - 1
     grads, losses, stats = {}, [], {}
     for replica in replicas:
-        model = build_full(FACTORIES[model_name], seed=INIT_SEED)
+        model = build(FACTORIES[model_name], seed=INIT_SEED)
         x, y = batch(model_name, step, lengths[step], replica)
         if model_name == "cnn":
             stats = running_stats_of_unsplit_batch(model, x, case["chunks"])

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from gpipe.materialize import build, build_full, materialized_bytes
+from gpipe.materialize import build, materialized_bytes
 from gpipe.models import GPTConfig, convnet, gpt, mlp
 
 SMALL_GPT = GPTConfig(vocab_size=32, context=8, d_model=16, n_heads=2, n_layers=3, dropout=0.1)
@@ -62,7 +62,7 @@ def assert_cut_is_eager(factory, cut, seed: int = 7, reference=None, **options) 
 def test_every_cut_equals_eager_construction(name):
     factory, cuts = MODELS[name]
     reference = eager(factory, 7)
-    assert_same(build_full(factory, seed=7), reference)
+    assert_same(build(factory, seed=7), reference)
     for cut in cuts:
         for start, stop in pairwise(cut):
             assert_cut_is_eager(factory, range(start, stop), reference=reference)
@@ -72,7 +72,7 @@ def test_every_cut_equals_eager_construction(name):
 def test_non_contiguous_layers_and_dtype():
     factory = MODELS["gpt"][0]
     reference = eager(factory, 3).double()  # built in the factory's dtype, then cast
-    assert_same(build_full(factory, seed=3, dtype=torch.float64), reference)
+    assert_same(build(factory, seed=3, dtype=torch.float64), reference)
     model = build(factory, seed=3, layers=[4, 1, 1], dtype=torch.float64)  # virtual stages
     assert model[1].qkv.weight.dtype == torch.float64
     for i in (1, 4):
@@ -83,15 +83,15 @@ def test_non_contiguous_layers_and_dtype():
 
 def test_seeds_and_layers_get_different_weights():
     factory = MODELS["gpt"][0]
-    a, b = build_full(factory, seed=0), build_full(factory, seed=1)
+    a, b = build(factory, seed=0), build(factory, seed=1)
     assert not torch.equal(a[1].qkv.weight, b[1].qkv.weight)
     assert not torch.equal(a[1].qkv.weight, a[2].qkv.weight)  # same shape, own seed per layer
-    assert_same(a, build_full(factory, seed=0))  # and the same seed gives the same model
+    assert_same(a, build(factory, seed=0))  # and the same seed gives the same model
 
 
 def test_non_local_layers_hold_no_memory():
     factory = MODELS["gpt"][0]
-    full = build_full(factory, seed=0)
+    full = build(factory, seed=0)
     model = build(factory, seed=0, layers=range(1, 3))
     assert materialized_bytes(model) == materialized_bytes(full[1:3])
     assert materialized_bytes(model) < materialized_bytes(full)
@@ -164,7 +164,7 @@ def test_batch_norm_buffers_are_built():
 def test_global_rng_state_is_unchanged():
     torch.manual_seed(99)
     before = torch.get_rng_state()
-    build_full(MODELS["convnet"][0], seed=5)
+    build(MODELS["convnet"][0], seed=5)
     build(nn_init_zoo, seed=5, layers=[3])  # reseeds and restores inside
     assert torch.equal(torch.get_rng_state(), before)
 
@@ -199,7 +199,7 @@ def test_parameters_and_buffers_made_in_init_are_built_as_eager():
                 assert torch.equal(model[i].offset, reference[i].offset)
     assert model[2].offset.is_meta  # plain attributes of other layers stay on meta
     assert torch.equal(reference[0].scale, torch.ones(4)) and bool(reference[0].causal[1, 0])
-    assert torch.isfinite(build_full(scaled_model, seed=0)(torch.randn(3, 4))).all()
+    assert torch.isfinite(build(scaled_model, seed=0)(torch.randn(3, 4))).all()
 
 
 def hf_style() -> nn.Sequential:
@@ -309,7 +309,7 @@ def tied() -> nn.Sequential:
 
 
 def test_ties_survive_within_the_slice_and_are_rejected_across_the_cut():
-    model = build_full(tied, seed=0)
+    model = build(tied, seed=0)
     assert model[0].weight is model[2].weight
     assert materialized_bytes(model) == (16 + 4 + 4) * 4
     with pytest.raises(ValueError, match=r"tied across .*0\.weight = 2\.weight"):

@@ -87,9 +87,11 @@ def test_scaled_profile_is_linear_except_parameters():
     prof = Profile.from_costs([1.0, 2.0], param_bytes=[10, 20], activation_bytes=8, batch_size=4)
     double = prof.scaled(2)
     assert double.batch_size == 8
-    assert double.forward == [2.0, 4.0] and double.backward == [4.0, 8.0]
-    assert double.param_bytes == [10, 20]
-    assert [lay.output_bytes for lay in double.layers] == [16, 16]
+    layers = double.layers
+    assert [lay.forward for lay in layers] == [2.0, 4.0]
+    assert [lay.backward for lay in layers] == [4.0, 8.0]
+    assert [lay.param_bytes for lay in layers] == [10, 20]
+    assert [lay.output_bytes for lay in layers] == [16, 16]
 
 
 def test_bad_arguments_are_reported():

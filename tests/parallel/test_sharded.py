@@ -15,7 +15,7 @@ from distributed_cases import (
     sharded_cases_and_reuse,
     trained_reference,
 )
-from gpipe.materialize import build_full
+from gpipe.materialize import build
 from gpipe.parallel.launch import launch
 from injected_faults import sharded_faulty
 from reference import relative_error
@@ -122,7 +122,7 @@ def test_a_failure_in_one_rank_of_a_sharded_run_ends_every_rank_within_the_timeo
 
 def check_reuse(outcomes):
     """A module used twice in a stage shards; modules sharing a weight are refused."""
-    model = build_full(reused_factory(False), seed=2)
+    model = build(reused_factory(False), seed=2)
     for replica in (0, 1):
         generator = torch.Generator().manual_seed(replica)
         x = torch.randn(4, 4, generator=generator, dtype=torch.float64)

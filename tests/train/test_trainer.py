@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from gpipe.materialize import build_full
+from gpipe.materialize import build
 from gpipe.parallel.launch import launch
 from gpipe.parallel.sharded import full_value
 from gpipe.train import Trainer, resolve
@@ -47,7 +47,7 @@ def _plain_loop(config: TrainConfig) -> tuple[list[float], nn.Module]:
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)
     try:
-        model = build_full(functools.partial(task.model.build), seed=c.seed)
+        model = build(functools.partial(task.model.build), seed=c.seed)
     finally:
         torch.set_default_dtype(previous)
     params = list(model.parameters())
@@ -97,7 +97,7 @@ def test_the_trainer_trains_as_a_plain_pytorch_loop(stages, tmp_path, cache, mon
     weights = {name: value for rank in per_rank for name, value in rank.items()}
     expected_weights = dict(model.named_parameters())
     assert sorted(weights) == sorted(expected_weights)
-    initial = build_full(functools.partial(config.task.model.build), seed=config.seed)
+    initial = build(functools.partial(config.task.model.build), seed=config.seed)
     for name, value in expected_weights.items():
         assert relative_error(weights[name], value.detach()) <= 1e-9, name
         assert not torch.equal(value.detach().float(), initial.state_dict()[name]), name  # moved

@@ -49,7 +49,7 @@ from gpipe.engine.state import ModuleState, SavedState, running_stats_frozen
 if TYPE_CHECKING:
     from gpipe.engine.memory import ActivationMeter
 
-__all__ = ["Stage", "detached"]
+__all__ = ["Stage", "copied", "detached"]
 
 
 @dataclass
@@ -201,7 +201,7 @@ class Stage:
         writes = self._writes_input.get(group)
         if writes is False:
             return self._run(x, microbatch, seed, replay, group)
-        copy = _copied(x)
+        copy = copied(x)
         versions = [t._version for t in tensors_of(copy)]
         out = self._run(copy, microbatch, seed, replay, group)
         if writes is None:
@@ -426,7 +426,8 @@ def _differentiable(outputs: list[torch.Tensor], grads: Sequence) -> tuple[list,
     return [t for t, _ in pairs], [g for _, g in pairs]
 
 
-def _copied(value: Any) -> Any:
+def copied(value: Any) -> Any:
+    """``value`` with every tensor cloned (its own storage)."""
     return tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, value)
 
 

@@ -256,17 +256,8 @@ def balance_by_time(
     prof = profile(
         model, sample, device, target=target, loss_fn=loss_fn, repeats=repeats, warmup=warmup
     )
-    return balance_profile(
-        prof,
-        stages=stages,
-        by=by,
-        chunks=chunks,
-        checkpoint=checkpoint,
-        schedule=schedule,
-        virtual_stages=virtual_stages,
-        memory_budget=memory_budget,
-        memory=MemoryModel(optimizer_state=optimizer_state),
-    ).balance
+    plan = (stages, chunks, checkpoint, schedule, virtual_stages, memory_budget, optimizer_state)
+    return _balanced(prof, by, *plan)
 
 
 def balance_by_size(
@@ -301,17 +292,16 @@ def balance_by_size(
         prof = _parameters_only(model)
     else:
         prof = profile(model, sample, device, target=target, loss_fn=loss_fn, repeats=1, warmup=0)
-    return balance_profile(
-        prof,
-        stages=stages,
-        by="size",
-        chunks=chunks,
-        checkpoint=checkpoint,
-        schedule=schedule,
-        virtual_stages=virtual_stages,
-        memory_budget=memory_budget,
-        memory=MemoryModel(optimizer_state=optimizer_state),
-    ).balance
+    plan = (stages, chunks, checkpoint, schedule, virtual_stages, memory_budget, optimizer_state)
+    return _balanced(prof, "size", *plan)
+
+
+def _balanced(prof, by, stages, chunks, checkpoint, schedule, v, budget, state) -> list[int]:
+    """:func:`balance_profile`'s balance of ``prof``, for an optimizer of ``state`` copies."""
+    memory = MemoryModel(optimizer_state=state)
+    return balance_profile(prof, stages=stages, by=by, chunks=chunks, checkpoint=checkpoint,
+                           schedule=schedule, virtual_stages=v, memory_budget=budget,
+                           memory=memory).balance  # fmt: skip
 
 
 def _parameters_only(model: nn.Sequential) -> Profile:

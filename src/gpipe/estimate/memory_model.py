@@ -70,7 +70,7 @@ from gpipe.estimate.profile import LayerProfile, Profile
 from gpipe.estimate.ranges import RangeMax, StridedMax, prefix_sums, spans
 from gpipe.layout import Layout
 from gpipe.schedule.ir import Kind, Schedule
-from gpipe.schedule.simulate import Costs, SimulationResult, simulate
+from gpipe.schedule.simulate import SimulationResult, simulate
 
 __all__ = [
     "Calibration",
@@ -185,12 +185,10 @@ class StageMemory:
         )
 
 
-def held_microbatches(
-    schedule: Schedule, checkpoint: str, costs: Costs | None = None
-) -> list[Held]:
+def held_microbatches(schedule: Schedule, checkpoint: str) -> list[Held]:
     """Per stage, the most micro-batches holding boundary inputs and inner activations.
 
-    From the simulated timeline (``gpipe.schedule.simulate``; unit costs by default): boundary
+    From the simulated timeline (``gpipe.schedule.simulate``, unit costs): boundary
     inputs are held from a micro-batch's forward until its backward is complete (the
     simulator's ``peak_live_per_stage``); inner activations from the forward too without
     re-materialization, from the start of the backward with it::
@@ -199,7 +197,7 @@ def held_microbatches(
         >>> [(h.boundary, h.inner) for h in held_microbatches(s, "always")]
         [(4, 1), (3, 1), (2, 1), (1, 1)]
     """
-    return held_in(simulate(schedule, costs), checkpoint)
+    return held_in(simulate(schedule), checkpoint)
 
 
 def held_in(result: SimulationResult, checkpoint: str) -> list[Held]:

@@ -47,13 +47,12 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map
 
 from gpipe.base import microbatch, rng
 from gpipe.base._utils import DeviceLike, storage_key, synchronize, tensors_of, to_device
 from gpipe.engine.memory import ActivationMeter
 from gpipe.engine.split_backward import backward_input, backward_weight
-from gpipe.engine.stage import detached
+from gpipe.engine.stage import copied, detached
 
 __all__ = ["LayerProfile", "Profile", "profile"]
 
@@ -98,18 +97,6 @@ class Profile:
 
     def __len__(self) -> int:
         return len(self.layers)
-
-    @property
-    def forward(self) -> list[float]:
-        return [layer.forward for layer in self.layers]
-
-    @property
-    def backward(self) -> list[float]:
-        return [layer.backward for layer in self.layers]
-
-    @property
-    def param_bytes(self) -> list[int]:
-        return [layer.param_bytes for layer in self.layers]
 
     def scaled(self, factor: float) -> Profile:
         """Times and activation bytes times ``factor`` (a linear guess for another batch).
@@ -240,7 +227,7 @@ def profile(
         batch = None
     sync = functools.partial(synchronize, device)
     # Own storages: a sample sliced from a larger batch would otherwise count as all of it.
-    x = torch.utils._pytree.tree_map(_compact, to_device(sample, device))
+    x = copied(to_device(sample, device))
     if target is not None:
         target = to_device(target, device)
     names = list(model._modules)
@@ -339,7 +326,7 @@ class _LayerRun:
         """Forward with autograd; the tensors backward starts from, and their gradients.
         A layer that writes its input runs on a copy, as a stage runs it (autograd refuses
         an in-place write to the leaf that stands for the input here)."""
-        x = tree_map(_cloned, self.x) if self.on_copy else self.x
+        x = copied(self.x) if self.on_copy else self.x
         try:
             out = self.layer(x)
         except RuntimeError as error:
@@ -436,13 +423,5 @@ class _LayerRun:
         )
 
 
-def _compact(t: Any) -> Any:
-    return t.clone() if isinstance(t, torch.Tensor) else t
-
-
 def _random_like(t: torch.Tensor) -> torch.Tensor:
     return torch.randn_like(t) if t.is_floating_point() else torch.zeros_like(t)
-
-
-def _cloned(leaf: Any) -> Any:
-    return leaf.clone() if isinstance(leaf, torch.Tensor) else leaf

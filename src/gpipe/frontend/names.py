@@ -66,21 +66,19 @@ class ModelNames:
         self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
     ) -> Iterator[tuple[str, nn.Parameter]]:
         if not self._captured:
-            yield from super().named_parameters(prefix, recurse, remove_duplicate)
-            return
+            return super().named_parameters(prefix, recurse, remove_duplicate)
         every = super().named_parameters(prefix, recurse, remove_duplicate=False)
-        yield from self._in_model_order(every, prefix, remove_duplicate)
+        return self._in_model_order(every, prefix, remove_duplicate)
 
     def named_buffers(
         self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
     ) -> Iterator[tuple[str, torch.Tensor]]:
         if not self._captured:
-            yield from super().named_buffers(prefix, recurse, remove_duplicate)
-            return
+            return super().named_buffers(prefix, recurse, remove_duplicate)
         every = super().named_buffers(prefix, recurse, remove_duplicate=False)
-        for name, b in self._in_model_order(every, prefix, remove_duplicate):
-            if not name[len(prefix) :].startswith("_constants."):  # export's, not the model's
-                yield name, b
+        ordered = self._in_model_order(every, prefix, remove_duplicate)
+        # export's constants are not the model's buffers
+        return ((n, b) for n, b in ordered if not n[len(prefix) :].startswith("_constants."))
 
     def state_dict(self, *, destination=None, prefix: str = "", keep_vars: bool = False):
         if not self._captured:

@@ -51,7 +51,6 @@ unless ``tied=True``.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -63,7 +62,6 @@ from gpipe.materialize.record import Recording, Unreplayable, record
 
 __all__ = [
     "build",
-    "build_full",
     "materialized_bytes",
     "record_factory",
     "record_model",
@@ -126,10 +124,7 @@ def record_model(
     device = torch.device(device)
     if device.type == "meta":
         raise ValueError("device='meta' materializes nothing; pass the device the stage runs on")
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(preserved(torch.device("cpu")))
-        if device.type != "cpu":
-            stack.enter_context(preserved(device))
+    with preserved(torch.device("cpu")), preserved(device):  # the generators as found
         return record_factory(factory, seed=seed, device=device)
 
 
@@ -146,10 +141,7 @@ def replay_layers(
     meta (``record(factory)``), in place, on the recording's device. ``model`` may be any
     Sequential whose layers hold the recorded tensors (e.g. a captured model's units)."""
     device = recording.device
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(preserved(torch.device("cpu")))
-        if device.type != "cpu":
-            stack.enter_context(preserved(device))
+    with preserved(torch.device("cpu")), preserved(device):
         local = _local_layers(layers, len(model))
         slots = _slots(model, local, recording)
         _reject_crossing(slots, allowed=tied)
@@ -171,18 +163,6 @@ def replay_layers(
         for i in local:
             model[i].to(dtype)
     return model
-
-
-def build_full(
-    factory: Callable[[], nn.Sequential],
-    *,
-    seed: int,
-    device: torch.device | str = "cpu",
-    dtype: torch.dtype | None = None,
-) -> nn.Sequential:
-    """:func:`build` of every layer: equal to ``torch.manual_seed(seed); factory()`` on
-    ``device`` (cast to ``dtype``), and so to every cut of ``build``."""
-    return build(factory, seed=seed, layers=None, device=device, dtype=dtype)
 
 
 def materialized_bytes(module: nn.Module) -> int:

@@ -134,11 +134,6 @@ class Machine:
         processes, else 1.0."""
         return _nearest(self.slowdown, processes, chunks)
 
-    def waiting_at(self, processes: int, chunks: int) -> float:
-        """The factor on a simulated makespan for the time ranks lose waiting on each
-        other (looked up as :meth:`slowdown_at`)."""
-        return _nearest(self.waiting, processes, chunks)
-
     def stage_costs(
         self, prof: Profile, balance: Sequence[int], schedule: Schedule, checkpoint: str
     ) -> tuple[Costs, float]:
@@ -161,17 +156,9 @@ class Machine:
         return costs, transfer
 
     def step_time(self, makespan: float, processes: int, chunks: int) -> float:
-        """A step's predicted seconds from its simulated makespan."""
-        return makespan * self.waiting_at(processes, chunks) + self.step
-
-    def with_overrides(self, *, link: Link | None, action: float | None) -> Machine:
-        """This machine with a given link or per-action time instead of its own."""
-        changes: dict[str, Any] = {}
-        if link is not None:
-            changes["link"] = link
-        if action is not None:
-            changes["action"] = float(action)
-        return replace(self, **changes) if changes else self
+        """A step's predicted seconds from its simulated makespan: times the time ranks lose
+        waiting on each other (looked up as :meth:`slowdown_at`), plus the step's own."""
+        return makespan * _nearest(self.waiting, processes, chunks) + self.step
 
     def __str__(self) -> str:
         def table(factors: Mapping[tuple[int, int], float]) -> str:

@@ -31,8 +31,7 @@ it) rather than the tensors alive. A run that must fit what was measured needs i
 plan under a memory budget.
 
 Sharded replicas run as ``Pipe(..., group=pp, data_parallel_group=dp, shard="all")``
-with the groups of ``gpipe.parallel.mesh.Mesh``; with a Pipe that has no ``shard`` option
-their rows are returned unmeasured (:class:`Measured` says so).
+with the groups of ``gpipe.parallel.mesh.Mesh``.
 """
 
 from __future__ import annotations
@@ -40,7 +39,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
-import inspect
 import os
 import resource
 from collections.abc import Callable
@@ -60,8 +58,6 @@ from gpipe.planner.families import Family
 from gpipe.planner.results import Fit
 
 __all__ = ["CapacityCheck", "Measured", "measure_fit", "verify_capacity"]
-
-SHARDING = "shard" in inspect.signature(Pipe).parameters  # Pipe(shard=...) has landed
 
 
 @dataclass(frozen=True)
@@ -283,13 +279,10 @@ def measure_fit(
 ) -> Measured:  # fmt: skip
     """Train ``fit`` (its layout, depth and balance) for ``steps`` steps on K·R local
     processes and measure each one's peak resident memory (the whole process's)."""
-    layout = fit.layout
-    if layout.shard and not SHARDING:
-        return Measured(fit, (), steps, note="sharding is not in Pipe yet: predicted only")
     state = optimizer_state_of(optimizer)
-    args = (family, fit.depth, layout, fit.balance, state, steps, timeout)
+    args = (family, fit.depth, fit.layout, fit.balance, state, steps, timeout)
     with started_with("return"):  # read by glibc and Python when each process starts
-        measured = launch(_train_rank, layout.processes, args=args, timeout=timeout)
+        measured = launch(_train_rank, fit.layout.processes, args=args, timeout=timeout)
     peaks, before = zip(*measured, strict=True)
     return Measured(fit, tuple(peaks), steps, before=tuple(before))
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpipe.base._utils import MiB
+from gpipe.base.remat import REMAT_MODES
 from gpipe.estimate.memory_model import Calibration, StageMemory
 from gpipe.estimate.profile import Profile
 from gpipe.layout import Layout
@@ -45,10 +46,6 @@ class Candidate:
     fits: bool = True
     reason: str = ""  # why it does not fit
     built: Schedule | None = field(default=None, repr=False, compare=False)  # zb-auto's own
-
-    def __post_init__(self) -> None:
-        if self.schedule == "zb-auto" and self.fits and self.built is None:
-            raise ValueError("a zb-auto candidate carries the schedule built for its costs")
 
     # The layout's settings, read as the candidate's.
     stages = property(lambda self: self.layout.stages)
@@ -197,8 +194,6 @@ def _candidate_row(n: int | None, c: Candidate) -> str:
 
 # -- capacity ---------------------------------------------------------------------------------
 
-RECOMPUTATION = {"never": 0, "except_last": 1, "always": 2}  # ranks ties: less is better
-
 
 def cheaper_first(layout: Layout) -> tuple:
     """Ties of capacity go to the cheaper layout: fewer processes, no sharding, less
@@ -208,7 +203,7 @@ def cheaper_first(layout: Layout) -> tuple:
     return (
         layout.processes,
         layout.shard is not None,
-        RECOMPUTATION[layout.checkpoint],
+        -REMAT_MODES.index(layout.checkpoint),  # REMAT_MODES: most recomputation first
         per is not None,
         -(per or 0),
         layout.chunks,
@@ -283,13 +278,6 @@ class Capacity:
         if not self.rows or not self.rows[0].fits:
             raise NothingFits(self.explain())
         return self.rows[0]
-
-    def best_of(self, **layout: Any) -> Fit:
-        """The largest row whose layout has the given fields, e.g. ``best_of(stages=4)``."""
-        for row in self.rows:
-            if all(getattr(row.layout, k) == v for k, v in layout.items()):
-                return row
-        raise KeyError(f"no row with {layout}")
 
     def table(self, top: int | None = 12) -> str:
         """Rows as text: layout, depth, parameters, balance and the fullest process's terms."""

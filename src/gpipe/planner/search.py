@@ -48,14 +48,6 @@ ProfileSource = Profile | Mapping[int, Profile] | Callable[[int], Profile]
 # -- ranking from profiles ------------------------------------------------------------------
 
 
-def _default_chunks(batch_size: int) -> list[int]:
-    out, m = [], 1
-    while m <= min(batch_size, 32):
-        out.append(m)
-        m *= 2
-    return out
-
-
 def _profile_source(source: ProfileSource, batch_size: int) -> Callable[[int], Profile]:
     if isinstance(source, Profile):
         if source.batch_size is None:
@@ -111,14 +103,14 @@ def plan_from_profiles(
     """
     _check_sizes(devices, batch_size, memory_budget, overhead)
     profile_of = _profile_source(profiles, batch_size)
-    memory = memory or MemoryModel()
-    machine = (machine or Machine()).with_overrides(link=link, action=overhead)
+    machine = machine or Machine()
+    given = float(overhead) if overhead is not None else machine.action
+    machine = replace(machine, link=link or machine.link, action=given)
     chunk_list, schedule_list, modes, stage_list = _ranges(
         devices, batch_size, stages, chunks, schedules, checkpoints
     )
-
-    settings = {"batch_size": batch_size, "budget": memory_budget, "memory": memory,
-                "machine": machine}  # fmt: skip
+    settings = {"batch_size": batch_size, "budget": memory_budget,
+                "memory": memory or MemoryModel(), "machine": machine}  # fmt: skip
     ranges = {"stages": stage_list, "schedules": schedule_list, "checkpoints": modes,
               "virtual_stages": sorted(set(virtual_stages))}  # fmt: skip
     profiles_used = {m: profile_of(m) for m in chunk_list}
@@ -179,7 +171,10 @@ def _ranges(
 
 
 def _chunk_list(chunks: Iterable[int] | None, batch_size: int) -> list[int]:
-    return sorted(set(chunks)) if chunks is not None else _default_chunks(batch_size)
+    """The M searched: as given, else the powers of two up to min(batch_size, 32)."""
+    if chunks is not None:
+        return sorted(set(chunks))
+    return [2**e for e in range(6) if 2**e <= batch_size]
 
 
 def _zb_auto_for_the_best(ranked, profiles, virtual_stages, refine, settings) -> list[Candidate]:

@@ -135,8 +135,6 @@ def _greedy(
         waiting = [
             r for r in range(K) if not blocked[r] and len(rows[r]) < 3 * M * len(stages_of[r])
         ]
-        if not waiting:  # cannot happen: the last stage can always go on
-            raise RuntimeError("zb-auto: the greedy search stalled; please report this")
         r = min(waiting, key=lambda rank: (play.clock[rank], rank))
         acted = play.act(r, warmup - shape * r, defer + slope * r)
         if acted is None:

@@ -136,9 +136,6 @@ def simulate(
     begin, end, clock = _run(programs, wakes, 3 * SM)
     starts = tuple([begin[k] for k in p[0]] for p in programs)
     ends = tuple([end[k] for k in p[0]] for p in programs)
-    if any(None in e for e in ends):
-        # Cannot happen for a validated schedule; guards this function's own logic.
-        raise RuntimeError(f"simulation of {schedule.name!r} stalled; please report this")
     makespan = max(clock, default=0.0)
     busy = tuple(float(sum(p[1])) for p in programs)
     bubble = 1.0 - sum(busy) / (R * makespan) if makespan > 0 else 0.0
