@@ -20,13 +20,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).parents[1] / "tests" / "train"))
 
 import gpipe.train.kv_cache as kv_cache
-from gpipe.parallel.launch import threads_per_process
-from gpipe.parallel.mesh import Mesh
 from gpipe.train.eval_job import launched, load_pipe
 from gpipe.train.generate_job import GenerateConfig, resolve_generate
 from gpipe.train.generation import generate
@@ -37,9 +33,7 @@ PROMPT = "def loads(s, *, cls=None, object_hook=None, parse_float=None):\n    "
 
 def _rank(rank: int, config: Any, g: GenerateConfig, rounds: int) -> dict[str, Any]:
     c = config
-    torch.set_num_threads(c.threads or threads_per_process(c.world_size))
-    mesh = Mesh.build(c.stages, 1, timeout=c.timeout)
-    pipe, task = load_pipe(c, mesh), c.task
+    (mesh, pipe), task = load_pipe(c), c.task
     prompt = task.encode(g.prompt)
     why_not, decoder = kv_cache.why_not, kv_cache.decoder
     seconds: dict[str, list[float]] = {"window": [], "cache": [], "capture": []}

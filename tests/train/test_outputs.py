@@ -14,7 +14,7 @@ import torch
 import gpipe.train.checkpoint as ckpt
 from gpipe.__main__ import main
 from gpipe.train import config_file
-from gpipe.train.outputs import is_run, run_folder_problems, write_file, write_folder
+from gpipe.train.outputs import is_run, run_folder_problems
 from saved_checkpoints import make_model, save
 
 
@@ -109,16 +109,6 @@ def test_export_follows_no_planted_link(run, tmp_path, capsys):
     assert torch.load(out, weights_only=True).keys() == make_model().state_dict().keys()
 
 
-def test_write_file_leaves_nothing_when_the_writing_fails(tmp_path):
-    def fail(file):
-        file.write(b"half")
-        raise OSError("disk full")
-
-    with pytest.raises(OSError, match="disk full"):
-        write_file(tmp_path / "x.pt", fail)
-    assert list(tmp_path.iterdir()) == []
-
-
 def test_a_run_is_its_options_or_a_checkpoint(run, tmp_path):
     assert is_run(run)
     model = tmp_path / "my-model"
@@ -148,11 +138,3 @@ def test_a_hugging_face_export_never_replaces_the_user_s_model_folder(tmp_path, 
     code, err = export(capsys, tmp_path / "run", "-o", model)
     assert code == 2 and f"{model} exists and gpipe export did not write it" in err
     assert (model / "config.json").read_text() == '{"model_type": "qwen2"}'
-
-
-def test_write_folder_puts_the_new_folder_in_place_of_the_old(tmp_path):
-    out = tmp_path / "model"
-    for text in ("first", "second"):
-        write_folder(out, lambda into, text=text: (into / "weights").write_text(text))
-        assert (out / "weights").read_text() == text
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]  # nothing aside, no tmp

@@ -31,8 +31,8 @@ import torch
 
 import gpipe.train.checkpoint as ckpt
 from gpipe.train.checkpoint_integrity import problems
-from gpipe.train.outputs import EXPORT_RECORD, OutputError, export_problem, write_file, write_folder
-from gpipe.train.run_folder import export_target
+from gpipe.train.outputs import EXPORT_RECORD, OutputError, export_problem
+from gpipe.train.run_folder import export_target, write_file, write_folder
 
 __all__ = ["configure", "export", "run"]
 

@@ -57,7 +57,7 @@ from typing import Any
 import torch
 
 from gpipe.parallel import dcp
-from gpipe.train.run_folder import CHECKPOINTS, STEPS, step_folder
+from gpipe.train.run_folder import CHECKPOINTS, STEPS, fsync_folder, step_folder, write_file
 
 __all__ = [
     "CheckpointError",
@@ -181,8 +181,8 @@ def commit(root: str | Path, tmp: str | Path, manifest: Manifest, *, keep: int =
         final.rename(old)
     tmp.rename(final)
     shutil.rmtree(old, ignore_errors=True)
-    _fsync_dir(root)
-    _atomic_write(root / LATEST, lambda f: f.write(final.name.encode()))
+    fsync_folder(root)
+    write_file(root / LATEST, lambda f: f.write(final.name.encode()))
     if keep > 0:
         for stale in _complete(root)[:-keep]:
             shutil.rmtree(stale, ignore_errors=True)
@@ -206,35 +206,12 @@ def write_manifest(folder: str | Path, manifest: Manifest) -> None:
     record.update(saved_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"), format=FORMAT, version=VERSION)
     del record["path"]
     record["sha256"] = _digest(record)
-    _atomic_write(folder / MANIFEST, lambda f: f.write(json.dumps(record, indent=1).encode()))
+    write_file(folder / MANIFEST, lambda f: f.write(json.dumps(record, indent=1).encode()))
 
 
 def _digest(record: dict[str, Any]) -> str:
     body = {k: v for k, v in record.items() if k != "sha256"}
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
-
-
-def _atomic_write(path: Path, write) -> None:
-    tmp = path.with_name(f"{path.name}{_TMP}-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-    _fsync_dir(path.parent)
-
-
-def _fsync_dir(folder: Path) -> None:
-    with contextlib.suppress(OSError):  # a file system that cannot: nothing more to do
-        fd = os.open(folder, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
 
 # -- finding and reading ---------------------------------------------------------------------

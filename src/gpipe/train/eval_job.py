@@ -103,23 +103,23 @@ def run_eval(config: TrainConfig) -> dict[str, Any]:
     return launched(evaluate, config, inputs.check(config, processes=config.world_size))
 
 
-def load_pipe(config: TrainConfig, mesh: Mesh) -> Pipe:
-    """This rank's stage of the model, with the checkpoint's weights (``config.resume``) or
-    the model folder's."""
+def load_pipe(config: TrainConfig) -> tuple[Mesh, Pipe]:
+    """This rank's mesh (its share of the cores) and stage of the model, with the
+    checkpoint's weights (``config.resume``) or the model folder's."""
     c = config
+    torch.set_num_threads(c.threads or threads_per_process(c.world_size))
+    mesh = Mesh.build(c.stages, c.replicas, timeout=c.timeout)
     pipe = build_pipe(c, mesh, c.balance or c.layout.default_balance(num_layers(model_spec(c))))
     if c.resume:
         manifest = ckpt.read_manifest(c.resume)
         pipe.load_state_dict(ckpt.load(manifest, model=list(pipe.state_dict())).model)
-    return pipe
+    return mesh, pipe
 
 
 def evaluate(rank: int, config: TrainConfig, prepared: Any = None) -> dict[str, Any]:
     """Rank ``rank``'s part: its stage of the model, every window of the validation data."""
     c = config
-    torch.set_num_threads(c.threads or threads_per_process(c.world_size))
-    mesh = Mesh.build(c.stages, c.replicas, timeout=c.timeout)
-    pipe = load_pipe(c, mesh)
+    mesh, pipe = load_pipe(c)
     data = c.task.data(batch=c.batch, eval_batches=1, prepared=prepared, chunks=c.chunks)
     autocast = autocast_of(c.dtype)
     mesh.everyone.barrier("the barrier before evaluating", doing="evaluating")

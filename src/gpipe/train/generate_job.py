@@ -6,10 +6,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
-from gpipe.parallel.launch import threads_per_process
-from gpipe.parallel.mesh import Mesh
 from gpipe.train.config import ConfigError, TrainConfig, _option
 from gpipe.train.eval_job import launched, load_pipe, resolve_model
 from gpipe.train.generation import Sampling, generate
@@ -72,9 +68,7 @@ def run_generate(config: TrainConfig, g: GenerateConfig) -> dict[str, Any]:
 
 def _generate(rank: int, config: TrainConfig, g: GenerateConfig) -> dict[str, Any]:
     c = config
-    torch.set_num_threads(c.threads or threads_per_process(c.world_size))
-    mesh = Mesh.build(c.stages, 1, timeout=c.timeout)
-    pipe = load_pipe(c, mesh)
+    mesh, pipe = load_pipe(c)
     task = c.task
     prompt = task.encode(g.prompt)
     tokens = generate(pipe, mesh, task, prompt, rows=g.samples, new_tokens=g.max_tokens,

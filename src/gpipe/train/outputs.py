@@ -6,28 +6,30 @@ back as options of ``gpipe train``) or a checkpoint; ``--out`` takes such a fold
 one (or makes it), nothing else: a model's folder holds a ``config.json`` too. An export goes
 anywhere but into a checkpoint or over a run's own files, and replaces only an export (its
 record: the ``.json`` beside the weights, ``gpipe-export.json`` in a ``save_pretrained``
-folder), unless forced. Files are written to a temporary name made afresh beside the
-target (``tempfile``: created exclusively, so a link planted there is never followed), then
-renamed over it::
+folder), unless forced; every file whole or not at all (``gpipe.train.run_folder.write_file``)::
 
     problems = run_folder_problems("runs/x")        # [] or one line
-    write_file(Path("model.pt"), lambda f: torch.save(state, f))
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
-import tempfile
-from collections.abc import Callable
 from pathlib import Path
-from typing import IO, Any
 
 import gpipe.train.config_file as config_file
 from gpipe.train.checkpoint import LATEST, MANIFEST
-from gpipe.train.run_folder import BEST, BEST_RECORD, CHECKPOINTS, FILES, STEPS, TENSORBOARD
+from gpipe.train.run_folder import (
+    BEST,
+    BEST_RECORD,
+    CHECKPOINTS,
+    FILES,
+    STEPS,
+    TENSORBOARD,
+    write_file,
+    write_folder,
+)
 
 __all__ = [
     "EXPORT_RECORD",
@@ -38,8 +40,6 @@ __all__ = [
     "is_run",
     "keep_best",
     "run_folder_problems",
-    "write_file",
-    "write_folder",
 ]
 
 EXPORT_RECORD = "gpipe-export.json"  # in an exported save_pretrained folder
@@ -67,15 +67,12 @@ def keep_best(checkpoint: Path, out: Path, *, step: int, val_loss: float) -> Pat
     bytes, and retention deleting the original in checkpoints/ unlinks only its name there),
     replacing the previous best; ``out/best.json`` records its step and validation loss.
     ``out/best`` is a folder of checkpoints: gpipe eval, export and --resume take it."""
-    staging = out / f".{BEST}.tmp"
-    shutil.rmtree(staging, ignore_errors=True)
-    shutil.copytree(checkpoint, staging / checkpoint.name, copy_function=os.link)
-    final, old = out / BEST, out / f".{BEST}.old"
-    shutil.rmtree(old, ignore_errors=True)
-    if final.exists():
-        final.rename(old)
-    staging.rename(final)
-    shutil.rmtree(old, ignore_errors=True)
+
+    def link(into: Path) -> None:
+        shutil.copytree(checkpoint, into / checkpoint.name, copy_function=os.link)
+
+    final = out / BEST
+    write_folder(final, link)
     record = {"step": step, "val_loss": val_loss, "checkpoint": checkpoint.name}
     write_file(out / BEST_RECORD, lambda f: f.write(json.dumps(record).encode() + b"\n"))
     return final / checkpoint.name
@@ -151,46 +148,3 @@ def exported_by_gpipe(record: Path) -> bool:
     except (OSError, ValueError):
         return False
     return isinstance(written, dict) and {"model", "step", "source"} <= set(written)
-
-
-def write_file(path: Path, write: Callable[[IO[bytes]], Any]) -> None:
-    """``write`` a file into a new temporary file beside ``path``, then rename it over
-    ``path`` (a link at ``path`` is replaced, never followed)."""
-    fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp's 0600: as open() would have made it
-        with os.fdopen(fd, "wb") as file:
-            write(file)
-        os.replace(temporary, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(temporary)
-        raise
-
-
-def write_folder(path: Path, write: Callable[[Path], Any]) -> None:
-    """``write`` a folder into a new temporary one beside ``path``, then put it in place
-    of ``path`` (what was there is removed once the new one is in place)."""
-    temporary = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"))
-    aside = None
-    try:
-        os.chmod(temporary, 0o777 & ~_umask())
-        write(temporary)
-        if path.is_dir() and not path.is_symlink():
-            aside = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".old"))
-            os.replace(path, aside / path.name)
-        elif os.path.lexists(path):
-            os.unlink(path)
-        os.replace(temporary, path)
-    except BaseException:
-        shutil.rmtree(temporary, ignore_errors=True)
-        raise
-    finally:
-        if aside is not None:
-            shutil.rmtree(aside, ignore_errors=True)
-
-
-def _umask() -> int:
-    mask = os.umask(0o022)  # read by setting it: put back at once
-    os.umask(mask)
-    return mask

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import textwrap
 import time
 from collections.abc import Callable, Iterable
@@ -16,7 +15,7 @@ from typing import Any
 from gpipe.base._utils import MiB
 from gpipe.schedule.simulate import simulate
 from gpipe.train.config import TrainConfig
-from gpipe.train.run_folder import FILES, TENSORBOARD
+from gpipe.train.run_folder import FILES, TENSORBOARD, write_file
 
 __all__ = [
     "Metrics",
@@ -57,9 +56,8 @@ class Metrics:
                     record = json.loads(line)
                     if record.get("step", 0) <= start:
                         self._records.append(record)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in self._records))
-        os.replace(tmp, path)
+        text = "".join(json.dumps(r) + "\n" for r in self._records)
+        write_file(path, lambda f: f.write(text.encode()))
 
     def write(self, record: dict[str, Any]) -> None:
         if not self.enabled:
@@ -264,9 +262,7 @@ def _mib(n: float) -> str:
 
 def write_json(path: Path, value: Any) -> None:
     """Write ``value`` whole or not at all (a crash never leaves half a file)."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(value, indent=1, default=str))
-    os.replace(tmp, path)
+    write_file(path, lambda f: f.write(json.dumps(value, indent=1, default=str).encode()))
 
 
 def plot_losses(records: list[dict[str, Any]], path: Path, *, name: str) -> bool:

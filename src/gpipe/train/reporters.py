@@ -37,7 +37,7 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import gpipe.train.run_folder as run_folder
 from gpipe.base._utils import MiB
@@ -51,14 +51,23 @@ IDS_FILE = run_folder.TRACKERS  # the W&B and MLflow run ids of this folder
 _NOT_PLOTTED = ("step", "elapsed", "layout")
 
 
-class Sink(Protocol):
-    """One destination of the metrics."""
+class Sink:
+    """One destination of the metrics; a destination that is new (not resumed in place) is
+    first sent the history up to the checkpoint (:meth:`replayed`)."""
 
-    def __call__(self, record: dict[str, Any]) -> None: ...  # one step's metrics record
+    def __call__(self, record: dict[str, Any]) -> None:  # one step's metrics record
+        raise NotImplementedError
 
-    def end(self, summary: dict[str, Any], out: Path, *, step: int) -> None: ...
+    def end(self, summary: dict[str, Any], out: Path, *, step: int) -> None:
+        """The run's summary and files (nothing, unless the destination takes them)."""
 
-    def close(self) -> None: ...
+    def close(self) -> None:
+        """Let go of the destination (nothing, unless it holds something)."""
+
+    def replayed(self, history: list[dict[str, Any]], *, fresh: bool) -> Sink:
+        for record in history if fresh else ():
+            self(record)
+        return self
 
 
 def curves(record: dict[str, Any]) -> dict[str, float]:
@@ -163,7 +172,7 @@ def open_sinks(
     return sinks
 
 
-class Function:
+class Function(Sink):
     """A function of the user's, called with each record."""
 
     def __init__(self, function: Callable[[dict[str, Any]], Any]) -> None:
@@ -172,14 +181,8 @@ class Function:
     def __call__(self, record: dict[str, Any]) -> None:
         self.function(record)
 
-    def end(self, summary: dict[str, Any], out: Path, *, step: int) -> None:
-        pass
 
-    def close(self) -> None:
-        pass
-
-
-class TensorBoard:
+class TensorBoard(Sink):
     """Rank 0's TensorBoard event files, in the run folder itself (so ``tensorboard --logdir
     runs`` lists every run by its folder): each number of a metrics record under ``train/`` or
     ``val/`` by step, and at the end the measured bubble, the memory of each rank, the
@@ -202,11 +205,7 @@ class TensorBoard:
             return None
         earlier = any(folder.glob(f"{run_folder.TENSORBOARD}*"))
         writer = SummaryWriter(str(folder), purge_step=start + 1 if earlier else None)
-        board = cls(writer)
-        if not earlier:
-            for record in history:
-                board(record)
-        return board
+        return cls(writer).replayed(history, fresh=not earlier)
 
     def __call__(self, record: dict[str, Any]) -> None:
         for tag, value in curves(record).items():
@@ -255,7 +254,7 @@ def _ids(out: Path) -> dict[str, str]:
 _ARTIFACTS = (run_folder.LOSS_PLOT, run_folder.TIMELINE_PNG, run_folder.OPTIONS, run_folder.SUMMARY)
 
 
-class WandB:
+class WandB(Sink):
     """A Weights & Biases run (``wandb.init``), one per run folder."""
 
     def __init__(self, run: Any) -> None:
@@ -271,11 +270,7 @@ class WandB:
             id=earlier, resume="allow" if earlier else None, config=options,
         )  # fmt: skip
         write_json(out / IDS_FILE, {**_ids(out), "wandb": run.id})
-        sink = cls(run)
-        if not earlier:
-            for record in history:
-                sink(record)
-        return sink
+        return cls(run).replayed(history, fresh=not earlier)
 
     def __call__(self, record: dict[str, Any]) -> None:
         self.run.log(curves(record), step=record["step"])
@@ -290,7 +285,7 @@ class WandB:
         self.run.finish()
 
 
-class MLflow:
+class MLflow(Sink):
     """An MLflow run through ``MlflowClient`` (no global active run), one per run folder."""
 
     _BATCH = 100  # MLflow's limit of parameters in one request
@@ -319,11 +314,7 @@ class MLflow:
         else:
             run_id = earlier
             client.update_run(run_id, status="RUNNING")
-        sink = cls(client, run_id)
-        if earlier is None:
-            for record in history:
-                sink(record)
-        return sink
+        return cls(client, run_id).replayed(history, fresh=earlier is None)
 
     def __call__(self, record: dict[str, Any]) -> None:
         from mlflow.entities import Metric

@@ -163,20 +163,10 @@ def recipe_of(model: str) -> Recipe:
     return RECIPES.get(model, HF_FOLDER)
 
 
-def _saved_llama(args: dict[str, Any]) -> ModelSource:
-    """A checkpoint of --model hf-llama written before the sources (LlamaConfig's arguments)."""
-    shape = {"hidden_size": args["hidden_size"], "heads": args["num_attention_heads"],
-             "n_layers": args["num_hidden_layers"]}  # fmt: skip
-    return _llama(shape, args["max_position_embeddings"], args["vocab_size"])
-
-
+# A checkpoint's model kind -> its source (gpipe's former kinds, "resnet" and "hf-llama",
+# were written only in the checkpoint format that gpipe.train.checkpoint refuses).
 SOURCES: dict[str, Callable[[dict[str, Any]], ModelSource]] = {
-    "gpt": GPT,
-    "convnet": ConvNet,
-    "hf": HFModel,
-    # kinds of checkpoints written before the sources: the same models
-    "resnet": ConvNet,
-    "hf-llama": _saved_llama,
+    source.kind: source for source in (GPT, ConvNet, HFModel)
 }
 
 
