@@ -8,6 +8,7 @@ import dataclasses
 import pickle
 
 import pytest
+import torch
 
 import gpipe.train.checkpoint as ckpt
 from gpipe.parallel import dcp as gpipe_dcp
@@ -50,3 +51,13 @@ def test_a_stored_object_that_is_not_data_is_refused(tmp_path):
     with pytest.raises(ckpt.CheckpointError, match=r"its optimizer\.param_groups\.#0\.lr refers"):
         ckpt.load(ckpt.read_manifest(folder), model=names, optimizer=names)
     assert not marker.exists()
+
+
+def test_a_tensor_larger_than_the_checkpoints_files_is_refused(tmp_path):
+    folder = save(tmp_path, 1, make_model())
+    metadata = gpipe_dcp.read_metadata(folder)
+    entry = metadata.state_dict_metadata["model.0.weight"]
+    entry.size = torch.Size([1 << 20, 1 << 20])  # 4 TiB of float32
+    (folder / ".metadata").write_bytes(pickle.dumps(metadata))
+    with pytest.raises(gpipe_dcp.Refused, match=r"claims model\.0\.weight of 4398046511104 bytes"):
+        gpipe_dcp.read_metadata(folder)

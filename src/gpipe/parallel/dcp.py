@@ -22,6 +22,7 @@ builds only DCP's own types), and objects load with ``weights_only=True``.
 from __future__ import annotations
 
 import contextlib
+import math
 import pickle
 import re
 import warnings
@@ -37,9 +38,12 @@ from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-from gpipe.parallel.dcp_metadata import METADATA, DcpFailure, Refused, _shown, read_metadata
+from gpipe.parallel import dcp_metadata as dm
+from gpipe.parallel.dcp_metadata import DcpFailure, Refused
 
 __all__ = ["METADATA", "DcpFailure", "Reader", "Refused", "read_metadata", "save"]
+
+METADATA = ".metadata"  # DCP's global metadata file, written last by the coordinator
 
 
 @contextlib.contextmanager
@@ -106,6 +110,39 @@ class _OnceReader(dcp.FileSystemReader):
         return self._read_once
 
 
+def read_metadata(folder: str | Path) -> md.Metadata:
+    """DCP's ``.metadata`` in ``folder``, read as data only (:mod:`gpipe.parallel.dcp_metadata`),
+    if every file it points to lies in ``folder`` and holds at least the tensors it describes."""
+    path = Path(folder) / METADATA
+    try:
+        with open(path, "rb") as file:
+            data = file.read(dm.MAX_BYTES + 1)
+    except OSError as error:
+        raise DcpFailure(f"cannot read {path}: {error}") from None
+    metadata = dm.parse(data, path)
+    files = {info.relative_path for info in metadata.storage_data.values()}
+    for name in sorted(files):
+        if name in ("", ".", "..") or Path(name).name != name:
+            raise dm.refused(path, f"points to {name!r}, not a file beside it")
+    if any(info.transform_descriptors for info in metadata.storage_data.values()):
+        raise dm.refused(path, "asks for stream transforms, which gpipe never writes")
+    stored = sum(_size_of(Path(folder) / name) for name in files)
+    for key, entry in metadata.state_dict_metadata.items():
+        if isinstance(entry, md.TensorStorageMetadata):
+            claimed = math.prod(entry.size) * entry.properties.dtype.itemsize
+            if claimed > stored:
+                raise dm.refused(path, f"claims {dm.shown(key)} of {claimed} bytes, more than "
+                               f"its files' {stored}")  # fmt: skip
+    return metadata
+
+
+def _size_of(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0  # DCP names the missing file when it reads it
+
+
 class _DataOnlyPlanner(DefaultLoadPlanner):
     """DCP's load planner, reading stored objects with ``weights_only=True``: plain data
     (numbers, strings, containers, tensors), never a global outside torch's allowed few."""
@@ -122,7 +159,7 @@ class _DataOnlyPlanner(DefaultLoadPlanner):
             what = re.search(r"Unsupported global: GLOBAL (\S+)", str(error))
             raise Refused(
                 f"checkpoint {self.folder}: its {key} refers to "
-                f"{_shown(what[1]) if what else 'what weights_only refuses'}, which is not data: "
+                f"{dm.shown(what[1]) if what else 'what weights_only refuses'}, which is not data: "
                 "refusing to read it"
             ) from None
         set_element(self.original_state_dict, self.mappings[key], loaded)  # as DCP's does

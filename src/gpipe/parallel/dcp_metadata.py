@@ -19,19 +19,16 @@ used once (never shared through the memo, so no check runs twice).
 from __future__ import annotations
 
 import dataclasses
-import math
 import pathlib
 import pickletools
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint import metadata as md
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 
-__all__ = ["GLOBALS", "METADATA", "OPCODES", "DcpFailure", "Refused", "parse", "read_metadata"]
+__all__ = ["GLOBALS", "OPCODES", "SCHEMA", "DcpFailure", "Refused", "parse", "refused", "shown"]
 
-METADATA = ".metadata"  # DCP's global metadata file, written last by the coordinator
 MAX_BYTES = 1 << 30  # DCP writes about 200 bytes per tensor chunk
 MAX_MARKS, MAX_TUPLE = 16, 64  # DCP's metadata nests 5 marks, its tuples hold a few items
 REMEDY = "use another checkpoint of the run (gpipe checkpoints RUN lists them)"
@@ -143,43 +140,10 @@ class _New:
     slot: int | None = None  # its memo slot, to hold the built instance instead
 
 
-def read_metadata(folder: str | Path) -> md.Metadata:
-    """DCP's ``.metadata`` in ``folder``, read as data only (see the module's docstring), if
-    every file it points to lies in ``folder`` and holds at least the tensors it describes."""
-    path = Path(folder) / METADATA
-    try:
-        with open(path, "rb") as file:
-            data = file.read(MAX_BYTES + 1)
-    except OSError as error:
-        raise DcpFailure(f"cannot read {path}: {error}") from None
-    metadata = parse(data, path)
-    files = {info.relative_path for info in metadata.storage_data.values()}
-    for name in sorted(files):
-        if name in ("", ".", "..") or Path(name).name != name:
-            raise _refused(path, f"points to {name!r}, not a file beside it")
-    if any(info.transform_descriptors for info in metadata.storage_data.values()):
-        raise _refused(path, "asks for stream transforms, which gpipe never writes")
-    stored = sum(_size_of(Path(folder) / name) for name in files)
-    for key, entry in metadata.state_dict_metadata.items():
-        if isinstance(entry, md.TensorStorageMetadata):
-            claimed = math.prod(entry.size) * entry.properties.dtype.itemsize
-            if claimed > stored:
-                raise _refused(path, f"claims {_shown(key)} of {claimed} bytes, more than "
-                               f"its files' {stored}")  # fmt: skip
-    return metadata
-
-
-def _size_of(path: Path) -> int:
-    try:
-        return path.stat().st_size
-    except OSError:
-        return 0  # DCP names the missing file when it reads it
-
-
 def parse(data: bytes, path: Any) -> md.Metadata:
     """The :class:`Metadata` that DCP pickled into ``data`` (the file ``path``, for errors)."""
     if len(data) > MAX_BYTES:
-        raise _refused(path, f"holds over {MAX_BYTES} bytes of metadata")
+        raise refused(path, f"holds over {MAX_BYTES} bytes of metadata")
     stack: list[Any] = []
     memo: list[Any] = []
     marks: list[int] = []
@@ -198,10 +162,10 @@ def parse(data: bytes, path: Any) -> md.Metadata:
                 return stack[0]
             _step(op.name, arg, stack, memo, marks)
         except _Refusal as error:
-            raise _refused(path, f"{error} (at byte {pos})") from None
+            raise refused(path, f"{error} (at byte {pos})") from None
         except (TypeError, ValueError, KeyError, IndexError) as error:
             what = f"{op.name} at byte {pos} fails: {error}"
-            raise _refused(path, f"is not DCP's metadata: {_shown(what)}") from None
+            raise refused(path, f"is not DCP's metadata: {shown(what)}") from None
 
 
 class _Refusal(Exception):
@@ -243,7 +207,7 @@ def _step(name: str, arg: Any, stack: list, memo: list, marks: list[int]) -> Non
     elif name == "STACK_GLOBAL":
         module, qualname = _pop(stack, 2)
         if (module, qualname) not in GLOBALS:
-            text = _shown(f"{module}.{qualname}")
+            text = shown(f"{module}.{qualname}")
             raise _Refusal(f"refers to {text}, which a DCP checkpoint never holds")
         stack.append(GLOBALS[module, qualname])
     elif name in ("REDUCE", "NEWOBJ", "BUILD"):
@@ -302,7 +266,7 @@ def _fields(kind: type, state: Any) -> dict[str, Any]:
         raise _Refusal(f"builds a {kind.__qualname__} from {_named(state)}")
     for key, value in state.items():
         if key not in SCHEMA[kind] or not SCHEMA[kind][key](value):
-            raise _Refusal(f"builds a {kind.__qualname__} whose {_shown(str(key))} is not DCP's")
+            raise _Refusal(f"builds a {kind.__qualname__} whose {shown(str(key))} is not DCP's")
     return state
 
 
@@ -312,10 +276,11 @@ def _named(value: Any) -> str:
     return names[0] if names else f"a {type(value).__name__}"
 
 
-def _shown(text: str) -> str:
+def shown(text: str) -> str:
     """A name from the file as it may be printed: no control characters, not too long."""
     return text[:120] if text.isprintable() else ascii(text[:120])
 
 
-def _refused(path: Any, what: str) -> Refused:
+def refused(path: Any, what: str) -> Refused:
+    """The refusal of the checkpoint whose metadata is ``path``, for holding ``what``."""
     return Refused(f"checkpoint {path} {what}: refusing to read it; {REMEDY}")
