@@ -61,3 +61,27 @@ def test_a_tensor_larger_than_the_checkpoints_files_is_refused(tmp_path):
     (folder / ".metadata").write_bytes(pickle.dumps(metadata))
     with pytest.raises(gpipe_dcp.Refused, match=r"claims model\.0\.weight of 4398046511104 bytes"):
         gpipe_dcp.read_metadata(folder)
+
+
+def test_a_whole_load_never_calls_an_unpickler_of_pickle(tmp_path, monkeypatch):
+    """Metadata, tensors and stored objects (the step count, betas, lr): none reaches pickle's
+    own Unpickler (torch.load(weights_only=True) has its own, restricted one)."""
+    model = make_model()
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 4)).sum().backward()
+    optimizer.step()
+    names = [name for name, _ in model.named_parameters()]
+    saved = optimizer.state_dict()
+    state = {"state": {names[i]: v for i, v in saved["state"].items()},
+             "param_groups": [{**g, "params": names} for g in saved["param_groups"]]}  # fmt: skip
+    folder = save(tmp_path, 1, model, optimizer=state, rng={0: torch.get_rng_state()})
+
+    def refused(*args, **kwargs):
+        raise AssertionError("pickle's Unpickler was called")
+
+    for name in ("load", "loads", "Unpickler", "_Unpickler"):
+        monkeypatch.setattr(pickle, name, refused)
+    loaded = ckpt.load(ckpt.read_manifest(folder), model=names, optimizer=names, rng=0)
+    assert torch.equal(loaded.model["0.weight"], model[0].weight.detach())
+    assert loaded.optimizer["param_groups"][0]["betas"] == saved["param_groups"][0]["betas"]
+    assert torch.equal(loaded.rng, torch.get_rng_state())
