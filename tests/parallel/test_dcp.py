@@ -85,3 +85,24 @@ def test_a_whole_load_never_calls_an_unpickler_of_pickle(tmp_path, monkeypatch):
     assert torch.equal(loaded.model["0.weight"], model[0].weight.detach())
     assert loaded.optimizer["param_groups"][0]["betas"] == saved["param_groups"][0]["betas"]
     assert torch.equal(loaded.rng, torch.get_rng_state())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_processes_save_one_checkpoint_and_none_reads_a_peers_pickle(tmp_path):
+    """Each process writes its part without DCP's collectives (which pickle the plans they
+    exchange); rank 0 merges the parts, read as data. An equal replica writes nothing twice."""
+    from gpipe.parallel.launch import launch
+    from saved_checkpoints import write_a_part
+
+    written = launch(write_a_part, 3, args=(str(tmp_path),), timeout=60)
+    folder = ckpt.find(tmp_path)
+    assert not list(folder.glob("__*.metadata"))
+    reader = gpipe_dcp.Reader(folder)
+    assert {k for k in reader.entries if k.startswith("model.")} == {
+        "model.0.weight", "model.1.weight", "model.shared.step"}  # fmt: skip
+    loaded = ckpt.load(ckpt.read_manifest(folder), model=["0.weight", "1.weight", "shared.step"])
+    for rank in (0, 1):
+        for name, tensor in written[rank].items():
+            assert torch.equal(loaded.model[name], tensor)
+    assert (folder / "__2_0.distcp").stat().st_size < (folder / "__0_0.distcp").stat().st_size

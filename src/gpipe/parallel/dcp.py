@@ -3,9 +3,9 @@
 it): the only place that calls it.
 
 DCP writes one checkpoint from many processes: each rank's tensors go into its own file
-(``__R_0.distcp``), a ``DTensor`` (a sharded replica's parameter) as this rank's shard only,
-a tensor several ranks hold alike (replicas, the step count) once; rank 0 writes the global
-``.metadata`` (every key's shape, dtype and which file holds which chunk). Loading is planned
+(``__R_0.distcp``), a ``DTensor`` (a sharded replica's parameter) as this rank's shard only;
+the global ``.metadata`` (every key's shape, dtype and which file holds which chunk) is the
+ranks' parts merged by one (:func:`save`, :func:`merge`). Loading is planned
 from that metadata for whatever the reader asks, so any cut, any number of replicas and
 sharding or none reads the same checkpoint. A process without a process group saves alone.
 
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import pickle
 import re
 import warnings
@@ -41,7 +42,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from gpipe.parallel import dcp_metadata as dm
 from gpipe.parallel.dcp_metadata import DcpFailure, Refused
 
-__all__ = ["METADATA", "DcpFailure", "Reader", "Refused", "read_metadata", "save"]
+__all__ = ["METADATA", "DcpFailure", "Reader", "Refused", "merge", "read_metadata", "save"]
 
 METADATA = ".metadata"  # DCP's global metadata file, written last by the coordinator
 
@@ -62,11 +63,70 @@ def _failures_named() -> Iterator[None]:
 
 
 def save(state: dict[str, Any], folder: str | Path) -> None:
-    """Write ``state`` (nested dicts of tensors and small objects) into ``folder``: a
-    collective over every process of the job when there is a process group."""
-    alone = not dist.is_initialized()
-    with _alone_is_meant(), _failures_named():
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(str(folder)), no_dist=alone)
+    """Write this process's part of a checkpoint, ``state`` (nested dicts of tensors and
+    small objects), into ``folder``: its files and its part of the metadata, ``__R.metadata``
+    for its rank R. Once every process has written, one calls :func:`merge`.
+
+    Without DCP's collectives, which pickle the plans and results they exchange, so that a
+    rank would unpickle what its peers send. A tensor several processes hold alike (equal
+    replicas) is the callers' to write once.
+    """
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    try:
+        with _alone_is_meant(), _failures_named():
+            dcp.save(state, storage_writer=_PartWriter(str(folder), rank), no_dist=True)
+    except (OSError, RuntimeError, ValueError) as error:
+        if isinstance(error, DcpFailure):
+            raise
+        raise DcpFailure(f"rank {rank}: {type(error).__name__}: {error}") from None
+
+
+class _PartWriter(dcp.FileSystemWriter):
+    """DCP's writer of one process's part: its files and metadata named by its rank."""
+
+    def __init__(self, path: str, rank: int) -> None:
+        super().__init__(path)
+        self._rank = rank
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        super().set_up_storage_writer(is_coordinator, rank=self._rank, use_collectives=False)
+
+
+def merge(folder: str | Path) -> None:
+    """The one ``.metadata`` in ``folder`` from every process's part, each read as data: the
+    keys of all, a sharded tensor's chunks from each holder. The parts are removed."""
+    folder = Path(folder)
+    parts = {int(p.name[2 : -len(METADATA)]): p for p in folder.glob(f"__*{METADATA}")}
+    ranks = dist.get_world_size() if dist.is_initialized() else 1
+    if missing := sorted(set(range(ranks)) - parts.keys()):
+        ranks_named = ", ".join(map(str, missing))
+        raise DcpFailure(f"its files were not written (no __R{METADATA} of rank {ranks_named})")
+    parts = [parts[rank] for rank in sorted(parts)]
+    merged = _parsed(parts[0])
+    for part in parts[1:]:
+        got = _parsed(part)
+        for key, entry in got.state_dict_metadata.items():
+            held = merged.state_dict_metadata.setdefault(key, entry)
+            if type(held) is not type(entry) or getattr(held, "size", None) != getattr(
+                entry, "size", None
+            ):
+                raise DcpFailure(f"{part} holds {key} unlike {parts[0]}: not one checkpoint")
+            if held is not entry and isinstance(held, md.TensorStorageMetadata):
+                held.chunks += [chunk for chunk in entry.chunks if chunk not in held.chunks]
+            # an object several ranks hold (an optimizer group's settings): the first's, as
+            # DCP's own planner keeps one
+        for index, info in got.storage_data.items():
+            merged.storage_data.setdefault(index, info)
+        for key, place in (got.planner_data or {}).items():
+            merged.planner_data.setdefault(key, place)
+    tmp = folder / f"{METADATA}.tmp"
+    with open(tmp, "wb") as file:  # written here, read back only as data (dcp_metadata)
+        pickle.dump(merged, file)
+        file.flush()
+        os.fsync(file.fileno())
+    os.replace(tmp, folder / METADATA)
+    for part in parts:
+        part.unlink()
 
 
 class Reader:
@@ -114,12 +174,7 @@ def read_metadata(folder: str | Path) -> md.Metadata:
     """DCP's ``.metadata`` in ``folder``, read as data only (:mod:`gpipe.parallel.dcp_metadata`),
     if every file it points to lies in ``folder`` and holds at least the tensors it describes."""
     path = Path(folder) / METADATA
-    try:
-        with open(path, "rb") as file:
-            data = file.read(dm.MAX_BYTES + 1)
-    except OSError as error:
-        raise DcpFailure(f"cannot read {path}: {error}") from None
-    metadata = dm.parse(data, path)
+    metadata = _parsed(path)
     files = {info.relative_path for info in metadata.storage_data.values()}
     for name in sorted(files):
         if name in ("", ".", "..") or Path(name).name != name:
@@ -134,6 +189,15 @@ def read_metadata(folder: str | Path) -> md.Metadata:
                 raise dm.refused(path, f"claims {dm.shown(key)} of {claimed} bytes, more than "
                                f"its files' {stored}")  # fmt: skip
     return metadata
+
+
+def _parsed(path: Path) -> md.Metadata:
+    try:
+        with open(path, "rb") as file:
+            data = file.read(dm.MAX_BYTES + 1)
+    except OSError as error:
+        raise DcpFailure(f"cannot read {path}: {error}") from None
+    return dm.parse(data, path)
 
 
 def _size_of(path: Path) -> int:
