@@ -48,11 +48,12 @@ checkpoints` check each one (`gpipe.train.checkpoint_integrity.problems`) before
 - every file DCP wrote: present, readable (a file that cannot be read, for its permissions or
   an I/O error, is damage like any other: resume falls back with a warning naming it) and
   holding the bytes saved (SHA-256);
-- DCP's `.metadata`, a pickle, read by `gpipe.parallel.dcp`'s restricted unpickler: it builds
-  only DCP's own types (its metadata dataclasses, `torch.Size`, dtypes and layouts,
-  `OrderedDict`, the checkpoint's path) and refuses any other global, naming the file and the
-  global; a pickle that sets a class's attributes is refused (and undone); every file it
-  points to must lie beside it, with no stream transforms;
+- DCP's `.metadata`, a pickle, is never unpickled: `gpipe.parallel.dcp_metadata` walks its
+  opcodes and builds only DCP's own types (its metadata dataclasses, `torch.Size`, dtypes,
+  the strided layout, the checkpoint's path), each field checked against DCP's schema; any
+  other opcode, global or field is refused, naming the file and what it holds, as is a file
+  nested too deep or claiming tensors larger than its files; every file it points to must
+  lie beside it, with no stream transforms;
 - the objects DCP stored (an optimizer's hyperparameters, `torch.save` bytes, which DCP's
   own planner reads with `weights_only=False`) load with `weights_only=True`.
 

@@ -42,14 +42,19 @@ group's own all-gather; anything else is closed and reported with its uid or pid
 makes the job change transport: `transport='auto'` falls back to the process group only
 where the sockets cannot exist (ranks on several machines, stages off the CPU, no Unix
 sockets), and says so in a log line (logger `gpipe.transport.handshake`, level INFO).
+A checkpoint is data too: DCP's `.metadata`, which torch pickles, is never unpickled
+(`gpipe.parallel.dcp_metadata` walks its opcodes and builds only DCP's own types from a fixed
+schema; any other opcode, global or field refuses the checkpoint, naming the file and what
+it holds), and the objects DCP stores load with `weights_only=True`.
 
 Yours to protect, as with any `torch.distributed` job: the job's store (torch's `TCPStore`)
 and gloo's or NCCL's connections take any process that reaches their port, without
 authentication. Whoever reaches them can stop or disturb the job (delete keys, break the
 rendezvous); gpipe runs nothing it reads there, but torchrun's own elastic rendezvous keeps
-its state pickled in its store. On one machine, keep other users off it or run the job in
-its own network namespace; across machines, keep MASTER_ADDR's port and the ranks' ports on
-a private network (a firewall, a VPN, the cluster's own fabric).
+its state pickled in its store, and DCP's collective save exchanges its plans between ranks
+through torch's object collectives, which pickle. On one machine, keep other users off it or
+run the job in its own network namespace; across machines, keep MASTER_ADDR's port and the
+ranks' ports on a private network (a firewall, a VPN, the cluster's own fabric).
 """
 
 

@@ -72,3 +72,29 @@ def plant(folder, marker, **changes) -> None:
         setattr(metadata, key, value)
     (folder / ".metadata").write_bytes(pickle.dumps(metadata))
     ckpt.write_manifest(folder, ckpt.read_manifest_file(folder))
+
+
+def write_a_part(rank: int, root: str) -> dict[str, torch.Tensor]:
+    """One rank of a 3-process save: ranks 0 and 1 are two stages of replica 0, rank 2 is
+    replica 1 of rank 0's stage (the same tensors). Nothing pickle reads may be called."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    def refused(*args, **kwargs):
+        raise AssertionError("a pickle from a peer was read")
+
+    for name in ("load", "loads", "Unpickler", "_Unpickler"):
+        setattr(pickle, name, refused)
+    distributed_c10d._unpickler = refused  # what torch's object collectives unpickle with
+    stage = rank % 2
+    torch.manual_seed(stage)
+    tensors = {f"{stage}.weight": torch.randn(3, 4), "shared.step": torch.tensor(7.0)}
+    groups = [{"params": list(tensors), "lr": 0.5}]
+    tmp = ckpt.begin(root, 1) if rank == 0 else ckpt.staging_folder(root, 1)
+    dist.barrier()
+    ckpt.write(tmp, model=tensors, optimizer={"state": {}, "param_groups": groups},
+               rng={stage: torch.get_rng_state()}, replica=rank // 2)  # fmt: skip
+    dist.barrier()
+    if rank == 0:
+        ckpt.commit(root, tmp, ckpt.Manifest(step=1))
+    return tensors

@@ -3,9 +3,9 @@
 it): the only place that calls it.
 
 DCP writes one checkpoint from many processes: each rank's tensors go into its own file
-(``__R_0.distcp``), a ``DTensor`` (a sharded replica's parameter) as this rank's shard only,
-a tensor several ranks hold alike (replicas, the step count) once; rank 0 writes the global
-``.metadata`` (every key's shape, dtype and which file holds which chunk). Loading is planned
+(``__R_0.distcp``), a ``DTensor`` (a sharded replica's parameter) as this rank's shard only;
+the global ``.metadata`` (every key's shape, dtype and which file holds which chunk) is the
+ranks' parts merged by one (:func:`save`, :func:`merge`). Loading is planned
 from that metadata for whatever the reader asks, so any cut, any number of replicas and
 sharding or none reads the same checkpoint. A process without a process group saves alone.
 
@@ -15,19 +15,18 @@ tensors it allocates from the metadata, and needs no collective.
 A checkpoint is data, never code. DCP pickles its ``.metadata`` and reads it back with plain
 ``pickle.load``, and it reads the objects it stores (``torch.save`` bytes: an optimizer's
 hyperparameters) with ``torch.load(weights_only=False)``: a crafted file would run code. Here
-the metadata goes through :class:`_MetadataUnpickler`, which builds only DCP's own types and
-refuses any other global naming it, each file it points to must lie in the checkpoint's
-folder, and objects load with ``weights_only=True``.
+no unpickler reads the metadata (:mod:`gpipe.parallel.dcp_metadata` walks its opcodes and
+builds only DCP's own types), and objects load with ``weights_only=True``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import pathlib
+import math
+import os
 import pickle
 import re
 import warnings
-from collections import OrderedDict
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -39,20 +38,13 @@ from torch.distributed.checkpoint import metadata as md
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.filesystem import _StorageInfo
 
-__all__ = ["METADATA", "DcpFailure", "Reader", "Refused", "read_metadata", "save"]
+from gpipe.parallel import dcp_metadata as dm
+from gpipe.parallel.dcp_metadata import DcpFailure, Refused
+
+__all__ = ["METADATA", "DcpFailure", "Reader", "Refused", "merge", "read_metadata", "save"]
 
 METADATA = ".metadata"  # DCP's global metadata file, written last by the coordinator
-
-
-class DcpFailure(RuntimeError):
-    """DCP's ``CheckpointException`` (a ``BaseException``: it would pass ``except
-    Exception``), or a checkpoint it cannot read, as one line naming the file or the ranks."""
-
-
-class Refused(DcpFailure):
-    """A checkpoint holds something other than data DCP writes: nothing of it is used."""
 
 
 @contextlib.contextmanager
@@ -71,11 +63,70 @@ def _failures_named() -> Iterator[None]:
 
 
 def save(state: dict[str, Any], folder: str | Path) -> None:
-    """Write ``state`` (nested dicts of tensors and small objects) into ``folder``: a
-    collective over every process of the job when there is a process group."""
-    alone = not dist.is_initialized()
-    with _alone_is_meant(), _failures_named():
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(str(folder)), no_dist=alone)
+    """Write this process's part of a checkpoint, ``state`` (nested dicts of tensors and
+    small objects), into ``folder``: its files and its part of the metadata, ``__R.metadata``
+    for its rank R. Once every process has written, one calls :func:`merge`.
+
+    Without DCP's collectives, which pickle the plans and results they exchange, so that a
+    rank would unpickle what its peers send. A tensor several processes hold alike (equal
+    replicas) is the callers' to write once.
+    """
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    try:
+        with _alone_is_meant(), _failures_named():
+            dcp.save(state, storage_writer=_PartWriter(str(folder), rank), no_dist=True)
+    except (OSError, RuntimeError, ValueError) as error:
+        if isinstance(error, DcpFailure):
+            raise
+        raise DcpFailure(f"rank {rank}: {type(error).__name__}: {error}") from None
+
+
+class _PartWriter(dcp.FileSystemWriter):
+    """DCP's writer of one process's part: its files and metadata named by its rank."""
+
+    def __init__(self, path: str, rank: int) -> None:
+        super().__init__(path)
+        self._rank = rank
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        super().set_up_storage_writer(is_coordinator, rank=self._rank, use_collectives=False)
+
+
+def merge(folder: str | Path) -> None:
+    """The one ``.metadata`` in ``folder`` from every process's part, each read as data: the
+    keys of all, a sharded tensor's chunks from each holder. The parts are removed."""
+    folder = Path(folder)
+    parts = {int(p.name[2 : -len(METADATA)]): p for p in folder.glob(f"__*{METADATA}")}
+    ranks = dist.get_world_size() if dist.is_initialized() else 1
+    if missing := sorted(set(range(ranks)) - parts.keys()):
+        ranks_named = ", ".join(map(str, missing))
+        raise DcpFailure(f"its files were not written (no __R{METADATA} of rank {ranks_named})")
+    parts = [parts[rank] for rank in sorted(parts)]
+    merged = _parsed(parts[0])
+    for part in parts[1:]:
+        got = _parsed(part)
+        for key, entry in got.state_dict_metadata.items():
+            held = merged.state_dict_metadata.setdefault(key, entry)
+            if type(held) is not type(entry) or getattr(held, "size", None) != getattr(
+                entry, "size", None
+            ):
+                raise DcpFailure(f"{part} holds {key} unlike {parts[0]}: not one checkpoint")
+            if held is not entry and isinstance(held, md.TensorStorageMetadata):
+                held.chunks += [chunk for chunk in entry.chunks if chunk not in held.chunks]
+            # an object several ranks hold (an optimizer group's settings): the first's, as
+            # DCP's own planner keeps one
+        for index, info in got.storage_data.items():
+            merged.storage_data.setdefault(index, info)
+        for key, place in (got.planner_data or {}).items():
+            merged.planner_data.setdefault(key, place)
+    tmp = folder / f"{METADATA}.tmp"
+    with open(tmp, "wb") as file:  # written here, read back only as data (dcp_metadata)
+        pickle.dump(merged, file)
+        file.flush()
+        os.fsync(file.fileno())
+    os.replace(tmp, folder / METADATA)
+    for part in parts:
+        part.unlink()
 
 
 class Reader:
@@ -109,7 +160,7 @@ class Reader:
 
 
 class _OnceReader(dcp.FileSystemReader):
-    """DCP's reader, whose metadata is read only once, and through the restricted reader."""
+    """DCP's reader, whose metadata is read only once, and as data (never unpickled)."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
         if getattr(self, "_read_once", None) is None:
@@ -119,126 +170,41 @@ class _OnceReader(dcp.FileSystemReader):
         return self._read_once
 
 
-# -- reading DCP's metadata as data ------------------------------------------------------------
-
-# What DCP's FileSystemWriter pickles into .metadata (torch 2.13), by the names pickle records:
-# looked up here, never imported because a file names a module.
-_DCP_TYPES = (
-    md.Metadata, md.StorageMeta, md.MetadataIndex, md.TensorStorageMetadata,
-    md.BytesStorageMetadata, md.ChunkStorageMetadata, md.TensorProperties,
-    md._MEM_FORMAT_ENCODING, _StorageInfo, torch.Size, OrderedDict, pathlib.PosixPath,
-)  # fmt: skip
-_ALLOWED: dict[tuple[str, str], Any] = {
-    **{(kind.__module__, kind.__qualname__): kind for kind in _DCP_TYPES},
-    ("pathlib", "PosixPath"): pathlib.PosixPath,  # the checkpoint's id (storage_meta)
-    ("pathlib._local", "PosixPath"): pathlib.PosixPath,  # its name in Python 3.13
-    ("torch.serialization", "_get_layout"): torch.serialization._get_layout,  # a name -> layout
-    **{
-        ("torch", name): value
-        for name, value in vars(torch).items()
-        if isinstance(value, torch.dtype | torch.layout | torch.memory_format)
-    },
-}
-# The classes among them whose attributes a pickle could set (BUILD on the class itself).
-_MUTABLE = [kind for kind in _DCP_TYPES if kind.__module__ != "torch" and kind is not OrderedDict]
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Builds only what :data:`_ALLOWED` names; any other global refuses the file."""
-
-    def __init__(self, file: Any, path: Path) -> None:
-        super().__init__(file)
-        self.path = path
-
-    def find_class(self, module: str, name: str) -> Any:
-        try:
-            return _ALLOWED[module, name]
-        except KeyError:
-            raise Refused(
-                f"checkpoint {self.path} refers to {_shown(f'{module}.{name}')}, which a DCP "
-                "checkpoint never holds: refusing to read it"
-            ) from None
-
-
-def _shown(text: str) -> str:
-    """A name from the file as it may be printed: no control characters, not too long."""
-    return text[:120] if text.isprintable() else ascii(text[:120])
-
-
 def read_metadata(folder: str | Path) -> md.Metadata:
-    """DCP's ``.metadata`` in ``folder``, read as data only (see the module's docstring)."""
+    """DCP's ``.metadata`` in ``folder``, read as data only (:mod:`gpipe.parallel.dcp_metadata`),
+    if every file it points to lies in ``folder`` and holds at least the tensors it describes."""
     path = Path(folder) / METADATA
-    before = [dict(vars(kind)) for kind in _MUTABLE]
-    try:
-        with open(path, "rb") as file:
-            metadata = _MetadataUnpickler(file, path).load()
-    except Refused:
-        raise
-    except Exception as error:  # whatever a damaged or unreadable stream leads pickle to
-        raise DcpFailure(
-            f"cannot read {path} (damaged?): {type(error).__name__}: {error}"
-        ) from None
-    finally:
-        changed = [kind for kind, was in zip(_MUTABLE, before, strict=True) if _restore(kind, was)]
-    if changed:
-        raise Refused(
-            f"checkpoint {path} sets attributes of {changed[0].__qualname__}, which a DCP "
-            "checkpoint never does: refusing to read it"
-        )
-    return _checked(metadata, path)
-
-
-def _restore(kind: type, was: dict[str, Any]) -> bool:
-    """Put back the attributes of ``kind`` a pickle changed; whether it had."""
-    now = vars(kind)
-    if now.keys() == was.keys() and all(now[k] is v for k, v in was.items()):
-        return False
-    for key in now.keys() - was.keys():
-        delattr(kind, key)
-    for key, value in was.items():
-        if now.get(key) is not value:
-            setattr(kind, key, value)
-    return True
-
-
-def _checked(metadata: Any, path: Path) -> md.Metadata:
-    """``metadata``, if it has DCP's shape and every file it points to is in the folder."""
-    entries = getattr(metadata, "state_dict_metadata", None)
-    storage = getattr(metadata, "storage_data", None)
-    if not (
-        isinstance(metadata, md.Metadata)
-        and isinstance(entries, dict)
-        and isinstance(storage, dict)
-        and all(isinstance(key, str) and _an_entry(entry) for key, entry in entries.items())
-    ):
-        raise Refused(f"checkpoint {path} is not DCP's metadata: refusing to read it")
-    for info in storage.values():
-        name = getattr(info, "relative_path", None)
-        if not isinstance(info, _StorageInfo) or not _a_file_beside(name):
-            raise Refused(
-                f"checkpoint {path} points to {name!r}, not a file beside it: refusing to read it"
-            )
-        if info.transform_descriptors:  # gpipe writes none (they name codecs DCP would run)
-            raise Refused(
-                f"checkpoint {path} asks for stream transforms {info.transform_descriptors!r}, "
-                "which gpipe never writes: refusing to read it"
-            )
+    metadata = _parsed(path)
+    files = {info.relative_path for info in metadata.storage_data.values()}
+    for name in sorted(files):
+        if name in ("", ".", "..") or Path(name).name != name:
+            raise dm.refused(path, f"points to {name!r}, not a file beside it")
+    if any(info.transform_descriptors for info in metadata.storage_data.values()):
+        raise dm.refused(path, "asks for stream transforms, which gpipe never writes")
+    stored = sum(_size_of(Path(folder) / name) for name in files)
+    for key, entry in metadata.state_dict_metadata.items():
+        if isinstance(entry, md.TensorStorageMetadata):
+            claimed = math.prod(entry.size) * entry.properties.dtype.itemsize
+            if claimed > stored:
+                raise dm.refused(path, f"claims {dm.shown(key)} of {claimed} bytes, more than "
+                               f"its files' {stored}")  # fmt: skip
     return metadata
 
 
-def _an_entry(entry: Any) -> bool:
-    if isinstance(entry, md.BytesStorageMetadata):
-        return True
-    return (
-        isinstance(entry, md.TensorStorageMetadata)
-        and isinstance(entry.size, torch.Size)
-        and isinstance(entry.properties, md.TensorProperties)
-        and isinstance(entry.properties.dtype, torch.dtype)
-    )
+def _parsed(path: Path) -> md.Metadata:
+    try:
+        with open(path, "rb") as file:
+            data = file.read(dm.MAX_BYTES + 1)
+    except OSError as error:
+        raise DcpFailure(f"cannot read {path}: {error}") from None
+    return dm.parse(data, path)
 
 
-def _a_file_beside(name: Any) -> bool:
-    return isinstance(name, str) and name not in ("", ".", "..") and Path(name).name == name
+def _size_of(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0  # DCP names the missing file when it reads it
 
 
 class _DataOnlyPlanner(DefaultLoadPlanner):
@@ -257,7 +223,7 @@ class _DataOnlyPlanner(DefaultLoadPlanner):
             what = re.search(r"Unsupported global: GLOBAL (\S+)", str(error))
             raise Refused(
                 f"checkpoint {self.folder}: its {key} refers to "
-                f"{_shown(what[1]) if what else 'what weights_only refuses'}, which is not data: "
+                f"{dm.shown(what[1]) if what else 'what weights_only refuses'}, which is not data: "
                 "refusing to read it"
             ) from None
         set_element(self.original_state_dict, self.mappings[key], loaded)  # as DCP's does

@@ -33,9 +33,10 @@ Multi-process protocol (see ``gpipe.train.trainer``)::
 
     if rank == 0: checkpoint.begin(root, step)                # then a barrier
     tmp = checkpoint.staging_folder(root, step)
-    checkpoint.write(tmp, model=..., optimizer=..., rng=...)  # collective: every rank
+    checkpoint.write(tmp, model=..., optimizer=..., rng=..., replica=...)  # every rank
+    # a barrier: every rank's part written
     if rank == 0:                                             # then a barrier
-        checkpoint.commit(root, tmp, Manifest(step=step, ...))
+        checkpoint.commit(root, tmp, Manifest(step=step, ...))  # merges DCP's metadata
 
 Checkpoints of gpipe's former format (version 1: one ``torch.save`` file per pipeline rank)
 are refused, naming the remedy.
@@ -55,6 +56,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from gpipe.parallel import dcp
 from gpipe.train.run_folder import CHECKPOINTS, STEPS, fsync_folder, step_folder, write_file
@@ -142,17 +144,21 @@ def write(
     model: Mapping[str, torch.Tensor],
     optimizer: Mapping[str, Any] | None = None,
     rng: Mapping[int, torch.Tensor] | None = None,
+    replica: int = 0,
 ) -> None:
     """Write this process's part of a checkpoint into ``folder`` with DCP: its ``model``
     tensors by whole-model name (``DTensor`` shards as such), its ``optimizer`` state by
     name (``gpipe.train.optimizer_state``) and ``rng``, ``{pipeline rank: torch's random
-    state}``. Collective: every process of the job calls it (replicas with the same
-    tensors: DCP writes each once)."""
+    state}``. Every process of the job calls it, then :func:`commit` once all have. Replicas
+    hold equal tensors: only the first (``replica`` 0) writes them, the others their own
+    shards alone."""
     state: dict[str, Any] = {"model": dict(model)}
     if optimizer is not None:
         state["optimizer"] = _optimizer_as_saved(optimizer)
     if rng:
         state["rng"] = {str(rank): value for rank, value in rng.items()}
+    if replica > 0:
+        state = _shards_of(state) or {}
     try:
         dcp.save(state, folder)
     except dcp.DcpFailure as error:
@@ -173,6 +179,10 @@ def commit(root: str | Path, tmp: str | Path, manifest: Manifest, *, keep: int =
     checkpoints. Returns the final folder.
     """
     root, tmp = Path(root), Path(tmp)
+    try:
+        dcp.merge(tmp)  # every rank's part, written by :func:`write`
+    except dcp.DcpFailure as error:
+        raise CheckpointError(f"cannot commit {tmp}: {error}") from None
     write_manifest(tmp, manifest)
     final = root / step_folder(manifest.step)
     old = final.with_name(final.name + ".old")  # left by a save that died replacing it
@@ -364,6 +374,16 @@ def load(
 # -- the optimizer state (by name: gpipe.train.optimizer_state) as DCP keys -------------------
 # optimizer.state.{name}.{what}, optimizer.param_groups.{group}.{hyperparameter} and
 # optimizer.group_of.{name}: the group of each parameter, groups keyed by their "name".
+
+
+def _shards_of(tree: Any) -> Any:
+    """The ``DTensor`` shards of nested dicts, the rest dropped."""
+    if isinstance(tree, DTensor):
+        return tree
+    if isinstance(tree, Mapping):
+        kept = {key: _shards_of(value) for key, value in tree.items()}
+        return {key: value for key, value in kept.items() if value is not None} or None
+    return None
 
 
 def _optimizer_as_saved(optimizer: Mapping[str, Any]) -> dict[str, Any]:

@@ -332,11 +332,12 @@ class Trainer:
             ckpt.begin(root, step)
         everyone.barrier("the checkpoint barrier before writing", doing=doing)
         folder = ckpt.staging_folder(root, step)
-        # Sharded replicas write their own shards (DTensors); equal replicas' tensors are
-        # written once by DCP. The random state is replica 0's, as each stage resumes it.
+        # The random state is replica 0's, as each stage resumes it.
         optimizer = self.optimizer and optimizer_state_by_name(self.optimizer, self.names)
         rng = {self.mesh.pp_rank: torch.get_rng_state()} if self.replica == 0 else None
-        ckpt.write(folder, model=self.pipe.state_dict(), optimizer=optimizer, rng=rng)
+        ckpt.write(folder, model=self.pipe.state_dict(), optimizer=optimizer, rng=rng,
+                   replica=self.replica)  # fmt: skip
+        everyone.barrier("the checkpoint barrier after writing", doing=doing)
         final = root / run_folder.step_folder(step)
         if self.rank == 0:
             manifest = ckpt.Manifest(
