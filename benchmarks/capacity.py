@@ -110,24 +110,31 @@ def measure(
     moves: int = 12,
     starts: dict[tuple[str, str], int] | None = None,
 ) -> None:
-    """Measure each row (and its next size up where K is in ``next_size``, refined at most
-    ``moves`` blocks each way: K = 8's prediction can be 10 blocks off), from its depth in
+    """Measure each row (and its next size up where K is in ``next_size``, refined in at
+    most ``moves`` more runs: K = 8's prediction can be 19 blocks off), from its depth in
     ``starts`` (by kind and layout: a previous run's answer) where it has one, else from
-    its prediction."""
+    its prediction scaled by the error of the last row of its kind measured (the
+    prediction errs more the deeper the model: +6 blocks at K = 4, +19 at K = 8). Two runs
+    at a time (``verify_capacity(parallel=2)``)."""
+    errors: dict[str, float] = {}  # kind -> measured depth / predicted, its last row
     for row in rows:
         if row.fit.layout.shard and row.fit.layout.stages not in sharded:
             continue
         start = time.perf_counter()
         bigger = row.fit.layout.stages in next_size
         first, depth = row.fit, (starts or {}).get((row.kind, row.fit.layout.label()))
-        if depth is not None and depth != first.depth:
+        if depth is None:
+            depth = round(first.depth * errors.get(row.kind, 1.0))
+        if depth != first.depth:
             first = fit_of(family, first.layout, depth, budget=first.budget,
                            overhead=first.calibration)  # fmt: skip
         check = verify_capacity(
-            family, first, next_size=bigger, refine=bigger, steps=2, moves=moves
+            family, first, next_size=bigger, refine=bigger, steps=2, moves=moves, parallel=2
         )
         row.found, row.bigger, row.check = check.found, check.next_size, check
         row.minutes = (time.perf_counter() - start) / 60
+        if bigger and check.found.fits:
+            errors[row.kind] = check.found.fit.depth / row.fit.depth
         print(f"  {check.describe()}  ({row.minutes:.1f} min)", flush=True)
 
 
