@@ -11,8 +11,7 @@ shifts). The prediction's error is mostly a per-stage offset, so one round usual
 within a block, and the pair then decides. Where the estimate fails (a flat or jumpy
 measured curve), the steps grow as a gallop (1, 2, 4, ... blocks) until a depth within the
 budget and one over it bracket the answer; inside a bracket the estimate is interpolated
-between its ends and kept out of the bracket's outer quarters, so that the bracket shrinks
-by at least a quarter in every round.
+between its ends, and a round after one that left more than half its bracket bisects it.
 """
 
 from __future__ import annotations
@@ -41,15 +40,17 @@ def refine(
     the budget (or the shallowest over it, if none fit) and the next size up the shallowest
     deeper one measured (which may still fit)."""
     measured = {m.fit.depth: m for m in first}
-    stride = 1
+    stride, width, halve = 1, None, False
     while moves > 0:
-        depths = _probes(measured, predicted_peak, stride)[:moves]
+        depths = _probes(measured, predicted_peak, stride, halve)[:moves]
         if not depths:
             break
         for run in measure(depths):
             measured[run.fit.depth] = run
         moves -= len(depths)
         stride *= 2
+        was, width = width, _bracket(measured)
+        halve = was is not None and width is not None and 2 * width > was  # aimed, missed
     runs = sorted(measured.values(), key=lambda m: m.fit.depth)
     if not any(m.fits for m in runs):  # nothing measured fits
         return runs[0], (runs[1] if len(runs) > 1 else None)
@@ -58,11 +59,22 @@ def refine(
     return found, (deeper[0] if deeper else measure([found.fit.depth + 1])[0])
 
 
+def _bracket(measured: dict[int, Measured]) -> int | None:
+    """The width of the bracket (the shallowest over less the deepest within), if any."""
+    within = [d for d, m in measured.items() if m.fits]
+    over = [d for d, m in measured.items() if not m.fits]
+    return min(over) - max(within) if within and over else None
+
+
 def _probes(
-    measured: dict[int, Measured], predicted_peak: Callable[[int], float], stride: int
+    measured: dict[int, Measured],
+    predicted_peak: Callable[[int], float],
+    stride: int,
+    halve: bool,
 ) -> list[int]:
     """The next round's depths (none: the answer is bracketed to one block, or depth 1 is
-    over the budget)."""
+    over the budget); ``halve``: the last round's aim left more than half its bracket, so
+    this one bisects."""
     within = [d for d, m in measured.items() if m.fits]
     over = [d for d, m in measured.items() if not m.fits]
     budget = next(iter(measured.values())).fit.budget
@@ -71,10 +83,8 @@ def _probes(
         if high - low <= 1:
             return []
         p_low, p_high = measured[low].peak, measured[high].peak
-        share = (budget - p_low) / (p_high - p_low) if p_high > p_low else 0.5
-        quarter = (high - low) // 4
-        t = low + math.floor(share * (high - low))
-        t = min(max(t, low + max(quarter, 1)), high - 1 - quarter)
+        share = (budget - p_low) / (p_high - p_low) if p_high > p_low and not halve else 0.5
+        t = min(max(low + math.floor(share * (high - low)), low + 1), high - 1)
         return [d for d in (t, t + 1) if low < d < high]
     nearest = max(within) if within else min(over)
     step = (budget - measured[nearest].peak) / _slope(measured, predicted_peak, nearest)
