@@ -109,14 +109,18 @@ def measure(
     sharded: tuple[int, ...],
     moves: int = 12,
     starts: dict[tuple[str, str], int] | None = None,
+    kept: list[Row] = (),
+    done: Callable[[], None] = lambda: None,
 ) -> None:
     """Measure each row (and its next size up where K is in ``next_size``, refined in at
     most ``moves`` more runs: K = 8's prediction can be 19 blocks off), from its depth in
     ``starts`` (by kind and layout: a previous run's answer) where it has one, else from
     its prediction scaled by the error of the last row of its kind measured (the
-    prediction errs more the deeper the model: +6 blocks at K = 4, +19 at K = 8). Two runs
-    at a time (``verify_capacity(parallel=2)``)."""
-    errors: dict[str, float] = {}  # kind -> measured depth / predicted, its last row
+    prediction errs more the deeper the model: +6 blocks at K = 4, +19 at K = 8), or of the
+    deepest row of its kind in ``kept`` (a file's rows, for rows measured alone). Two runs
+    at a time (``verify_capacity(parallel=2)``); ``done`` after each row (to save it)."""
+    errors = {r.kind: r.final.depth / r.fit.depth  # kind -> measured depth / predicted
+              for r in sorted(kept, key=lambda r: r.fit.layout.stages) if r.exact}  # fmt: skip
     for row in rows:
         if row.fit.layout.shard and row.fit.layout.stages not in sharded:
             continue
@@ -136,6 +140,7 @@ def measure(
         if bigger and check.found.fits:
             errors[row.kind] = check.found.fit.depth / row.fit.depth
         print(f"  {check.describe()}  ({row.minutes:.1f} min)", flush=True)
+        done()
 
 
 def sharded_check(budget: float, stages: tuple[int, ...]) -> str:
@@ -174,16 +179,20 @@ def rows_alone(
     budget: float,
     overhead: Calibration | None,
     starts: dict[tuple[str, str], int] | None = None,
+    kept: list[Row] = (),
 ) -> tuple[list[Row], str]:
     """A family's rows of ``stages`` and ``mode`` measured and refined on their own (at K=1
     "no-remat" is both gpipe's schedule and the best plain layout), calibrated unless
-    ``overhead`` is given (the tables' calibration: the same predictions to start from)."""
+    ``overhead`` is given (the tables' calibration: the same predictions to start from);
+    each starts from its prediction scaled by the error of ``kept``'s deepest exact row of
+    its kind below ``stages``."""
     start = time.perf_counter()
     family = families()[name]
     kind = MODES[mode]
     overhead = overhead or calibrate(family, processes=8)
     rows = search(family, budget, overhead, lambda r, k: r.split(",")[0] == kind and k == stages)
-    measure(family, rows, (stages,), (stages,), moves=16, starts=starts)
+    below = [r for r in kept if r.fit.layout.stages < stages]
+    measure(family, rows, (stages,), (stages,), moves=16, starts=starts, kept=below)
     elapsed = time.perf_counter() - start
     return rows, "\n".join([
         f"{name}: {family.describe()}, {budget / MiB:.0f} MiB per process (calibrated: "
@@ -293,9 +302,7 @@ def main() -> None:
     else:
         for name, family in families().items():
             if not (args.load or (args.family and name not in args.family)):
-                results[name] = family_rows(name, family, budget, args)
-                if args.save:  # each family as it ends: a later family's failure loses nothing
-                    save(args.save, results, budget)
+                results[name] = family_rows(name, family, budget, args, results)
     text = results_doc(results)
     print(text)
     if args.out:
@@ -316,7 +323,8 @@ def rows_into(results: Results, args: argparse.Namespace, budget: float) -> bool
                  f" and a mode ({', '.join(MODES)})")  # fmt: skip
     kept = results.get(name)
     overhead = kept[0] if kept else _calibration(args.calibration)
-    rows, text = rows_alone(name, int(k), mode, budget, overhead, starts_of(args, name))
+    rows, text = rows_alone(name, int(k), mode, budget, overhead, starts_of(args, name),
+                            kept[1] if kept else [])  # fmt: skip
     print(text)
     if kept is None:
         if args.out:
@@ -334,18 +342,29 @@ def rows_into(results: Results, args: argparse.Namespace, budget: float) -> bool
 
 
 def family_rows(
-    name: str, family: Family, budget: float, args: argparse.Namespace
+    name: str, family: Family, budget: float, args: argparse.Namespace, results: Results
 ) -> tuple[Calibration, list[Row], float]:
-    """A family's rows: calibrated, searched and (unless --predict-only) measured."""
+    """A family's rows: calibrated, searched and (unless --predict-only) measured; with
+    ``--save``, ``results`` with the rows measured so far kept as each row ends (a run
+    stopped midway loses only its row)."""
     print(f"{family.describe()}:", flush=True)
     begun = time.perf_counter()
     overhead = _calibration(args.calibration) or calibrate(family, processes=8)
     print(f"  calibrated: {overhead}", flush=True)
     rows = search(family, budget, overhead, every)
+    print(f"  searched: {(time.perf_counter() - begun) / 60:.1f} min", flush=True)
+
+    def done(end: bool = False) -> None:
+        if args.save:
+            minutes = (time.perf_counter() - begun) / 60
+            kept = rows if end else [r for r in rows if r.found is not None]
+            save(args.save, {**results, name: (overhead, kept, minutes)}, budget)
+
     only = args.predict_only
     if only is None or (only and name not in only):
         measure(family, rows, tuple(args.next_size), tuple(args.measure_sharded),
-                starts=starts_of(args, name))  # fmt: skip
+                starts=starts_of(args, name), done=done)  # fmt: skip
+    done(end=True)
     return overhead, rows, (time.perf_counter() - begun) / 60
 
 
