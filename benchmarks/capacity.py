@@ -111,14 +111,15 @@ def measure(
     starts: dict[tuple[str, str], int] | None = None,
     kept: list[Row] = (),
     done: Callable[[], None] = lambda: None,
+    parallel: int = 2,
 ) -> None:
     """Measure each row (and its next size up where K is in ``next_size``, refined in at
     most ``moves`` more runs: K = 8's prediction can be 19 blocks off), from its depth in
     ``starts`` (by kind and layout: a previous run's answer) where it has one, else from
     its prediction scaled by the error of the last row of its kind measured (the
     prediction errs more the deeper the model: +6 blocks at K = 4, +19 at K = 8), or of the
-    deepest row of its kind in ``kept`` (a file's rows, for rows measured alone). Two runs
-    at a time (``verify_capacity(parallel=2)``); ``done`` after each row (to save it)."""
+    deepest row of its kind in ``kept`` (a file's rows, for rows measured alone);
+    ``parallel`` runs at a time (``verify_capacity``'s); ``done`` after each row."""
     errors = {r.kind: r.final.depth / r.fit.depth  # kind -> measured depth / predicted
               for r in sorted(kept, key=lambda r: r.fit.layout.stages) if r.exact}  # fmt: skip
     for row in rows:
@@ -133,7 +134,7 @@ def measure(
             first = fit_of(family, first.layout, depth, budget=first.budget,
                            overhead=first.calibration)  # fmt: skip
         check = verify_capacity(
-            family, first, next_size=bigger, refine=bigger, steps=2, moves=moves, parallel=2
+            family, first, next_size=bigger, refine=bigger, steps=2, moves=moves, parallel=parallel
         )
         row.found, row.bigger, row.check = check.found, check.next_size, check
         row.minutes = (time.perf_counter() - start) / 60
@@ -180,6 +181,7 @@ def rows_alone(
     overhead: Calibration | None,
     starts: dict[tuple[str, str], int] | None = None,
     kept: list[Row] = (),
+    parallel: int = 2,
 ) -> tuple[list[Row], str]:
     """A family's rows of ``stages`` and ``mode`` measured and refined on their own (at K=1
     "no-remat" is both gpipe's schedule and the best plain layout), calibrated unless
@@ -192,7 +194,8 @@ def rows_alone(
     overhead = overhead or calibrate(family, processes=8)
     rows = search(family, budget, overhead, lambda r, k: r.split(",")[0] == kind and k == stages)
     below = [r for r in kept if r.fit.layout.stages < stages]
-    measure(family, rows, (stages,), (stages,), moves=16, starts=starts, kept=below)
+    measure(family, rows, (stages,), (stages,), moves=16, starts=starts, kept=below,
+            parallel=parallel)  # fmt: skip
     elapsed = time.perf_counter() - start
     return rows, "\n".join([
         f"{name}: {family.describe()}, {budget / MiB:.0f} MiB per process (calibrated: "
@@ -230,6 +233,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--predict-only", nargs="*", default=None, metavar="FAMILY",
         help="no measured runs (of these families; none named: all)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--parallel", type=int, default=2,
+        help="measured runs side by side (each K·R processes of up to --budget MiB)",
     )  # fmt: skip
     parser.add_argument("--k1", action="store_true", help="one process against plain PyTorch")
     parser.add_argument("--sharded", action="store_true", help="the sharded rows alone")
@@ -324,7 +331,7 @@ def rows_into(results: Results, args: argparse.Namespace, budget: float) -> bool
     kept = results.get(name)
     overhead = kept[0] if kept else _calibration(args.calibration)
     rows, text = rows_alone(name, int(k), mode, budget, overhead, starts_of(args, name),
-                            kept[1] if kept else [])  # fmt: skip
+                            kept[1] if kept else [], args.parallel)  # fmt: skip
     print(text)
     if kept is None:
         if args.out:
@@ -363,7 +370,7 @@ def family_rows(
     only = args.predict_only
     if only is None or (only and name not in only):
         measure(family, rows, tuple(args.next_size), tuple(args.measure_sharded),
-                starts=starts_of(args, name), done=done)  # fmt: skip
+                starts=starts_of(args, name), done=done, parallel=args.parallel)  # fmt: skip
     done(end=True)
     return overhead, rows, (time.perf_counter() - begun) / 60
 
