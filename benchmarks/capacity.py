@@ -33,6 +33,8 @@ each refined until exact, and their ratios (minutes instead of the whole table's
 from __future__ import annotations
 
 import argparse
+import os
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -55,6 +57,7 @@ from capacity_doc import (  # a sibling: the rows and the doc's tables
     paper,
     plot,
     ratio,
+    ratios,
     table,
     targets,
     terms_table,
@@ -125,7 +128,7 @@ def measure(
     for row in rows:
         if row.fit.layout.shard and row.fit.layout.stages not in sharded:
             continue
-        start = time.perf_counter()
+        start, load = time.perf_counter(), os.getloadavg()[0]
         bigger = row.fit.layout.stages in next_size
         first, depth = row.fit, (starts or {}).get((row.kind, row.fit.layout.label()))
         if depth is None:
@@ -138,10 +141,23 @@ def measure(
         )
         row.found, row.bigger, row.check = check.found, check.next_size, check
         row.minutes = (time.perf_counter() - start) / 60
+        row.load, row.commit = (load, os.getloadavg()[0]), _commit()
         if bigger and check.found.fits:
             errors[row.kind] = check.found.fit.depth / row.fit.depth
         print(f"  {check.describe()}  ({row.minutes:.1f} min)", flush=True)
         done()
+
+
+def _commit() -> str:
+    """The code measured: this checkout's commit (+ "dirty" with changes not committed)."""
+    here = Path(__file__).resolve().parent
+
+    def git(*args: str) -> str:
+        run = subprocess.run(["git", *args], cwd=here, capture_output=True, text=True)
+        return run.stdout.strip()
+
+    return git("rev-parse", "--short", "HEAD") + (" dirty" if git("status", "--porcelain",
+                                                                   "src") else "")  # fmt: skip
 
 
 def sharded_check(budget: float, stages: tuple[int, ...]) -> str:
@@ -375,6 +391,14 @@ def family_rows(
     return overhead, rows, (time.perf_counter() - begun) / 60
 
 
+def _when(row: Row) -> str:
+    """The load average a row ran at and its code, where kept."""
+    load = "–".join(f"{x:.0f}" for x in row.load)
+    said = [f"load {load}"] if load else []
+    said += [f"at {row.commit}"] if row.commit else []
+    return f" ({', '.join(said)})" if said else ""
+
+
 def results_doc(results: Results) -> str:
     doc = []
     for name, (overhead, rows, _) in results.items():
@@ -389,6 +413,10 @@ def results_doc(results: Results) -> str:
             "",
             *terms_table(rows),
             "",
+            "Each row's measured parameters against the K=1 layouts':",
+            "",
+            *ratios(rows),
+            "",
             "Targets:",
             "",
             *targets(rows),
@@ -401,8 +429,8 @@ def results_doc(results: Results) -> str:
     minutes = ", ".join(f"{name} {m:.1f} min" for name, (_, _, m) in results.items())
     doc.append(f"Benchmark wall time: {minutes} on this machine.")
     for name, (_, rows, _) in results.items():
-        each = "; ".join(f"K={r.fit.layout.stages} {r.kind} {r.minutes:.1f}" for r in rows
-                         if r.minutes)  # fmt: skip
+        each = "; ".join(f"K={r.fit.layout.stages} {r.kind} {r.minutes:.1f}{_when(r)}"
+                         for r in rows if r.minutes)  # fmt: skip
         if each:
             doc += ["", f"{name}, minutes per row (measured, refined, repeated): {each}."]
     return "\n".join(doc)
