@@ -427,7 +427,8 @@ def results_doc(results: Results) -> str:
             "",
         ]
     minutes = ", ".join(f"{name} {m:.1f} min" for name, (_, _, m) in results.items())
-    doc.append(f"Benchmark wall time: {minutes} on this machine.")
+    doc.append(f"Benchmark wall time: {minutes} on this machine (a family's run, or the sum "
+               "of its rows' where they were measured alone).")  # fmt: skip
     for name, (_, rows, _) in results.items():
         each = "; ".join(f"K={r.fit.layout.stages} {r.kind} {r.minutes:.1f}{_when(r)}"
                          for r in rows if r.minutes)  # fmt: skip
