@@ -33,6 +33,8 @@ each refined until exact, and their ratios (minutes instead of the whole table's
 from __future__ import annotations
 
 import argparse
+import os
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -55,6 +57,7 @@ from capacity_doc import (  # a sibling: the rows and the doc's tables
     paper,
     plot,
     ratio,
+    ratios,
     table,
     targets,
     terms_table,
@@ -109,26 +112,52 @@ def measure(
     sharded: tuple[int, ...],
     moves: int = 12,
     starts: dict[tuple[str, str], int] | None = None,
+    kept: list[Row] = (),
+    done: Callable[[], None] = lambda: None,
+    parallel: int = 2,
 ) -> None:
-    """Measure each row (and its next size up where K is in ``next_size``, refined at most
-    ``moves`` blocks each way: K = 8's prediction can be 10 blocks off), from its depth in
+    """Measure each row (and its next size up where K is in ``next_size``, refined in at
+    most ``moves`` more runs: K = 8's prediction can be 19 blocks off), from its depth in
     ``starts`` (by kind and layout: a previous run's answer) where it has one, else from
-    its prediction."""
+    its prediction scaled by the error of the last row of its kind measured (the
+    prediction errs more the deeper the model: +6 blocks at K = 4, +19 at K = 8), or of the
+    deepest row of its kind in ``kept`` (a file's rows, for rows measured alone);
+    ``parallel`` runs at a time (``verify_capacity``'s); ``done`` after each row."""
+    errors = {r.kind: r.final.depth / r.fit.depth  # kind -> measured depth / predicted
+              for r in sorted(kept, key=lambda r: r.fit.layout.stages) if r.exact}  # fmt: skip
     for row in rows:
         if row.fit.layout.shard and row.fit.layout.stages not in sharded:
             continue
-        start = time.perf_counter()
+        start, load = time.perf_counter(), os.getloadavg()[0]
         bigger = row.fit.layout.stages in next_size
         first, depth = row.fit, (starts or {}).get((row.kind, row.fit.layout.label()))
-        if depth is not None and depth != first.depth:
+        if depth is None:
+            depth = round(first.depth * errors.get(row.kind, 1.0))
+        if depth != first.depth:
             first = fit_of(family, first.layout, depth, budget=first.budget,
                            overhead=first.calibration)  # fmt: skip
         check = verify_capacity(
-            family, first, next_size=bigger, refine=bigger, steps=2, moves=moves
+            family, first, next_size=bigger, refine=bigger, steps=2, moves=moves, parallel=parallel
         )
         row.found, row.bigger, row.check = check.found, check.next_size, check
         row.minutes = (time.perf_counter() - start) / 60
+        row.load, row.commit = (load, os.getloadavg()[0]), _commit()
+        if bigger and check.found.fits:
+            errors[row.kind] = check.found.fit.depth / row.fit.depth
         print(f"  {check.describe()}  ({row.minutes:.1f} min)", flush=True)
+        done()
+
+
+def _commit() -> str:
+    """The code measured: this checkout's commit (+ "dirty" with changes not committed)."""
+    here = Path(__file__).resolve().parent
+
+    def git(*args: str) -> str:
+        run = subprocess.run(["git", *args], cwd=here, capture_output=True, text=True)
+        return run.stdout.strip()
+
+    return git("rev-parse", "--short", "HEAD") + (" dirty" if git("status", "--porcelain",
+                                                                   "src") else "")  # fmt: skip
 
 
 def sharded_check(budget: float, stages: tuple[int, ...]) -> str:
@@ -167,16 +196,22 @@ def rows_alone(
     budget: float,
     overhead: Calibration | None,
     starts: dict[tuple[str, str], int] | None = None,
+    kept: list[Row] = (),
+    parallel: int = 2,
 ) -> tuple[list[Row], str]:
     """A family's rows of ``stages`` and ``mode`` measured and refined on their own (at K=1
     "no-remat" is both gpipe's schedule and the best plain layout), calibrated unless
-    ``overhead`` is given (the tables' calibration: the same predictions to start from)."""
+    ``overhead`` is given (the tables' calibration: the same predictions to start from);
+    each starts from its prediction scaled by the error of ``kept``'s deepest exact row of
+    its kind below ``stages``."""
     start = time.perf_counter()
     family = families()[name]
     kind = MODES[mode]
     overhead = overhead or calibrate(family, processes=8)
     rows = search(family, budget, overhead, lambda r, k: r.split(",")[0] == kind and k == stages)
-    measure(family, rows, (stages,), (stages,), moves=16, starts=starts)
+    below = [r for r in kept if r.fit.layout.stages < stages]
+    measure(family, rows, (stages,), (stages,), moves=16, starts=starts, kept=below,
+            parallel=parallel)  # fmt: skip
     elapsed = time.perf_counter() - start
     return rows, "\n".join([
         f"{name}: {family.describe()}, {budget / MiB:.0f} MiB per process (calibrated: "
@@ -214,6 +249,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--predict-only", nargs="*", default=None, metavar="FAMILY",
         help="no measured runs (of these families; none named: all)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--parallel", type=int, default=2,
+        help="measured runs side by side (each K·R processes of up to --budget MiB)",
     )  # fmt: skip
     parser.add_argument("--k1", action="store_true", help="one process against plain PyTorch")
     parser.add_argument("--sharded", action="store_true", help="the sharded rows alone")
@@ -286,9 +325,7 @@ def main() -> None:
     else:
         for name, family in families().items():
             if not (args.load or (args.family and name not in args.family)):
-                results[name] = family_rows(name, family, budget, args)
-                if args.save:  # each family as it ends: a later family's failure loses nothing
-                    save(args.save, results, budget)
+                results[name] = family_rows(name, family, budget, args, results)
     text = results_doc(results)
     print(text)
     if args.out:
@@ -309,7 +346,8 @@ def rows_into(results: Results, args: argparse.Namespace, budget: float) -> bool
                  f" and a mode ({', '.join(MODES)})")  # fmt: skip
     kept = results.get(name)
     overhead = kept[0] if kept else _calibration(args.calibration)
-    rows, text = rows_alone(name, int(k), mode, budget, overhead, starts_of(args, name))
+    rows, text = rows_alone(name, int(k), mode, budget, overhead, starts_of(args, name),
+                            kept[1] if kept else [], args.parallel)  # fmt: skip
     print(text)
     if kept is None:
         if args.out:
@@ -327,19 +365,38 @@ def rows_into(results: Results, args: argparse.Namespace, budget: float) -> bool
 
 
 def family_rows(
-    name: str, family: Family, budget: float, args: argparse.Namespace
+    name: str, family: Family, budget: float, args: argparse.Namespace, results: Results
 ) -> tuple[Calibration, list[Row], float]:
-    """A family's rows: calibrated, searched and (unless --predict-only) measured."""
+    """A family's rows: calibrated, searched and (unless --predict-only) measured; with
+    ``--save``, ``results`` with the rows measured so far kept as each row ends (a run
+    stopped midway loses only its row)."""
     print(f"{family.describe()}:", flush=True)
     begun = time.perf_counter()
     overhead = _calibration(args.calibration) or calibrate(family, processes=8)
     print(f"  calibrated: {overhead}", flush=True)
     rows = search(family, budget, overhead, every)
+    print(f"  searched: {(time.perf_counter() - begun) / 60:.1f} min", flush=True)
+
+    def done(end: bool = False) -> None:
+        if args.save:
+            minutes = (time.perf_counter() - begun) / 60
+            kept = rows if end else [r for r in rows if r.found is not None]
+            save(args.save, {**results, name: (overhead, kept, minutes)}, budget)
+
     only = args.predict_only
     if only is None or (only and name not in only):
         measure(family, rows, tuple(args.next_size), tuple(args.measure_sharded),
-                starts=starts_of(args, name))  # fmt: skip
+                starts=starts_of(args, name), done=done, parallel=args.parallel)  # fmt: skip
+    done(end=True)
     return overhead, rows, (time.perf_counter() - begun) / 60
+
+
+def _when(row: Row) -> str:
+    """The load average a row ran at and its code, where kept."""
+    load = "–".join(f"{x:.0f}" for x in row.load)
+    said = [f"load {load}"] if load else []
+    said += [f"at {row.commit}"] if row.commit else []
+    return f" ({', '.join(said)})" if said else ""
 
 
 def results_doc(results: Results) -> str:
@@ -356,6 +413,10 @@ def results_doc(results: Results) -> str:
             "",
             *terms_table(rows),
             "",
+            "Each row's measured parameters against the K=1 layouts':",
+            "",
+            *ratios(rows),
+            "",
             "Targets:",
             "",
             *targets(rows),
@@ -366,10 +427,11 @@ def results_doc(results: Results) -> str:
             "",
         ]
     minutes = ", ".join(f"{name} {m:.1f} min" for name, (_, _, m) in results.items())
-    doc.append(f"Benchmark wall time: {minutes} on this machine.")
+    doc.append(f"Benchmark wall time: {minutes} on this machine (a family's run, or the sum "
+               "of its rows' where they were measured alone).")  # fmt: skip
     for name, (_, rows, _) in results.items():
-        each = "; ".join(f"K={r.fit.layout.stages} {r.kind} {r.minutes:.1f}" for r in rows
-                         if r.minutes)  # fmt: skip
+        each = "; ".join(f"K={r.fit.layout.stages} {r.kind} {r.minutes:.1f}{_when(r)}"
+                         for r in rows if r.minutes)  # fmt: skip
         if each:
             doc += ["", f"{name}, minutes per row (measured, refined, repeated): {each}."]
     return "\n".join(doc)

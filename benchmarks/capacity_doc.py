@@ -29,6 +29,8 @@ class Row:
     bigger: Measured | None = None  # its next size up, measured
     check: CapacityCheck | None = None  # the verification, repeats and scatter included
     minutes: float = 0.0  # the row's measuring, refinement and repeats included
+    load: tuple[float, ...] = ()  # the 1-minute load average as the row began and ended
+    commit: str = ""  # the code it was measured with
 
     @property
     def final(self) -> Fit:
@@ -50,10 +52,35 @@ class Row:
         return self.check is not None and self.check.exact
 
 
-def ratio(rows: list[Row], kind: str, k: int, other_kind: str, other_k: int) -> float:
-    a = next(r for r in rows if r.kind == kind and r.fit.layout.stages == k)
-    b = next(r for r in rows if r.kind == other_kind and r.fit.layout.stages == other_k)
-    return a.final.parameters / b.final.parameters
+def find(rows: list[Row], kind: str, k: int) -> Row | None:
+    return next((r for r in rows if r.kind == kind and r.fit.layout.stages == k), None)
+
+
+def ratio(rows: list[Row], kind: str, k: int, other_kind: str, other_k: int) -> float | None:
+    """Measured parameters of one row over another's (None: either is not in ``rows``)."""
+    a, b = find(rows, kind, k), find(rows, other_kind, other_k)
+    return None if a is None or b is None else a.final.parameters / b.final.parameters
+
+
+def _x(value: float | None) -> str:
+    return "–" if value is None else f"{value:.2f}x"
+
+
+def ratios(rows: list[Row]) -> list[str]:
+    """Each measured row's parameters over each K=1 layout's: gpipe's plain schedule
+    (naive-1), the best plain layout (1f1b: gradient accumulation), remat."""
+    bases = [("no remat, gpipe", "gpipe's plain K=1"), ("no remat", "best plain K=1"),
+             ("remat", "remat K=1")]  # fmt: skip
+    lines = [
+        "| K | mode | parameters | " + " | ".join(f"vs {w}" for _, w in bases) + " |",
+        "|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        k = row.fit.layout.stages
+        cells = [_x(ratio(rows, row.kind, k, kind, 1)) for kind, _ in bases]
+        lines.append(f"| {k} | {row.kind} | {row.final.parameters / 1e6:.2f} M | "
+                     + " | ".join(cells) + " |")  # fmt: skip
+    return lines
 
 
 def _mib(x: float) -> str:
@@ -96,9 +123,7 @@ def paper(rows: list[Row]) -> list[str]:
         "| largest model relative to K=1 with remat | no remat, K=1, gpipe's schedule (naive-1) "
         "| no remat, K=1, best plain layout | K=1 | K=2 | K=4 | K=8 |",
         "|---|---|---|---|---|---|---|",
-        "| gpipe (this table) | "
-        + " | ".join(f"{x:.2f}x" for x in (*naive, *ours.values()))
-        + " |",
+        "| gpipe (this table) | " + " | ".join(_x(x) for x in (*naive, *ours.values())) + " |",
     ]
     for name, sizes in PAPER.items():
         cells = [sizes["naive"] / sizes[1], 0] + [sizes.get(k, 0) / sizes[1] for k in STAGES]
@@ -140,20 +165,24 @@ def targets(rows: list[Row]) -> list[str]:
              "no remat": "the best plain layout (1f1b: gradient accumulation)"}  # fmt: skip
     for kind, words in plain.items():
         remat = ratio(rows, "remat", 1, kind, 1)
+        if remat is None:
+            continue
         lines.append(
             f"- remat at K=1 fits **{remat:.2f}x** the parameters of {words} (target >= "
             f"{TARGETS['remat']}): {'met' if remat >= TARGETS['remat'] else 'missed'}; remat "
-            f"at K=8 fits **{ratio(rows, 'remat', 8, kind, 1):.2f}x** it."
+            f"at K=8 fits **{_x(ratio(rows, 'remat', 8, kind, 1))}** it."
         )
-    stages = ratio(rows, "remat", 8, "remat", 1)
-    deepest = next(r for r in rows if r.kind == "remat" and r.fit.layout.stages == 8)
-    bound = "at least " if deepest.lower_bound else ""
-    lines.append(
-        f"- remat at K=8 fits **{bound}{stages:.2f}x** K=1 (target >= {TARGETS['stages']}): "
-        f"{'met' if stages >= TARGETS['stages'] else 'missed'}."
-    )
+    stages, deepest = ratio(rows, "remat", 8, "remat", 1), find(rows, "remat", 8)
+    if stages is not None:
+        bound = "at least " if deepest.lower_bound else ""
+        lines.append(
+            f"- remat at K=8 fits **{bound}{stages:.2f}x** K=1 (target >= {TARGETS['stages']}):"
+            f" {'met' if stages >= TARGETS['stages'] else 'missed'}."
+        )
     for k in SHARDED_STAGES:
         sharded = ratio(rows, "2 sharded replicas", k, "remat", k)
+        if sharded is None:
+            continue
         met = sharded >= TARGETS["sharded"]
         row = next(r for r in rows if r.kind == "2 sharded replicas" and r.fit.layout.stages == k)
         lines.append(

@@ -41,8 +41,9 @@ def _measured(m: Measured | None) -> dict[str, Any] | None:
 def _row(row: Row) -> dict[str, Any]:
     again = [_measured(m) for m in row.check.again] if row.check is not None else []
     found, bigger = _measured(row.found), _measured(row.bigger)
-    return {"kind": row.kind, "minutes": row.minutes, "predicted": _member(row.fit),
-            "found": found, "bigger": bigger, "again": again}  # fmt: skip
+    return {"kind": row.kind, "minutes": row.minutes, "load": list(row.load),
+            "commit": row.commit, "predicted": _member(row.fit), "found": found,
+            "bigger": bigger, "again": again}  # fmt: skip
 
 
 def save(path: Path, results: Results, budget: float) -> None:
@@ -80,7 +81,13 @@ def _unrow(data: dict[str, Any], fit: Callable[[dict], Fit]) -> Row:
         return Measured(fit(d), tuple(map(float, d["measured"])), int(d["steps"]),
                         str(d["note"]), tuple(map(float, d["before"])))  # fmt: skip
 
-    row = Row(str(data["kind"]), fit(data["predicted"]), minutes=float(data["minutes"]))
+    row = Row(
+        str(data["kind"]),
+        fit(data["predicted"]),
+        minutes=float(data["minutes"]),
+        load=tuple(map(float, data.get("load", ()))),
+        commit=str(data.get("commit", "")),
+    )
     row.found, row.bigger = measured(data["found"]), measured(data["bigger"])
     if row.found is not None:
         again = tuple(measured(d) for d in data["again"])

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import replace
+from functools import lru_cache
 from typing import Any
 
 from gpipe.base import remat
@@ -159,7 +160,7 @@ def capacity(
         raise ValueError(f"memory_budget must be a positive number of bytes, got {memory_budget!r}")
     calibration = _calibration(overhead)
     state = optimizer_state_of(optimizer)
-    costs = FamilyCosts(family)
+    costs = costs_of(family)
     candidates = capacity_layouts(
         family,
         processes,
@@ -252,6 +253,14 @@ def _largest(
     return _fit(at, high, budget, calibration)
 
 
+@lru_cache(maxsize=8)
+def costs_of(family: Family) -> FamilyCosts:
+    """The family's profiles, measured once per family and micro-batch size: a search, its
+    verification and a results file's rows ask for members of one family over and over
+    (each new :class:`FamilyCosts` profiled its small member again, seconds a call)."""
+    return FamilyCosts(family)
+
+
 def fit_of(
     family: Family,
     layout: Layout,
@@ -265,7 +274,7 @@ def fit_of(
     """``layout`` at ``depth``: its memory balance (or the given ``balance``) and predicted
     memory, whether it fits or not (then ``missing`` says by how much each stage does not)."""
     calibration = _calibration(overhead)
-    at = _LayoutCosts(FamilyCosts(family), layout, optimizer_state_of(optimizer),
+    at = _LayoutCosts(costs_of(family), layout, optimizer_state_of(optimizer),
                       calibration.per_stage_layer)  # fmt: skip
     return _fit(at, depth, budget, calibration, balance)
 

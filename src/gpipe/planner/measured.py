@@ -41,7 +41,7 @@ import functools
 import gc
 import os
 import resource
-from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -53,11 +53,12 @@ from gpipe.layout import Layout
 from gpipe.parallel import mesh
 from gpipe.parallel.launch import launch
 from gpipe.pipe import Pipe
+from gpipe.planner import verify_search
 from gpipe.planner.capacity import fit_of, optimizer_state_of
 from gpipe.planner.families import Family
 from gpipe.planner.results import Fit
 
-__all__ = ["CapacityCheck", "Measured", "measure_fit", "verify_capacity"]
+__all__ = ["CapacityCheck", "Measured", "measure_fit", "measure_fits", "verify_capacity"]
 
 
 @dataclass(frozen=True)
@@ -297,6 +298,7 @@ def verify_capacity(
     refine: bool = False,
     moves: int = 4,
     repeats: int = 2,
+    parallel: int = 1,
     timeout: float = 300.0,
 ) -> CapacityCheck:
     """Measure ``fit`` (a row of a capacity search) and, with ``next_size``, the same
@@ -306,67 +308,47 @@ def verify_capacity(
     peak between runs; ``exact`` then holds only where the next size up exceeds the budget
     by more than that scatter in every run (``depths`` says the range the runs decide).
 
-    ``refine``: the answer exact to one block, measured. From the prediction, the search
-    gallops (1, 2, 4, ... blocks down while it measures over the budget, up while within)
-    until a depth within and one over bracket the answer, then halves the bracket, until
-    the found depth fits and the next one does not: about 2·log2 of the prediction's error
-    in runs, at most ``moves`` after the first (``exact`` says whether it got there).
-    Where it ran out of moves, ``found`` is the deepest measured within the budget (or the
-    shallowest over it, if none fit) and ``next_size`` the shallowest deeper one measured,
-    which may still fit. The prediction is typically the answer or a few blocks off: the
-    model's error is a few MiB, a block of a small model, and deep stages add theirs up.
+    ``refine``: the answer exact to one block, measured, in at most ``moves`` runs after
+    the first two (``exact`` says whether it got there): each round measures two adjacent
+    depths aimed at the budget from the measured peaks (``gpipe.planner.verify_search``),
+    until the found depth fits and the next one does not. Where it ran out of moves,
+    ``found`` is the deepest measured within the budget (or the shallowest over it, if
+    none fit) and ``next_size`` the shallowest deeper one measured, which may still fit.
+
+    ``parallel``: runs measured at once (the two depths of a round, a round's repeats):
+    each process's peak is its own (``VmHWM``), so runs side by side measure what they
+    measure alone, in less time where one run leaves cores idle; each needs its K·R
+    processes' memory.
     """
 
-    def measure(depth: int) -> Measured:
-        row = fit_of(family, fit.layout, depth, optimizer=optimizer, budget=fit.budget,
-                     overhead=fit.calibration)  # fmt: skip
-        if depth == fit.depth:
-            row = fit
-        return measure_fit(family, row, optimizer=optimizer, steps=steps, timeout=timeout)
+    def measure(depths: list[int]) -> list[Measured]:
+        rows = [fit if d == fit.depth else fit_of(
+            family, fit.layout, d, optimizer=optimizer, budget=fit.budget,
+            overhead=fit.calibration) for d in depths]  # fmt: skip
+        return measure_fits(family, rows, optimizer=optimizer, steps=steps,
+                            timeout=timeout, parallel=parallel)  # fmt: skip
 
     if not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
-    found = measure(fit.depth)
-    if not (refine and found.ran):
-        bigger = measure(fit.depth + 1) if next_size else None
-        return _repeated(CapacityCheck(found, bigger, fit), measure, repeats)
-    found, bigger = _refined(found, measure, moves)
-    return _repeated(CapacityCheck(found, bigger, fit), measure, repeats)
+    first = measure([fit.depth, fit.depth + 1] if next_size else [fit.depth])
+    found, bigger = first[0], (first[1] if next_size else None)
+    if refine and found.ran:
+
+        def peak(depth: int) -> float:
+            return fit_of(family, fit.layout, depth, optimizer=optimizer, budget=fit.budget,
+                          overhead=fit.calibration).peak  # fmt: skip
+
+        found, bigger = verify_search.refine(first, measure, peak, moves)
+    check = CapacityCheck(found, bigger, fit)
+    depths = [m.fit.depth for m in (found, bigger) if m is not None and m.ran]
+    return replace(check, again=tuple(measure(depths * (repeats - 1))))
 
 
-def _refined(
-    first: Measured, measure: Callable[[int], Measured], moves: int
-) -> tuple[Measured, Measured | None]:
-    """From ``first``, the found depth and the next size up (see :func:`verify_capacity`'s
-    ``refine``): galloping, then halving the bracket, at most ``moves`` runs."""
-    measured = {first.fit.depth: first}
-    stride = 1
-    while moves > 0:
-        within = [d for d, m in measured.items() if m.fits]
-        over = [d for d, m in measured.items() if not m.fits]
-        if within and over:  # bracketed: halve it
-            low, high = max(within), min(over)
-            if high - low <= 1:
-                break
-            depth = (low + high) // 2
-        elif within:  # gallop up
-            depth, stride = max(within) + stride, stride * 2
-        else:  # gallop down
-            depth, stride = max(min(over) - stride, 1), stride * 2
-            if depth in measured:
-                break  # depth 1 is over the budget
-        measured[depth] = measure(depth)
-        moves -= 1
-    runs = sorted(measured.values(), key=lambda m: m.fit.depth)
-    if not any(m.fits for m in runs):  # nothing measured fits
-        return runs[0], (runs[1] if len(runs) > 1 else None)
-    found = [m for m in runs if m.fits][-1]
-    deeper = [m for m in runs if m.fit.depth > found.fit.depth]
-    return found, (deeper[0] if deeper else measure(found.fit.depth + 1))
-
-
-def _repeated(check: CapacityCheck, measure: Callable[[int], Measured], repeats: int):
-    """``check`` with its found depth and next size up run ``repeats`` times in all."""
-    depths = [m.fit.depth for m in (check.found, check.next_size) if m is not None and m.ran]
-    again = tuple(measure(d) for _ in range(repeats - 1) for d in depths)
-    return replace(check, again=again)
+def measure_fits(
+    family: Family, fits: list[Fit], *, parallel: int = 1, **options: Any
+) -> list[Measured]:
+    """:func:`measure_fit` of each of ``fits``, ``parallel`` at a time, in their order."""
+    if parallel <= 1 or len(fits) <= 1:
+        return [measure_fit(family, f, **options) for f in fits]
+    with started_with("return"), ThreadPoolExecutor(parallel) as pool:  # one environment
+        return list(pool.map(lambda f: measure_fit(family, f, **options), fits))
