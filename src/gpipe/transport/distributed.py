@@ -39,10 +39,10 @@ from gpipe.transport.peers import PeerTransport, _announced, said_in
 __all__ = ["DistributedTransport"]
 
 _NOTICE_BYTES = 4096
-# Tags: each transport built on a group takes its own range for its frames (a receive posted
-# ahead by one that is gone must not take another's), and one for notices to every peer
-# outside the sequences; the n-th the same on every rank (each builds its pipelines in order).
-_RANGE, _NOTICE_TAG = 1 << 20, 1 << 30
+# Tags: each transport built on a group takes its own range for its frames, above those a
+# user's own transfers take (a receive posted ahead must take no other's), and one for
+# notices to every peer outside the sequences; the n-th the same on every rank.
+_FRAMES, _RANGE, _NOTICE_TAG = 1 << 29, 1 << 20, 1 << 30
 _transports_built: dict[tuple[int, ...], int] = {}
 
 
@@ -129,7 +129,7 @@ class DistributedTransport(PeerTransport):
         members = tuple(self._dist.get_process_group_ranks(group))
         built = _transports_built.get(members, 0)
         _transports_built[members] = built + 1
-        self._notice_tag, self._tags = _NOTICE_TAG + built, built * _RANGE
+        self._notice_tag, self._tags = _NOTICE_TAG + built, _FRAMES + built * _RANGE
 
     # -- the order of frames on each wire ---------------------------------------------------
 
