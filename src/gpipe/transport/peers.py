@@ -24,9 +24,10 @@ __all__ = ["PeerTransport", "said_in"]
 class PeerTransport:
     """One rank of a pipeline spread over the processes of a ``torch.distributed`` group.
 
-    Subclasses move the messages between processes; this holds the rest: the order of
-    messages on each wire (``gpipe.schedule.comm_plan``), a mailbox for messages between
-    two stages of this rank, and the errors of a peer that failed, left or went silent.
+    Subclasses (the carriers) move the frames between processes; this holds the rest: each
+    pair's sequence of frames (``gpipe.transport.framing``), the step's rows, a mailbox for
+    messages between two stages of this rank, and the errors of a peer that failed, left
+    or went silent.
     """
 
     wire_device: torch.device  # where the group's collectives take tensors
@@ -59,7 +60,7 @@ class PeerTransport:
         self._incoming: dict[int, list[Any]] = {}
         self._outgoing: dict[int, list[Any]] = {}
         self._notices: dict[str, Any] | None = None  # a peer's failure, once noticed
-        self._sent: dict[int, int] = {}  # to each peer: messages of the step sent
+        self._sent: dict[int, int] = {}  # to each peer: frames of the step sent
         # What each message looked like last time, on both ends of its wire.
         self._sent_meta: dict[tuple, History] = {}
         self._recv_meta: dict[tuple, History] = {}

@@ -95,7 +95,7 @@ class _Inbound:
     parts: list[memoryview] = field(default_factory=list)  # what the frame fills, in order
     got: int = 0  # bytes of parts[0] filled
     on_full: Callable[[], None] | None = None  # what to do once the parts are full
-    position: int = 0  # of the next message from this peer
+    position: int = 0  # of the next frame from this peer
     arrived: dict[Message, Any] = field(default_factory=dict)
     rows: dict[int, list[bytes]] = field(default_factory=dict)  # heads, by kind, in order
     closed: BaseException | None = None
@@ -108,7 +108,7 @@ class _Inbound:
 class SocketTransport(PeerTransport):
     """Point-to-point transport between processes of one machine (see the module's
     docstring); built by ``gpipe.parallel.group`` where every rank's stages are on the CPU
-    of one host. Collectives stay on the process group, but for the step's agreement."""
+    of one host. Collectives stay on the process group, but for the step's rows."""
 
     kind = "sockets"  # what Pipe.transport says
     receive_ahead = True  # whatever a peer sends is taken as soon as the rank reads
