@@ -126,6 +126,7 @@ class DistributedTransport(PeerTransport):
         self._seed_ahead: _Posted | None = None  # the next step's seed row, posted
         self._works: list[tuple[Any, list[torch.Tensor]]] = []  # the step's sends
         self._abandoned: list[Any] = []  # a failed step's sends: alive while they may run
+        self._failed = False  # this rank announced a failure
         members = tuple(self._dist.get_process_group_ranks(group))
         built = _transports_built.get(members, 0)
         _transports_built[members] = built + 1
@@ -187,6 +188,12 @@ class DistributedTransport(PeerTransport):
         works, self._works = self._works, []
         for work, _ in works:
             work.wait(timeout=timedelta(seconds=self.timeout))
+
+    def all_gather_row(self, row: torch.Tensor) -> torch.Tensor:
+        rows = super().all_gather_row(row)
+        if not self._notices and not self._failed:  # every rank took all: none can wait
+            self.finish()  # here, so that a step refused after its agreement frees them too
+        return rows
 
     def _listen_for_notices(self) -> None:
         """Start, once, a thread that waits for a failure notice from any peer (a gloo
@@ -383,7 +390,7 @@ class DistributedTransport(PeerTransport):
         """Tell every peer: in place of the next frame of its sequence if it still expects
         one (then, unless this rank gave up, its agreement row follows), and outside the
         sequences to every peer (it may be waiting for another rank, or between steps)."""
-        text = notice(description)
+        self._failed, text = True, notice(description)
         for dst, sequence in self._outgoing.items():
             if self._sent.get(dst, 0) < len(sequence):
                 with contextlib.suppress(Exception):
