@@ -343,8 +343,7 @@ def leaves_after_its_last_row(rank, wait):
     ``wait`` s late, after rank 0 has read its last message; rank 0 reads that row only
     ``3 * wait`` s after sending its own, by when rank 1, done, has left. The loss (rank
     1's) and this rank's gradients by name."""
-    from gpipe.transport.framing import AGREEMENT
-    from gpipe.transport.sockets import _HEADER
+    from gpipe.transport.framing import AGREEMENT, read_head
 
     torch.set_num_threads(1)
     pipe = gpipe.Pipe(_leaving_model(), balance=[2, 2], chunks=2, group=dist.group.WORLD,
@@ -352,7 +351,7 @@ def leaves_after_its_last_row(rank, wait):
     transport, write = pipe._transport, pipe._transport._write
 
     def row_late(dst, parts):
-        row = _HEADER.unpack(parts[0])[0] == AGREEMENT
+        row = read_head(parts[0])[0] == AGREEMENT
         if row and rank == 1:
             time.sleep(wait)
         write(dst, parts)

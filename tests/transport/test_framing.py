@@ -6,7 +6,18 @@ import torch
 from torch.utils._pytree import tree_flatten, treespec_dumps
 
 from gpipe.transport.codec import encode
-from gpipe.transport.framing import ALIGN, History, TensorMeta, flatten, read_row, row_frame
+from gpipe.transport.framing import (
+    AGREEMENT,
+    ALIGN,
+    HEAD,
+    NOTICE,
+    History,
+    TensorMeta,
+    flatten,
+    head,
+    read_head,
+    row_of,
+)
 
 
 def test_a_packed_message_holds_every_dtype_and_shape_as_views():
@@ -28,8 +39,8 @@ def test_a_packed_message_holds_every_dtype_and_shape_as_views():
     history = History()
     history.update(encode((treespec_dumps(spec), described)))
     tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
-    packed = history.pack(0, tensors, torch.device("cpu"))
-    assert packed[:8].view(torch.int64).item() == 0
+    packed = history.pack(head(0, 7), tensors, torch.device("cpu"))
+    assert read_head(packed) == (0, 7, 0)
     buffer = packed.clone()
     unpacked = history.unpack(buffer)
     for original, received in zip(leaves, unpacked, strict=True):
@@ -39,7 +50,7 @@ def test_a_packed_message_holds_every_dtype_and_shape_as_views():
             assert (offset % ALIGN == 0 and received.data_ptr() % 16 == 0) or received.numel() == 0
         else:
             assert received == original
-    assert history.pack(-5, None, torch.device("cpu"))[:8].view(torch.int64).item() == -5
+    assert read_head(history.pack(head(NOTICE, 3, 5), None, torch.device("cpu"))) == (NOTICE, 3, 5)
 
 
 def test_flatten_and_rebuild_are_pytree_s_own_for_every_kind_of_value():
@@ -61,10 +72,11 @@ def test_flatten_and_rebuild_are_pytree_s_own_for_every_kind_of_value():
         assert type(rebuilt) is type(value) and tree_flatten(rebuilt)[1] == spec, value
 
 
-def test_a_row_frame_is_the_same_for_both_carriers_and_says_when_its_rank_gave_up():
-    """One frame for the step's rows (seed and agreement), whichever carrier moves it."""
+def test_a_row_travels_in_its_frame_s_head_the_same_on_both_carriers():
+    """The step's rows (seed and agreement) are frames of the one protocol: the row in the
+    head, nothing after it."""
     row = torch.tensor([1.5, -2.0, float("inf")], dtype=torch.float64)
-    frame = row_frame(row)
-    assert frame.dtype == torch.uint8 and frame.numel() == 8 + row.nbytes
-    assert torch.equal(read_row(frame, torch.empty_like(row)), row)
-    assert read_row(row_frame(row, gave_up=True), row) is None
+    frame = head(AGREEMENT, 9, 0, row)
+    assert len(frame) == HEAD and read_head(frame) == (AGREEMENT, 9, 0)
+    assert torch.equal(row_of(frame, torch.empty_like(row)), row)
+    assert torch.equal(row_of(torch.frombuffer(bytearray(frame), dtype=torch.uint8), row), row)

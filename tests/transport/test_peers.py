@@ -1,15 +1,17 @@
-"""What both carriers between processes share (``gpipe.transport.peers``): a message that
-cannot cross names itself on the sending side, a peer's notice that blames this rank says
-so in this rank's words, and gloo's and NCCL's error texts read in one place."""
+"""What both carriers between processes share (``gpipe.transport.peers``): each pair's
+sequence of frames, a message that cannot cross names itself on the sending side, a peer's
+notice that blames this rank says so in this rank's words, and gloo's and NCCL's error texts
+read in one place."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from gpipe.schedule.routes import Channel, Message
+from gpipe.schedule.builders import fill_drain
+from gpipe.schedule.routes import Channel, Message, Routes
 from gpipe.transport.codec import CodecError
-from gpipe.transport.framing import notice
+from gpipe.transport.framing import AGREEMENT, SEED, notice
 from gpipe.transport.peers import PeerTransport, said_in
 
 
@@ -54,3 +56,25 @@ def test_gloo_s_and_nccl_s_errors_read_as_their_first_line_and_whether_they_time
     text, first, timed_out
 ):
     assert said_in(RuntimeError(text)) == (first or text, timed_out)
+
+
+def test_each_pair_s_sequence_is_the_seed_row_the_messages_in_order_then_the_agreement_row():
+    """The one protocol's frames of a step, per pair of ranks (K=3, M=2): rank 0's seed row
+    first (to every peer, even one it sends no message), every rank's agreement row last."""
+    transport = PeerTransport.__new__(PeerTransport)
+    transport.schedule, transport.routes = fill_drain(3, 2), Routes(3)
+    act, grad = Channel.ACTIVATION, Channel.GRADIENT
+    for rank in range(3):
+        transport.rank = rank
+        incoming, outgoing = transport._sequences(training=True)
+        assert set(incoming) == set(outgoing) == {0, 1, 2} - {rank}
+        for peer in incoming:
+            assert incoming[peer][0] == SEED if peer == 0 else incoming[peer][0] != SEED
+            assert outgoing[peer][0] == SEED if rank == 0 else outgoing[peer][0] != SEED
+            assert incoming[peer][-1] == outgoing[peer][-1] == AGREEMENT
+    transport.rank = 1
+    incoming, outgoing = transport._sequences(training=True)
+    assert incoming[0] == [SEED, Message(act, 1, 0), Message(act, 1, 1), AGREEMENT]
+    assert incoming[2] == [Message(grad, 1, 1), Message(grad, 1, 0), AGREEMENT]
+    assert outgoing[0] == [Message(grad, 0, 1), Message(grad, 0, 0), AGREEMENT]
+    assert transport._sequences(training=False)[0][2] == [AGREEMENT]  # inference: no gradients

@@ -96,8 +96,8 @@ class StepAgreement:
         row each); a per-stage clip raises on every rank before any weight changes."""
         doing = f"checking the gradients of step {self.steps} before the optimizer step"
         row = torch.tensor(edit.row(), dtype=torch.float64)
-        # A collective, not the transport's rows: those are posted ahead for the next step's
-        # agreement, which this row (between two steps, of another length) must not take.
+        # A collective, not the transport's rows: those are frames of a step's sequences,
+        # and this row comes between two steps (and is of another length).
         operation = "the clip check (all-gather)"
         rows = self._collective(lambda: self.ops.all_gather(row, operation, doing=doing))
         check_edits(rows, describe=lambda rank: f"rank {rank}")

@@ -23,8 +23,8 @@ passes is safe for it too. A backend that runs a process's operations in issue o
 :mod:`gpipe.schedule.comm_plan`.
 
 A schedule with ``buffered_sends`` is checked under the model of gpipe's own transports
-instead: a send never blocks its rank (``gpipe.transport.sender`` waits for it on a
-thread), so only a cycle of ranks each waiting to *receive* deadlocks. The V schedules
+instead: a send never blocks its rank (``gpipe.transport.distributed`` waits for it
+at the step's end), so only a cycle of ranks each waiting to *receive* deadlocks. The V schedules
 need it: in their warm-up rank 0 sends forwards that rank 1 takes only after its own
 turn of the V, about 3K actions later, beyond any fixed ``recv_ahead``.
 """

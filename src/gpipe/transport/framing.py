@@ -1,10 +1,23 @@
-"""How one message looks on the wire: header, description, tensors (packed when stable); and
-a failure notice. Descriptions and notices are plain values (``gpipe.transport.codec``)."""
+"""The one wire protocol of both carriers between processes: every frame starts with a head
+of ``HEAD`` bytes (three little-endian int64: kind, position, size; then a row's bytes),
+in one sequence per pair of ranks that the schedule fixes:
+
+* ``SEED``: rank 0's row of the step's seed (first, from rank 0 only);
+* ``MESSAGE``: an activation or gradient; ``size`` bytes of description follow when it
+  differs from last time (``History``; 0: as last time), then its tensors;
+* ``AGREEMENT``: a rank's row of the end-of-step agreement (last);
+* ``NOTICE``: a failure, in place of the next frame; ``size`` bytes of notice text follow
+  (``notice``). Its agreement row is the next frame, unless the notice says it gave up.
+
+The position is the frame's index in its sequence (the process group's tag). Descriptions
+and notices are plain values (``gpipe.transport.codec``): nothing received is unpickled.
+"""
 
 from __future__ import annotations
 
 import functools
 import math
+import struct
 from typing import Any
 
 import torch
@@ -13,20 +26,39 @@ from torch.utils._pytree import tree_flatten, tree_unflatten, treespec_dumps, tr
 from gpipe.transport.codec import CodecError, TensorMeta, decode, encode
 
 __all__ = [
-    "AGREEMENT", "ALIGN", "HEADER", "NOTICE", "SEED", "History", "TensorMeta", "bytes_tensor",
-    "flatten", "notice", "read_notice", "read_row", "row_frame",
+    "AGREEMENT", "ALIGN", "HEAD", "MESSAGE", "NOTICE", "SEED", "History", "TensorMeta",
+    "bytes_tensor", "flatten", "head", "notice", "read_head", "read_notice", "row_of",
 ]  # fmt: skip
 
 ALIGN = 64  # bytes: a cache line, so that vectorized kernels see aligned tensors
-# A message's header, in int64s: the size of its description (0: as last time; negative: a
-# failure), and how many of the peer's messages of the step this rank has posted receives
-# for (``gpipe.transport.sender``).
-HEADER = 2
+HEAD = 128  # bytes of a frame's head: its three words, then room for a row
+MESSAGE, SEED, AGREEMENT, NOTICE = 0, 1, 2, 3
+_WORDS = struct.Struct("<qqq")
 _NOTICE_TEXT = 3000  # bytes of a failure notice's message (its start names the cause)
-# The frames outside a step's sequence of messages, by kind, on both carriers (the sockets
-# put it in a header's position, the process group in the tag): a failure notice, a rank's
-# row of the step's agreement (after its messages), rank 0's row of the seed (before them).
-NOTICE, AGREEMENT, SEED = -1, -2, -3
+
+
+def head(kind: int, position: int, size: int = 0, row: Any = None) -> bytes:
+    """A frame's head; ``row`` (a CPU tensor of at most ``HEAD - 24`` bytes) travels in it."""
+    words = _WORDS.pack(kind, position, size)
+    if row is None:
+        return words + bytes(HEAD - _WORDS.size)
+    data = row.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+    return words + data + bytes(HEAD - _WORDS.size - len(data))
+
+
+def read_head(data: Any) -> tuple[int, int, int]:
+    """(kind, position, size) of a head (bytes, or a CPU uint8 tensor)."""
+    if isinstance(data, torch.Tensor):
+        data = data[: _WORDS.size].numpy().tobytes()
+    return _WORDS.unpack_from(data)
+
+
+def row_of(data: Any, like: torch.Tensor) -> torch.Tensor:
+    """The row a head (bytes, or a CPU uint8 tensor) holds, shaped as ``like``."""
+    if isinstance(data, torch.Tensor):
+        data = data[:HEAD].numpy().tobytes()
+    raw = bytearray(data[_WORDS.size : _WORDS.size + like.nbytes])
+    return torch.frombuffer(raw, dtype=like.dtype).reshape(like.shape)
 
 
 class History:
@@ -96,11 +128,11 @@ class History:
     def layout(self) -> tuple[list[tuple[int, int]], int]:
         """Where a packed message puts each tensor: (offset, bytes) each, and the total.
 
-        The int64 header comes first, within the first ``ALIGN`` bytes; every part starts on
-        an ``ALIGN``-byte boundary, so each tensor can be a view of the packed bytes.
+        The head comes first (``HEAD`` bytes); every part starts on an ``ALIGN``-byte
+        boundary, so each tensor can be a view of the packed bytes.
         """
         if self._layout is None:
-            spans, offset = [], ALIGN
+            spans, offset = [], HEAD
             for d in self.decoded[1]:
                 if isinstance(d, TensorMeta):
                     size = math.prod(d.shape) * d.dtype.itemsize
@@ -110,13 +142,13 @@ class History:
         return self._layout
 
     def pack(
-        self, header: torch.Tensor, tensors: list[torch.Tensor] | None, device: torch.device
+        self, head: bytes, tensors: list[torch.Tensor] | None, device: torch.device
     ) -> torch.Tensor:
-        """Header (``HEADER`` int64s) and tensors (contiguous, as described last time) in one
-        byte buffer."""
+        """A frame's head and tensors (contiguous, as described last time) in one byte
+        buffer of the size the receiver posted."""
         spans, total = self.layout
         packed = torch.empty(total, dtype=torch.uint8, device=device)
-        packed[: 8 * HEADER].view(torch.int64).copy_(header)
+        packed[:HEAD].copy_(bytes_tensor(head, device))
         if tensors is not None:
             for tensor, (offset, size) in zip(tensors, spans, strict=True):
                 packed[offset : offset + size].copy_(tensor.reshape(-1).view(torch.uint8))
@@ -205,21 +237,6 @@ def read_notice(data: bytes | memoryview, rank: int | None, named: str) -> dict[
         return {"rank": rank, "message": f"{named} failed; its failure notice is not gpipe's "
                 f"wire format ({str(said)[:200]})"}  # fmt: skip
     return said
-
-
-def row_frame(row: torch.Tensor, gave_up: bool = False) -> torch.Tensor:
-    """A row on the wire: an int64 flag (1: its rank gave up, a notice says why), its bytes."""
-    frame = torch.empty(8 + row.nbytes, dtype=torch.uint8)
-    frame[:8].view(torch.int64).fill_(int(gave_up))
-    frame[8:].copy_(row.contiguous().view(-1).view(torch.uint8))
-    return frame
-
-
-def read_row(frame: torch.Tensor, like: torch.Tensor) -> torch.Tensor | None:
-    """The row a (CPU) frame holds, with ``like``'s dtype and shape; None: its rank gave up."""
-    if frame[:8].view(torch.int64).item():
-        return None
-    return frame[8:].view(like.dtype).reshape(like.shape)
 
 
 def bytes_tensor(data: bytes, device: torch.device) -> torch.Tensor:

@@ -1,9 +1,11 @@
-"""What every transport between processes shares: the ranks' names, the errors that name who
+"""What both carriers between processes share: each pair's sequence of frames
+(``gpipe.transport.framing``), the step's rows, the ranks' names, the errors that name who
 failed, failure notices once received, messages to this rank's own stages, tied copies."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -22,9 +24,10 @@ __all__ = ["PeerTransport", "said_in"]
 class PeerTransport:
     """One rank of a pipeline spread over the processes of a ``torch.distributed`` group.
 
-    Subclasses move the messages between processes; this holds the rest: the order of
-    messages on each wire (``gpipe.schedule.comm_plan``), a mailbox for messages between
-    two stages of this rank, and the errors of a peer that failed, left or went silent.
+    Subclasses (the carriers) move the frames between processes; this holds the rest: each
+    pair's sequence of frames (``gpipe.transport.framing``), the step's rows, a mailbox for
+    messages between two stages of this rank, and the errors of a peer that failed, left
+    or went silent.
     """
 
     wire_device: torch.device  # where the group's collectives take tensors
@@ -50,19 +53,28 @@ class PeerTransport:
         self._devices = devices  # device of each stage (meaningful for local stages)
         self._local_device = devices[schedule.stages_of(rank)[0]]
         self._mailbox: dict[Message, Any] = {}
-        self._plans = {
-            training: wire_order(schedule, self.routes, rank, training)
-            for training in (True, False)
-        }
+        self._plans = {training: self._sequences(training) for training in (True, False)}
         self._training = True
-        # Per peer, this step's messages in wire order: from it, and to it.
-        self._incoming: dict[int, list[Message]] = {}
-        self._outgoing: dict[int, list[Message]] = {}
+        # Per peer, this step's frames in wire order (messages, and the rows' kinds): from
+        # it, and to it.
+        self._incoming: dict[int, list[Any]] = {}
+        self._outgoing: dict[int, list[Any]] = {}
         self._notices: dict[str, Any] | None = None  # a peer's failure, once noticed
-        self._sent: dict[int, int] = {}  # to each peer: messages of the step sent
+        self._sent: dict[int, int] = {}  # to each peer: frames of the step sent
         # What each message looked like last time, on both ends of its wire.
         self._sent_meta: dict[tuple, History] = {}
         self._recv_meta: dict[tuple, History] = {}
+
+    def _sequences(self, training: bool) -> tuple[dict[int, list], dict[int, list]]:
+        """Per peer, the frames of a step from it and to it: rank 0's seed row first, the
+        schedule's messages in order, every rank's agreement row last."""
+        incoming, outgoing = wire_order(self.schedule, self.routes, self.rank, training)
+        peers = [p for p in range(self.schedule.num_ranks) if p != self.rank]
+        seed = [SEED] if self.rank == 0 else []
+        return (
+            {p: [*([SEED] if p == 0 else []), *incoming.get(p, []), AGREEMENT] for p in peers},
+            {p: [*seed, *outgoing.get(p, []), AGREEMENT] for p in peers},
+        )
 
     def _begin_plan(self, training: bool) -> None:
         self._training = training
@@ -110,35 +122,37 @@ class PeerTransport:
     def ready(self, message: Message) -> bool:
         return True  # receiving blocks until the message is here
 
-    # -- the step's rows (one frame, ``framing.row_frame``; each carrier moves it) -----------
+    # -- the step's rows: frames of the same sequences ------------------------------------
 
     def broadcast_row(self, row: torch.Tensor) -> torch.Tensor:
         """Rank 0's ``row`` (of one dtype and length on every rank): the step's seed, which
         rank 0 sends ahead of its messages without waiting for anyone. Raises
         ``TimeoutError`` when it is not in within the timeout, ``ConnectionError`` when
-        rank 0 left."""
+        rank 0 left or failed."""
         if self.rank == 0:
-            self._send_row(SEED, range(1, self.schedule.num_ranks), row)
+            for peer in self._outgoing:
+                self._send_row(peer, SEED, row)
             return row
-        return self._take_rows(SEED, [0], row)[0]
+        return self._take_row(0, SEED, row, time.monotonic() + self.timeout)
 
     def all_gather_row(self, row: torch.Tensor) -> torch.Tensor:
         """Every rank's ``row`` (of one dtype and length on every rank), stacked by rank:
         the step's agreement, sent after this rank's messages of the step and received
-        after the peers' (a rank that failed still sends its row, which says so). Raises
+        after the peers' (a rank that failed still sends its row, after its notice). Raises
         ``TimeoutError`` when a row is not in within the timeout, ``ConnectionError`` when
         its rank left, or gave up and will send none."""
-        peers = [p for p in range(self.schedule.num_ranks) if p != self.rank]
-        self._send_row(AGREEMENT, peers, row)
-        rows = dict(zip(peers, self._take_rows(AGREEMENT, peers, row), strict=True))
-        return torch.stack([rows.get(r, row) for r in range(len(peers) + 1)])
+        for peer in self._outgoing:
+            self._send_row(peer, AGREEMENT, row)
+        deadline = time.monotonic() + self.timeout
+        rows = {p: self._take_row(p, AGREEMENT, row, deadline) for p in self._incoming}
+        return torch.stack([rows.get(r, row) for r in range(self.schedule.num_ranks)])
 
-    def _send_row(self, kind: int, peers: Iterable[int], row: torch.Tensor) -> None:
-        """``row``'s frame, of ``kind`` (``SEED`` or ``AGREEMENT``), to each of ``peers``."""
+    def _send_row(self, dst: int, kind: int, row: torch.Tensor) -> None:
+        """``row``'s frame of ``kind`` (``SEED`` or ``AGREEMENT``) to ``dst``."""
         raise NotImplementedError
 
-    def _take_rows(self, kind: int, peers: list[int], like: torch.Tensor) -> list[torch.Tensor]:
-        """Each of ``peers``' row of ``kind``, shaped as ``like``, within the timeout."""
+    def _take_row(self, src: int, kind: int, like: torch.Tensor, deadline: float) -> torch.Tensor:
+        """``src``'s row of ``kind``, shaped as ``like``, by ``deadline``."""
         raise NotImplementedError
 
     # -- failures ---------------------------------------------------------------------------

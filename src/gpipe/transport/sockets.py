@@ -4,14 +4,11 @@ On one host with CPU stages, a Unix socket carries a message in one ``sendmsg`` 
 wake-up of the receiver, no thread in between, where gloo takes a rendezvous over TCP
 loopback and its own thread per message (the numbers: ``docs/benchmarks.md``).
 
-Each pair of ranks holds one connected socket (:func:`connect`). A message is a header
-(``struct`` ``<qq``: its position in the sender's sequence to this peer, the size of its
-description), its description when it changed (``gpipe.transport.framing.History``, so
-shapes may change from step to step), then each tensor's bytes, received straight into the
-tensor that will hold it. A negative size announces a failure; the description that
-follows says what failed. The step's own rows travel the same wires (``framing.row_frame``,
-the kind as the position): rank 0's row of the step's seed ahead of its messages of the step,
-and every rank's row of the end-of-step agreement after its messages.
+Each pair of ranks holds one connected socket (``gpipe.transport.handshake``), which carries
+the frames of the one wire protocol (``gpipe.transport.framing``) in their sequence: a
+message is its head, its description when it changed (shapes may change from step to
+step), then each tensor's bytes, received straight into the tensor that will hold it; the
+step's rows travel in their heads; a notice's text follows its head.
 
 Sends never wait on the peer's progress: a message goes into the socket's kernel buffer.
 When the buffer is full (a large activation), the sender keeps reading whatever every
@@ -27,9 +24,8 @@ from __future__ import annotations
 import contextlib
 import select
 import socket
-import struct
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,14 +33,22 @@ import torch
 
 from gpipe.base.errors import PipelineError
 from gpipe.schedule.routes import Message, Routes
-from gpipe.transport import framing
-from gpipe.transport.framing import History, notice
+from gpipe.transport.framing import (
+    AGREEMENT,
+    HEAD,
+    MESSAGE,
+    NOTICE,
+    History,
+    head,
+    notice,
+    read_head,
+    row_of,
+)
 from gpipe.transport.inquest import REMEDY
 from gpipe.transport.peers import PeerTransport
 
 __all__ = ["SocketTransport"]
 
-_HEADER = struct.Struct("<qq")  # position in the sender's sequence to this peer; description size
 _MAX_PARTS = 512  # buffers per sendmsg call (the system's limit is 1024)
 _READ = select.POLLIN | select.POLLPRI | select.POLLHUP | select.POLLERR
 _GONE = select.POLLHUP | select.POLLERR  # reported whatever the poll watches for
@@ -87,13 +91,13 @@ class _Inbound:
     """What has come in from one peer: the frame being read, and messages complete."""
 
     link: socket.socket
-    header: bytearray = field(default_factory=lambda: bytearray(_HEADER.size))
+    header: bytearray = field(default_factory=lambda: bytearray(HEAD))
     parts: list[memoryview] = field(default_factory=list)  # what the frame fills, in order
     got: int = 0  # bytes of parts[0] filled
     on_full: Callable[[], None] | None = None  # what to do once the parts are full
-    position: int = 0  # of the next message from this peer
+    position: int = 0  # of the next frame from this peer
     arrived: dict[Message, Any] = field(default_factory=dict)
-    rows: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # by kind, in order
+    rows: dict[int, list[bytes]] = field(default_factory=dict)  # heads, by kind, in order
     closed: BaseException | None = None
     # From its row of a step's agreement until this rank begins the next step, the peer's
     # next message belongs to that step: it stays in the socket (rows and notices are read).
@@ -104,7 +108,7 @@ class _Inbound:
 class SocketTransport(PeerTransport):
     """Point-to-point transport between processes of one machine (see the module's
     docstring); built by ``gpipe.parallel.group`` where every rank's stages are on the CPU
-    of one host. Collectives stay on the process group, but for the step's agreement."""
+    of one host. Collectives stay on the process group, but for the step's rows."""
 
     kind = "sockets"  # what Pipe.transport says
     receive_ahead = True  # whatever a peer sends is taken as soon as the rank reads
@@ -173,9 +177,13 @@ class SocketTransport(PeerTransport):
         dst = self.schedule.stage_to_rank[message.stage]
         history, meta, size, tensors = self._described(dst, message, value)
         payload = [_bytes_of(t) for t in tensors]
-        header = _HEADER.pack(self._sent[dst], size)
-        self._write(dst, [memoryview(header), *([memoryview(meta)] if size else []), *payload])
+        frame = head(MESSAGE, self._sent[dst], size)
+        self._write(dst, [memoryview(frame), *([memoryview(meta)] if size else []), *payload])
         history.update(meta)
+        self._sent[dst] += 1
+
+    def _send_row(self, dst: int, kind: int, row: torch.Tensor) -> None:
+        self._write(dst, [memoryview(head(kind, self._sent[dst], 0, row))])
         self._sent[dst] += 1
 
     def _write(self, dst: int, parts: list[memoryview]) -> None:
@@ -269,7 +277,7 @@ class SocketTransport(PeerTransport):
         inbound = self._inbound[peer]
         link = inbound.link
         while True:
-            if inbound.hold and _idle(inbound) and not self._row_or_notice_next(peer):
+            if inbound.hold and _idle(inbound) and not self._notice_next(peer):
                 return
             part = inbound.parts[0]
             try:
@@ -295,26 +303,28 @@ class SocketTransport(PeerTransport):
 
     def _header_in(self, peer: int) -> None:
         inbound = self._inbound[peer]
-        position, size = _HEADER.unpack(inbound.header)
-        if size < 0:  # a failure: what it says, then raise it
-            meta = bytearray(-size)
+        kind, position, size = read_head(inbound.header)
+        if kind == NOTICE:  # a failure: what it says, then raise it
+            meta = bytearray(size)
             inbound.parts = [memoryview(meta)]
             inbound.on_full = lambda: self._noticed(peer, meta)
             return
-        if position in (framing.AGREEMENT, framing.SEED):
-            row = torch.empty(size, dtype=torch.uint8)
-            inbound.parts = [_bytes_of(row)]
-            inbound.on_full = lambda: self._row_in(peer, row, position)
+        if kind != MESSAGE:  # a row
+            inbound.rows.setdefault(kind, []).append(bytes(inbound.header))
+            inbound.position += 1
+            inbound.hold = kind == AGREEMENT  # its frames of this step are all in
+            self._expect_header(peer)
             return
         incoming = self._incoming.get(peer, [])
-        if position != inbound.position or position >= len(incoming):
+        expected = position == inbound.position and position < len(incoming)
+        message = incoming[position] if expected else None
+        if not isinstance(message, Message):
             raise PipelineError(
                 f"rank {self.rank} received message {position} of this step from rank {peer} "
                 f"where it expected message {inbound.position} of {len(incoming)}: the ranks "
                 "run different schedules; build every rank's Pipe with the same arguments",
                 rank=peer,
             )
-        message = incoming[position]
         history = self._recv_meta.setdefault(self._key(peer, message), History())
         if size == 0:
             if history.last is None:
@@ -351,63 +361,49 @@ class SocketTransport(PeerTransport):
         if not self._exchanging or self._notices.get("gave_up"):
             super().check_notices()
 
-    def _row_in(self, peer: int, row: torch.Tensor, kind: int) -> None:
-        inbound = self._inbound[peer]
-        inbound.rows.setdefault(kind, []).append(row)
-        if kind == framing.AGREEMENT:
-            inbound.hold = True  # its messages of this step are all in
-        self._expect_header(peer)
-
-    def _row_or_notice_next(self, peer: int) -> bool:
-        """While holding ``peer``'s next message: whether a row or a notice comes first (then
-        read it). A message, left where it is, is not polled for until the next step."""
+    def _notice_next(self, peer: int) -> bool:
+        """While holding ``peer``'s next frame (its step's are all in): whether it is a
+        notice (then read it). Another, left where it is, is not polled for until the next
+        step."""
         inbound = self._inbound[peer]
         try:
-            head = inbound.link.recv(_HEADER.size, socket.MSG_PEEK)
+            peeked = inbound.link.recv(HEAD, socket.MSG_PEEK)
         except BlockingIOError:
             return False
         except OSError as error:
             raise _PeerLost(peer, error) from error
-        if not head:
+        if not peeked:
             raise _PeerLost(peer, ConnectionResetError("the connection was closed"))
-        if len(head) < _HEADER.size:
-            return False  # the rest of the header is on its way
-        position, size = _HEADER.unpack(head)
-        if position == framing.AGREEMENT or size < 0:
+        if len(peeked) < 24:
+            return False  # the rest of the head is on its way
+        if read_head(peeked)[0] == NOTICE:
             return True
         self._watch(peer, 0)
         return False
 
     # -- the step's rows --------------------------------------------------------------------
 
-    def _send_row(self, kind: int, peers: Iterable[int], row: torch.Tensor) -> None:
-        frame = framing.row_frame(row)
-        for peer in peers:
-            self._write(peer, [memoryview(_HEADER.pack(kind, frame.nbytes)), _bytes_of(frame)])
-
-    def _take_rows(self, kind: int, peers: list[int], like: torch.Tensor) -> list[torch.Tensor]:
-        """Read until each of ``peers``' row of ``kind`` is in (one ``sendmsg`` per peer
-        instead of a gloo collective's rendezvous). A failure notice that comes while the
+    def _take_row(self, src: int, kind: int, like: torch.Tensor, deadline: float) -> torch.Tensor:
+        """Read until ``src``'s row of ``kind`` is in. A failure notice that comes while the
         agreement is gathered is kept, not raised: a rank that failed still sends its row."""
-        deadline = time.monotonic() + self.timeout
-        self._exchanging = kind == framing.AGREEMENT
+        self._exchanging = kind == AGREEMENT
+        inbound = self._inbound[src]
         try:
-            while missing := [p for p in peers if not self._inbound[p].rows.get(kind)]:
-                for peer in missing:
-                    self._pump(peer)
-                    inbound = self._inbound[peer]
-                    if not inbound.rows.get(kind) and inbound.closed is not None:
-                        raise _PeerLost(peer, inbound.closed)
+            while not inbound.rows.get(kind):
+                self._pump(src)
+                if inbound.rows.get(kind):
+                    break
+                if inbound.closed is not None:
+                    raise _PeerLost(src, inbound.closed)
                 if self._exchanging and self.peer_gave_up():
                     raise ConnectionError(self._notices["message"])
-                arrived = any(self._inbound[p].rows.get(kind) for p in missing)
-                if not arrived and not self._wait_for(deadline):
+                if not self._wait_for(deadline):
                     raise TimeoutError("timed out")
         except _PeerLost as lost:
             raise ConnectionError(f"rank {self._global(lost.peer)}: {lost}") from lost
         finally:
             self._exchanging = False
-        return [framing.read_row(self._inbound[p].rows[kind].pop(0), like) for p in peers]
+        return row_of(inbound.rows[kind].pop(0), like)
 
     # -- failures ---------------------------------------------------------------------------
 
@@ -415,7 +411,7 @@ class SocketTransport(PeerTransport):
         """Tell every peer (each may be waiting on this rank, directly or not), after the
         rest of any frame a failure interrupted; for at most a second."""
         text = notice(description)
-        frame = [memoryview(_HEADER.pack(framing.NOTICE, -len(text))), memoryview(text)]
+        frame = [memoryview(head(NOTICE, -1, len(text))), memoryview(text)]
         deadline = time.monotonic() + min(1.0, self.timeout)
         for peer, link in self._links.items():
             parts = [*self._unsent.pop(peer, []), *frame]
