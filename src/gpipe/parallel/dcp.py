@@ -38,6 +38,7 @@ from torch.distributed.checkpoint import metadata as md
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.tensor import DTensor
 
 from gpipe.parallel import dcp_metadata as dm
 from gpipe.parallel.dcp_metadata import DcpFailure, Refused
@@ -62,16 +63,18 @@ def _failures_named() -> Iterator[None]:
         raise DcpFailure(causes) from None
 
 
-def save(state: dict[str, Any], folder: str | Path) -> None:
+def save(state: dict[str, Any], folder: str | Path, *, replica: int = 0) -> None:
     """Write this process's part of a checkpoint, ``state`` (nested dicts of tensors and
     small objects), into ``folder``: its files and its part of the metadata, ``__R.metadata``
     for its rank R. Once every process has written, one calls :func:`merge`.
 
     Without DCP's collectives, which pickle the plans and results they exchange, so that a
-    rank would unpickle what its peers send. A tensor several processes hold alike (equal
-    replicas) is the callers' to write once.
+    rank would unpickle what its peers send. Replicas hold equal tensors: only the first
+    (``replica`` 0) writes them, the others their own ``DTensor`` shards alone.
     """
     rank = dist.get_rank() if dist.is_initialized() else 0
+    if replica > 0:
+        state = _shards_of(state) or {}
     try:
         with _alone_is_meant(), _failures_named():
             dcp.save(state, storage_writer=_PartWriter(str(folder), rank), no_dist=True)
@@ -79,6 +82,16 @@ def save(state: dict[str, Any], folder: str | Path) -> None:
         if isinstance(error, DcpFailure):
             raise
         raise DcpFailure(f"rank {rank}: {type(error).__name__}: {error}") from None
+
+
+def _shards_of(tree: Any) -> Any:
+    """The ``DTensor`` shards of nested dicts, the rest dropped."""
+    if isinstance(tree, DTensor):
+        return tree
+    if isinstance(tree, dict):
+        kept = {key: _shards_of(value) for key, value in tree.items()}
+        return {key: value for key, value in kept.items() if value is not None} or None
+    return None
 
 
 class _PartWriter(dcp.FileSystemWriter):

@@ -18,12 +18,19 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from gpipe.planner.measured import Measured
+from typing import Any, Protocol
 
 __all__ = ["refine"]
+
+
+class Measured(Protocol):
+    """What the search reads of a :class:`gpipe.planner.measured.Measured` run (which
+    imports this module)."""
+
+    fit: Any  # its Fit: the depth run and the budget
+    fits: bool
+    peak: float
+
 
 SPAN = 8  # blocks over which the prediction's slope is taken
 

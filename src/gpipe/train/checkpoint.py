@@ -56,7 +56,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from gpipe.parallel import dcp
 from gpipe.train.run_folder import CHECKPOINTS, STEPS, fsync_folder, step_folder, write_file
@@ -149,18 +148,15 @@ def write(
     """Write this process's part of a checkpoint into ``folder`` with DCP: its ``model``
     tensors by whole-model name (``DTensor`` shards as such), its ``optimizer`` state by
     name (``gpipe.train.optimizer_state``) and ``rng``, ``{pipeline rank: torch's random
-    state}``. Every process of the job calls it, then :func:`commit` once all have. Replicas
-    hold equal tensors: only the first (``replica`` 0) writes them, the others their own
-    shards alone."""
+    state}``. Every process of the job calls it, then :func:`commit` once all have; what a
+    ``replica`` other than the first writes: :func:`gpipe.parallel.dcp.save`."""
     state: dict[str, Any] = {"model": dict(model)}
     if optimizer is not None:
         state["optimizer"] = _optimizer_as_saved(optimizer)
     if rng:
         state["rng"] = {str(rank): value for rank, value in rng.items()}
-    if replica > 0:
-        state = _shards_of(state) or {}
     try:
-        dcp.save(state, folder)
+        dcp.save(state, folder, replica=replica)
     except dcp.DcpFailure as error:
         raise CheckpointError(f"cannot write the checkpoint in {folder}: {error}") from None
 
@@ -374,16 +370,6 @@ def load(
 # -- the optimizer state (by name: gpipe.train.optimizer_state) as DCP keys -------------------
 # optimizer.state.{name}.{what}, optimizer.param_groups.{group}.{hyperparameter} and
 # optimizer.group_of.{name}: the group of each parameter, groups keyed by their "name".
-
-
-def _shards_of(tree: Any) -> Any:
-    """The ``DTensor`` shards of nested dicts, the rest dropped."""
-    if isinstance(tree, DTensor):
-        return tree
-    if isinstance(tree, Mapping):
-        kept = {key: _shards_of(value) for key, value in tree.items()}
-        return {key: value for key, value in kept.items() if value is not None} or None
-    return None
 
 
 def _optimizer_as_saved(optimizer: Mapping[str, Any]) -> dict[str, Any]:
