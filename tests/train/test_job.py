@@ -3,7 +3,9 @@ failure, and two runs into one folder are refused."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
 
@@ -36,15 +38,18 @@ def test_two_runs_into_one_folder_are_refused(cache, in_process, tmp_path):
          "--data", str(text), "--steps", "3000", "--save-every", "0", "--progress", "lines",
          "--out", str(out)],
         env={**os.environ, "GPIPE_CACHE_DIR": str(cache), "PYTHONPATH": str(SRC)},
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
     )  # fmt: skip
     try:
-        for line in first.stdout:
-            if line.startswith("step "):
-                break
+        # Its rank's first line (the run's header) comes after the folder is claimed. Stopped,
+        # it holds the folder as a running one does, without taking a core from the second
+        # run for its steps (its ranks are in its process group).
+        assert first.stdout.readline().startswith("gpipe train: "), first.stderr.read()
+        os.killpg(first.pid, signal.SIGSTOP)
         second = in_process("train", "--size", "tiny", "--data", str(text), "--out", str(out))
         assert second.returncode == 2
         assert "is in use by another run" in second.stderr
     finally:
-        first.kill()
+        with contextlib.suppress(ProcessLookupError):  # it failed before its first step
+            os.killpg(first.pid, signal.SIGKILL)
         first.wait()
