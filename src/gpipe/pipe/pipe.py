@@ -148,7 +148,14 @@ class Pipe(ModelNames, nn.Module):
         )  # fmt: skip
         self.layout: Layout = config.layout
         self.balance, self.devices, self.schedule = config.balance, config.devices, config.schedule
+        recorded = config.factory is not None
         self._assemble(config, tied, deferred_batch_norm, init_seed, data_parallel_group)
+        if recorded:
+            # The record of the whole model and its other layers (on meta) go now, with the
+            # last reference to them (this frame's); the pages they held go back, so that no
+            # process keeps a cost per layer of the whole model.
+            del config
+            allocator.trim()
         self.last_trace: list[TimedAction] = []
         # Across processes torch's own clip sees one stage: gpipe notices it (clipping.py).
         self._watch = GradientWatch(self._ranks.check_edit) if self.rank is not None else None
@@ -172,11 +179,6 @@ class Pipe(ModelNames, nn.Module):
         )  # fmt: skip
         self._transport, self._runtime = wiring.transport, wiring.runtime
         self._reducer, self._sharded = wiring.reducer, wiring.sharded
-        if config.factory is not None:
-            # The record of the whole model and its other layers (on meta) go now; the pages
-            # they held go back, so that no process keeps a cost per layer of the whole model.
-            del config, placed, wiring
-            allocator.trim()
 
     @classmethod
     def from_model(
