@@ -90,8 +90,8 @@ class DistributedTransport(PeerTransport):
       pipeline's transfers.
 
     Sends never block the runtime and are not waited for one by one: their works and
-    buffers are kept until the step ends (:meth:`finish`, after the agreement, when every
-    rank has received all and none can wait), as ``torch.distributed.pipelining`` does.
+    buffers are kept until done (seen at the next send) or the step ends (:meth:`finish`,
+    after the agreement, when every rank has received all and none can wait).
     """
 
     kind = "group"  # what Pipe.transport says
@@ -254,6 +254,16 @@ class DistributedTransport(PeerTransport):
         except RuntimeError as error:  # gloo: "Connection closed by peer"
             raise self._left(error, dst, "send to") from error
         self._works += [(work, frames + payload) for work in works]
+        self._release_sent()
+
+    def _release_sent(self) -> None:
+        """Let go of the sends already done, oldest first: kept to the step's end, a stage's
+        sent activations would stay beside the inputs it keeps (all M of them, on GPU too)."""
+        works, done = self._works, 0
+        while done < len(works) and works[done][0].is_completed():
+            works[done][0].wait()  # at once; so the backend lets go of it here, not later
+            done += 1
+        del works[:done]
 
     def _p2p(self, ops: list[tuple[Callable, torch.Tensor, Any]], peer: int, position: int) -> list:
         """Post sends or receives (``dist.isend``/``dist.irecv``, tensor, group) of the frame
