@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import pickle
+import warnings
 
 import pytest
 import torch
@@ -106,3 +107,16 @@ def test_processes_save_one_checkpoint_and_none_reads_a_peers_pickle(tmp_path):
         for name, tensor in written[rank].items():
             assert torch.equal(loaded.model[name], tensor)
     assert (folder / "__2_0.distcp").stat().st_size < (folder / "__0_0.distcp").stat().st_size
+
+
+def test_a_rank_writing_after_rank_0_is_not_warned_of_an_existing_checkpoint(tmp_path):
+    """Each rank writes its part into one folder; DCP's check looks at rank 0's part."""
+    from torch.distributed import checkpoint as torch_dcp
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # meant
+        warnings.filterwarnings("error", message="Detected an existing checkpoint")
+        for rank in (0, 1):  # what save() does in rank R
+            writer = gpipe_dcp._PartWriter(str(tmp_path), rank)
+            torch_dcp.save({f"t{rank}": torch.ones(2)}, storage_writer=writer, no_dist=True)
+    assert sorted(p.name for p in tmp_path.glob("__*.metadata")) == ["__0.metadata", "__1.metadata"]

@@ -104,6 +104,11 @@ class _PartWriter(dcp.FileSystemWriter):
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         super().set_up_storage_writer(is_coordinator, rank=self._rank, use_collectives=False)
 
+    def _metadata_exists(self) -> bool:
+        # DCP looks for rank 0's part, which a faster rank 0 has just written ("Detected an
+        # existing checkpoint ... overwriting"): what this writer would replace is its own.
+        return (Path(self.path) / f"__{self._rank}{METADATA}").exists()
+
 
 def merge(folder: str | Path) -> None:
     """The one ``.metadata`` in ``folder`` from every process's part, each read as data: the
