@@ -48,19 +48,21 @@ __all__ = ["METADATA", "DcpFailure", "Reader", "Refused", "merge", "read_metadat
 METADATA = ".metadata"  # DCP's global metadata file, written last by the coordinator
 
 
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
 @contextlib.contextmanager
 def _failures_named() -> Iterator[None]:
+    """DCP's failure as a :class:`DcpFailure` naming this process's rank (DCP runs here in
+    one process alone, as its rank 0: one failure)."""
     try:
         yield
     except CheckpointException as error:
-        ours = [exc for exc, _trace in error.failures.values() if isinstance(exc, DcpFailure)]
-        if len(error.failures) == 1 and ours:  # one of ours already says it all
-            raise ours[0] from None
-        causes = "; ".join(
-            f"rank {rank}: {type(exc).__name__}: {exc}"
-            for rank, (exc, _trace) in sorted(error.failures.items())
-        )
-        raise DcpFailure(causes) from None
+        ((exc, _trace),) = error.failures.values()
+        if isinstance(exc, DcpFailure):  # one of ours already says it all
+            raise exc from None
+        raise DcpFailure(f"rank {_rank()}: {type(exc).__name__}: {exc}") from None
 
 
 def save(state: dict[str, Any], folder: str | Path, *, replica: int = 0) -> None:
@@ -72,16 +74,10 @@ def save(state: dict[str, Any], folder: str | Path, *, replica: int = 0) -> None
     rank would unpickle what its peers send. Replicas hold equal tensors: only the first
     (``replica`` 0) writes them, the others their own ``DTensor`` shards alone.
     """
-    rank = dist.get_rank() if dist.is_initialized() else 0
     if replica > 0:
         state = _shards_of(state) or {}
-    try:
-        with _alone_is_meant(), _failures_named():
-            dcp.save(state, storage_writer=_PartWriter(str(folder), rank), no_dist=True)
-    except (OSError, RuntimeError, ValueError) as error:
-        if isinstance(error, DcpFailure):
-            raise
-        raise DcpFailure(f"rank {rank}: {type(error).__name__}: {error}") from None
+    with _alone_is_meant(), _failures_named():
+        dcp.save(state, storage_writer=_PartWriter(str(folder), _rank()), no_dist=True)
 
 
 def _shards_of(tree: Any) -> Any:
