@@ -4,10 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
-
 import gpipe.train.run_folder as run_folder
-from gpipe.train.run_folder import write_file, write_folder
 
 
 def test_a_step_names_its_checkpoint_folder():
@@ -36,21 +33,3 @@ def test_the_files_a_run_writes_are_named_once():
     assert len(set(run_folder.FILES)) == len(run_folder.FILES)
     assert {run_folder.CONFIG, run_folder.OPTIONS, run_folder.METRICS} <= set(run_folder.FILES)
     assert run_folder.CHECKPOINTS not in run_folder.FILES  # a folder, with best/
-
-
-def test_write_file_leaves_nothing_when_the_writing_fails(tmp_path):
-    def fail(file):
-        file.write(b"half")
-        raise OSError("disk full")
-
-    with pytest.raises(OSError, match="disk full"):
-        write_file(tmp_path / "x.pt", fail)
-    assert list(tmp_path.iterdir()) == []
-
-
-def test_write_folder_puts_the_new_folder_in_place_of_the_old(tmp_path):
-    out = tmp_path / "model"
-    for text in ("first", "second"):
-        write_folder(out, lambda into, text=text: (into / "weights").write_text(text))
-        assert (out / "weights").read_text() == text
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]  # nothing aside, no tmp

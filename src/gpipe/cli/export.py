@@ -30,9 +30,10 @@ from pathlib import Path
 import torch
 
 import gpipe.train.checkpoint as ckpt
+from gpipe.base.files import write_file, write_folder
 from gpipe.train.checkpoint_integrity import problems
 from gpipe.train.outputs import EXPORT_RECORD, OutputError, export_problem
-from gpipe.train.run_folder import export_target, write_file, write_folder
+from gpipe.train.run_folder import export_target
 
 __all__ = ["configure", "export", "run"]
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import pickle
 import re
 import warnings
@@ -40,6 +39,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.tensor import DTensor
 
+from gpipe.base.files import write_file
 from gpipe.parallel import dcp_metadata as dm
 from gpipe.parallel.dcp_metadata import DcpFailure, Refused
 
@@ -133,12 +133,8 @@ def merge(folder: str | Path) -> None:
             merged.storage_data.setdefault(index, info)
         for key, place in (got.planner_data or {}).items():
             merged.planner_data.setdefault(key, place)
-    tmp = folder / f"{METADATA}.tmp"
-    with open(tmp, "wb") as file:  # written here, read back only as data (dcp_metadata)
-        pickle.dump(merged, file)
-        file.flush()
-        os.fsync(file.fileno())
-    os.replace(tmp, folder / METADATA)
+    # written here, read back only as data (dcp_metadata)
+    write_file(folder / METADATA, lambda file: pickle.dump(merged, file))
     for part in parts:
         part.unlink()
 

@@ -57,8 +57,9 @@ from typing import Any
 
 import torch
 
+from gpipe.base.files import fsync_folder, write_file
 from gpipe.parallel import dcp
-from gpipe.train.run_folder import CHECKPOINTS, STEPS, fsync_folder, step_folder, write_file
+from gpipe.train.run_folder import CHECKPOINTS, STEPS, step_folder
 
 __all__ = [
     "CheckpointError",

@@ -6,7 +6,7 @@ back as options of ``gpipe train``) or a checkpoint; ``--out`` takes such a fold
 one (or makes it), nothing else: a model's folder holds a ``config.json`` too. An export goes
 anywhere but into a checkpoint or over a run's own files, and replaces only an export (its
 record: the ``.json`` beside the weights, ``gpipe-export.json`` in a ``save_pretrained``
-folder), unless forced; every file whole or not at all (``gpipe.train.run_folder.write_file``)::
+folder), unless forced; every file whole or not at all (``gpipe.base.files.write_file``)::
 
     problems = run_folder_problems("runs/x")        # [] or one line
 """
@@ -19,17 +19,9 @@ import shutil
 from pathlib import Path
 
 import gpipe.train.config_file as config_file
+from gpipe.base.files import write_file, write_folder
 from gpipe.train.checkpoint import LATEST, MANIFEST
-from gpipe.train.run_folder import (
-    BEST,
-    BEST_RECORD,
-    CHECKPOINTS,
-    FILES,
-    STEPS,
-    TENSORBOARD,
-    write_file,
-    write_folder,
-)
+from gpipe.train.run_folder import BEST, BEST_RECORD, CHECKPOINTS, FILES, STEPS, TENSORBOARD
 
 __all__ = [
     "EXPORT_RECORD",

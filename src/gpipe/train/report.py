@@ -13,9 +13,10 @@ from pathlib import Path
 from typing import Any
 
 from gpipe.base._utils import MiB
+from gpipe.base.files import write_file
 from gpipe.schedule.simulate import simulate
 from gpipe.train.config import TrainConfig
-from gpipe.train.run_folder import FILES, TENSORBOARD, write_file
+from gpipe.train.run_folder import FILES, TENSORBOARD
 
 __all__ = [
     "Metrics",

@@ -11,7 +11,6 @@ DatasetDict's ``validation``), or a fixed share of the documents (``--val-fracti
 from __future__ import annotations
 
 import hashlib
-import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +18,7 @@ from typing import Any
 
 import torch
 
+from gpipe.base.files import write_file
 from gpipe.train.data import Documents, cache_dir, digits, is_validation, stdlib_files
 from gpipe.train.texts import Texts, hold_out, read_texts
 from gpipe.train.tokenizers import Tokenizer, describe, load
@@ -129,10 +129,9 @@ class TextData:
                 pass
         split = self._tokenize()
         cached.parent.mkdir(parents=True, exist_ok=True)
-        temporary = cached.with_name(f"{cached.name}.tmp-{os.getpid()}")
-        torch.save({"train": _tensors(split.train), "val": _tensors(split.val),
-                    "description": split.description}, temporary)  # fmt: skip
-        os.replace(temporary, cached)
+        tokens = {"train": _tensors(split.train), "val": _tensors(split.val),
+                  "description": split.description}  # fmt: skip
+        write_file(cached, lambda file: torch.save(tokens, file))
         return split
 
     def _tokenize(self) -> TokenSplit:
