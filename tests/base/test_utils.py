@@ -1,4 +1,5 @@
-"""gpipe.base._utils: moving a stage boundary, a step's gradients set aside, and its one read."""
+"""gpipe.base._utils: moving a stage boundary, an input kept from a layer that writes it,
+a step's gradients set aside, and its one read."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from gpipe.base._utils import (
     poison,
     read_verdict,
     restore_gradients,
+    run_keeping_input,
     seconds,
     set_aside_gradients,
     storage_key,
@@ -35,6 +37,28 @@ def test_a_boundarys_tensors_and_their_copies_as_a_stages_inputs():
     same = to_device(a * 2, CPU, differentiable=True)
     assert same.grad_fn is not None  # the user's input keeps its graph
     assert storage_key(a[1:]) == storage_key(a)  # views share their memory
+
+
+def test_an_input_is_kept_from_a_function_that_writes_it():
+    x = {"a": torch.ones(3), "b": 2}
+    out, writes = run_keeping_input(lambda v, k: v["a"].mul_(k), x, 5.0, writes=None)
+    assert writes and torch.equal(out, torch.full((3,), 5.0))
+    assert torch.equal(x["a"], torch.ones(3))  # ran on a copy, and will again
+    out, writes = run_keeping_input(lambda v, k: v["a"].mul_(k), x, 5.0, writes=writes)
+    assert writes and torch.equal(x["a"], torch.ones(3))
+    leaf = torch.ones(3, requires_grad=True)  # autograd would refuse the write itself
+    out, writes = run_keeping_input(torch.relu_, leaf, writes=None)
+    assert writes and out.grad_fn is not None
+
+
+def test_an_unwritten_input_is_learned_once_then_used_as_it_is():
+    x = torch.ones(3)
+    with torch.enable_grad():
+        out, writes = run_keeping_input(torch.exp, x, writes=None, share=True)
+    assert writes is False and torch.equal(out, torch.exp(x))
+    seen = []
+    out, writes = run_keeping_input(seen.append, x, writes=writes)
+    assert writes is False and seen[0] is x  # known: no copy any more
 
 
 def test_earlier_gradients_are_set_aside_added_back_or_restored():

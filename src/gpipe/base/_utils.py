@@ -1,9 +1,9 @@
-"""Small helpers every layer uses: tensors of a nested value, device moves, byte sizes,
-gradients set aside during a step."""
+"""Small helpers every layer uses: tensors of a nested value (copied, or kept from a layer
+that writes its input), device moves, byte sizes, gradients set aside during a step."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,6 +14,7 @@ __all__ = [
     "MiB",
     "DeviceLike",
     "add_earlier_gradients",
+    "copied",
     "Verdict",
     "first_nonfinite",
     "read_verdict",
@@ -22,6 +23,7 @@ __all__ = [
     "norm_part",
     "poison",
     "restore_gradients",
+    "run_keeping_input",
     "seconds",
     "set_aside_gradients",
     "storage_key",
@@ -39,6 +41,31 @@ def tensors_of(value: Any) -> list[torch.Tensor]:
     if isinstance(value, torch.Tensor):  # the common boundary, without pytree's walk
         return [value]
     return [leaf for leaf in tree_flatten(value)[0] if isinstance(leaf, torch.Tensor)]
+
+
+def copied(value: Any) -> Any:
+    """``value`` with every tensor cloned (its own storage)."""
+    return tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, value)
+
+
+def run_keeping_input(
+    fn: Callable[..., Any], x: Any, *args: Any, writes: bool | None, share: bool = False
+) -> tuple[Any, bool]:
+    """``fn(x, *args)``, on a copy of ``x`` if ``fn`` writes its input (``ReLU(inplace=True)``:
+    a recomputation would see the change; autograd refuses it on a leaf), and whether it does:
+    ``writes`` as found before, or None: learned here from the copy's version counters. With
+    ``share`` an input found unwritten takes the copy's memory (autograd may have saved it)."""
+    if writes is False:
+        return fn(x, *args), False
+    copy = copied(x)
+    versions = [t._version for t in tensors_of(copy)]
+    out = fn(copy, *args)
+    if writes is None:
+        writes = [t._version for t in tensors_of(copy)] != versions
+        if not writes and share and torch.is_grad_enabled():
+            for original, same in zip(tensors_of(x), tensors_of(copy), strict=True):
+                original.data = same.detach()
+    return out, writes
 
 
 def to_device(

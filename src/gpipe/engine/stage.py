@@ -39,7 +39,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from gpipe.base import rng
-from gpipe.base._utils import tensors_of
+from gpipe.base._utils import run_keeping_input, tensors_of
 from gpipe.base.remat import recomputing, replaying
 from gpipe.engine.loss import ForeignParameters, LossSpec, check_loss, compute_loss
 from gpipe.engine.skip import SkipError, StageSkips, tracking
@@ -49,7 +49,7 @@ from gpipe.engine.state import ModuleState, SavedState, running_stats_frozen
 if TYPE_CHECKING:
     from gpipe.engine.memory import ActivationMeter
 
-__all__ = ["Stage", "copied", "detached"]
+__all__ = ["Stage", "detached"]
 
 
 @dataclass
@@ -189,26 +189,13 @@ class Stage:
         *,
         share: bool = False,
     ) -> Any:
-        """The layers (of ``group``) on ``x``, or on a copy when they write their input.
-
-        A layer that changes its input in place (``x.sub_(m)``, ``ReLU(inplace=True)``) must
-        not change what is kept: a recomputation would see the changed value, the caller's
-        batch (micro-batches are views of it) would change, and autograd forbids writing to a
-        leaf that requires grad. The first run learns it from the copy's version counters;
-        with ``share`` an input found unwritten then shares the copy's memory (autograd may
-        have saved the copy; the two are equal), so that the copy costs nothing.
-        """
+        """The layers (of ``group``) on ``x``, or on a copy when they write their input."""
         writes = self._writes_input.get(group)
-        if writes is False:
+        if writes is False:  # the common case, without a call more
             return self._run(x, microbatch, seed, replay, group)
-        copy = copied(x)
-        versions = [t._version for t in tensors_of(copy)]
-        out = self._run(copy, microbatch, seed, replay, group)
-        if writes is None:
-            writes = self._writes_input[group] = [t._version for t in tensors_of(copy)] != versions
-            if not writes and share and torch.is_grad_enabled():
-                for original, same in zip(tensors_of(x), tensors_of(copy), strict=True):
-                    original.data = same.detach()
+        out, self._writes_input[group] = run_keeping_input(
+            self._run, x, microbatch, seed, replay, group, writes=writes, share=share
+        )
         return out
 
     def _outputs_and_loss(
@@ -424,11 +411,6 @@ def _differentiable(outputs: list[torch.Tensor], grads: Sequence) -> tuple[list,
         (t, g) for t, g in zip(outputs, grads, strict=True) if t.requires_grad and g is not None
     ]
     return [t for t, _ in pairs], [g for _, g in pairs]
-
-
-def copied(value: Any) -> Any:
-    """``value`` with every tensor cloned (its own storage)."""
-    return tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, value)
 
 
 def detached(value: Any, needs_grad: Callable[[torch.Tensor], bool]) -> Any:

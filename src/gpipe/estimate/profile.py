@@ -49,10 +49,18 @@ import torch
 from torch import nn
 
 from gpipe.base import microbatch, rng
-from gpipe.base._utils import DeviceLike, storage_key, synchronize, tensors_of, to_device
+from gpipe.base._utils import (
+    DeviceLike,
+    copied,
+    run_keeping_input,
+    storage_key,
+    synchronize,
+    tensors_of,
+    to_device,
+)
 from gpipe.engine.memory import ActivationMeter
 from gpipe.engine.split_backward import backward_input, backward_weight
-from gpipe.engine.stage import copied, detached
+from gpipe.engine.stage import detached
 
 __all__ = ["LayerProfile", "Profile", "profile"]
 
@@ -320,20 +328,12 @@ class _LayerRun:
         self.inputs = [t for t in tensors_of(x) if t.requires_grad]
         self.times: list[tuple[float, float, float, float]] = []
         self.memory: dict[str, int] = {}
-        self.on_copy = False  # the layer writes its input (ReLU(inplace=True)): run on a copy
+        self.writes: bool | None = None  # does the layer write its input (not known yet)
 
     def run(self) -> tuple[Any, list[torch.Tensor], list[torch.Tensor | None]]:
         """Forward with autograd; the tensors backward starts from, and their gradients.
-        A layer that writes its input runs on a copy, as a stage runs it (autograd refuses
-        an in-place write to the leaf that stands for the input here)."""
-        x = copied(self.x) if self.on_copy else self.x
-        try:
-            out = self.layer(x)
-        except RuntimeError as error:
-            if self.on_copy or "in-place operation" not in str(error):
-                raise
-            self.on_copy = True
-            return self.run()
+        A layer that writes its input runs on a copy, as a stage runs it."""
+        out, self.writes = run_keeping_input(self.layer, self.x, writes=self.writes, share=True)
         if self.loss is not None:
             value = self.loss[1](out, self.loss[0])
             return out, ([value] if value.requires_grad else []), [None]
