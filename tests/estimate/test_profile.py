@@ -50,6 +50,11 @@ def test_every_layer_is_measured_with_its_bytes():
         assert lay.backward_input >= 0 and lay.backward_weight >= 0
     assert first.backward_input < first.backward  # the model's input needs no gradient
     assert "fwd ms" in prof.table()
+    sizes = Profile.sizes_of(model)  # the same names and bytes, nothing run
+    assert [(lay.name, lay.param_bytes) for lay in sizes.layers] == [
+        (lay.name, lay.param_bytes) for lay in prof.layers
+    ]
+    assert sum(lay.forward + lay.saved_bytes for lay in sizes.layers) == 0
 
 
 def test_profiling_leaves_the_model_and_generators_alone():

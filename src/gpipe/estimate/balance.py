@@ -36,7 +36,7 @@ from gpipe.estimate.memory_model import (
     StageMemoryTable,
     held_microbatches,
 )
-from gpipe.estimate.profile import LayerProfile, Profile, profile
+from gpipe.estimate.profile import Profile, profile
 from gpipe.estimate.ranges import prefix_sums, spans
 from gpipe.layout import Layout
 from gpipe.schedule import Schedule
@@ -289,7 +289,7 @@ def balance_by_size(
     if sample is None:
         if not isinstance(model, nn.Sequential) or len(model) == 0:
             raise TypeError(f"balance_by_size takes a non-empty nn.Sequential, got {model!r}")
-        prof = _parameters_only(model)
+        prof = Profile.sizes_of(model)
     else:
         prof = profile(model, sample, device, target=target, loss_fn=loss_fn, repeats=1, warmup=0)
     plan = (stages, chunks, checkpoint, schedule, virtual_stages, memory_budget, optimizer_state)
@@ -302,26 +302,3 @@ def _balanced(prof, by, stages, chunks, checkpoint, schedule, v, budget, state) 
     return balance_profile(prof, stages=stages, by=by, chunks=chunks, checkpoint=checkpoint,
                            schedule=schedule, virtual_stages=v, memory_budget=budget,
                            memory=memory).balance  # fmt: skip
-
-
-def _parameters_only(model: nn.Sequential) -> Profile:
-    layers = []
-    for name, layer in model._modules.items():
-        assert layer is not None
-        params = {id(p): p.numel() * p.element_size() for p in layer.parameters()}
-        buffers = {id(b): b.numel() * b.element_size() for b in layer.buffers()}
-        layers.append(
-            LayerProfile(
-                name=f"{name} ({type(layer).__name__})",
-                forward=0.0,
-                backward=0.0,
-                backward_input=0.0,
-                backward_weight=0.0,
-                param_bytes=sum(params.values()),
-                buffer_bytes=sum(buffers.values()),
-                input_bytes=0,
-                output_bytes=0,
-                saved_bytes=0,
-            )
-        )
-    return Profile(tuple(layers), None, "none")

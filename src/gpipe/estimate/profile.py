@@ -185,6 +185,15 @@ class Profile:
             )
         return cls(tuple(layers), batch_size, "synthetic")
 
+    @classmethod
+    def sizes_of(cls, model: nn.Sequential) -> Profile:
+        """Each layer's parameter and buffer bytes, nothing run (times and activations 0):
+        :func:`~gpipe.estimate.balance.balance_by_size` without a sample."""
+        unrun = dict.fromkeys(["forward", "backward", "backward_input", "backward_weight"], 0.0)
+        unrun |= dict.fromkeys(["input_bytes", "output_bytes", "saved_bytes"], 0)
+        layers = [LayerProfile(**_sizes(*named), **unrun) for named in model._modules.items()]
+        return cls(tuple(layers), None, "none")
+
     def table(self) -> str:
         """A text table, one row per layer (ms and MiB)."""
         mib = 2**20
@@ -245,7 +254,7 @@ def profile(
         runs = []
         for i, (name, layer) in enumerate(zip(names, model, strict=True)):
             loss = (target, loss_fn) if i == len(model) - 1 and loss_fn is not None else None
-            run = _LayerRun(f"{name} ({type(layer).__name__})", layer, x, device, loss, sync)
+            run = _LayerRun(name, layer, x, device, loss, sync)
             x = run.measure_memory()
             runs.append(run)
         # ... then timing in rounds over all layers, so that a slow spell of a shared
@@ -303,9 +312,18 @@ def _saved_part(meter: ActivationMeter, tensors: Sequence[torch.Tensor]) -> int:
     return total
 
 
-def _unique_bytes(tensors: Sequence[torch.Tensor]) -> int:
-    unique = {id(t): t.numel() * t.element_size() for t in tensors}
-    return sum(unique.values())
+def _sizes(name: str, layer: nn.Module) -> dict[str, Any]:
+    """A layer's name in a profile (``3 (Block)``) and its parameters' and buffers' bytes (a
+    tensor it holds twice counted once)."""
+    params, buffers = (
+        sum({id(t): t.numel() * t.element_size() for t in tensors}.values())
+        for tensors in (layer.parameters(), layer.buffers())
+    )
+    return {
+        "name": f"{name} ({type(layer).__name__})",
+        "param_bytes": params,
+        "buffer_bytes": buffers,
+    }
 
 
 class _LayerRun:
@@ -412,13 +430,11 @@ class _LayerRun:
             statistics.median(t) for t in zip(*self.times, strict=True)
         )
         return LayerProfile(
-            name=self.name,
+            **_sizes(self.name, self.original),
             forward=forward,
             backward=backward,
             backward_input=b_input,
             backward_weight=b_weight,
-            param_bytes=_unique_bytes(list(self.original.parameters())),
-            buffer_bytes=_unique_bytes(list(self.original.buffers())),
             **self.memory,
         )
 
