@@ -119,9 +119,9 @@ def faulty_backward(rank, stages, fault_stage, at, schedule, checkpoint, timeout
     return _outcome(lambda: pipe.step(torch.randn(8, 8), torch.randn(8, 8), F.mse_loss))
 
 
-def _outcome(call, start: float | None = None) -> dict:
+def _outcome(call, start: float | None = None, pace: float = 0.0) -> dict:
     """What ``call()`` raised (type, message, the rank it names) and the seconds it took,
-    counted from ``start`` (default: now)."""
+    counted from ``start`` (default: now); ``pace``: ``_paced``'s measure of the load."""
     start = time.monotonic() if start is None else start
     try:
         call()
@@ -132,8 +132,30 @@ def _outcome(call, start: float | None = None) -> dict:
             "rank": getattr(error, "rank", None),
             "seconds": time.monotonic() - start,
             "pipeline_error": isinstance(error, PipelineError),
+            "pace": pace,
         }
-    return {"type": None, "seconds": time.monotonic() - start}
+    return {"type": None, "seconds": time.monotonic() - start, "pace": pace}
+
+
+def late(outcome: dict, timeout: float) -> float:
+    """The latest a rank waiting on a stalled one may raise: the timeout, its grace and its
+    notice (``grace``: at most the timeout + 5 s), plus twice the good step's seconds on this
+    rank (the load) up to one grace more, so that a second wait (``_long_stall``) still shows."""
+    from gpipe.transport.inquest import grace
+
+    return timeout + 5 + min(2 * outcome["pace"], grace(timeout))
+
+
+def _paced(good_step) -> float:
+    """Run the good step before a fault, then wait for every rank (the job's timeout): the
+    timed part starts together however loaded the machine, so no rank's short timeout runs
+    out on a peer still busy with the good step. Returns the step's seconds: this machine's
+    load, measured in the same test, that bounds of the timed part may allow for."""
+    began = time.monotonic()
+    good_step()
+    pace = time.monotonic() - began
+    dist.barrier()
+    return pace
 
 
 DISAGREEMENT_TIMEOUT = 20.0
@@ -219,21 +241,20 @@ def stalled(rank, before, how, timeout, folder, out=None, who=1):
         config = resolve(options, world_size=2)
         _together()
         trainer = Trainer(rank, config)
-        trainer.train_step(1)
+        pace = _paced(lambda: trainer.train_step(1))
         call = lambda: trainer.save(1)  # noqa: E731
     else:
         model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
         _together()
         pipe = gpipe.Pipe(model, balance=[2, 1], chunks=2, group=dist.group.WORLD, timeout=timeout)
         x, y = torch.randn(4, 8), torch.randn(4, 8)
-        pipe.step(x, y, F.mse_loss)
-        pipe.clip_grad_norm_(1.0)
+        pace = _paced(lambda: (pipe.step(x, y, F.mse_loss), pipe.clip_grad_norm_(1.0)))
         call = (lambda: pipe.step(x, y, F.mse_loss)) if before == "step" else (
             lambda: pipe.clip_grad_norm_(1.0)
         )  # fmt: skip
     if rank == who:
-        return _outcome(call, start=_stall_or_die(how, timeout, folder))
-    outcome = _outcome(call)
+        return _outcome(call, start=_stall_or_die(how, timeout, folder), pace=pace)
+    outcome = _outcome(call, pace=pace)
     (Path(folder) / str(rank)).touch()
     return outcome
 
@@ -252,7 +273,7 @@ def data_parallel_stalled(rank, timeout, folder):
     pipe = gpipe.Pipe(model, balance=[2, 1], chunks=2, group=mesh.get_group("pp"),
                       data_parallel_group=mesh.get_group("dp"), timeout=timeout)  # fmt: skip
     x, y = torch.randn(4, 8), torch.randn(4, 8)
-    pipe.step(x, y, F.mse_loss)
+    _paced(lambda: pipe.step(x, y, F.mse_loss))
     if rank == 3:
         _stall(folder, 3, timeout + 3)
         return _outcome(lambda: pipe.step(x, y, F.mse_loss))
@@ -270,13 +291,14 @@ def _alive_until_all_have_raised(folder: str, rank: int, ranks: int, longest: fl
         time.sleep(0.05)
 
 
-def _together(*, shard: bool = False) -> None:
+def _together() -> None:
     """Wait for every rank (the job's own timeout, not the short one under test) before a
     Pipe is built: its configuration check is the first wait the short timeout bounds, and
-    under load one rank's build (or sharding's first import, ~0.7 s of CPU) came to it more
-    than those few seconds after the others, which then raised there, not at the fault."""
-    if shard:
-        import torch.distributed.fsdp  # noqa: F401
+    under load one rank's build came to it more than those few seconds after the others,
+    which then raised there, not at the fault. The build's first imports (torch's dynamo,
+    sympy and FSDP: 0.5-1 s of CPU, the build's 0.02 s without them) are done before it."""
+    import torch._dynamo
+    import torch.distributed.fsdp  # noqa: F401
 
     dist.barrier()
 
@@ -297,11 +319,11 @@ def sharded_faulty(rank, fault_rank, at, schedule, shard, timeout, folder):
         layers[3] = fault if rank == fault_rank and fault_rank % 2 == 1 else layers[3]
         return nn.Sequential(*layers)
 
-    _together(shard=True)
+    _together()
     pipe = gpipe.Pipe(factory, balance=[2, 2], chunks=4, group=mesh.pp, timeout=timeout,
                       data_parallel_group=mesh.dp, shard=shard, schedule=schedule)  # fmt: skip
     x, y = torch.randn(8, 8), torch.randn(8, 8)
-    pipe.step(x, y, F.mse_loss)
+    _paced(lambda: pipe.step(x, y, F.mse_loss))
     fault.calls, fault.at = 0, at
     outcome = _outcome(lambda: pipe.step(x, y, F.mse_loss))
     _alive_until_all_have_raised(folder, rank, 4, longest=2 * timeout + 5)
@@ -359,9 +381,9 @@ def stalled_two_hops(rank, timeout, folder):
     pipe = gpipe.Pipe(factory, balance=[2, 2, 2], chunks=2, group=dist.group.WORLD,
                       timeout=timeout)  # fmt: skip
     x, y = torch.randn(4, 8), torch.randn(4, 8)
-    pipe.step(x, y, F.mse_loss)
+    pace = _paced(lambda: pipe.step(x, y, F.mse_loss))
     stall.calls, stall.at = 0, 1  # the first forward of the next step
-    outcome = _outcome(lambda: pipe.step(x, y, F.mse_loss))
+    outcome = _outcome(lambda: pipe.step(x, y, F.mse_loss), pace=pace)
     _alive_until_all_have_raised(folder, rank, 3, longest=3 * timeout + 10)
     return outcome
 
@@ -382,15 +404,15 @@ def data_parallel_fault(rank, how, shard, timeout, folder):
             layers[3] = fault
         return nn.Sequential(*layers)
 
-    _together(shard=shard)
+    _together()
     pipe = gpipe.Pipe(factory, balance=[2, 2], chunks=2, group=mesh.pp, timeout=timeout,
                       data_parallel_group=mesh.dp, shard="params" if shard else None)  # fmt: skip
     x, y = torch.randn(4, 8), torch.randn(4, 8)
-    pipe.step(x, y, F.mse_loss)
+    pace = _paced(lambda: pipe.step(x, y, F.mse_loss))
     start = None
     if rank == 3 and how == "stall":
         _stall(folder, 3, _long_stall(timeout))
         start = time.monotonic()
-    outcome = _outcome(lambda: pipe.step(x, y, F.mse_loss), start=start)
+    outcome = _outcome(lambda: pipe.step(x, y, F.mse_loss), start=start, pace=pace)
     _alive_until_all_have_raised(folder, rank, 4, longest=3 * timeout + 10)
     return outcome
