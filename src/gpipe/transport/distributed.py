@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from gpipe.transport.framing import HEAD, read_head
+from gpipe.transport.framing import HEAD, join, read_head
 
 __all__ = ["GroupCarrier"]
 
@@ -53,12 +53,14 @@ class GroupCarrier:
     def post(
         self, sends: bool, peer: int, position: int, tensors: list[torch.Tensor], data=False
     ) -> list[Any]:
-        """Post sends (or receives) of ``tensors`` of the frame at ``position`` with group rank
-        ``peer`` (``data``: tensors of a message, else its head or description). One
+        """Post sends (or receives) of ``tensors`` (a list: the parts of one) of the frame at
+        ``position`` with group rank ``peer`` (``data``: tensors of a message, else its head
+        or description). One
         operation, or any number on gloo, goes straight to the process group
         (``torch.distributed``'s wrappers cost more than gloo's own posting for small
         messages); several on NCCL are coalesced into one group call."""
         dist, tag = self._dist, self._tags + position
+        tensors = [join(t) if isinstance(t, list) else t for t in tensors]  # a packed message
         group = self.group if data else self._meta_group
         if len(tensors) == 1 or self._direct:
             move = group.send if sends else group.recv

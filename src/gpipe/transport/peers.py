@@ -98,7 +98,6 @@ class PeerTransport(Failures):
         self.wire_device = carrier.wire_device  # where the group's collectives take tensors
         self.receive_ahead = carrier.receive_ahead
         self._devices = devices  # device of each stage (meaningful for local stages)
-        self._local_device = devices[schedule.stages_of(rank)[0]]
         self._mailbox: dict[Message, Any] = {}  # messages between two stages of this rank
         self._plans = {training: self._sequences(training) for training in (True, False)}
         # NCCL: where each receive is posted; ahead: where a burst's receives are.
@@ -265,7 +264,7 @@ class PeerTransport(Failures):
         payload = payload or []
         if history is not None and history.stable:
             whole = kind == MESSAGE and size == 0
-            frames = [history.pack(frame, payload if whole else None, self._local_device)]
+            frames = [history.parts(frame, payload if whole else None)]  # one transfer
             payload = [] if whole else payload
         else:
             frames = [bytes_tensor(frame, self.carrier.meta_device)]
@@ -298,7 +297,8 @@ class PeerTransport(Failures):
         # come in at prepare(), before this action.
         self._take(src, until=message)
         posted = self._arriving.pop(message)
-        self._wait(posted.works, src, message)
+        if posted.works:  # its tensors came apart from its head
+            self._wait(posted.works, src, message)
         return posted.history.rebuild(posted.leaves, message.channel.forward)
 
     def _post_next(self, src: int, beyond: bool = False) -> None:
@@ -334,7 +334,7 @@ class PeerTransport(Failures):
                 raise RuntimeError(f"rank {self.rank} expects no more frames from rank {src}")
             posted = self._pending[src].popleft()
             self._wait([posted.work], src, until, deadline)
-            kind, position, size = read_head(posted.frame[:24].cpu())
+            kind, position, size = read_head(posted.frame)
             if not self._pending[src]:
                 self._post_next(src, beyond=kind == NOTICE)  # keep the next one posted
             if kind == NOTICE:

@@ -53,15 +53,18 @@ def _bytes_of(tensor: torch.Tensor) -> memoryview:
 class _Transfer:
     """One posted send or receive: what a gloo work answers (``is_completed``, ``wait``)."""
 
-    __slots__ = ("carrier", "error", "got", "keep", "view")
+    __slots__ = ("carrier", "error", "got", "keep", "peer", "size", "view")
 
-    def __init__(self, carrier: SocketCarrier, view: memoryview, keep: Any = None) -> None:
-        self.carrier, self.view, self.keep, self.got, self.error = carrier, view, keep, 0, None
+    def __init__(self, carrier: SocketCarrier, size: int, view: Any = None, keep: Any = None):
+        self.carrier, self.size, self.view, self.keep = carrier, size, view, keep
+        self.got, self.error, self.peer = 0, None, None
 
     def is_completed(self) -> bool:
-        return self.got == self.view.nbytes
+        return self.got == self.size
 
     def wait(self, timeout: timedelta | None = None) -> bool:
+        if self.peer is not None and not self.is_completed():
+            self.carrier._read(self.peer)  # it may be in the socket already: no poll then
         seconds = timeout.total_seconds() if timeout is not None else self.carrier.timeout
         deadline = time.monotonic() + seconds
         while not self.is_completed():
@@ -106,21 +109,27 @@ class SocketCarrier:
     ) -> list[_Transfer]:
         """Post sends (or receives) of ``tensors`` with ``peer`` on ``tag``; sends are
         written at once as far as the socket takes them."""
-        transfers = [_Transfer(self, _bytes_of(t), t) for t in tensors]
         if sends:
             if peer in self._broken:
                 raise RuntimeError(f"Connection closed by peer: {self._broken[peer]}")
-            for t in transfers:
-                self._out[peer].append((memoryview(_PREAMBLE.pack(tag, t.view.nbytes)), None))
-                if t.view.nbytes:  # an empty one is done once its preamble is written
-                    self._out[peer].append((t.view, t))
-            self._write(peer)
-            return transfers
-        for t in transfers:
-            if peer in self._closed:
-                t.error = self._closed[peer]
-            self._posted[peer].setdefault(tag, deque()).append(t)
+            return [self._send(peer, tag, t if isinstance(t, list) else [t]) for t in tensors]
+        transfers = []
+        for t in tensors:
+            view = _bytes_of(t)
+            transfers.append(_Transfer(self, view.nbytes, view, t))
+            transfers[-1].peer, transfers[-1].error = peer, self._closed.get(peer)
+            self._posted[peer].setdefault(tag, deque()).append(transfers[-1])
         return transfers
+
+    def _send(self, peer: int, tag: int, parts: list[Any]) -> _Transfer:
+        """One transfer of ``parts`` (bytes, contiguous tensors) to ``peer``."""
+        views = [memoryview(p) if isinstance(p, bytes) else _bytes_of(p) for p in parts]
+        transfer = _Transfer(self, sum(v.nbytes for v in views), keep=parts)
+        out = self._out[peer]
+        out.append((memoryview(_PREAMBLE.pack(tag, transfer.size)), None))
+        out.extend((view, transfer) for view in views if view.nbytes)
+        self._write(peer)
+        return transfer
 
     def heard(self) -> list[tuple[int | None, bytes]]:
         """Failure notices from any peer outside the step's frames, read without waiting."""
@@ -131,10 +140,9 @@ class SocketCarrier:
     def announce(self, frame: bytes, peers: list[int]) -> None:
         """A failure notice's frame to every peer of ``peers``, outside the sequences, after
         what is posted already (the rest of a frame a failure interrupted)."""
-        frame = bytearray(frame)
         for peer in peers:
             if peer not in self._broken:
-                self.post(True, peer, _NOTICE, [torch.frombuffer(frame, dtype=torch.uint8)])
+                self._send(peer, _NOTICE, [frame])
 
     def flush(self, seconds: float) -> None:
         """Write what is posted, for at most ``seconds``."""
@@ -182,7 +190,7 @@ class SocketCarrier:
         while peer not in self._closed:
             if self._into[peer] is None:
                 if self._next[peer] is None:  # between transfers: a preamble comes
-                    self._into[peer] = _Transfer(self, memoryview(bytearray(_PREAMBLE.size)))
+                    self._into[peer] = _Transfer(self, _PREAMBLE.size, memoryview(bytearray(16)))
                 elif not self._match(peer):
                     return  # not posted yet: it stays in the socket
             into = self._into[peer]
@@ -206,13 +214,13 @@ class SocketCarrier:
         tag, size = self._next[peer]
         queue = self._posted[peer].get(tag)
         if tag == _NOTICE:
-            self._into[peer] = _Transfer(self, memoryview(bytearray(size)))
+            self._into[peer] = _Transfer(self, size, memoryview(bytearray(size)))
         elif not queue:
             return False
         else:
             self._into[peer] = into = queue.popleft()
-            if into.view.nbytes != size:
-                self._lose(peer, f"rank sent {size} bytes on tag {tag} where {into.view.nbytes} "
+            if into.size != size:
+                self._lose(peer, f"rank sent {size} bytes on tag {tag} where {into.size} "
                            "were posted: the ranks disagree on what they send; build every "
                            "rank's Pipe with the same arguments")  # fmt: skip
                 return False
