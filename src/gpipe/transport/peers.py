@@ -37,7 +37,6 @@ from typing import Any
 
 import torch
 
-from gpipe.base._utils import to_device
 from gpipe.base.errors import PipelineError
 from gpipe.schedule.comm_plan import receive_points, wire_order
 from gpipe.schedule.ir import Kind
@@ -58,6 +57,7 @@ from gpipe.transport.framing import (
     read_head,
     row_of,
 )
+from gpipe.transport.local import LocalTransport
 
 __all__ = ["PeerTransport"]
 
@@ -98,7 +98,7 @@ class PeerTransport(Failures):
         self.wire_device = carrier.wire_device  # where the group's collectives take tensors
         self.receive_ahead = carrier.receive_ahead
         self._devices = devices  # device of each stage (meaningful for local stages)
-        self._mailbox: dict[Message, Any] = {}  # messages between two stages of this rank
+        self._here = LocalTransport(devices)  # messages between two stages of this rank
         self._plans = {training: self._sequences(training) for training in (True, False)}
         # NCCL: where each receive is posted; ahead: where a burst's receives are.
         points = self._bursts if self.receive_ahead else receive_points
@@ -164,7 +164,7 @@ class PeerTransport(Failures):
         self.check_notices()  # a peer gave up on this pipeline since the last step
         self._training = training
         self._incoming, self._outgoing = self._plans[training]
-        self._mailbox.clear()
+        self._here.clear()
         self._cursor = dict.fromkeys(self._incoming, 0)
         self._sent = dict.fromkeys(self._outgoing, 0)
         self._pending = {src: deque() for src in self._incoming}
@@ -199,7 +199,7 @@ class PeerTransport(Failures):
     def clear(self) -> None:
         """Drop what a failed step left; its sends are never waited for (a peer may never
         take them) but kept alive while they may run."""
-        self._mailbox.clear()
+        self._here.clear()
         self._arriving.clear()
         self._abandoned += self._works
         self._works = []
@@ -212,8 +212,7 @@ class PeerTransport(Failures):
 
     def send(self, message: Message, value: Any) -> None:
         if self.schedule.stage_to_rank[message.stage] == self.rank:  # to a stage of this rank
-            device = self._devices[message.stage]
-            self._mailbox[message] = to_device(value, device, as_leaves=message.channel.forward)
+            self._here.send(message, value)
             return
         dst = self.schedule.stage_to_rank[message.stage]
         history, meta, size, payload = self._described(dst, message, value)
@@ -290,8 +289,8 @@ class PeerTransport(Failures):
     # -- receiving --------------------------------------------------------------------------
 
     def recv(self, message: Message) -> Any:
-        if message in self._mailbox:
-            return self._mailbox.pop(message)
+        if self._here.ready(message):
+            return self._here.recv(message)
         src = self.schedule.stage_to_rank[self.routes.sender(message)]
         # With receives ahead its head may still be on the way; under NCCL's plan it has
         # come in at prepare(), before this action.
