@@ -343,22 +343,25 @@ def leaves_after_its_last_row(rank, wait):
     ``wait`` s late, after rank 0 has read its last message; rank 0 reads that row only
     ``3 * wait`` s after sending its own, by when rank 1, done, has left. The loss (rank
     1's) and this rank's gradients by name."""
-    from gpipe.transport.framing import AGREEMENT, read_head
+    from gpipe.transport.framing import AGREEMENT, HEAD, read_head
 
     torch.set_num_threads(1)
     pipe = gpipe.Pipe(_leaving_model(), balance=[2, 2], chunks=2, group=dist.group.WORLD,
                       timeout=20, transport="sockets")  # fmt: skip
-    transport, write = pipe._transport, pipe._transport._write
+    carrier = pipe._transport.carrier
+    post = carrier.post
 
-    def row_late(dst, parts):
-        row = read_head(parts[0])[0] == AGREEMENT
+    def row_late(sends, peer, tag, tensors, data=False):
+        row = sends and tensors and tensors[0].numel() == HEAD
+        row = row and read_head(tensors[0])[0] == AGREEMENT
         if row and rank == 1:
             time.sleep(wait)
-        write(dst, parts)
+        posted = post(sends, peer, tag, tensors, data)
         if row and rank == 0:
             time.sleep(3 * wait)
+        return posted
 
-    transport._write = row_late
+    carrier.post = row_late
     x, y = _leaving_batch()
     loss = pipe.step(x, y, F.mse_loss, seed=3)
     return {

@@ -34,10 +34,10 @@ def _told_nccl(rank: int, cases: list[dict]) -> list[dict]:
     pipes: list = []
     results = train_steps(rank, cases, keep=pipes)
     for result, pipe in zip(results, pipes, strict=True):
-        transport = pipe._transport
+        carrier = pipe._transport.carrier
         result["paths"] = {
-            "coalesced": not transport._direct,
-            "side_group": transport._meta_group is not transport.group,
+            "coalesced": not carrier._direct,
+            "side_group": carrier._meta_group is not carrier.group,
         }
     return results
 

@@ -27,28 +27,3 @@ def test_a_stage_that_raises_after_steady_steps_reaches_every_rank_over_the_grou
         else:
             assert outcome["pipeline_error"] and outcome["rank"] == fault_stage, outcome
     assert not multiprocessing.active_children()
-
-
-class _Send:
-    def __init__(self, done: bool) -> None:
-        self.done, self.waited = done, False
-
-    def is_completed(self) -> bool:
-        return self.done
-
-    def wait(self, timeout=None) -> bool:
-        self.waited = True
-        return True
-
-
-def test_sends_already_done_are_let_go_oldest_first_not_kept_to_the_steps_end():
-    """A stage's sent activations (packed copies on gloo, the tensors themselves on NCCL)
-    must not all live until the step ends, beside the inputs the stage keeps."""
-    from gpipe.transport.distributed import DistributedTransport
-
-    sends = [_Send(True), _Send(True), _Send(False), _Send(True)]
-    transport = DistributedTransport.__new__(DistributedTransport)  # only its list of sends
-    transport._works = [(send, []) for send in sends]
-    transport._release_sent()
-    assert [work for work, _ in transport._works] == sends[2:]  # in order: the rest waits
-    assert [send.waited for send in sends] == [True, True, False, False]

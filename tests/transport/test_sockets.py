@@ -1,7 +1,7 @@
-"""The same-host transport (``gpipe.transport.sockets``): messages larger than a socket's
-buffer both ways at once, and a peer's last row read before its leaving counts, against the
-un-split model. (Who may connect: test_handshake.py; how the carrier is chosen:
-test_choice.py.)"""
+"""The same-host carrier (``gpipe.transport.sockets``): transfers matched by tag as gloo's,
+messages larger than a socket's buffer both ways at once, and a peer's last row read before
+its leaving counts, against the un-split model. (Who may connect: test_handshake.py; how the
+carrier is chosen: test_choice.py.)"""
 
 from __future__ import annotations
 
@@ -50,3 +50,40 @@ def test_what_a_peer_sent_before_it_left_is_read_before_its_leaving_counts():
     assert set(grads) == {name for name, _ in model.named_parameters()}
     for name, p in model.named_parameters():
         assert relative_error(grads[name], p.grad) < 1e-6, name
+
+
+def _pair():
+    import socket
+
+    from gpipe.transport.sockets import SocketCarrier
+
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    a.setblocking(False)
+    b.setblocking(False)
+    return SocketCarrier({1: a}, timeout=5.0), SocketCarrier({0: b}, timeout=5.0)
+
+
+def test_a_transfer_lands_in_the_receive_posted_with_its_tag_as_gloo_matches_them():
+    """Receives posted ahead for later frames take none of an earlier frame's bytes; one not
+    posted yet is held in the socket (and what follows it); a notice to every peer is read
+    whenever it comes; what a peer sent before it closed is read, then receives fail."""
+    sender, receiver = _pair()
+    later = torch.empty(2, dtype=torch.int64)
+    (later_work,) = receiver.post(False, 0, 1, [later])  # frame 1's, posted first
+    head = torch.empty(3, dtype=torch.int64)
+    (head_work,) = receiver.post(False, 0, 0, [head])
+    sender.post(True, 1, 0, [torch.tensor([1, 2, 3])])
+    sender.post(True, 1, 0, [torch.tensor([4.0])])  # the rest of frame 0: not posted yet
+    sender.post(True, 1, 1, [[b"\x07" * 8, torch.tensor([9])]])  # one transfer of parts
+    head_work.wait()
+    assert head.tolist() == [1, 2, 3] and not later_work.is_completed()  # held behind 4.0
+    rest = torch.empty(1)
+    receiver.post(False, 0, 0, [rest])
+    later_work.wait()
+    assert rest.tolist() == [4.0] and later.tolist() == [0x0707070707070707, 9]
+    sender.announce(b"n" * 128 + b"why", [1])
+    assert receiver.heard() == [(0, b"why")]
+    sender._links[1].close()
+    (gone,) = receiver.post(False, 0, 2, [torch.empty(1)])
+    with pytest.raises(RuntimeError, match="Connection closed by peer"):
+        gone.wait()

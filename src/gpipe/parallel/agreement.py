@@ -106,10 +106,7 @@ class StepAgreement:
         """Tell the other ranks this step failed here (or upstream), then agree on who."""
         import torch.distributed as dist
 
-        if self.broken is not None or self.transport.peer_gave_up():
-            # A collective of this step failed here (the peers have been told), or a peer's
-            # did: nobody would come to agree.
-            self.broken = self.broken or str(error)
+        if self.broken is not None:  # a collective of this step failed here: peers told
             return
         me = dist.get_global_rank(self.group, self.rank)
         if isinstance(error, PipelineError):  # from elsewhere: this rank only waited
@@ -129,8 +126,10 @@ class StepAgreement:
             state(me, [], message)  # before the news: whoever asks finds the cause
         self.broken = message
         # Its own wait failed: it waited a timeout for a rank that may never answer. It gives
-        # up (and says so) instead of waiting for that rank again in the agreement.
-        gave_up = waited_out(me, timeout=self.timeout)
+        # up (and says so) instead of waiting for that rank again in the agreement; so it
+        # does when a peer gave up (a collective of its failed): nobody would come to agree.
+        # Either way the ranks still waiting on it hear its words.
+        gave_up = waited_out(me, timeout=self.timeout) or self.transport.peer_gave_up()
         self.transport.announce_failure(
             {"rank": origin, "global_rank": culprit, "message": message, "gave_up": gave_up}
         )

@@ -31,6 +31,7 @@ from torch._C._distributed_c10d import AllgatherOptions  # not re-exported by di
 
 from gpipe.base.errors import PipelineError
 from gpipe.transport.codec import decode, encode
+from gpipe.transport.failures import said_in
 from gpipe.transport.inquest import blame
 
 __all__ = ["Collectives"]
@@ -106,7 +107,7 @@ class Collectives:
                 "stopped (its own error or traceback, py-spy dump)"
             )
         else:
-            said = str(error).splitlines()[0].split(" This is typically")[0] if str(error) else ""
+            said = said_in(error)[0] if str(error) else ""
             what = f"{operation} failed: {who} left the group (died or closed it): {said}"
             remedy = "look for that rank's own error, or why it was killed (out of memory?)"
         culprit = culprits[0] if len(culprits) == 1 else None

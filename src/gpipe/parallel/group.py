@@ -353,20 +353,28 @@ class MultiProcess(StepAgreement):
     def exchange(
         self, holders: list[int], mine: dict[int, torch.Tensor]
     ) -> dict[int, torch.Tensor]:
-        """Swap this process's tensor with every other holder stage's rank (the transport
-        carries them; the wait is a collective's, bounded and named).
+        """Swap this process's tensor with every other holder stage's rank: between steps,
+        through the group's own point-to-point (not the step's frames); the wait is a
+        collective's, bounded and named.
 
         ``mine`` has one entry: a process holds one copy of a tie (checked by the caller).
         """
+        import torch.distributed as dist
+
         ((stage, tensor),) = mine.items()
         rank_of = self.schedule.stage_to_rank
         doing = f"step {self.steps} of this Pipe" if self.steps else "building the Pipe"
-
-        def wait(start: Callable[[], Any]) -> None:
+        wire = tensor.to(self.transport.wire_device).contiguous()
+        by_rank, ops = {self.rank: wire}, []
+        for other in holders:
+            if other != stage:
+                peer = dist.get_global_rank(self.group, rank_of[other])
+                by_rank[rank_of[other]] = received = torch.empty_like(wire)
+                ops += [dist.P2POp(dist.isend, wire, peer, self.group),
+                        dist.P2POp(dist.irecv, received, peer, self.group)]  # fmt: skip
+        if ops:
+            start = lambda: dist.batch_isend_irecv(ops)  # noqa: E731
             self._collective(lambda: self.ops.wait("the tied-weight exchange", start, doing=doing))
-
-        peers = [rank_of[other] for other in holders if other != stage]
-        by_rank = self.transport.swap(tensor, peers, wait=wait)
         return {holder: by_rank[rank_of[holder]] for holder in holders}
 
     def tie(self, tied: TiedParameters) -> None:

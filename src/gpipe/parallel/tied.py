@@ -19,8 +19,8 @@ wins), and once per step the copies' gradients are summed:
 
 A frozen tie (``requires_grad=False``) keeps ``grad`` None and exchanges nothing (freeze it on
 every rank alike). The holders exchange their copies through the Pipe's group
-(``gpipe.parallel.group``: across processes point to point by the transport,
-``DistributedTransport.swap``).
+(``gpipe.parallel.group``: across processes through the group's point-to-point,
+``MultiProcess.exchange``).
 """
 
 from __future__ import annotations

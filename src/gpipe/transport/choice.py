@@ -12,9 +12,9 @@ import torch
 
 from gpipe.schedule.routes import Routes
 from gpipe.transport import handshake
-from gpipe.transport.distributed import DistributedTransport
+from gpipe.transport.distributed import GroupCarrier
 from gpipe.transport.peers import PeerTransport
-from gpipe.transport.sockets import SocketTransport
+from gpipe.transport.sockets import SocketCarrier
 
 __all__ = ["TRANSPORTS", "check_choice", "open_transport"]
 
@@ -55,7 +55,7 @@ def open_transport(
     size = dist.get_world_size(group)
     links = handshake.links(wanted, on_cpu, rank, size, timeout, gather)
     if links is not None:
-        return SocketTransport(schedule, rank, group, devices, links, timeout=timeout,
-                               routes=routes)  # fmt: skip
-    return DistributedTransport(schedule, rank, group, devices, timeout=timeout, routes=routes,
-                                receive_ahead=receive_ahead)  # fmt: skip
+        carrier: Any = SocketCarrier(links, timeout)
+    else:
+        carrier = GroupCarrier(group, mine[0], receive_ahead)
+    return PeerTransport(schedule, rank, group, devices, carrier, timeout=timeout, routes=routes)

@@ -27,7 +27,7 @@ from gpipe.transport.codec import CodecError, TensorMeta, decode, encode
 
 __all__ = [
     "AGREEMENT", "ALIGN", "HEAD", "MESSAGE", "NOTICE", "SEED", "History", "TensorMeta",
-    "bytes_tensor", "flatten", "head", "notice", "read_head", "read_notice", "row_of",
+    "bytes_tensor", "flatten", "head", "join", "notice", "read_head", "read_notice", "row_of",
 ]  # fmt: skip
 
 ALIGN = 64  # bytes: a cache line, so that vectorized kernels see aligned tensors
@@ -47,9 +47,9 @@ def head(kind: int, position: int, size: int = 0, row: Any = None) -> bytes:
 
 
 def read_head(data: Any) -> tuple[int, int, int]:
-    """(kind, position, size) of a head (bytes, or a CPU uint8 tensor)."""
+    """(kind, position, size) of a head (bytes, or a uint8 tensor that starts with one)."""
     if isinstance(data, torch.Tensor):
-        data = data[: _WORDS.size].numpy().tobytes()
+        data = (data if data.is_cpu else data[: _WORDS.size].cpu()).numpy()
     return _WORDS.unpack_from(data)
 
 
@@ -141,18 +141,17 @@ class History:
             self._layout = (spans, offset)
         return self._layout
 
-    def pack(
-        self, head: bytes, tensors: list[torch.Tensor] | None, device: torch.device
-    ) -> torch.Tensor:
-        """A frame's head and tensors (contiguous, as described last time) in one byte
-        buffer of the size the receiver posted."""
+    def parts(self, head: bytes, tensors: list[torch.Tensor] | None) -> list[Any]:
+        """A frame's head and tensors (contiguous, as described last time) as the parts of
+        one transfer of the size the receiver posted: the head, each tensor at its offset,
+        zeros between. A socket writes them as they are; the process group joins them
+        (:func:`join`)."""
         spans, total = self.layout
-        packed = torch.empty(total, dtype=torch.uint8, device=device)
-        packed[:HEAD].copy_(bytes_tensor(head, device))
-        if tensors is not None:
-            for tensor, (offset, size) in zip(tensors, spans, strict=True):
-                packed[offset : offset + size].copy_(tensor.reshape(-1).view(torch.uint8))
-        return packed
+        parts, at = [head], HEAD
+        for tensor, (offset, size) in zip(tensors or [], spans if tensors else [], strict=True):
+            parts += [bytes(offset - at), tensor] if offset > at else [tensor]
+            at = offset + size
+        return [*parts, bytes(total - at)] if total > at else parts
 
     def unpack(self, packed: torch.Tensor) -> list[Any]:
         """The message's leaves, its tensors as views of ``packed`` (no copy)."""
@@ -237,6 +236,14 @@ def read_notice(data: bytes | memoryview, rank: int | None, named: str) -> dict[
         return {"rank": rank, "message": f"{named} failed; its failure notice is not gpipe's "
                 f"wire format ({str(said)[:200]})"}  # fmt: skip
     return said
+
+
+def join(parts: list[Any]) -> torch.Tensor:
+    """One transfer's parts (bytes, contiguous tensors) in one byte buffer, on the
+    tensors' device."""
+    device = next((p.device for p in parts if isinstance(p, torch.Tensor)), torch.device("cpu"))
+    return torch.cat([bytes_tensor(p, device) if isinstance(p, bytes)
+                      else p.reshape(-1).view(torch.uint8) for p in parts])  # fmt: skip
 
 
 def bytes_tensor(data: bytes, device: torch.device) -> torch.Tensor:

@@ -1,36 +1,83 @@
-"""What both carriers between processes share: each pair's sequence of frames
-(``gpipe.transport.framing``), the step's rows, the ranks' names, the errors that name who
-failed, failure notices once received, messages to this rank's own stages, tied copies."""
+"""One rank of a pipeline spread over processes: the one sequencing of the wire protocol
+(``gpipe.transport.framing``) over either carrier, which only moves bytes (``sockets``:
+same-host sockets; ``distributed``: the process group's point-to-point, gloo or NCCL).
+
+Each pair of ranks exchanges one sequence of frames per step (seed row, messages in the
+schedule's order, agreement row); every transfer of a frame is posted with its position as
+tag. When receives are posted:
+
+* ``receive_ahead`` (sockets; gloo by default): the next frame from each peer is always
+  posted, and where a burst begins (the messages a rank takes between two of its sends, as
+  a GPipe schedule's forwards) all of the burst's, so a message lands while the rank
+  computes (a gloo send waits for its receiver's word that the receive is posted: a round
+  trip per message otherwise). A *stable* message (same description the last two times) is
+  ONE transfer: head and tensors packed in one buffer that the receiver posted at last
+  time's size and reads its tensors from without copying. A frame in place of a stable
+  message (it changed after all, a notice, a row after a notice) fills that buffer with its
+  head alone; the rest follows: a rare extra transfer instead of a guess.
+* NCCL (and ``receive_ahead=False`` on gloo, which tests use to run NCCL's order on the
+  CPU): a process's operations run in issue order, so a receive posted early would hold
+  back later sends and can deadlock. Heads and descriptions travel on a gloo side group
+  (received ahead); each tensor receive is posted at the point of :func:`receive_points`,
+  where the sender's send falls in one global order of all the pipeline's transfers.
+
+Sends never block the runtime: each is let go once done (oldest first, at the next send)
+or when the step ends (:meth:`finish`, after the agreement, when every rank has received
+all). Every wait is bounded by the pipeline's timeout; a failed one names the rank that
+caused it (``gpipe.transport.failures``).
+"""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections import deque
+from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 import torch
 
-from gpipe.base._utils import to_device
 from gpipe.base.errors import PipelineError
-from gpipe.schedule.comm_plan import wire_order
+from gpipe.schedule.comm_plan import receive_points, wire_order
+from gpipe.schedule.ir import Kind
 from gpipe.schedule.routes import Message, Routes
 from gpipe.transport.codec import CodecError
-from gpipe.transport.framing import AGREEMENT, SEED, History, TensorMeta, flatten, read_notice
-from gpipe.transport.inquest import REMEDY, blame, said_by
+from gpipe.transport.failures import Failures, announced, said_in
+from gpipe.transport.framing import (
+    AGREEMENT,
+    HEAD,
+    MESSAGE,
+    NOTICE,
+    SEED,
+    History,
+    TensorMeta,
+    bytes_tensor,
+    flatten,
+    head,
+    read_head,
+    row_of,
+)
+from gpipe.transport.local import LocalTransport
 
-__all__ = ["PeerTransport", "said_in"]
+__all__ = ["PeerTransport"]
 
 
-class PeerTransport:
-    """One rank of a pipeline spread over the processes of a ``torch.distributed`` group.
+@dataclass
+class _Posted:
+    """Receives posted for one incoming frame: its head (or its packed buffer), then what
+    else of it comes."""
 
-    Subclasses (the carriers) move the frames between processes; this holds the rest: each
-    pair's sequence of frames (``gpipe.transport.framing``), the step's rows, a mailbox for
-    messages between two stages of this rank, and the errors of a peer that failed, left
-    or went silent.
-    """
+    key: Any  # the Message, or the row's kind, the sequence has at its position
+    history: History | None
+    position: int  # in the peer's sequence: every transfer of the frame carries it as tag
+    frame: torch.Tensor  # its head, or the packed buffer of a stable message (head first)
+    work: Any
+    leaves: list[Any] | None = None
+    works: list[Any] = field(default_factory=list)  # receives of the tensors, when separate
 
-    wire_device: torch.device  # where the group's collectives take tensors
+
+class PeerTransport(Failures):
+    """One rank's frames to and from its peers over ``carrier`` (see the module's docstring)."""
 
     def __init__(
         self,
@@ -38,32 +85,46 @@ class PeerTransport:
         rank: int,
         group: Any,
         devices: list[torch.device],
+        carrier: Any,
         *,
         timeout: float,
         routes: Routes | None = None,
     ) -> None:
         import torch.distributed as dist
 
-        self._dist = dist
-        self.schedule = schedule
+        self._dist, self.carrier, self.kind = dist, carrier, carrier.kind
+        self.schedule, self.rank, self.group, self.timeout = schedule, rank, group, timeout
         self.routes = routes or Routes(schedule.num_stages)
-        self.rank = rank
-        self.group = group
-        self.timeout = timeout
+        self.wire_device = carrier.wire_device  # where the group's collectives take tensors
+        self.receive_ahead = carrier.receive_ahead
         self._devices = devices  # device of each stage (meaningful for local stages)
-        self._local_device = devices[schedule.stages_of(rank)[0]]
-        self._mailbox: dict[Message, Any] = {}
+        self._here = LocalTransport(devices)  # messages between two stages of this rank
         self._plans = {training: self._sequences(training) for training in (True, False)}
+        # NCCL: where each receive is posted; ahead: where a burst's receives are.
+        points = self._bursts if self.receive_ahead else receive_points
+        self._points = {t: points(schedule, self.routes, rank, t) for t in (True, False)}
         self._training = True
-        # Per peer, this step's frames in wire order (messages, and the rows' kinds): from
-        # it, and to it.
+        # Per peer, this step's frames in wire order (messages, and the rows' kinds).
         self._incoming: dict[int, list[Any]] = {}
         self._outgoing: dict[int, list[Any]] = {}
-        self._notices: dict[str, Any] | None = None  # a peer's failure, once noticed
+        # A peer's failure, once noticed (``failures``): from a neighbour? one gave up?
+        self._notices: dict[str, Any] = {}
+        self._near = self._gave_up = False
+        plans = [*self._plans[True][0].items(), *self._plans[True][1].items()]
+        self._neighbours = {p for p, frames in plans if any(isinstance(f, Message) for f in frames)}
         self._sent: dict[int, int] = {}  # to each peer: frames of the step sent
+        self._cursor: dict[int, int] = {}  # from each peer: frames posted
+        self._pending: dict[int, deque[_Posted]] = {}  # posted, from each peer, in order
+        self._arriving: dict[Any, _Posted] = {}  # head in, tensors not yet waited for
+        self._seed_ahead: _Posted | None = None  # the next step's seed row, posted
+        self._works: list[tuple[Any, list[torch.Tensor]]] = []  # the step's sends
+        self._abandoned: list[Any] = []  # a failed step's sends: alive while they may run
+        self._failed = False  # this rank announced a failure
         # What each message looked like last time, on both ends of its wire.
         self._sent_meta: dict[tuple, History] = {}
         self._recv_meta: dict[tuple, History] = {}
+
+    # -- the order of frames on each wire ---------------------------------------------------
 
     def _sequences(self, training: bool) -> tuple[dict[int, list], dict[int, list]]:
         """Per peer, the frames of a step from it and to it: rank 0's seed row first, the
@@ -76,28 +137,93 @@ class PeerTransport:
             {p: [*seed, *outgoing.get(p, []), AGREEMENT] for p in peers},
         )
 
-    def _begin_plan(self, training: bool) -> None:
+    def _bursts(self, schedule: Any, routes: Routes, rank: int, training: bool) -> dict:
+        """Where receives are posted ahead: at the first action after one that sends (and at
+        the first), those of every message it takes before its next send, so that each of a
+        burst's messages lands at once instead of waiting for its receive to be posted.
+        {action: [(peer, last position from it)]}."""
+        incoming = self._plans[training][0]
+        position = {m: (src, i) for src, ms in incoming.items() for i, m in enumerate(ms)}
+        points: dict[Any, dict[int, int]] = {}
+        start = None
+        for action in schedule.actions[rank]:
+            if not training and action.kind is not Kind.FORWARD:
+                continue
+            start = start or action
+            for message in routes.incoming(action):
+                if message in position:
+                    src, at = position[message]
+                    burst = points.setdefault(start, {})
+                    burst[src] = max(at, burst.get(src, -1))
+            if any(schedule.stage_to_rank[m.stage] != rank for m in routes.outgoing(action)):
+                start = None
+        return {action: list(last.items()) for action, last in points.items()}
+
+    def begin(self, training: bool) -> None:
+        """Start a step: reset the per-peer positions and post the first receives."""
+        self.check_notices()  # a peer gave up on this pipeline since the last step
         self._training = training
         self._incoming, self._outgoing = self._plans[training]
-        self._mailbox.clear()
+        self._here.clear()
+        self._cursor = dict.fromkeys(self._incoming, 0)
+        self._sent = dict.fromkeys(self._outgoing, 0)
+        self._pending = {src: deque() for src in self._incoming}
+        self._arriving.clear()
+        if self._seed_ahead is not None:
+            self._pending[0].append(self._seed_ahead)
+            self._cursor[0], self._seed_ahead = 1, None
+        for src in self._incoming:
+            if not self._pending[src]:
+                self._post_next(src)  # raises PipelineError if src left
 
-    def _key(self, peer: int, message: Message) -> tuple:
+    def prepare(self, action: Any) -> None:
+        """This rank is about to run ``action``: post the receives due here (ahead: the
+        burst's; NCCL: the tensors', in its order)."""
+        for src, message in self._points[self._training].get(action, ()):
+            if not self.receive_ahead:
+                self._take(src, until=message)
+                continue
+            while self._cursor[src] <= message:
+                self._post_next(src)
+
+    def ready(self, message: Message) -> bool:
+        return True  # receiving blocks until the message is here
+
+    def finish(self) -> None:
+        """End a step once every rank has received all of its frames (after the step's
+        agreement): complete its sends, which none can hold up now."""
+        works, self._works = self._works, []
+        for work, _ in works:
+            work.wait(timeout=timedelta(seconds=self.timeout))
+
+    def clear(self) -> None:
+        """Drop what a failed step left; its sends are never waited for (a peer may never
+        take them) but kept alive while they may run."""
+        self._here.clear()
+        self._arriving.clear()
+        self._abandoned += self._works
+        self._works = []
+
+    def _key(self, peer: int, message: Any) -> tuple:
         # Inference sends no gradients along: its descriptions differ from training's.
         return (peer, self._training, message)
 
-    def _send_here(self, message: Message, value: Any) -> bool:
-        """Deliver ``message`` to a stage of this rank, if it is one's."""
-        if self.schedule.stage_to_rank[message.stage] != self.rank:
-            return False
-        device = self._devices[message.stage]
-        self._mailbox[message] = to_device(value, device, as_leaves=message.channel.forward)
-        return True
+    # -- sending ----------------------------------------------------------------------------
+
+    def send(self, message: Message, value: Any) -> None:
+        if self.schedule.stage_to_rank[message.stage] == self.rank:  # to a stage of this rank
+            self._here.send(message, value)
+            return
+        dst = self.schedule.stage_to_rank[message.stage]
+        history, meta, size, payload = self._described(dst, message, value)
+        self._emit(dst, MESSAGE, size=size, data=meta, payload=payload)
+        history.update(meta)
 
     def _described(
         self, dst: int, message: Message, value: Any
     ) -> tuple[History, bytes, int, list[torch.Tensor]]:
         """``message`` to rank ``dst`` as it goes on the wire: its history on that wire, its
-        description (encoded only when it changed), the size the header says (0: described
+        description (encoded only when it changed), the size the head says (0: described
         as last time), and its tensors (contiguous). Update the history once it is sent."""
         leaves, spec = flatten(value)
         described = [
@@ -115,12 +241,158 @@ class PeerTransport:
                              f"stage {message.stage}: {error}") from None  # fmt: skip
         return history, meta, 0 if meta == history.last else len(meta), payload
 
-    def prepare(self, action: Any) -> None:
-        """This rank is about to run ``action``; nothing to do unless receives are posted
-        at points (NCCL's order)."""
+    def _emit(
+        self,
+        dst: int,
+        kind: int,
+        *,
+        size: int = 0,
+        data: bytes = b"",
+        payload: list[torch.Tensor] | None = None,
+        row: torch.Tensor | None = None,
+    ) -> None:
+        """The next frame to ``dst``: its head (``size`` bytes of ``data`` follow when not
+        0), then ``payload``. Where ``dst`` posted a packed buffer, that buffer's size:
+        head and tensors in it, or the head alone."""
+        position = self._sent[dst]
+        self._sent[dst] = position + 1
+        sequence = self._outgoing[dst]
+        key = sequence[position] if position < len(sequence) else None
+        history = self._sent_meta.get(self._key(dst, key)) if self.receive_ahead else None
+        frame = head(kind, position, size, row)
+        payload = payload or []
+        if history is not None and history.stable:
+            whole = kind == MESSAGE and size == 0
+            frames = [history.parts(frame, payload if whole else None)]  # one transfer
+            payload = [] if whole else payload
+        else:
+            frames = [bytes_tensor(frame, self.carrier.meta_device)]
+        if size:
+            frames.append(bytes_tensor(data, self.carrier.meta_device))
+        post = self.carrier.post
+        try:
+            works = post(True, dst, position, frames) + post(True, dst, position, payload, True)
+        except RuntimeError as error:  # gloo: "Connection closed by peer"
+            raise self._left(error, dst, "send to") from error
+        self._works += [(work, frames + payload) for work in works]
+        self._release_sent()
 
-    def ready(self, message: Message) -> bool:
-        return True  # receiving blocks until the message is here
+    def _release_sent(self) -> None:
+        """Let go of the sends already done, oldest first: kept to the step's end, a stage's
+        sent activations would stay beside the inputs it keeps (all M of them, on GPU too)."""
+        works, done = self._works, 0
+        while done < len(works) and works[done][0].is_completed():
+            works[done][0].wait()  # at once; so the backend lets go of it here, not later
+            done += 1
+        del works[:done]
+
+    # -- receiving --------------------------------------------------------------------------
+
+    def recv(self, message: Message) -> Any:
+        if self._here.ready(message):
+            return self._here.recv(message)
+        src = self.schedule.stage_to_rank[self.routes.sender(message)]
+        # With receives ahead its head may still be on the way; under NCCL's plan it has
+        # come in at prepare(), before this action.
+        self._take(src, until=message)
+        posted = self._arriving.pop(message)
+        if posted.works:  # its tensors came apart from its head
+            self._wait(posted.works, src, message)
+        return posted.history.rebuild(posted.leaves, message.channel.forward)
+
+    def _post_next(self, src: int, beyond: bool = False) -> None:
+        """Post the receive of the next frame from ``src``, if this step has one (or
+        ``beyond`` its sequence: an agreement row after a notice in place of the last)."""
+        position = self._cursor[src]
+        sequence = self._incoming[src]
+        if position >= len(sequence) and not beyond:
+            return
+        self._cursor[src] = position + 1
+        key = sequence[position] if position < len(sequence) else AGREEMENT
+        history = None
+        if isinstance(key, Message):
+            history = self._recv_meta.setdefault(self._key(src, key), History())
+        self._pending[src].append(self._post(src, key, position, history))
+
+    def _post(self, src: int, key: Any, position: int, history: History | None) -> _Posted:
+        if self.receive_ahead and history is not None and history.stable:
+            device, size, data = self._devices[key.stage], history.layout[1], True
+        else:
+            device, size, data = self.carrier.meta_device, HEAD, False
+        frame = torch.empty(size, dtype=torch.uint8, device=device)
+        (work,) = self._irecv([frame], src, position, data)
+        return _Posted(key, history, position, frame, work)
+
+    def _take(self, src: int, *, until: Any, deadline: float | None = None) -> None:
+        """Take the frames from ``src`` up to ``until``'s (a message, or a row's kind); post
+        what else each brings. A notice in its place raises what it says; while taking the
+        agreement, it is kept (the row that follows says the step failed) unless its rank
+        gave up."""
+        while until not in self._arriving:
+            if not self._pending.get(src):
+                raise RuntimeError(f"rank {self.rank} expects no more frames from rank {src}")
+            posted = self._pending[src].popleft()
+            self._wait([posted.work], src, until, deadline)
+            kind, position, size = read_head(posted.frame)
+            if not self._pending[src]:
+                self._post_next(src, beyond=kind == NOTICE)  # keep the next one posted
+            if kind == NOTICE:
+                said = self._notice_from(src, self._receive_bytes(src, posted, size, until))
+                self._note(src, said)
+                if until != AGREEMENT or said.get("gave_up"):
+                    raise announced(said)
+                continue
+            if kind == MESSAGE:
+                if position != posted.position or not isinstance(posted.key, Message):
+                    raise PipelineError(
+                        f"rank {self.rank} received frame {position} of this step from rank "
+                        f"{src} where it expected {posted.key} at {posted.position}: the ranks "
+                        "run different schedules; build every rank's Pipe with the same "
+                        "arguments", rank=src)  # fmt: skip
+                self._message_in(src, posted, size)
+            self._arriving[posted.key if kind == MESSAGE else kind] = posted
+
+    def _message_in(self, src: int, posted: _Posted, size: int) -> None:
+        """A message's head is in: post the receives of whatever else of it comes."""
+        message, history = posted.key, posted.history
+        if size == 0 and posted.frame.numel() > HEAD:
+            history.update(history.last)  # as posted: nothing else of it is on the wire
+            posted.leaves = history.unpack(posted.frame)
+            return
+        if size != 0:
+            history.update(self._receive_bytes(src, posted, size, message))
+        elif history.last is None:
+            raise PipelineError(f"rank {src} sent {message} without describing it", rank=src)
+        else:
+            history.update(history.last)
+        posted.leaves = history.allocate(self._devices[message.stage])
+        tensors = [t for t in posted.leaves if isinstance(t, torch.Tensor)]
+        posted.works = self._irecv(tensors, src, posted.position, True)
+
+    def _receive_bytes(self, src: int, posted: _Posted, size: int, what: Any) -> bytes:
+        data = torch.empty(size, dtype=torch.uint8, device=self.carrier.meta_device)
+        self._wait(self._irecv([data], src, posted.position), src, what)
+        return data.cpu().numpy().tobytes()
+
+    def _irecv(self, tensors: list, src: int, position: int, data: bool = False) -> list[Any]:
+        try:
+            return self.carrier.post(False, src, position, tensors, data)
+        except RuntimeError as error:  # gloo: "Connection closed by peer"
+            raise self._left(error, src, "receive from") from error
+
+    def _wait(self, works: list, src: int, what: Any, deadline: float | None = None) -> None:
+        """Wait for receives from ``src`` of ``what`` (a message, or a row's kind: those
+        raise ``TimeoutError`` or ``ConnectionError`` naming ``src``, for the caller)."""
+        left = self.timeout if deadline is None else max(deadline - time.monotonic(), 0.001)
+        try:
+            for work in works:
+                work.wait(timeout=timedelta(seconds=left))
+        except Exception as error:  # a dead peer or a timeout: gloo and NCCL differ
+            if isinstance(what, Message):
+                raise self._wait_failed(error, src, what) from error
+            text, timed_out = said_in(error)
+            failure = TimeoutError if timed_out else ConnectionError
+            raise failure(f"rank {self._global(src)}: {text}") from error
 
     # -- the step's rows: frames of the same sequences ------------------------------------
 
@@ -131,7 +403,7 @@ class PeerTransport:
         rank 0 left or failed."""
         if self.rank == 0:
             for peer in self._outgoing:
-                self._send_row(peer, SEED, row)
+                self._emit(peer, SEED, row=row)
             return row
         return self._take_row(0, SEED, row, time.monotonic() + self.timeout)
 
@@ -142,145 +414,21 @@ class PeerTransport:
         ``TimeoutError`` when a row is not in within the timeout, ``ConnectionError`` when
         its rank left, or gave up and will send none."""
         for peer in self._outgoing:
-            self._send_row(peer, AGREEMENT, row)
+            self._emit(peer, AGREEMENT, row=row)
         deadline = time.monotonic() + self.timeout
         rows = {p: self._take_row(p, AGREEMENT, row, deadline) for p in self._incoming}
+        if not self._notices and not self._failed:  # every rank took all: none can wait
+            self.finish()  # here, so that a step refused after its agreement frees them too
         return torch.stack([rows.get(r, row) for r in range(self.schedule.num_ranks)])
 
-    def _send_row(self, dst: int, kind: int, row: torch.Tensor) -> None:
-        """``row``'s frame of ``kind`` (``SEED`` or ``AGREEMENT``) to ``dst``."""
-        raise NotImplementedError
-
     def _take_row(self, src: int, kind: int, like: torch.Tensor, deadline: float) -> torch.Tensor:
-        """``src``'s row of ``kind``, shaped as ``like``, by ``deadline``."""
-        raise NotImplementedError
-
-    # -- failures ---------------------------------------------------------------------------
-
-    def check_notices(self) -> None:
-        """Raise the failure a peer announced, if one has."""
-        if self._notices:
-            raise _announced(self._notices)
-
-    def _notice_from(self, peer: int, data: bytes | bytearray) -> dict[str, Any]:
-        """The failure notice ``peer`` sent (``framing.notice``), as this rank tells it: one
-        that blames this rank (the peer gave up waiting on it) says so, in its words."""
-        me, other = self._global(self.rank), self._global(peer)
-        said = read_notice(data, peer, f"rank {other}")
-        if said.get("global_rank") != me:
-            return said
-        words = f"rank {me}: rank {other} gave up on this pipeline: {said['message']}"
-        return {**said, "rank": peer, "global_rank": other, "message": words}
-
-    def peer_gave_up(self) -> bool:
-        """Whether a peer announced that it left the pipeline without agreeing on the
-        failure (a collective of its timed out): nobody is left to agree with."""
-        return bool(self._notices and self._notices.get("gave_up"))
-
-    def _global(self, rank: int) -> int:
-        return self._dist.get_global_rank(self.group, rank)
-
-    def _local(self, rank: int) -> int | None:
-        """The rank in this pipeline's group of global rank ``rank``, or None (another
-        replica's)."""
+        if self.peer_gave_up():  # it sends no row: nobody is left to agree with
+            raise ConnectionError(self._notices["message"])
         try:
-            return self._dist.get_group_rank(self.group, rank)
-        except (RuntimeError, ValueError):
-            return None
-
-    def _left(self, error: Exception, peer: int, doing: str) -> PipelineError:
-        """Posting a transfer failed: ``peer`` left. The failure it announced, if any."""
-        try:
-            self.check_notices()  # it gave up on this step, and said why
-        except PipelineError as announced:
-            return announced
-        me, other = self._global(self.rank), self._global(peer)
-        said = said_by(other, timeout=self.timeout)
-        if said is not None:  # it gave up on this pipeline: its words, which may name this rank
-            return PipelineError(f"rank {me}: rank {other} gave up on this pipeline: {said}",
-                                 rank=peer, global_rank=other)  # fmt: skip
-        return PipelineError(
-            f"rank {me} could not {doing} rank {other}, which left (died, or gave up on this "
-            f"pipeline): {said_in(error)[0]}; look for that rank's own error",
-            rank=peer,
-            global_rank=other,
-        )
-
-    def _wait_failed(self, error: Exception, src: int, message: Message) -> PipelineError:
-        """The error of a receive from ``src`` that failed: naming the rank that caused it,
-        which may not be ``src`` (``gpipe.transport.inquest``)."""
-        text, timed_out = said_in(error)
-        me, peer = self._global(self.rank), self._global(src)
-        what = f"{message.channel} of micro-batch {message.microbatch}"
-        waited = (
-            f"rank {me} waited {self.timeout:g} s for the {what} from rank {peer}"
-            if timed_out
-            else f"rank {me} lost rank {peer} while waiting for its {what} ({text})"
-        )
-        verdict = blame(me, [peer], waited, timeout=self.timeout)
-        if verdict.failed:
-            culprit = next(iter(verdict.failed))
-            return PipelineError(f"{verdict.describe(me)}; {waited}", rank=self._local(culprit),
-                                 global_rank=culprit)  # fmt: skip
-        if verdict.silent and verdict.silent != [peer]:
-            culprit = verdict.silent[0]
-            return PipelineError(
-                f"{verdict.describe(me)}: {waited}; look for why rank {culprit} stopped {REMEDY}",
-                rank=self._local(culprit),
-                global_rank=culprit,
-            )
-        if timed_out:  # rank src itself, or nobody could tell
-            # Silent for a grace more, with no one else to wait on (two ranks): it hung.
-            alone = verdict.silent and self.schedule.num_ranks == 2
-            maybe = "" if alone else "; it may itself be waiting on another rank"
-            return PipelineError(
-                f"{waited} without an answer{maybe}: rank {peer} stalled or is slower than "
-                f"that; look for why {REMEDY}",
-                rank=src,
-                global_rank=peer,
-            )
-        return PipelineError(
-            f"{waited}: rank {peer} died or left; look for its own error, or why it was "
-            "killed (out of memory?)",
-            rank=src,
-            global_rank=peer,
-        )
-
-    # -- outside the schedule -----------------------------------------------------------------
-
-    def swap(
-        self, tensor: torch.Tensor, peers: list[int], *, wait: Callable[[Callable[[], Any]], Any]
-    ) -> dict[int, torch.Tensor]:
-        """Send ``tensor`` to each rank of ``peers`` and receive from each one of the same
-        shape and dtype (tied copies: ``gpipe.parallel.tied``); all of them by rank, this
-        rank's own included, on :attr:`wire_device`.
-
-        Between steps, not part of the schedule's wire order: through the group's own
-        point-to-point operations. The caller decides what to swap and waits, with
-        ``wait(start)``: ``start()`` posts the transfers and returns their works (the caller
-        bounds the wait, ``gpipe.parallel.collectives``).
-        """
-        dist = self._dist
-        wire = tensor.to(self.wire_device).contiguous()
-        received = {self.rank: wire}
-        ops = []
-        for peer in peers:
-            received[peer] = torch.empty_like(wire)
-            ops.append(dist.P2POp(dist.isend, wire, self._global(peer), self.group))
-            ops.append(dist.P2POp(dist.irecv, received[peer], self._global(peer), self.group))
-        if ops:
-            wait(lambda: dist.batch_isend_irecv(ops))
-        return received
-
-
-def _announced(notice: dict[str, Any]) -> PipelineError:
-    return PipelineError(notice["message"], rank=notice["rank"],
-                         global_rank=notice.get("global_rank"))  # fmt: skip
-
-
-def said_in(error: Exception) -> tuple[str, bool]:
-    """What a failed transfer's error says (its first line, gloo's advice after the cause
-    dropped), and whether it timed out, in gloo's words or NCCL's."""
-    text = str(error).splitlines()[0] if str(error) else type(error).__name__
-    text = text.split(" This is typically")[0]
-    return text, "imed out" in text or "imeout" in text
+            self._take(src, until=kind, deadline=deadline)
+        except PipelineError as error:  # a notice in its place: the caller names it
+            raise ConnectionError(str(error)) from error
+        posted = self._arriving.pop(kind)
+        if kind == AGREEMENT and self.rank != 0 and src == 0:
+            self._seed_ahead = self._post(0, SEED, 0, None)  # the next step's, ahead
+        return row_of(posted.frame.cpu(), like)

@@ -1,56 +1,43 @@
-"""Transport between processes of one machine: a Unix stream socket per pair of ranks.
+"""The carrier of the frames between processes of one machine: a Unix stream socket per pair
+of ranks.
 
 On one host with CPU stages, a Unix socket carries a message in one ``sendmsg`` and one
 wake-up of the receiver, no thread in between, where gloo takes a rendezvous over TCP
 loopback and its own thread per message (the numbers: ``docs/benchmarks.md``).
 
-Each pair of ranks holds one connected socket (``gpipe.transport.handshake``), which carries
-the frames of the one wire protocol (``gpipe.transport.framing``) in their sequence: a
-message is its head, its description when it changed (shapes may change from step to
-step), then each tensor's bytes, received straight into the tensor that will hold it; the
-step's rows travel in their heads; a notice's text follows its head.
+Each pair of ranks holds one connected socket (``gpipe.transport.handshake``). It moves the
+transfers ``gpipe.transport.peers`` posts, as gloo's point-to-point does: each goes with a
+preamble (its tag, its size) and lands in the first receive posted with its tag, straight
+into the tensor that holds it; one whose receive is not posted yet stays in the socket
+(the stream holds everything behind it), except a failure notice to every peer (tag -1),
+which is read whenever it comes.
 
-Sends never wait on the peer's progress: a message goes into the socket's kernel buffer.
-When the buffer is full (a large activation), the sender keeps reading whatever every
-peer sends it while it waits, so two ranks sending to each other never block each other;
-a rank reads its sockets in every send and receive, and enters a collective only after it
-has received all of the step's messages, so every send completes. Every wait is bounded by
-the pipeline's timeout, and a peer that dies closes its sockets: its receivers know at
-once.
+Sends never wait on the peer: what the socket's kernel buffer does not take is written
+whenever the rank next waits (for any transfer), so two ranks sending to each other never
+block each other. Every wait is bounded by the pipeline's timeout, and a peer that dies
+closes its socket: what it sent before is read, then its receivers know at once.
 """
 
 from __future__ import annotations
 
-import contextlib
+import itertools
 import select
 import socket
+import struct
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections import deque
+from datetime import timedelta
 from typing import Any
 
 import torch
 
-from gpipe.base.errors import PipelineError
-from gpipe.schedule.routes import Message, Routes
-from gpipe.transport.framing import (
-    AGREEMENT,
-    HEAD,
-    MESSAGE,
-    NOTICE,
-    History,
-    head,
-    notice,
-    read_head,
-    row_of,
-)
-from gpipe.transport.inquest import REMEDY
-from gpipe.transport.peers import PeerTransport
+from gpipe.transport.framing import HEAD
 
-__all__ = ["SocketTransport"]
+__all__ = ["SocketCarrier"]
 
 _MAX_PARTS = 512  # buffers per sendmsg call (the system's limit is 1024)
-_READ = select.POLLIN | select.POLLPRI | select.POLLHUP | select.POLLERR
+_PREAMBLE = struct.Struct("<qq")  # a transfer's tag and size
+_NOTICE = -1  # the tag of a notice to every peer, outside the sequences
 _GONE = select.POLLHUP | select.POLLERR  # reported whatever the poll watches for
 
 
@@ -63,363 +50,229 @@ def _bytes_of(tensor: torch.Tensor) -> memoryview:
     return memoryview(flat.numpy()).cast("B")
 
 
-def _drop(parts: list[memoryview], sent: int) -> None:
-    """Remove the first ``sent`` bytes of ``parts``, which went into a socket."""
-    while sent:
-        if sent >= parts[0].nbytes:
-            sent -= parts.pop(0).nbytes
-        else:
-            parts[0] = parts[0][sent:]
-            sent = 0
+class _Transfer:
+    """One posted send or receive: what a gloo work answers (``is_completed``, ``wait``)."""
+
+    __slots__ = ("carrier", "error", "got", "keep", "peer", "size", "view")
+
+    def __init__(self, carrier: SocketCarrier, size: int, view: Any = None, keep: Any = None):
+        self.carrier, self.size, self.view, self.keep = carrier, size, view, keep
+        self.got, self.error, self.peer = 0, None, None
+
+    def is_completed(self) -> bool:
+        return self.got == self.size
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        if self.peer is not None and not self.is_completed():
+            self.carrier._read(self.peer)  # it may be in the socket already: no poll then
+        seconds = timeout.total_seconds() if timeout is not None else self.carrier.timeout
+        deadline = time.monotonic() + seconds
+        while not self.is_completed():
+            if self.error is not None:
+                raise RuntimeError(self.error)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RuntimeError(f"Timed out waiting {seconds:g} s for a transfer to complete")
+            self.carrier.pump(left)
+        return True
 
 
-def _idle(inbound: _Inbound) -> bool:
-    """Whether no frame from this peer is half read."""
-    return inbound.got == 0 and len(inbound.parts) == 1 and inbound.parts[0].obj is inbound.header
-
-
-class _PeerLost(Exception):
-    """A peer's socket closed or failed: it died or left."""
-
-    def __init__(self, peer: int, error: BaseException) -> None:
-        super().__init__(str(error) or type(error).__name__)
-        self.peer = peer
-
-
-@dataclass
-class _Inbound:
-    """What has come in from one peer: the frame being read, and messages complete."""
-
-    link: socket.socket
-    header: bytearray = field(default_factory=lambda: bytearray(HEAD))
-    parts: list[memoryview] = field(default_factory=list)  # what the frame fills, in order
-    got: int = 0  # bytes of parts[0] filled
-    on_full: Callable[[], None] | None = None  # what to do once the parts are full
-    position: int = 0  # of the next frame from this peer
-    arrived: dict[Message, Any] = field(default_factory=dict)
-    rows: dict[int, list[bytes]] = field(default_factory=dict)  # heads, by kind, in order
-    closed: BaseException | None = None
-    # From its row of a step's agreement until this rank begins the next step, the peer's
-    # next message belongs to that step: it stays in the socket (rows and notices are read).
-    hold: bool = True
-    events: int = _READ  # what the poll watches its socket for
-
-
-class SocketTransport(PeerTransport):
-    """Point-to-point transport between processes of one machine (see the module's
-    docstring); built by ``gpipe.parallel.group`` where every rank's stages are on the CPU
-    of one host. Collectives stay on the process group, but for the step's rows."""
+class SocketCarrier:
+    """Moves the frames of ``gpipe.transport.peers`` through a socket per peer (see the
+    module's docstring); chosen by ``gpipe.transport.choice`` where every rank's stages
+    are on the CPU of one host. Collectives stay on the process group, but for the step's
+    rows."""
 
     kind = "sockets"  # what Pipe.transport says
-    receive_ahead = True  # whatever a peer sends is taken as soon as the rank reads
+    receive_ahead = True  # a stream's receives are matched in order: never a deadlock
+    wire_device = meta_device = torch.device("cpu")
 
-    def __init__(
-        self,
-        schedule: Any,
-        rank: int,
-        group: Any,
-        devices: list[torch.device],
-        links: dict[int, socket.socket],
-        *,
-        timeout: float,
-        routes: Routes | None = None,
-    ) -> None:
-        super().__init__(schedule, rank, group, devices, timeout=timeout, routes=routes)
-        self.wire_device = torch.device("cpu")
+    def __init__(self, links: dict[int, socket.socket], timeout: float) -> None:
+        self.timeout = timeout
         self._links = links
-        self._inbound = {peer: _Inbound(link) for peer, link in links.items()}
         self._by_fd = {link.fileno(): peer for peer, link in links.items()}
+        self._posted: dict[int, dict[int, deque[_Transfer]]] = {p: {} for p in links}
+        self._out: dict[int, deque[tuple[memoryview, _Transfer]]] = {p: deque() for p in links}
+        self._next: dict[int, tuple[int, int] | None] = dict.fromkeys(links)  # preamble read
+        self._into: dict[int, _Transfer | None] = dict.fromkeys(links)  # being filled
+        self._closed: dict[int, str] = {}  # peers whose stream ended, once all it sent is read
+        self._broken: dict[int, str] = {}  # peers that take nothing more
+        self._heard: list[tuple[int | None, bytes]] = []
+        self._hung: set[int] = set()  # peers whose socket reported a hang-up
         self._poll = select.poll()
+        self._events: dict[int, int | None] = dict.fromkeys(links, 0)
         for link in links.values():
-            self._poll.register(link, _READ)
-        for peer in links:
-            self._expect_header(peer)
-        self._unsent: dict[int, list[memoryview]] = {}  # a frame interrupted by a failure
-        self._exchanging = False
+            self._poll.register(link, 0)
 
-    def begin(self, training: bool) -> None:
-        self.check_notices()  # a peer gave up on this pipeline since the last step
-        self._begin_plan(training)
-        self._sent = dict.fromkeys(self._outgoing, 0)
-        for peer, inbound in self._inbound.items():
-            inbound.position = 0
-            inbound.arrived.clear()
-            inbound.hold = False
-            self._watch(peer, _READ)
+    def post(
+        self, sends: bool, peer: int, tag: int, tensors: list[torch.Tensor], data=False
+    ) -> list[_Transfer]:
+        """Post sends (or receives) of ``tensors`` with ``peer`` on ``tag``; sends are
+        written at once as far as the socket takes them."""
+        if sends:
+            if peer in self._broken:
+                raise RuntimeError(f"Connection closed by peer: {self._broken[peer]}")
+            return [self._send(peer, tag, t if isinstance(t, list) else [t]) for t in tensors]
+        transfers = []
+        for t in tensors:
+            view = _bytes_of(t)
+            transfers.append(_Transfer(self, view.nbytes, view, t))
+            transfers[-1].peer, transfers[-1].error = peer, self._closed.get(peer)
+            self._posted[peer].setdefault(tag, deque()).append(transfers[-1])
+        return transfers
 
-    def finish(self) -> None:
-        pass  # every send is in its socket already
+    def _send(self, peer: int, tag: int, parts: list[Any]) -> _Transfer:
+        """One transfer of ``parts`` (bytes, contiguous tensors) to ``peer``."""
+        views = [memoryview(p) if isinstance(p, bytes) else _bytes_of(p) for p in parts]
+        transfer = _Transfer(self, sum(v.nbytes for v in views), keep=parts)
+        out = self._out[peer]
+        out.append((memoryview(_PREAMBLE.pack(tag, transfer.size)), None))
+        out.extend((view, transfer) for view in views if view.nbytes)
+        self._write(peer)
+        return transfer
 
-    def clear(self) -> None:
-        self._mailbox.clear()
-        for inbound in self._inbound.values():
-            inbound.arrived.clear()
+    def heard(self) -> list[tuple[int | None, bytes]]:
+        """Failure notices from any peer outside the step's frames, read without waiting."""
+        for peer in self._links:
+            self._read(peer)
+        return self._heard
 
-    def check_notices(self) -> None:
-        """Raise the failure a peer announced, if one has (read without waiting)."""
-        if not self._notices:
-            for peer in self._inbound:
-                self._pump(peer)
-        super().check_notices()
+    def announce(self, frame: bytes, peers: list[int]) -> None:
+        """A failure notice's frame to every peer of ``peers``, outside the sequences, after
+        what is posted already (the rest of a frame a failure interrupted)."""
+        for peer in peers:
+            if peer not in self._broken:
+                self._send(peer, _NOTICE, [frame])
 
-    def _watch(self, peer: int, events: int) -> None:
-        """What the poll watches ``peer``'s socket for (nothing once it closed)."""
-        inbound = self._inbound[peer]
-        if inbound.closed is None and events != inbound.events:
-            self._poll.modify(inbound.link, events)
-            inbound.events = events
+    def flush(self, seconds: float) -> None:
+        """Write what is posted, for at most ``seconds``."""
+        deadline = time.monotonic() + seconds
+        while any(self._out.values()) and time.monotonic() < deadline:
+            self.pump(deadline - time.monotonic())
 
-    # -- sending ----------------------------------------------------------------------------
+    # -- moving bytes -------------------------------------------------------------------------
 
-    def send(self, message: Message, value: Any) -> None:
-        if self._send_here(message, value):
-            return
-        dst = self.schedule.stage_to_rank[message.stage]
-        history, meta, size, tensors = self._described(dst, message, value)
-        payload = [_bytes_of(t) for t in tensors]
-        frame = head(MESSAGE, self._sent[dst], size)
-        self._write(dst, [memoryview(frame), *([memoryview(meta)] if size else []), *payload])
-        history.update(meta)
-        self._sent[dst] += 1
-
-    def _send_row(self, dst: int, kind: int, row: torch.Tensor) -> None:
-        self._write(dst, [memoryview(head(kind, self._sent[dst], 0, row))])
-        self._sent[dst] += 1
-
-    def _write(self, dst: int, parts: list[memoryview]) -> None:
-        """Put ``parts`` into ``dst``'s socket, reading every peer while the socket is full."""
-        link = self._links[dst]
-        parts = [p for p in parts if p.nbytes]
-        self._unsent[dst] = parts
-        deadline = time.monotonic() + self.timeout
-        while parts:
-            try:
-                sent = link.sendmsg(parts[:_MAX_PARTS])
-            except BlockingIOError:
-                sent = 0
-            except OSError as error:
-                raise self._left(error, dst, "send to") from error
-            _drop(parts, sent)
-            if not parts:
-                break
-            try:
-                waited = self._wait_for(deadline, writing=dst)
-            except _PeerLost as lost:
-                raise self._left(lost, dst, "send to") from lost
-            if not waited:
-                me, other = self._global(self.rank), self._global(dst)
-                raise PipelineError(
-                    f"rank {me} waited {self.timeout:g} s to send to rank {other}, which took "
-                    f"nothing in that time: it stalled or is slower than that; look for why "
-                    f"{REMEDY}",
-                    rank=dst,
-                    global_rank=other,
-                )
-        del self._unsent[dst]
-
-    # -- receiving --------------------------------------------------------------------------
-
-    def recv(self, message: Message) -> Any:
-        if message in self._mailbox:
-            return self._mailbox.pop(message)
-        src = self.schedule.stage_to_rank[self.routes.sender(message)]
-        inbound = self._inbound[src]
-        deadline = time.monotonic() + self.timeout
-        try:
-            self._pump(src)
-            while message not in inbound.arrived:
-                if inbound.closed is not None:
-                    raise _PeerLost(src, inbound.closed)
-                if not self._wait_for(deadline):
-                    raise self._wait_failed(TimeoutError("timed out"), src, message)
-        except _PeerLost as lost:
-            raise self._wait_failed(lost, lost.peer, message) from lost
-        return inbound.arrived.pop(message)
-
-    def _wait_for(self, deadline: float, writing: int | None = None) -> bool:
-        """Wait until a peer has sent something (read it) or ``writing``'s socket has room;
-        False if nothing happened before ``deadline``. Raises a failure a peer announced."""
-        if writing is not None:
-            watched = self._inbound[writing].events
-            self._watch(writing, watched | select.POLLOUT)
-        try:
-            left = deadline - time.monotonic()
-            events = self._poll.poll(max(left, 0) * 1000) if left > 0 else []
-        finally:
-            if writing is not None:
-                self._watch(writing, watched)
-        for fd, happened in events:
+    def pump(self, seconds: float) -> None:
+        """Wait at most ``seconds`` for any socket to be readable (where a read lands) or
+        writable (with something to write), and move what can be moved."""
+        for peer, link in self._links.items():
+            if peer in self._hung and self._out[peer]:
+                self._write(peer)  # it fails: nobody reads what is written
+            reading = peer not in self._closed and self._wanted(peer)
+            events = (select.POLLIN if reading else 0) | (select.POLLOUT if self._out[peer] else 0)
+            if peer in self._hung and not reading:
+                events = None  # a hung-up socket is always ready: polled, it would spin
+            if events != self._events[peer]:
+                if self._events[peer] is None:
+                    self._poll.register(link, events)
+                elif events is None:
+                    self._poll.unregister(link)
+                else:
+                    self._poll.modify(link, events)
+                self._events[peer] = events
+        for fd, happened in self._poll.poll(max(seconds, 0) * 1000):
             peer = self._by_fd[fd]
-            self._pump(peer)
-            inbound = self._inbound[peer]
-            if inbound.closed is None and happened & _GONE and inbound.events == 0:
-                # Its next step's message is held, and it hung up: it is gone all the same.
-                self._lost(peer, _PeerLost(peer, ConnectionResetError("the connection was closed")))
-            if peer == writing and inbound.closed is not None:
-                raise inbound.closed
-        return bool(events)
+            if happened & _GONE:
+                self._hung.add(peer)
+            if self._out[peer]:
+                self._write(peer)
+            self._read(peer)
 
-    def _pump(self, peer: int) -> None:
-        """Read whatever ``peer`` has sent, without waiting; keep each complete message. A
-        peer that left is marked ``closed`` once what it sent before is read: its last
-        messages and row count, the wait for a next one fails."""
-        if self._inbound[peer].closed is None:
-            try:
-                self._read(peer)
-            except _PeerLost as lost:
-                self._lost(peer, lost)
-
-    def _lost(self, peer: int, lost: _PeerLost) -> None:
-        self._inbound[peer].closed = lost
-        self._poll.unregister(self._links[peer])  # a dead peer's socket stays readable
+    def _wanted(self, peer: int) -> bool:
+        """Whether a read from ``peer`` would land somewhere (or read a preamble)."""
+        upcoming = self._next[peer]
+        return (upcoming is None or upcoming[0] == _NOTICE or self._into[peer] is not None
+                or bool(self._posted[peer].get(upcoming[0])))  # fmt: skip
 
     def _read(self, peer: int) -> None:
-        inbound = self._inbound[peer]
-        link = inbound.link
-        while True:
-            if inbound.hold and _idle(inbound) and not self._notice_next(peer):
-                return
-            part = inbound.parts[0]
+        """Read what ``peer`` sent into the receives posted for it, without waiting."""
+        link = self._links[peer]
+        while peer not in self._closed:
+            if self._into[peer] is None:
+                if self._next[peer] is None:  # between transfers: a preamble comes
+                    self._into[peer] = _Transfer(self, _PREAMBLE.size, memoryview(bytearray(16)))
+                elif not self._match(peer):
+                    return  # not posted yet: it stays in the socket
+            into = self._into[peer]
+            if not into.is_completed():
+                got = self._recv(peer, link, into.view[into.got :])
+                if got is None:
+                    return
+                into.got += got
+                continue
+            if self._next[peer] is None:
+                self._next[peer] = _PREAMBLE.unpack(into.view)
+            else:
+                if self._next[peer][0] == _NOTICE:
+                    self._heard.append((peer, bytes(into.view[HEAD:])))
+                self._next[peer] = None
+            self._into[peer] = None
+
+    def _match(self, peer: int) -> bool:
+        """Where the transfer whose preamble came lands: the first receive posted with its
+        tag (a notice to every peer: a buffer of its own). False while none is posted."""
+        tag, size = self._next[peer]
+        queue = self._posted[peer].get(tag)
+        if tag == _NOTICE:
+            self._into[peer] = _Transfer(self, size, memoryview(bytearray(size)))
+        elif not queue:
+            return False
+        else:
+            self._into[peer] = into = queue.popleft()
+            if into.size != size:
+                self._lose(peer, f"rank sent {size} bytes on tag {tag} where {into.size} "
+                           "were posted: the ranks disagree on what they send; build every "
+                           "rank's Pipe with the same arguments")  # fmt: skip
+                return False
+        return True
+
+    def _recv(self, peer: int, link: socket.socket, view: memoryview) -> int | None:
+        """Bytes read into ``view``, or None when nothing is there (or the stream ended:
+        the peer is then closed)."""
+        try:
+            got = link.recv_into(view)
+        except BlockingIOError:
+            return None
+        except OSError as error:
+            self._lose(peer, f"Connection closed by peer ({error})")
+            return None
+        if got == 0:
+            self._lose(peer, "Connection closed by peer")
+            return None
+        return got
+
+    def _lose(self, peer: int, why: str) -> None:
+        """``peer``'s stream ended: every receive posted from it fails, now and later."""
+        self._closed[peer] = why
+        for queue in self._posted[peer].values():
+            for t in queue:
+                t.error = why
+        if self._into[peer] is not None:
+            self._into[peer].error = why
+
+    def _write(self, peer: int) -> None:
+        """Write what is queued for ``peer``, as far as its socket takes it."""
+        out = self._out[peer]
+        while out:
+            views = [view for view, _ in itertools.islice(out, _MAX_PARTS)]
             try:
-                got = link.recv_into(part[inbound.got :])
+                sent = self._links[peer].sendmsg(views)
             except BlockingIOError:
                 return
             except OSError as error:
-                raise _PeerLost(peer, error) from error
-            if got == 0:
-                raise _PeerLost(peer, ConnectionResetError("the connection was closed"))
-            inbound.got += got
-            if inbound.got == part.nbytes:
-                inbound.parts.pop(0)
-                inbound.got = 0
-                if not inbound.parts:
-                    assert inbound.on_full is not None
-                    inbound.on_full()
-
-    def _expect_header(self, peer: int) -> None:
-        inbound = self._inbound[peer]
-        inbound.parts = [memoryview(inbound.header)]
-        inbound.on_full = lambda: self._header_in(peer)
-
-    def _header_in(self, peer: int) -> None:
-        inbound = self._inbound[peer]
-        kind, position, size = read_head(inbound.header)
-        if kind == NOTICE:  # a failure: what it says, then raise it
-            meta = bytearray(size)
-            inbound.parts = [memoryview(meta)]
-            inbound.on_full = lambda: self._noticed(peer, meta)
-            return
-        if kind != MESSAGE:  # a row
-            inbound.rows.setdefault(kind, []).append(bytes(inbound.header))
-            inbound.position += 1
-            inbound.hold = kind == AGREEMENT  # its frames of this step are all in
-            self._expect_header(peer)
-            return
-        incoming = self._incoming.get(peer, [])
-        expected = position == inbound.position and position < len(incoming)
-        message = incoming[position] if expected else None
-        if not isinstance(message, Message):
-            raise PipelineError(
-                f"rank {self.rank} received message {position} of this step from rank {peer} "
-                f"where it expected message {inbound.position} of {len(incoming)}: the ranks "
-                "run different schedules; build every rank's Pipe with the same arguments",
-                rank=peer,
-            )
-        history = self._recv_meta.setdefault(self._key(peer, message), History())
-        if size == 0:
-            if history.last is None:
-                raise PipelineError(f"rank {peer} sent {message} without describing it", rank=peer)
-            self._tensors_of(peer, message, history, history.last)
-            return
-        meta = bytearray(size)
-        inbound.parts = [memoryview(meta)]
-        inbound.on_full = lambda: self._tensors_of(peer, message, history, bytes(meta))
-
-    def _tensors_of(self, peer: int, message: Message, history: History, meta: bytes) -> None:
-        """Receive the message's tensors straight into the tensors that will hold them."""
-        history.update(meta)
-        leaves = history.allocate(torch.device("cpu"))
-        inbound = self._inbound[peer]
-
-        def complete() -> None:
-            inbound.arrived[message] = history.rebuild(leaves, message.channel.forward)
-            inbound.position += 1
-            self._expect_header(peer)
-
-        parts = [_bytes_of(leaf) for leaf in leaves if isinstance(leaf, torch.Tensor)]
-        inbound.parts = [p for p in parts if p.nbytes]
-        if inbound.parts:
-            inbound.on_full = complete
-        else:
-            complete()
-
-    def _noticed(self, peer: int, data: bytearray) -> None:
-        """A peer's failure notice: raise it, and on every later check (while the rank
-        gathers the step's agreement, only if nobody is left to agree with)."""
-        self._expect_header(peer)
-        self._notices = self._notice_from(peer, data)
-        if not self._exchanging or self._notices.get("gave_up"):
-            super().check_notices()
-
-    def _notice_next(self, peer: int) -> bool:
-        """While holding ``peer``'s next frame (its step's are all in): whether it is a
-        notice (then read it). Another, left where it is, is not polled for until the next
-        step."""
-        inbound = self._inbound[peer]
-        try:
-            peeked = inbound.link.recv(HEAD, socket.MSG_PEEK)
-        except BlockingIOError:
-            return False
-        except OSError as error:
-            raise _PeerLost(peer, error) from error
-        if not peeked:
-            raise _PeerLost(peer, ConnectionResetError("the connection was closed"))
-        if len(peeked) < 24:
-            return False  # the rest of the head is on its way
-        if read_head(peeked)[0] == NOTICE:
-            return True
-        self._watch(peer, 0)
-        return False
-
-    # -- the step's rows --------------------------------------------------------------------
-
-    def _take_row(self, src: int, kind: int, like: torch.Tensor, deadline: float) -> torch.Tensor:
-        """Read until ``src``'s row of ``kind`` is in. A failure notice that comes while the
-        agreement is gathered is kept, not raised: a rank that failed still sends its row."""
-        self._exchanging = kind == AGREEMENT
-        inbound = self._inbound[src]
-        try:
-            while not inbound.rows.get(kind):
-                self._pump(src)
-                if inbound.rows.get(kind):
-                    break
-                if inbound.closed is not None:
-                    raise _PeerLost(src, inbound.closed)
-                if self._exchanging and self.peer_gave_up():
-                    raise ConnectionError(self._notices["message"])
-                if not self._wait_for(deadline):
-                    raise TimeoutError("timed out")
-        except _PeerLost as lost:
-            raise ConnectionError(f"rank {self._global(lost.peer)}: {lost}") from lost
-        finally:
-            self._exchanging = False
-        return row_of(inbound.rows[kind].pop(0), like)
-
-    # -- failures ---------------------------------------------------------------------------
-
-    def announce_failure(self, description: dict) -> None:
-        """Tell every peer (each may be waiting on this rank, directly or not), after the
-        rest of any frame a failure interrupted; for at most a second."""
-        text = notice(description)
-        frame = [memoryview(head(NOTICE, -1, len(text))), memoryview(text)]
-        deadline = time.monotonic() + min(1.0, self.timeout)
-        for peer, link in self._links.items():
-            parts = [*self._unsent.pop(peer, []), *frame]
-            with contextlib.suppress(OSError, PipelineError, _PeerLost):
-                while parts and time.monotonic() < deadline:
-                    try:
-                        sent = link.sendmsg(parts)
-                    except BlockingIOError:
-                        select.select([], [link], [], max(deadline - time.monotonic(), 0))
-                        continue
-                    _drop(parts, sent)
+                self._broken[peer] = str(error)
+                for _, t in out:
+                    if t is not None:
+                        t.error = f"Connection closed by peer ({error})"
+                out.clear()
+                return
+            while sent:
+                view, t = out[0]
+                taken = min(sent, view.nbytes)
+                sent -= taken
+                if t is not None:
+                    t.got += taken
+                if taken == view.nbytes:
+                    out.popleft()
+                else:
+                    out[0] = (view[taken:], t)

@@ -1,0 +1,158 @@
+"""A failure on the wire between the ranks of a pipeline: the notices a failed rank sends
+(in place of its next frame, and to every peer outside the sequences) and those it
+receives, in this rank's words; the errors of a failed transfer, naming the rank that
+caused it (``gpipe.transport.inquest``), which may not be the one waited on; gloo's and
+NCCL's error texts read in one place."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+from gpipe.base.errors import PipelineError
+from gpipe.schedule.routes import Message
+from gpipe.transport.framing import NOTICE, head, notice, read_notice
+from gpipe.transport.inquest import REMEDY, blame, said_by
+
+__all__ = ["Failures", "announced", "said_in"]
+
+
+class Failures:
+    """The failure half of ``gpipe.transport.peers.PeerTransport``: uses its ``carrier``,
+    ``_dist``, ``group``, ``rank``, ``schedule``, ``timeout``, its step's frames, its
+    notices and ``_emit``."""
+
+    def check_notices(self) -> None:
+        """Raise the failure a peer announced, if one has (outside this step's frames too)."""
+        if self._heard():
+            raise announced(self._notices)
+
+    def peer_gave_up(self) -> bool:
+        """Whether a peer announced that it left the pipeline without agreeing on the
+        failure (a collective of its timed out): nobody is left to agree with."""
+        self._heard()
+        return self._gave_up
+
+    def _heard(self) -> dict[str, Any]:
+        for peer, data in self.carrier.heard():
+            self._note(peer, self._notice_from(peer, data))
+        return self._notices
+
+    def _note(self, peer: int | None, said: dict[str, Any]) -> None:
+        """Keep the notice this rank raises: the first, but a neighbour's (a rank it
+        exchanges messages with: its words are nearer the cause) over a farther rank's."""
+        near = peer in self._neighbours
+        if not self._notices or (near and not self._near):
+            self._notices, self._near = said, near
+        self._gave_up = self._gave_up or bool(said.get("gave_up"))
+
+    def announce_failure(self, description: dict) -> None:
+        """Tell every peer: outside the sequences (it may be waiting for another rank, or
+        between steps; on a socket, ahead of what follows), and in place of the next frame
+        of its sequence if it still expects one (then, unless this rank gave up, its
+        agreement row follows); written within a second."""
+        self._failed, text = True, notice(description)
+        others = [p for p in range(self.schedule.num_ranks) if p != self.rank]
+        self.carrier.announce(head(NOTICE, -1, len(text)) + text, others)
+        for dst, sequence in self._outgoing.items():
+            if self._sent.get(dst, 0) < len(sequence):
+                with contextlib.suppress(Exception):
+                    self._emit(dst, NOTICE, size=len(text), data=text)
+        self.carrier.flush(min(1.0, self.timeout))
+        self.clear()
+
+    def _global(self, rank: int) -> int:
+        return self._dist.get_global_rank(self.group, rank)
+
+    def _local(self, rank: int) -> int | None:
+        """The rank in this pipeline's group of global rank ``rank``, or None (another
+        replica's)."""
+        try:
+            return self._dist.get_group_rank(self.group, rank)
+        except (RuntimeError, ValueError):
+            return None
+
+    def _notice_from(self, peer: int | None, data: bytes | bytearray) -> dict[str, Any]:
+        """The failure notice ``peer`` sent (``framing.notice``; None: a peer outside the
+        step's frames), as this rank tells it: one that blames this rank (the peer gave up
+        waiting on it) says so, in its words."""
+        if peer is None:
+            return read_notice(data, None, "a peer")
+        me, other = self._global(self.rank), self._global(peer)
+        said = read_notice(data, peer, f"rank {other}")
+        if said.get("global_rank") != me:
+            return said
+        words = f"rank {me}: rank {other} gave up on this pipeline: {said['message']}"
+        return {**said, "rank": peer, "global_rank": other, "message": words}
+
+    def _left(self, error: Exception, peer: int, doing: str) -> PipelineError:
+        """Posting a transfer failed: ``peer`` left. The failure it announced, if any."""
+        try:
+            self.check_notices()  # it gave up on this step, and said why
+        except PipelineError as said:
+            return said
+        me, other = self._global(self.rank), self._global(peer)
+        said = said_by(other, timeout=self.timeout)
+        if said is not None:  # it gave up on this pipeline: its words, which may name this rank
+            return PipelineError(f"rank {me}: rank {other} gave up on this pipeline: {said}",
+                                 rank=peer, global_rank=other)  # fmt: skip
+        return PipelineError(
+            f"rank {me} could not {doing} rank {other}, which left (died, or gave up on this "
+            f"pipeline): {said_in(error)[0]}; look for that rank's own error",
+            rank=peer,
+            global_rank=other,
+        )
+
+    def _wait_failed(self, error: Exception, src: int, message: Message) -> PipelineError:
+        """The error of a receive from ``src`` that failed: naming the rank that caused it,
+        which may not be ``src`` (``gpipe.transport.inquest``)."""
+        text, timed_out = said_in(error)
+        me, peer = self._global(self.rank), self._global(src)
+        what = f"{message.channel} of micro-batch {message.microbatch}"
+        waited = (
+            f"rank {me} waited {self.timeout:g} s for the {what} from rank {peer}"
+            if timed_out
+            else f"rank {me} lost rank {peer} while waiting for its {what} ({text})"
+        )
+        verdict = blame(me, [peer], waited, timeout=self.timeout)
+        if verdict.failed:
+            culprit = next(iter(verdict.failed))
+            return PipelineError(f"{verdict.describe(me)}; {waited}", rank=self._local(culprit),
+                                 global_rank=culprit)  # fmt: skip
+        if verdict.silent and verdict.silent != [peer]:
+            culprit = verdict.silent[0]
+            return PipelineError(
+                f"{verdict.describe(me)}: {waited}; look for why rank {culprit} stopped {REMEDY}",
+                rank=self._local(culprit),
+                global_rank=culprit,
+            )
+        if timed_out:  # rank src itself, or nobody could tell
+            # Silent for a grace more, with no one else to wait on (two ranks): it hung.
+            alone = verdict.silent and self.schedule.num_ranks == 2
+            maybe = "" if alone else "; it may itself be waiting on another rank"
+            return PipelineError(
+                f"{waited} without an answer{maybe}: rank {peer} stalled or is slower than "
+                f"that; look for why {REMEDY}",
+                rank=src,
+                global_rank=peer,
+            )
+        return PipelineError(
+            f"{waited}: rank {peer} died or left; look for its own error, or why it was "
+            "killed (out of memory?)",
+            rank=src,
+            global_rank=peer,
+        )
+
+
+def announced(notice: dict[str, Any]) -> PipelineError:
+    """The error a peer's failure notice says."""
+    return PipelineError(notice["message"], rank=notice["rank"],
+                         global_rank=notice.get("global_rank"))  # fmt: skip
+
+
+def said_in(error: Exception) -> tuple[str, bool]:
+    """What a failed transfer's error says (its first line, gloo's advice after the cause
+    dropped), and whether it timed out, in gloo's words or NCCL's."""
+    text = str(error).splitlines()[0] if str(error) else type(error).__name__
+    text = text.split(" This is typically")[0]
+    return text, "imed out" in text or "imeout" in text
