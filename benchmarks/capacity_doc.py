@@ -205,7 +205,7 @@ def targets(rows: list[Row]) -> list[str]:
         (low8, high8), (low1, high1) = (spread(r) for r in (deepest, find(rows, "remat", 1)))
         within = (
             f"; over the rows' ranges {low8 / high1:.2f}–{high8 / low1:.2f}x, the target "
-            f"{'met' if low8 / high1 >= TARGETS['stages'] else 'not met'} at the low end"
+            f"{'met even' if low8 / high1 >= TARGETS['stages'] else 'not met'} at the low end"
             if (low8, low1) != (high8, high1) else ""
         )  # fmt: skip
         lines.append(
