@@ -54,6 +54,7 @@ from capacity_doc import (  # a sibling: the rows and the doc's tables
     STAGES,
     TARGETS,
     Row,
+    order,
     paper,
     plot,
     ratio,
@@ -358,7 +359,7 @@ def rows_into(results: Results, args: argparse.Namespace, budget: float) -> bool
         return False
     fresh = {(r.kind, r.fit.layout.stages): r for r in rows}
     merged = [fresh.pop((r.kind, r.fit.layout.stages), r) for r in kept[1]]
-    results[name] = (kept[0], merged + list(fresh.values()), kept[2])
+    results[name] = (kept[0], order(merged + list(fresh.values())), kept[2])
     if args.save:
         save(args.save, results, budget)
     return True
@@ -389,14 +390,6 @@ def family_rows(
                 starts=starts_of(args, name), done=done, parallel=args.parallel)  # fmt: skip
     done(end=True)
     return overhead, rows, (time.perf_counter() - begun) / 60
-
-
-def _when(row: Row) -> str:
-    """The load average a row ran at and its code, where kept."""
-    load = "–".join(f"{x:.0f}" for x in row.load)
-    said = [f"load {load}"] if load else []
-    said += [f"at {row.commit}"] if row.commit else []
-    return f" ({', '.join(said)})" if said else ""
 
 
 def results_doc(results: Results) -> str:
@@ -430,7 +423,7 @@ def results_doc(results: Results) -> str:
     doc.append(f"Benchmark wall time: {minutes} on this machine (a family's run, or the sum "
                "of its rows' where they were measured alone).")  # fmt: skip
     for name, (_, rows, _) in results.items():
-        each = "; ".join(f"K={r.fit.layout.stages} {r.kind} {r.minutes:.1f}{_when(r)}"
+        each = "; ".join(f"K={r.fit.layout.stages} {r.kind} {r.minutes:.1f}"
                          for r in rows if r.minutes)  # fmt: skip
         if each:
             doc += ["", f"{name}, minutes per row (measured, refined, repeated): {each}."]

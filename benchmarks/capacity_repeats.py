@@ -2,6 +2,8 @@
 
     python benchmarks/capacity_repeats.py --rows 1:no-remat 2:remat --repeats 3 \
         --out /tmp/repeats.jsonl
+    # the independent check alone, of a row kept by capacity.py --save:
+    python benchmarks/capacity_repeats.py --rows 8:remat --kept benchmarks/capacity_gpt.json
 
 For rows of the GPT family of ``benchmarks/capacity.py`` (K stages, no remat or remat), each
 row is verified ``--repeats`` times from its prediction (``verify_capacity(refine=True,
@@ -120,6 +122,28 @@ def run_row(name: str, k: int, mode: str, repeats: int, overhead, emit) -> None:
               "independent_fits": max(own) <= BUDGET})  # fmt: skip
 
 
+def kept_row(path: Path, name: str, k: int, mode: str, emit) -> None:
+    """The independent check alone, of a row kept by ``capacity.py --save``: its found depth
+    and next size up, each trained once more by processes started on their own, against
+    the readings kept for the same depth (its runs and repeats)."""
+    from capacity_saved import load  # a sibling
+
+    _, rows, _ = load(path, families())[name]
+    kind = "remat" if mode == "remat" else "no remat"
+    row = next(r for r in rows if r.kind == kind and r.fit.layout.stages == k)
+    check = row.check
+    runs = [r for r in (check.found, check.next_size, *check.again) if r is not None]
+    for m in (check.found, check.next_size):
+        own = independent(name, m.fit)
+        tool = [r.peak for r in runs if r.fit.depth == m.fit.depth]
+        emit({"row": f"{name} K={k} {mode}", "independent_depth": m.fit.depth,
+              "vmhwm_mib": [round(p / MiB, 2) for p in own],
+              "tool_mib": [round(p / MiB, 2) for p in tool],
+              "difference_mib": round((max(own) - max(tool)) / MiB, 2),
+              "scatter_mib": round(check.scatter / MiB, 2),
+              "independent_fits": max(own) <= BUDGET, "commit": row.commit})  # fmt: skip
+
+
 def markdown(records: list[dict]) -> str:
     """The repeats, then the independent check, as the doc's tables."""
     lines = ["| row | run | layout | predicted | measured | scatter MiB | peaks MiB (depth: runs) "
@@ -151,6 +175,8 @@ def main() -> None:
     parser.add_argument("--calibration", type=float, nargs=4,
                         default=[233.8, 98.0, 0.033, 0.211])  # fmt: skip
     parser.add_argument("--out", type=Path, default=Path("capacity_repeats.jsonl"))
+    parser.add_argument("--kept", type=Path, help="no repeats: the independent check of "
+                        "--rows as kept in this file by capacity.py --save")  # fmt: skip
     parser.add_argument("--table", type=Path, help="print --out's JSON lines kept in this file "
                         "as the doc's tables, measuring nothing")  # fmt: skip
     args = parser.parse_args()
@@ -168,7 +194,10 @@ def main() -> None:
 
     for row in args.rows:
         k, mode = row.split(":")
-        run_row(args.family, int(k), mode, args.repeats, overhead, emit)
+        if args.kept:
+            kept_row(args.kept, args.family, int(k), mode, emit)
+        else:
+            run_row(args.family, int(k), mode, args.repeats, overhead, emit)
 
 
 if __name__ == "__main__":

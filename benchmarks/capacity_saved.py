@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from capacity_doc import Row  # a sibling
+from capacity_doc import Row, order  # a sibling
 
 from gpipe.estimate.memory_model import Calibration
 from gpipe.layout import Layout
@@ -61,7 +61,7 @@ def load(path: Path, families: dict[str, Family]) -> Results:
     for name, data in json.loads(path.read_text()).items():
         overhead = Calibration(**{k: float(data["calibration"][k]) for k in _CALIBRATION})
         fit = _refit(families[name], float(data["budget"]), overhead)
-        rows = [_unrow(r, fit) for r in data["rows"]]
+        rows = order([_unrow(r, fit) for r in data["rows"]])
         results[name] = (overhead, rows, float(data["minutes"]))
     return results
 

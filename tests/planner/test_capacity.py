@@ -1,5 +1,6 @@
-"""Capacity: the search against brute force, sharded memory by hand, its options, and the
-one-process layouts it searches (gpipe's and gradient accumulation's)."""
+"""Capacity: the search against brute force, its galloping depth search against the
+doubling one it replaced, sharded memory by hand, its options, and the one-process layouts
+it searches (gpipe's and gradient accumulation's)."""
 
 from __future__ import annotations
 
@@ -8,12 +9,13 @@ import itertools
 import pytest
 
 from gpipe.base._utils import MiB
+from gpipe.estimate.cuts import cut_within, lightest_cut
 from gpipe.estimate.memory_model import Held, MemoryModel, StageMemoryTable
 from gpipe.estimate.profile import Profile
 from gpipe.layout import Layout
 from gpipe.planner import capacity
-from gpipe.planner.capacity import _LayoutCosts, capacity_layouts, fit_of
-from gpipe.planner.families import FamilyCosts, gpt_family
+from gpipe.planner.capacity import _LayoutCosts, _Remembered, capacity_layouts, deepest, fit_of
+from gpipe.planner.families import FamilyCosts, gpt_family, smallest_depth
 from gpipe.planner.results import cheaper_first
 
 
@@ -64,6 +66,74 @@ def test_search_matches_brute_force_over_depths_and_layouts():
     keys = [(-r.parameters, cheaper_first(r.layout)) for r in result.rows if r.fits]
     assert keys == sorted(keys)
     assert "parameters" in result.table() and result.best.layout.label() in result.table()
+
+
+def doubling(fits, low: int, cap: int) -> int:
+    """The depth search before galloping from a guess (b9bfde3..eb5b52b): from ``low``,
+    doubling steps, then bisection."""
+    high, step = low, 1
+    while True:
+        probe = min(high + step, cap)
+        if probe == high or not fits(probe):
+            break
+        high, step = probe, step * 2
+    top = min(high + step, cap + 1)
+    while top - high > 1:
+        middle = (high + top) // 2
+        if fits(middle):
+            high = middle
+        else:
+            top = middle
+    return high
+
+
+def test_galloping_from_any_guess_finds_the_doubling_search_s_depth():
+    calls = []
+
+    def fits_up_to(last: int):
+        def fits(depth: int) -> bool:
+            calls.append(depth)
+            return depth <= last
+
+        return fits
+
+    for low, cap in ((1, 1), (1, 40), (3, 37), (2, 10_000)):
+        for last in {low, low + 1, (low + cap) // 2, cap - 1, cap, cap + 5}:
+            if not low <= last:
+                continue
+            expected = doubling(fits_up_to(last), low, cap)
+            assert expected == min(last, cap)
+            for guess in {None, 0, low, low + 1, last - 3, last - 1, last, last + 1, last + 9,
+                          cap, cap + 1, 2 * cap}:  # fmt: skip
+                calls.clear()
+                assert deepest(fits_up_to(last), low, cap, guess) == expected, (low, cap, last)
+                assert all(low <= d <= cap for d in calls)
+    # a guess a block off costs a few calls, where doubling from 1 costs ~2·log2(depth)
+    calls.clear()
+    assert deepest(fits_up_to(400), 1, 10_000, guess=401) == 400 and len(calls) <= 3
+
+
+def test_the_search_s_depths_and_cuts_are_the_doubling_search_s():
+    # every layout of a family, at budgets where it fits a few blocks, many, or none
+    family = tiny_gpt()
+    costs = FamilyCosts(family)
+    for budget in (0.12 * MiB, 1.0 * MiB):  # some layouts fit nothing; all fit ~30 blocks
+        result = capacity(family, memory_budget=budget, processes=2, chunks=[1, 2])
+        for row in result.rows[::3]:
+            at = _LayoutCosts(costs, row.layout, 2.0)
+
+            def fits(depth: int, at=at, k=row.layout.stages, budget=budget) -> bool:
+                table = at.table(depth)
+                n = len(table.layers)
+                return bool(cut_within(table, n, k, budget)) if n >= k else False
+
+            low = smallest_depth(family, row.layout.stages)
+            expected = doubling(fits, low, 10_000) if fits(low) else None
+            assert (row.depth if row.fits else None) == expected, row.layout.label()
+            table = at.table(row.depth)
+            n = len(table.layers)
+            assert tuple(lightest_cut(table, n, row.layout.stages)) == row.balance
+            assert lightest_cut(_Remembered(table), n, row.layout.stages) == list(row.balance)
 
 
 def test_sharded_memory_by_hand():

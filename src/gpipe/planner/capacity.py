@@ -11,8 +11,9 @@ number of processes and an optimizer:
    or not, M micro-batches, schedule, re-materialization: of a whole stage at once, or a
    few layers at a time, ``checkpoint_layers``) find the largest depth whose
    every stage fits the budget under the memory model (``gpipe.estimate.memory_model``)
-   plus what a process needs beyond it (``Calibration``), by bisection (a deeper member
-   never needs less memory);
+   plus what a process needs beyond it (``Calibration``), by galloping from the depth of
+   the last layout of the same K and R searched, then bisection (a deeper member never
+   needs less memory, so any bracket finds the same depth);
 3. cut the largest fitting depth with the memory balance
    (``gpipe.estimate.cuts.lightest_cut``: the partition with the most room in its
    fullest stage).
@@ -35,7 +36,7 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 from functools import lru_cache
 from typing import Any
@@ -172,10 +173,14 @@ def capacity(
         checkpoints=checkpoints,
         checkpoint_layers=checkpoint_layers,
     )
-    rows = [
-        _largest(costs, layout, memory_budget, calibration, state, max_depth)
-        for layout in candidates
-    ]
+    rows, found = [], {}  # found: the last depth of each (K, R), where the next starts
+    for layout in candidates:
+        key = (layout.stages, layout.replicas)
+        row = _largest(costs, layout, memory_budget, calibration, state, max_depth,
+                       guess=found.get(key))  # fmt: skip
+        rows.append(row)
+        if row.fits:
+            found[key] = row.depth
     rows.sort(key=lambda r: (not r.fits, -r.parameters if r.fits else max(r.missing),
                              cheaper_first(r.layout)))  # fmt: skip
     result = Capacity(family, float(memory_budget), processes, state, calibration, rows)
@@ -216,6 +221,26 @@ class _LayoutCosts:
         )  # fmt: skip
 
 
+class _Remembered:
+    """A memory table's ``total`` and ``weights``, each stage computed once: the lightest
+    cut's bisection asks for the same stages bound after bound (the same floats as the
+    table's: the cut found is the same)."""
+
+    def __init__(self, table: StageMemoryTable) -> None:
+        self.table, self.totals, self.weighed = table, {}, {}
+
+    def total(self, s: int, i: int, j: int) -> float:
+        key = (s, i, j)
+        if key not in self.totals:
+            self.totals[key] = self.table.total(s, i, j)
+        return self.totals[key]
+
+    def weights(self, i: int, j: int) -> float:
+        if (i, j) not in self.weighed:
+            self.weighed[i, j] = self.table.weights(i, j)
+        return self.weighed[i, j]
+
+
 def _largest(
     costs: FamilyCosts,
     layout: Layout,
@@ -223,8 +248,10 @@ def _largest(
     calibration: Calibration,
     state: float,
     cap: int,
+    guess: int | None = None,
 ) -> Fit:
-    """The largest depth of ``layout`` that fits: grow by doubling steps, then bisect."""
+    """The largest depth of ``layout`` that fits (:func:`deepest`, from ``guess``: a
+    neighbouring layout's answer is usually a few blocks off)."""
     at = _LayoutCosts(costs, layout, state, calibration.per_stage_layer)
 
     def fits(depth: int) -> bool:
@@ -236,21 +263,41 @@ def _largest(
     low = smallest_depth(costs.family, layout.stages)
     if not fits(low):
         return _fit(at, low, budget, calibration)
-    high = low  # the largest depth known to fit
-    step = 1
-    while True:
-        probe = min(high + step, cap)
-        if probe == high or not fits(probe):
-            break
-        high, step = probe, step * 2
-    top = min(high + step, cap + 1)  # the smallest depth known not to fit (or past the cap)
+    return _fit(at, deepest(fits, low, cap, guess), budget, calibration)
+
+
+def deepest(fits: Callable[[int], bool], low: int, cap: int, guess: int | None = None) -> int:
+    """The largest depth in ``low..cap`` with ``fits`` (true at ``low``, and false at every
+    depth above one where it is false: a deeper member never needs less): galloping from
+    ``guess`` (1, 2, 4, ... blocks up while it fits, or down while it does not) to a
+    bracket, then bisecting it. A guess k blocks off costs about 2·log2(k) + 2 calls; none
+    (or ``low``) gallops from ``low``."""
+    start = low if guess is None else min(max(guess, low), cap)
+    if start == low or fits(start):
+        high, step = start, 1  # the largest depth known to fit
+        top = cap + 1  # the smallest depth known not to fit (or past the cap)
+        while high + step <= cap:
+            if not fits(high + step):
+                top = high + step
+                break
+            high, step = high + step, step * 2
+        else:
+            if high < cap and not fits(cap):
+                top = cap
+            elif high < cap:
+                high = cap
+    else:
+        top, step = start, 1
+        while top - step > low and not fits(top - step):
+            top, step = top - step, step * 2
+        high = max(top - step, low)
     while top - high > 1:
         middle = (high + top) // 2
         if fits(middle):
             high = middle
         else:
             top = middle
-    return _fit(at, high, budget, calibration)
+    return high
 
 
 @lru_cache(maxsize=8)
@@ -299,7 +346,7 @@ def _fit(
     table = at.table(depth)
     overhead = calibration.at(len(table.layers))
     if balance is None:
-        balance = lightest_cut(table, len(table.layers), at.layout.stages)
+        balance = lightest_cut(_Remembered(table), len(table.layers), at.layout.stages)
     elif sum(balance) != len(table.layers) or len(balance) != at.layout.stages:
         raise ValueError(
             f"balance {list(balance)} does not cut depth {depth} ({len(table.layers)} layers) "
