@@ -8,6 +8,8 @@ import json
 import pytest
 
 from gpipe.__main__ import main
+from gpipe.cli import plan
+from gpipe.cli.plan_model import not_ours
 from gpipe.train import config_file, resolve
 
 transformers = pytest.importorskip("transformers")
@@ -52,6 +54,32 @@ def test_plan_profiles_the_hugging_face_model_train_would_build_and_its_file_tra
     for name in ("stages", "chunks", "schedule", "virtual_stages", "checkpoint", "balance"):
         assert getattr(config, name) == written[name], name
     trains(file, tmp_path, capsys)  # one plan of the model for both (profiling is its cost)
+
+
+def test_a_file_plan_did_not_write_is_refused_before_planning(tmp_path, capsys, monkeypatch):
+    def planning(config):
+        raise AssertionError("planned before refusing the file")
+
+    monkeypatch.setattr(plan, "run_plan", planning)
+    mine = tmp_path / "run.toml"
+    mine.write_text("steps = 7  # the user's own\n")
+    code = main(["plan", "--model", "gpt", "--size", "tiny", "--write-config", str(mine)])
+    err = capsys.readouterr().err
+    assert code == 2 and mine.read_text() == "steps = 7  # the user's own\n"
+    assert err.count("\n") == 1 and "gpipe plan did not write it" in err, err
+
+
+def test_a_plan_replaces_only_its_own_file(tmp_path):
+    assert not_ours(str(tmp_path / "new.toml")) is None
+    ours = tmp_path / "plan.toml"
+    ours.write_text("# gpipe plan's first choice for gpt (tiny, batch 4) ...\nsteps = 7\n")
+    assert not_ours(str(ours)) is None
+    link = tmp_path / "link.toml"
+    link.symlink_to(ours)  # replacing it would replace the user's link
+    assert "did not write it" in not_ours(str(link))
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    assert "did not write it" in not_ours(str(folder))
 
 
 def test_capacity_plans_families_only(capsys):

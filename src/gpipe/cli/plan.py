@@ -173,6 +173,12 @@ def run(args: argparse.Namespace) -> int:
                 "rows are members of a family: drop --write-config, or --capacity"
             )
         return run_capacity(config)
+    if config.write_config:
+        from gpipe.cli.plan_model import not_ours
+
+        refusal = not_ours(config.write_config)
+        if refusal:
+            raise ValueError(refusal)
     return run_plan(config)
 
 

@@ -7,16 +7,19 @@ mini-batch of its own data, and its loss; and the TOML file that trains the plan
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["TrainedModel", "trained_model", "write_train_config"]
+__all__ = ["TrainedModel", "not_ours", "trained_model", "write_train_config"]
 
 # What names the model and its data shape, as gpipe train's options (TrainConfig fields).
 MODEL_OPTIONS = ("model", "size", "model_config", "seq", "batch")
+# The first words of every file --write-config writes: how a later plan knows it may replace it.
+_MARK = "gpipe plan's first choice for "
 
 
 @dataclass
@@ -70,9 +73,27 @@ def write_train_config(path: str, trained: TrainedModel, best: Any, *, budget: b
         # planned within a budget: peaks as measured need freed memory given back
         options["cpu_allocator"] = "return"
     header = (
-        f"gpipe plan's first choice for {trained.what} (predicted "
+        f"{_MARK}{trained.what} (predicted "
         f"{best.throughput:,.1f} samples/s).\n"
         "gpipe train --config THIS; flags on the command line override these (another "
         "--stages needs another --balance)."
     )
     write_options(path, options, header=header)
+
+
+def not_ours(path: str) -> str | None:
+    """Why ``--write-config PATH`` must not be written (checked before planning), or None: a
+    file is replaced only where an earlier ``gpipe plan`` wrote it."""
+    if not os.path.lexists(path):
+        return None
+    try:
+        with open(path, "rb") as file:
+            ours = file.read(len(_MARK) + 2) == f"# {_MARK}".encode()
+    except OSError:
+        ours = False
+    if ours and not os.path.islink(path):
+        return None
+    return (
+        f"--write-config {path}: it exists and gpipe plan did not write it; choose another "
+        "file, or move it away first"
+    )

@@ -24,6 +24,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from gpipe.base.files import write_file
 from gpipe.train.config import ConfigError, TrainConfig, option_kinds
 from gpipe.train.run_folder import OPTIONS
 from gpipe.train.tasks import RECIPES, recipe_of
@@ -97,7 +98,8 @@ def write_options(path: str | Path, options: dict[str, Any], *, header: str = ""
         raise ValueError(f"{unknown} are not options of gpipe train; give field names")
     lines = [f"# {line}" for line in header.splitlines()]
     lines += [f"{k} = {_toml(v)}" for k, v in options.items() if v is not None]
-    Path(path).write_text("\n".join(lines) + "\n")
+    text = ("\n".join(lines) + "\n").encode()
+    write_file(Path(path), lambda file: file.write(text))  # whole, never through a link
 
 
 def _wanted(kind: Any, value: Any) -> str | None:
