@@ -38,7 +38,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
-from functools import lru_cache
+from functools import cache, lru_cache
 from typing import Any
 
 from gpipe.base import remat
@@ -227,18 +227,7 @@ class _Remembered:
     table's: the cut found is the same)."""
 
     def __init__(self, table: StageMemoryTable) -> None:
-        self.table, self.totals, self.weighed = table, {}, {}
-
-    def total(self, s: int, i: int, j: int) -> float:
-        key = (s, i, j)
-        if key not in self.totals:
-            self.totals[key] = self.table.total(s, i, j)
-        return self.totals[key]
-
-    def weights(self, i: int, j: int) -> float:
-        if (i, j) not in self.weighed:
-            self.weighed[i, j] = self.table.weights(i, j)
-        return self.weighed[i, j]
+        self.total, self.weights = cache(table.total), cache(table.weights)
 
 
 def _largest(

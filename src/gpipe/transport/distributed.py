@@ -55,8 +55,7 @@ class GroupCarrier:
     ) -> list[Any]:
         """Post sends (or receives) of ``tensors`` (a list: the parts of one) of the frame at
         ``position`` with group rank ``peer`` (``data``: tensors of a message, else its head
-        or description). One
-        operation, or any number on gloo, goes straight to the process group
+        or description). One operation, or any number on gloo, goes straight to the process group
         (``torch.distributed``'s wrappers cost more than gloo's own posting for small
         messages); several on NCCL are coalesced into one group call."""
         dist, tag = self._dist, self._tags + position
