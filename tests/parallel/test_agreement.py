@@ -48,8 +48,8 @@ class _Rank(StepAgreement):
         self.transport, self.ops = _Transport(rows), _Ops(list(messages))
         self.schedule = type("Schedule", (), {"stage_to_rank": [0, 1]})()
 
-    def _collective(self, run, *, notices=True):
-        return run()
+    def _collective(self, run, *args, notices=True, **kw):
+        return run(*args, **kw)
 
 
 def test_every_rank_returns_the_last_stage_s_loss_from_one_row_each():

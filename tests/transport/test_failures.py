@@ -5,15 +5,17 @@ from __future__ import annotations
 
 import pytest
 
+from gpipe.transport import failures
 from gpipe.transport.failures import said_in
 from gpipe.transport.framing import notice
 from gpipe.transport.peers import PeerTransport
 
 
-def test_a_notice_that_blames_this_rank_says_who_gave_up_on_it():
+def test_a_notice_that_blames_this_rank_says_who_gave_up_on_it(monkeypatch):
+    # group ranks 0, 1 are global ranks 4, 5
+    monkeypatch.setattr(failures, "global_rank", lambda group, rank: rank + 4)
     transport = PeerTransport.__new__(PeerTransport)
-    transport.rank = 0
-    transport._global = lambda rank: rank + 4  # group ranks 0, 1 are global ranks 4, 5
+    transport.rank, transport.group = 0, None
     other = notice({"rank": 1, "global_rank": 6, "message": "rank 6 raised ValueError: x"})
     assert transport._notice_from(1, other)["message"] == "rank 6 raised ValueError: x"
     blamed = notice({"rank": 0, "global_rank": 4, "message": "rank 5 waited 2 s for rank 4"})

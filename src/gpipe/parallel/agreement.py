@@ -13,18 +13,15 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TypeVar
 
 import torch
 
 from gpipe.base.errors import NonFiniteError, PipelineError
 from gpipe.engine.stage import Stage
 from gpipe.parallel.clipping import Edit, check_edits
-from gpipe.transport.inquest import state, waited_out
+from gpipe.transport.inquest import global_rank, state, waited_out
 
 __all__ = ["Agreement", "StepAgreement", "refuse_step"]
-
-T = TypeVar("T")
 
 
 @dataclass
@@ -40,24 +37,36 @@ class StepAgreement:
     end, and what a failed step tells its peers. Uses the group's ``transport``, ``ops``
     (its collectives), ``_collective``, ``rank``, ``steps`` and ``broken``."""
 
+    def _row(
+        self,
+        send: Callable[[torch.Tensor], torch.Tensor],
+        row: torch.Tensor,
+        operation: str,
+        doing: str,
+    ) -> torch.Tensor:
+        """``send(row)``: a row of the step through the transport's own wire, as a collective
+        of the group (``_collective``), its failures named as the group's collectives' are.
+        The rows carry the peers' failures themselves: a notice comes in a row's place."""
+
+        def run() -> torch.Tensor:
+            try:
+                return send(row)
+            except (TimeoutError, ConnectionError) as error:
+                if self.transport.peer_gave_up():
+                    self.transport.check_notices()  # its words: it looked for the cause already
+                timed_out = isinstance(error, TimeoutError)
+                raise self.ops.error(operation, error, doing=doing, timed_out=timed_out) from error
+
+        return self._collective(run, notices=False)
+
     def _gather(self, value: float, failed: int, troubled: bool = False) -> torch.Tensor:
         """Every rank's (value, failed rank + 1 or 0, non-finite gradient), one row per
-        pipeline rank."""
+        pipeline rank. The rows themselves say who failed (a failed rank sends its row after
+        its notice)."""
         row = torch.tensor([value, failed + 1, troubled], dtype=torch.float64)
-        doing = f"ending step {self.steps} of this Pipe"
         operation = "the end-of-step agreement (all-gather)"
-        return self._on_wire(lambda: self.transport.all_gather_row(row), operation, doing)
-
-    def _on_wire(self, run: Callable[[], T], operation: str, doing: str) -> T:
-        """``run()``: a row of the step through the transport's own wire, its failures named
-        as the group's collective's would be."""
-        try:
-            return run()
-        except (TimeoutError, ConnectionError) as error:
-            if self.transport is not None and self.transport.peer_gave_up():
-                self.transport.check_notices()  # its words: it looked for the cause already
-            timed_out = isinstance(error, TimeoutError)
-            raise self.ops.error(operation, error, doing=doing, timed_out=timed_out) from error
+        doing = f"ending step {self.steps} of this Pipe"
+        return self._row(self.transport.all_gather_row, row, operation, doing)
 
     def agree(
         self,
@@ -72,12 +81,7 @@ class StepAgreement:
         a failure or a non-finite loss or gradient (``trouble``) anywhere (unless
         ``refuse_nonfinite`` is False) refuses the step on every rank."""
         value = loss_value if loss_value is not None else 0.0
-        # The rows themselves say who failed (a failed rank sends its row after its
-        # notice): a notice raised first would leave this rank's row out.
-        rows = self._collective(
-            lambda: self._gather(value, -1, troubled=trouble is not None),
-            notices=False,
-        )
+        rows = self._gather(value, -1, troubled=trouble is not None)
         table = rows.tolist()  # one read of the agreement
         if any(row[1] for row in table):
             self._raise_remote(rows)
@@ -99,23 +103,21 @@ class StepAgreement:
         # A collective, not the transport's rows: those are frames of a step's sequences,
         # and this row comes between two steps (and is of another length).
         operation = "the clip check (all-gather)"
-        rows = self._collective(lambda: self.ops.all_gather(row, operation, doing=doing))
+        rows = self._collective(self.ops.all_gather, row, operation, doing=doing)
         check_edits(rows, describe=lambda rank: f"rank {rank}")
 
     def fail(self, error: BaseException, stages: list[Stage]) -> None:
         """Tell the other ranks this step failed here (or upstream), then agree on who."""
-        import torch.distributed as dist
-
         if self.broken is not None:  # a collective of this step failed here: peers told
             return
-        me = dist.get_global_rank(self.group, self.rank)
+        me = global_rank(self.group, self.rank)
         if isinstance(error, PipelineError):  # from elsewhere: this rank only waited
             origin, message = error.rank, str(error)
             culprit = error.global_rank
             if culprit is None and origin is not None:
-                culprit = dist.get_global_rank(self.group, origin)
-            waited = [culprit] if culprit is not None else self._global_others()
-            state(me, waited, message)
+                culprit = global_rank(self.group, origin)
+            others = [global_rank(self.group, r) for r in range(self.num_ranks) if r != self.rank]
+            state(me, others if culprit is None else [culprit], message)
             origin = self.rank if origin is None else origin
         else:
             origin, culprit = self.rank, me
@@ -140,12 +142,6 @@ class StepAgreement:
             self._share_failures(message if origin == self.rank else "")
         except Exception:
             pass  # the peers have the announcement; the original error is what we raise
-
-    def _global_others(self) -> list[int]:
-        import torch.distributed as dist
-
-        return [dist.get_global_rank(self.group, r) for r in range(self.num_ranks)
-                if r != self.rank]  # fmt: skip
 
     def _share_failures(self, message: str) -> list[str]:
         try:

@@ -32,7 +32,7 @@ from torch._C._distributed_c10d import AllgatherOptions  # not re-exported by di
 from gpipe.base.errors import PipelineError
 from gpipe.transport.codec import decode, encode
 from gpipe.transport.failures import said_in
-from gpipe.transport.inquest import blame
+from gpipe.transport.inquest import DIED, REMEDY, blame, global_rank, group_rank
 
 __all__ = ["Collectives"]
 
@@ -83,62 +83,39 @@ class Collectives:
 
         Who: the rank that caused it, found by following what the others were waiting on
         (``gpipe.transport.inquest``), not a peer that only waited too."""
-        where = self._named(self.rank) + (f", {doing}" if doing else "")
-        me = self._global(self.rank)
-        others = [self._global(r) for r in range(self.size) if r != self.rank]
+        me = global_rank(self.group, self.rank)
+        where = self._named(me) + (f", {doing}" if doing else "")
+        others = [global_rank(self.group, r) for r in range(self.size) if r != self.rank]
         stuck = f"{where}: {operation} {'timed out' if timed_out else 'failed'}"
         verdict = blame(me, others, stuck, timeout=self.timeout)
-        if verdict.failed:
-            culprit = next(iter(verdict.failed))
-            return PipelineError(f"{verdict.describe(me)}; {stuck}", rank=self._local(culprit),
-                                 global_rank=culprit)  # fmt: skip
         culprits = verdict.silent or (others if len(others) == 1 else [])
-        who = " and ".join(self._named_global(r) for r in culprits) or "a peer"
+        who = " and ".join(self._named(r) for r in culprits) or "a peer"
         if len(culprits) == 1:
             who += verdict.via(culprits[0], me)
-        if timed_out:
-            what = (
-                f"{operation} did not complete within the pipeline's timeout of "
-                f"{self.timeout:g} s: {who} did not arrive (stalled, or busy elsewhere)"
-            )
-            remedy = (
-                "if that rank is only slow (data loading, a checkpoint write), raise the "
-                "timeout (Pipe(timeout=...), gpipe train --timeout); otherwise look for why it "
-                "stopped (its own error or traceback, py-spy dump)"
+        if verdict.failed:
+            culprits = [next(iter(verdict.failed))]
+            text = f"{verdict.describe(me)}; {stuck}"
+        elif timed_out:
+            text = (
+                f"{where}: {operation} did not complete within the pipeline's timeout of "
+                f"{self.timeout:g} s: {who} did not arrive (stalled, or busy elsewhere); look "
+                f"for why it stopped {REMEDY}"
             )
         else:
             said = said_in(error)[0] if str(error) else ""
-            what = f"{operation} failed: {who} left the group (died or closed it): {said}"
-            remedy = "look for that rank's own error, or why it was killed (out of memory?)"
+            text = (
+                f"{where}: {operation} failed: {who} left the group (died or closed it): "
+                f"{said}; {DIED}"
+            )
         culprit = culprits[0] if len(culprits) == 1 else None
-        return PipelineError(
-            f"{where}: {what}; {remedy}",
-            rank=None if culprit is None else self._local(culprit),
-            global_rank=culprit,
-        )
-
-    def _global(self, rank: int) -> int:
-        try:
-            return dist.get_global_rank(self.group, rank)
-        except (RuntimeError, ValueError):  # a group torch.distributed does not know
-            return rank
-
-    def _local(self, rank: int) -> int | None:
-        """This group's rank of global rank ``rank``; None if it is not in the group."""
-        try:
-            return dist.get_group_rank(self.group, rank)
-        except (RuntimeError, ValueError):
-            return None
+        rank = None if culprit is None else group_rank(self.group, culprit)
+        return PipelineError(text, rank=rank, global_rank=culprit)
 
     def _named(self, rank: int) -> str:
-        """A rank of this group as a user knows it: its global rank (a data-parallel group's
-        rank 1 is no process's name)."""
-        known = self._global(rank)
-        return f"rank {rank}" if known == rank else f"rank {known} (rank {rank} of this group)"
-
-    def _named_global(self, rank: int) -> str:
-        local = self._local(rank)
-        return f"rank {rank}" if local is None else self._named(local)
+        """Global rank ``rank`` as a user knows it, and as this group does where that differs
+        (a data-parallel group's rank 1 is no process's name)."""
+        local = group_rank(self.group, rank)
+        return f"rank {rank}" + ("" if local in (None, rank) else f" (rank {local} of this group)")
 
     # -- tensors ------------------------------------------------------------------------------
 

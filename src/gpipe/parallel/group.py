@@ -1,14 +1,11 @@
 """Where a Pipe's ranks live: all in this process, or one per process of a group.
 
-:func:`pipeline_group` turns ``Pipe(group=...)`` into one of two objects with the same
-methods (:class:`PipelineGroup`), so that the front end (``gpipe.pipe``) never asks "which
-one am I?" and never touches ``torch.distributed``:
-
-* :class:`SingleProcess` holds every stage; its transport is device copies, and a failed
-  step leaves it ready for the next one;
-* :class:`MultiProcess` holds the stages of one rank of a ``torch.distributed`` group.
-  Everything the ranks must agree on goes through it: the step's random seed, the loss,
-  who failed first, the gradient norm, tied copies, the automatic balance.
+:func:`pipeline_group` turns ``Pipe(group=...)`` into a :class:`PipelineGroup` (every stage
+in this process) or a :class:`MultiProcess` (the stages of one rank of a
+``torch.distributed`` group), which answer the same methods: the front end (``gpipe.pipe``)
+never asks "which one am I?" and never touches ``torch.distributed``. Everything the ranks
+must agree on goes through a ``MultiProcess``: the step's random seed, the loss, who failed
+first, the gradient norm, tied copies, the automatic balance.
 
 How a failure is agreed on is ``gpipe.parallel.agreement``'s; which carrier moves the
 messages, ``gpipe.transport.choice``'s. Every collective waits at most the Pipe's ``timeout``
@@ -20,7 +17,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 import torch
 
@@ -43,82 +40,12 @@ __all__ = [
     "Agreement",
     "MultiProcess",
     "PipelineGroup",
-    "SingleProcess",
     "TRANSPORTS",
     "default_device",
     "pipeline_group",
 ]
 
 T = TypeVar("T")
-ByStage = dict[int, torch.Tensor]  # a tensor per stage
-
-
-class PipelineGroup(Protocol):
-    """What the front end asks of a Pipe's ranks, wherever they are."""
-
-    rank: int | None  # this process's rank in the pipeline; None: every rank is here
-    clock_origin: float | None  # where traces count from (None: each step's start)
-    broken: str | None  # why a step failed such that no further step can run
-
-    def default_devices(self, num_ranks: int) -> list[DeviceLike]:
-        """Devices when the user gave none."""
-
-    def device_problems(self, devices: list[DeviceLike]) -> list[str]:
-        """What is wrong with the user's ``devices`` here (bulleted lines)."""
-
-    def local_stages(self, schedule: Schedule) -> list[int]:
-        """The stages this process builds and runs."""
-
-    def connect(
-        self, schedule: Schedule, stage_devices: list[torch.device], routes: Routes
-    ) -> Transport:
-        """The transport of this process's stages."""
-
-    def check_same(self, configuration: dict[str, Any]) -> None:
-        """Refuse to start unless every rank was given the same configuration."""
-
-    def decide(self, choose: Callable[[], T]) -> T:
-        """``choose()``, one answer for every rank."""
-
-    def gather(self, value: Any, what: str) -> list[Any]:
-        """Every rank's ``value`` (plain data), by rank, while building: what each rank found
-        (``what`` names it in a timeout's error)."""
-
-    def tie(self, tied: TiedParameters) -> None:
-        """Make the tied copies equal before the first step."""
-
-    def begin_step(self, seed: int | None, batch: int | None) -> tuple[int, int | None]:
-        """The step's seed, and the batch size of the first stage's inputs, on every rank."""
-
-    def exchange(
-        self, holders: list[int], mine: dict[int, torch.Tensor]
-    ) -> dict[int, torch.Tensor]:
-        """Every holder stage's tensor of a tie, from this process's (``mine``)."""
-
-    def agree(
-        self,
-        local_loss: torch.Tensor | None,
-        loss_value: float | None,
-        trouble: str | None,
-        *,
-        refuse_nonfinite: bool = True,
-        why: str = "",
-    ) -> Agreement:
-        """The step's loss on every rank (``loss_value``: this rank's ``local_loss``, read
-        already). A failure anywhere raises; so does a non-finite loss or gradient anywhere
-        unless ``refuse_nonfinite`` is False (a GradScaler skips such steps; ``why`` says
-        what made the loss non-finite, when known)."""
-
-    def check_edit(self, edit: Edit) -> None:
-        """Before an optimizer step: refuse, on every rank alike, a per-stage clip of the
-        step's gradients (``edit``: what this rank's script did to them since the step,
-        ``gpipe.parallel.clipping``)."""
-
-    def fail(self, error: BaseException, stages: list[Stage]) -> None:
-        """This process's step failed with ``error``: tell whoever must know."""
-
-    def norm_total(self, local: torch.Tensor, *, maximum: bool) -> torch.Tensor:
-        """A gradient norm's term summed (or maxed) over the pipeline's ranks."""
 
 
 def default_device(group: Any) -> torch.device:
@@ -139,39 +66,43 @@ def pipeline_group(
     """The ranks of a Pipe: ``group=None`` is one process, else a process group."""
     check_choice(transport, receive_ahead)
     if group is None:
-        return SingleProcess()
+        return PipelineGroup()
     return MultiProcess(group, timeout=timeout, receive_ahead=receive_ahead, transport=transport)
 
 
-class SingleProcess:
-    """Every stage in this process."""
+class PipelineGroup:
+    """What the front end asks of a Pipe's ranks, wherever they are; here, every stage in
+    this process: its transport is device copies, and a failed step leaves it ready for the
+    next one. :class:`MultiProcess` overrides each method."""
 
-    rank: int | None = None
-    clock_origin: float | None = None  # traces count from each step's start
-    broken: str | None = None  # never: a failed step is cleared and the next one runs
+    rank: int | None = None  # this process's rank in the pipeline; None: every rank is here
+    clock_origin: float | None = None  # where traces count from (None: each step's start)
+    broken: str | None = None  # why a step failed such that no further step can run
 
     def default_devices(self, num_ranks: int) -> list[DeviceLike]:
+        """Devices when the user gave none."""
         return ["cpu"] * num_ranks
 
     def device_problems(self, devices: list[DeviceLike]) -> list[str]:
+        """What is wrong with the user's ``devices`` here (bulleted lines)."""
         return []
 
     def local_stages(self, schedule: Schedule) -> list[int]:
+        """The stages this process builds and runs."""
         return list(range(schedule.num_stages))
 
     def connect(
         self, schedule: Schedule, stage_devices: list[torch.device], routes: Routes
-    ) -> LocalTransport:
-        self.schedule = schedule
-        self.transport = LocalTransport(stage_devices)
-        return self.transport
+    ) -> Transport:
+        """The transport of this process's stages."""
+        return LocalTransport(stage_devices)
 
     def begin_step(self, seed: int | None, batch: int | None) -> tuple[int, int | None]:
-        """The step's seed, and the batch size of the inputs (both are local here)."""
+        """The step's seed, and the batch size of the first stage's inputs, on every rank."""
         return (rng.draw_step_seed() if seed is None else seed), batch
 
     def check_same(self, configuration: dict[str, Any]) -> None:
-        pass  # one process: one configuration
+        """Refuse to start unless every rank was given the same configuration."""
 
     def agree(
         self,
@@ -182,6 +113,10 @@ class SingleProcess:
         refuse_nonfinite: bool = True,
         why: str = "",
     ) -> Agreement:
+        """The step's loss on every rank (``loss_value``: this rank's ``local_loss``, read
+        already). A failure anywhere raises; so does a non-finite loss or gradient anywhere
+        unless ``refuse_nonfinite`` is False (a GradScaler skips such steps; ``why`` says
+        what made the loss non-finite, when known)."""
         loss = None if local_loss is None else local_loss.detach().to(torch.float64)
         if refuse_nonfinite:
             found = f"a non-finite gradient of {trouble!r}" if trouble else ""
@@ -189,25 +124,32 @@ class SingleProcess:
         return Agreement(loss, trouble is not None)
 
     def check_edit(self, edit: Edit) -> None:
-        pass  # one process: torch's own clip sees the whole model
+        """Before an optimizer step: refuse, on every rank alike, a per-stage clip of the
+        step's gradients (``edit``: what this rank's script did to them since the step,
+        ``gpipe.parallel.clipping``). One process: torch's own clip sees the whole model."""
 
     def fail(self, error: BaseException, stages: list[Stage]) -> None:
-        pass  # nobody else to tell
+        """This process's step failed with ``error``: tell whoever must know (nobody here)."""
 
     def norm_total(self, local: torch.Tensor, *, maximum: bool) -> torch.Tensor:
+        """A gradient norm's term summed (or maxed) over the pipeline's ranks."""
         return local
 
     def exchange(
         self, holders: list[int], mine: dict[int, torch.Tensor]
     ) -> dict[int, torch.Tensor]:
-        """Every holder stage's tensor, on the last holder's device (all are local here)."""
+        """Every holder stage's tensor of a tie, from this process's (``mine``): here all,
+        gathered on the last holder's device."""
         device = mine[holders[-1]].device
         return {stage: mine[stage].to(device) for stage in holders}
 
     def decide(self, choose: Callable[[], T]) -> T:
+        """``choose()``, one answer for every rank."""
         return choose()
 
     def gather(self, value: Any, what: str) -> list[Any]:
+        """Every rank's ``value`` (plain data), by rank, while building: what each rank found
+        (``what`` names it in a timeout's error)."""
         return [value]
 
     def tie(self, tied: TiedParameters) -> None:
@@ -218,7 +160,7 @@ class SingleProcess:
         return "one process"
 
 
-class MultiProcess(StepAgreement):
+class MultiProcess(StepAgreement, PipelineGroup):
     """The stages of one rank of a ``torch.distributed`` process group."""
 
     rank: int | None
@@ -230,25 +172,21 @@ class MultiProcess(StepAgreement):
     ) -> None:
         import torch.distributed as dist
 
-        self.group = group
-        self.timeout = timeout
-        self.receive_ahead = receive_ahead
-        self.wanted_transport = transport
-        self.rank = dist.get_rank(group)
-        self.num_ranks = dist.get_world_size(group)
-        self.backend = dist.get_backend(group)
+        self.group, self.timeout = group, timeout
+        self.receive_ahead, self.wanted_transport = receive_ahead, transport
+        self.rank, self.num_ranks = dist.get_rank(group), dist.get_world_size(group)
         self.steps = 0  # steps begun, for errors that say what this rank was doing
         self.transport: PeerTransport | None = None
-        self.ops = Collectives(group, timeout=timeout, device=self._own_device())
+        self.ops = Collectives(group, timeout=timeout, device=default_device(group))
 
-    def _collective(self, run: Callable[[], T], *, notices: bool = True) -> T:
-        """``run()``'s collectives, after any failure a peer announced (unless ``notices``
-        is False: the collective itself carries the failures); one that does not complete
-        breaks this pipeline, and the peers are told (they would wait in vain)."""
+    def _collective(self, run: Callable[..., T], *args: Any, notices: bool = True, **kw: Any) -> T:
+        """``run(*args, **kw)``'s collectives, after any failure a peer announced (unless
+        ``notices`` is False: the collective itself carries the failures); one that does not
+        complete breaks this pipeline, and the peers are told (they would wait in vain)."""
         if self.transport is not None and notices:
             self.transport.check_notices()
         try:
-            return run()
+            return run(*args, **kw)
         except PipelineError as error:
             if self.broken is None:
                 self.broken = str(error)
@@ -262,11 +200,8 @@ class MultiProcess(StepAgreement):
 
     # -- devices and stages -------------------------------------------------------------------
 
-    def _own_device(self) -> torch.device:
-        return default_device(self.group)
-
     def default_devices(self, num_ranks: int) -> list[DeviceLike]:
-        return [self._own_device()] * self.num_ranks
+        return [default_device(self.group)] * self.num_ranks
 
     def device_problems(self, devices: list[DeviceLike]) -> list[str]:
         if len(devices) == self.num_ranks:
@@ -294,7 +229,8 @@ class MultiProcess(StepAgreement):
 
     def begin_step(self, seed: int | None, batch: int | None) -> tuple[int, int | None]:
         """The step's seed (``seed``, or rank 0's draw) and the batch size of the inputs,
-        which rank 0 (the first stage's) has, on every rank.
+        which rank 0 (the first stage's) has, on every rank. Rank 0's row goes ahead of its
+        first message: no rank waits for the others to come to the step.
 
         Every rank draws (and all but rank 0 discard it), so that every rank's global
         generator advances alike: what a script samples from it after the step (its next
@@ -303,22 +239,21 @@ class MultiProcess(StepAgreement):
         drawn = rng.draw_step_seed() if seed is None else seed
         values = torch.tensor([drawn, -1 if batch is None else batch], dtype=torch.int64)
         self.steps += 1
-        doing = f"starting step {self.steps} of this Pipe"
-        operation = "the step-seed broadcast"
-        # Rank 0's row goes ahead of its first message: no rank waits for the others to come
-        # to the step (one that does not is named by whoever waits on it first).
-        values = self._collective(
-            lambda: self._on_wire(lambda: self.transport.broadcast_row(values), operation, doing)
+        values = self._row(
+            self.transport.broadcast_row,
+            values,
+            "the step-seed broadcast",
+            f"starting step {self.steps} of this Pipe",
         )
         first_batch = int(values[1])
         return int(values[0]), (None if first_batch < 0 else first_batch)
 
     def check_same(self, configuration: dict[str, Any]) -> None:
-        """Refuse to start unless every rank was given the same configuration."""
         everyone = self._collective(
-            lambda: self.ops.all_gather_object(
-                configuration, "the configuration check (all-gather)", doing="building the Pipe"
-            )
+            self.ops.all_gather_object,
+            configuration,
+            "the configuration check (all-gather)",
+            doing="building the Pipe",
         )
         differences = [
             f"- {key}: rank {rank} has {theirs[key]!r}, rank 0 has {everyone[0][key]!r}"
@@ -333,32 +268,27 @@ class MultiProcess(StepAgreement):
             )
 
     def norm_total(self, local: torch.Tensor, *, maximum: bool) -> torch.Tensor:
-        """Sum (or max) of a per-rank gradient norm term over the pipeline's ranks.
-
-        Replicas hold equal gradients after averaging: reducing over the pipeline suffices.
-        """
+        """Replicas hold equal gradients after averaging: reducing over the pipeline suffices."""
         if self.broken is not None:
             raise PipelineError(
                 f"rank {self.rank}: clip_grad_norm_ after a failed step ({self.broken}); "
                 "build a new Pipe"
             )
-        doing = f"clip_grad_norm_ after step {self.steps} of this Pipe"
         total = self._collective(
-            lambda: self.ops.all_reduce(
-                local.reshape(1), "the clip_grad_norm_ all-reduce", maximum=maximum, doing=doing
-            )
+            self.ops.all_reduce,
+            local.reshape(1),
+            "the clip_grad_norm_ all-reduce",
+            maximum=maximum,
+            doing=f"clip_grad_norm_ after step {self.steps} of this Pipe",
         )
         return total.reshape(())
 
     def exchange(
         self, holders: list[int], mine: dict[int, torch.Tensor]
     ) -> dict[int, torch.Tensor]:
-        """Swap this process's tensor with every other holder stage's rank: between steps,
-        through the group's own point-to-point (not the step's frames); the wait is a
-        collective's, bounded and named.
-
-        ``mine`` has one entry: a process holds one copy of a tie (checked by the caller).
-        """
+        """Swap this process's tensor (``mine`` has one entry: checked by ``tie``) with every
+        other holder stage's rank: between steps, through the group's own point-to-point
+        (not the step's frames); the wait is a collective's, bounded and named."""
         import torch.distributed as dist
 
         ((stage, tensor),) = mine.items()
@@ -374,11 +304,10 @@ class MultiProcess(StepAgreement):
                         dist.P2POp(dist.irecv, received, peer, self.group)]  # fmt: skip
         if ops:
             start = lambda: dist.batch_isend_irecv(ops)  # noqa: E731
-            self._collective(lambda: self.ops.wait("the tied-weight exchange", start, doing=doing))
+            self._collective(self.ops.wait, "the tied-weight exchange", start, doing=doing)
         return {holder: by_rank[rank_of[holder]] for holder in holders}
 
     def tie(self, tied: TiedParameters) -> None:
-        """Make the tied copies equal before the first step; each process may hold one."""
         tied.check_one_copy_per_process()
         tied.sync_values(self.exchange)
 
@@ -388,17 +317,13 @@ class MultiProcess(StepAgreement):
     def decide(self, choose: Callable[[], T]) -> T:
         """``choose()`` on rank 0, its answer on every rank (timings differ by process)."""
         return self._collective(
-            lambda: self.ops.broadcast_object(
-                choose() if self.rank == 0 else None,
-                "the broadcast of the automatic balance (balance='auto')",
-                doing="building the Pipe",
-            )
+            self.ops.broadcast_object,
+            choose() if self.rank == 0 else None,
+            "the broadcast of the automatic balance (balance='auto')",
+            doing="building the Pipe",
         )
 
     def gather(self, value: Any, what: str) -> list[Any]:
-        """Every rank's ``value`` (one bounded all-gather), by rank."""
         return self._collective(
-            lambda: self.ops.all_gather_object(
-                value, f"the gather of {what}", doing="building the Pipe"
-            )
+            self.ops.all_gather_object, value, f"the gather of {what}", doing="building the Pipe"
         )

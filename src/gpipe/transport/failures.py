@@ -12,15 +12,15 @@ from typing import Any
 from gpipe.base.errors import PipelineError
 from gpipe.schedule.routes import Message
 from gpipe.transport.framing import NOTICE, head, notice, read_notice
-from gpipe.transport.inquest import REMEDY, blame, said_by
+from gpipe.transport.inquest import DIED, REMEDY, blame, global_rank, group_rank, said_by
 
 __all__ = ["Failures", "announced", "said_in"]
 
 
 class Failures:
     """The failure half of ``gpipe.transport.peers.PeerTransport``: uses its ``carrier``,
-    ``_dist``, ``group``, ``rank``, ``schedule``, ``timeout``, its step's frames, its
-    notices and ``_emit``."""
+    ``group``, ``rank``, ``schedule``, ``timeout``, its step's frames, its notices and
+    ``_emit``."""
 
     def check_notices(self) -> None:
         """Raise the failure a peer announced, if one has (outside this step's frames too)."""
@@ -62,15 +62,7 @@ class Failures:
         self.clear()
 
     def _global(self, rank: int) -> int:
-        return self._dist.get_global_rank(self.group, rank)
-
-    def _local(self, rank: int) -> int | None:
-        """The rank in this pipeline's group of global rank ``rank``, or None (another
-        replica's)."""
-        try:
-            return self._dist.get_group_rank(self.group, rank)
-        except (RuntimeError, ValueError):
-            return None
+        return global_rank(self.group, rank)
 
     def _notice_from(self, peer: int | None, data: bytes | bytearray) -> dict[str, Any]:
         """The failure notice ``peer`` sent (``framing.notice``; None: a peer outside the
@@ -98,7 +90,7 @@ class Failures:
                                  rank=peer, global_rank=other)  # fmt: skip
         return PipelineError(
             f"rank {me} could not {doing} rank {other}, which left (died, or gave up on this "
-            f"pipeline): {said_in(error)[0]}; look for that rank's own error",
+            f"pipeline): {said_in(error)[0]}; {DIED}",
             rank=peer,
             global_rank=other,
         )
@@ -115,33 +107,22 @@ class Failures:
             else f"rank {me} lost rank {peer} while waiting for its {what} ({text})"
         )
         verdict = blame(me, [peer], waited, timeout=self.timeout)
+        culprit = next(iter(verdict.failed)) if verdict.failed else (verdict.silent or [peer])[0]
         if verdict.failed:
-            culprit = next(iter(verdict.failed))
-            return PipelineError(f"{verdict.describe(me)}; {waited}", rank=self._local(culprit),
-                                 global_rank=culprit)  # fmt: skip
-        if verdict.silent and verdict.silent != [peer]:
-            culprit = verdict.silent[0]
-            return PipelineError(
-                f"{verdict.describe(me)}: {waited}; look for why rank {culprit} stopped {REMEDY}",
-                rank=self._local(culprit),
-                global_rank=culprit,
-            )
-        if timed_out:  # rank src itself, or nobody could tell
+            said = f"{verdict.describe(me)}; {waited}"
+        elif culprit != peer:
+            said = f"{verdict.describe(me)}: {waited}; look for why rank {culprit} stopped {REMEDY}"
+        elif timed_out:  # rank src itself, or nobody could tell
             # Silent for a grace more, with no one else to wait on (two ranks): it hung.
             alone = verdict.silent and self.schedule.num_ranks == 2
             maybe = "" if alone else "; it may itself be waiting on another rank"
-            return PipelineError(
+            said = (
                 f"{waited} without an answer{maybe}: rank {peer} stalled or is slower than "
-                f"that; look for why {REMEDY}",
-                rank=src,
-                global_rank=peer,
+                f"that; look for why {REMEDY}"
             )
-        return PipelineError(
-            f"{waited}: rank {peer} died or left; look for its own error, or why it was "
-            "killed (out of memory?)",
-            rank=src,
-            global_rank=peer,
-        )
+        else:
+            said = f"{waited}: rank {peer} died or left; {DIED}"
+        return PipelineError(said, rank=group_rank(self.group, culprit), global_rank=culprit)
 
 
 def announced(notice: dict[str, Any]) -> PipelineError:

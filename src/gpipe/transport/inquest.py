@@ -24,13 +24,17 @@ from typing import Any
 
 from gpipe.transport.codec import CodecError, decode, encode
 
-__all__ = ["REMEDY", "Verdict", "blame", "grace", "said_by", "state", "waited_out"]
+__all__ = [
+    "DIED", "REMEDY", "Verdict", "blame", "global_rank", "grace", "group_rank", "said_by", "state",
+    "waited_out",
+]  # fmt: skip
 
-# Where to look for why a rank stopped answering, in every error that names one.
+# What to do, in every error that names a rank: one that stopped answering, one that died.
 REMEDY = (
     "(its own error, py-spy dump), or raise the timeout (Pipe(timeout=...), gpipe train "
     "--timeout) if it is only slow"
 )
+DIED = "look for its own error, or why it was killed (out of memory?)"
 
 _PREFIX = "gpipe/inquest/"
 _last_blame: dict[int, float] = {}  # rank -> when it last waited for statements
@@ -51,6 +55,27 @@ def waited_out(me: int, *, timeout: float) -> bool:
     up on the pipeline then, rather than wait for that rank again in the failure's
     agreement, which doubled the time to the error."""
     return time.monotonic() - _last_blame.get(me, -1e9) < timeout + grace(timeout)
+
+
+def global_rank(group: Any, rank: int) -> int:
+    """``group``'s rank ``rank`` as the job knows it (as it is, in a group torch does not
+    know)."""
+    import torch.distributed as dist
+
+    try:
+        return dist.get_global_rank(group, rank)
+    except (RuntimeError, ValueError):
+        return rank
+
+
+def group_rank(group: Any, rank: int) -> int | None:
+    """Global rank ``rank``'s rank in ``group``; None if it is not in it."""
+    import torch.distributed as dist
+
+    try:
+        return dist.get_group_rank(group, rank)
+    except (RuntimeError, ValueError):
+        return None
 
 
 def _store() -> Any:
@@ -88,10 +113,6 @@ class Verdict:
     failed: dict[int, str]
     silent: list[int]
     path: dict[int, int]  # rank -> the rank whose statement led to it
-
-    @property
-    def found(self) -> bool:
-        return bool(self.failed or self.silent)
 
     def via(self, culprit: int, me: int) -> str:
         """How ``me`` came to wait on ``culprit``: " (rank 1 waits on it)", or ""."""
