@@ -41,7 +41,7 @@ The same-host sockets take a connection only from a process of the job's user
 group's own all-gather; anything else is closed and reported with its uid or pid, and never
 makes the job change transport: `transport='auto'` falls back to the process group only
 where the sockets cannot exist (ranks on several machines, stages off the CPU, no Unix
-sockets), and says so in a log line (logger `gpipe.transport.handshake`, level INFO).
+sockets), and says so in a log line (logger `gpipe.transport.choice`, level INFO).
 A checkpoint is data too: DCP's `.metadata`, which torch pickles, is never unpickled
 (`gpipe.parallel.dcp_metadata` walks its opcodes and builds only DCP's own types from a fixed
 schema; any other opcode, global or field refuses the checkpoint, naming the file and what

@@ -1,15 +1,20 @@
-"""Which carrier moves a pipeline's messages between processes: same-host sockets where every
-rank's stages are CPU stages of one machine on gloo and the user did not say otherwise, else
-the process group's own point-to-point (gloo between machines, NCCL on GPUs). The ranks
-decide together (``gpipe.transport.handshake.links``)."""
+"""Which carrier moves a pipeline's messages between processes: same-host sockets
+(``gpipe.transport.handshake`` connects them) where every rank's stages are CPU stages of one
+machine on gloo and the user did not say otherwise, else the process group's own
+point-to-point (gloo between machines, NCCL on GPUs). The ranks decide together: a rank told
+otherwise stops every rank's build, and sockets that should form but do not are never a
+silent switch."""
 
 from __future__ import annotations
 
+import logging
+import socket
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from gpipe.base.errors import PartitionError, PipelineError
 from gpipe.schedule.routes import Routes
 from gpipe.transport import handshake
 from gpipe.transport.distributed import GroupCarrier
@@ -19,6 +24,7 @@ from gpipe.transport.sockets import SocketCarrier
 __all__ = ["TRANSPORTS", "check_choice", "open_transport"]
 
 TRANSPORTS = ("auto", "sockets", "group")
+_log = logging.getLogger(__name__)
 
 
 def check_choice(transport: str, receive_ahead: bool | None) -> None:
@@ -53,9 +59,86 @@ def open_transport(
     mine = [devices[s] for s in schedule.stages_of(rank)]
     on_cpu = dist.get_backend(group) == "gloo" and all(d.type == "cpu" for d in mine)
     size = dist.get_world_size(group)
-    links = handshake.links(wanted, on_cpu, rank, size, timeout, gather)
+    links = _sockets(wanted, on_cpu, rank, size, timeout, gather)
     if links is not None:
         carrier: Any = SocketCarrier(links, timeout)
     else:
         carrier = GroupCarrier(group, mine[0], receive_ahead)
     return PeerTransport(schedule, rank, group, devices, carrier, timeout=timeout, routes=routes)
+
+
+def _sockets(
+    wanted: str,
+    on_cpu: bool,
+    rank: int,
+    num_ranks: int,
+    timeout: float,
+    gather: Callable[[Any, str], list[Any]],
+) -> dict[int, socket.socket] | None:
+    """A Unix socket to every peer, where the pipeline can use them and was not told
+    otherwise (``wanted``): every rank on this machine, its stages on the CPU (``on_cpu``,
+    the group on gloo). None: the process group carries the messages. Every rank takes
+    part, whatever it was told."""
+    key = handshake.host_key() if on_cpu and wanted != "group" else None
+    listener, address, token, cannot = None, "", b"", None
+    if key is not None:
+        try:
+            listener, address, token = handshake.listen(num_ranks)
+        except OSError as error:
+            key, cannot = None, f"cannot open a Unix socket here ({error})"
+    formed, failed = {}, ""
+    try:
+        everyone = gather((wanted, key, address, token, cannot), "where each rank runs")
+        unavailable = _unavailable(wanted, everyone)
+        if unavailable is None:  # all told 'group'
+            return None
+        if not unavailable:
+            try:
+                formed = handshake.connect(
+                    listener, [(a, t) for _, _, a, t, _ in everyone], rank, timeout
+                )
+            except OSError as error:
+                failed = f"rank {rank} could not connect its sockets: {error}"
+    finally:
+        if listener is not None:  # closed by connect too; else by nobody
+            listener.close()
+    failures = [f for f in gather(failed, "the socket connections") if f]
+    if not failures and not unavailable:
+        return formed
+    for link in formed.values():
+        link.close()
+    if failures:  # on one machine, sockets that should work did not: never a silent switch
+        raise PipelineError(
+            f"rank {rank}: the same-host sockets did not form: {'; '.join(failures)}; if a "
+            "process not of this job connected, find it (its pid); or use transport='group'"
+        )
+    if wanted == "sockets":
+        raise PartitionError(
+            "transport='sockets' needs every rank of the pipeline on one machine, its "
+            "stages on the CPU and the group on gloo: "
+            + "; ".join(dict.fromkeys(unavailable))
+            + "; use transport='auto' or 'group'"
+        )
+    if rank == 0:
+        _log.info("transport='auto' uses the process group: %s", "; ".join(unavailable))
+    return None
+
+
+def _unavailable(wanted: str, everyone: list[tuple]) -> list[str] | None:
+    """Why the sockets cannot exist, from what each rank found (none: they can); None when
+    every rank was told 'group'. Ranks told different transports stop the build."""
+    if {told for told, *_ in everyone} != {wanted}:
+        told = ", ".join(f"rank {r}: {w!r}" for r, (w, *_) in enumerate(everyone))
+        raise PartitionError(
+            f"the ranks of this pipeline were given different transports ({told}); every "
+            "rank must run the same script with the same Pipe arguments (transport, "
+            "receive_ahead)"
+        )
+    if wanted == "group":
+        return None
+    off = "has stages off the CPU or a group off gloo"
+    return [
+        f"rank {r} " + (cannot or ("runs elsewhere" if key else off))
+        for r, (_, key, _, _, cannot) in enumerate(everyone)
+        if key is None or key != everyone[0][1]
+    ]

@@ -9,15 +9,12 @@ compared in constant time. Anything else is closed and reported (a warning namin
 and process), and the listener keeps waiting for its genuine peers within the timeout: a
 stranger cannot take a rank's place, nor change the transport. If the peers do not all
 connect, the build fails, naming the strangers.
-
-:func:`links` is where the ranks decide together which transport carries the messages.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hmac
-import logging
 import os
 import secrets
 import socket
@@ -26,16 +23,11 @@ import sys
 import time
 import uuid
 import warnings
-from collections.abc import Callable
-from typing import Any
 
-from gpipe.base.errors import PartitionError, PipelineError
-
-__all__ = ["RefusedConnection", "connect", "host_key", "links", "listen"]
+__all__ = ["RefusedConnection", "connect", "host_key", "listen"]
 
 _HELLO = struct.Struct("<q32s")  # the caller's rank, the listener's token
 _BUFFER = 4 << 20  # bytes of kernel buffer asked for each way (the system may cap it)
-_log = logging.getLogger(__name__)
 
 
 class RefusedConnection(ConnectionError):
@@ -181,80 +173,3 @@ def _refused(rank: int, strangers: list[str]) -> str:
         f"rank {rank} refused connections to its socket from processes not of this job "
         f"({'; '.join(strangers)}), and its peers did not all connect"
     )
-
-
-def links(
-    wanted: str,
-    on_cpu: bool,
-    rank: int,
-    num_ranks: int,
-    timeout: float,
-    gather: Callable[[Any, str], list[Any]],
-) -> dict[int, socket.socket] | None:
-    """A Unix socket to every peer, where the pipeline can use them and was not told
-    otherwise (``wanted``: 'auto', 'sockets' or 'group'): every rank on this machine, its
-    stages on the CPU (``on_cpu``, the group on gloo). None: the process group carries the
-    messages. Every rank takes part, whatever it was told: the ranks decide together
-    (``gather``: one bounded all-gather of the group)."""
-    key = host_key() if on_cpu and wanted != "group" else None
-    listener, address, token, cannot = None, "", b"", None
-    if key is not None:
-        try:
-            listener, address, token = listen(num_ranks)
-        except OSError as error:
-            key, cannot = None, f"cannot open a Unix socket here ({error})"
-    everyone = gather((wanted, key, address, token, cannot), "where each rank runs")
-    unavailable = _unavailable(wanted, everyone, listener)
-    if unavailable is None:  # all told 'group'
-        return None
-    formed, failed = {}, ""
-    if not unavailable:
-        try:
-            formed = connect(listener, [(a, t) for _, _, a, t, _ in everyone], rank, timeout)
-        except OSError as error:
-            failed = f"rank {rank} could not connect its sockets: {error}"
-    elif listener is not None:  # sockets not to be, or another rank's failure
-        listener.close()
-    failures = [f for f in gather(failed, "the socket connections") if f]
-    if not failures and not unavailable:
-        return formed
-    for link in formed.values():
-        link.close()
-    if failures:  # on one machine, sockets that should work did not: never a silent switch
-        raise PipelineError(
-            f"rank {rank}: the same-host sockets did not form: {'; '.join(failures)}; if a "
-            "process not of this job connected, find it (its pid); or use transport='group'"
-        )
-    if wanted == "sockets":
-        raise PartitionError(
-            "transport='sockets' needs every rank of the pipeline on one machine, its "
-            "stages on the CPU and the group on gloo: "
-            + "; ".join(dict.fromkeys(unavailable))
-            + "; use transport='auto' or 'group'"
-        )
-    if rank == 0:
-        _log.info("transport='auto' uses the process group: %s", "; ".join(unavailable))
-    return None
-
-
-def _unavailable(wanted: str, everyone: list[tuple], listener: Any) -> list[str] | None:
-    """Why the sockets cannot exist, from what each rank found (none: they can); None when
-    every rank was told 'group'. Ranks told different transports stop the build (and this
-    rank's ``listener`` closes)."""
-    if {told for told, *_ in everyone} != {wanted}:
-        if listener is not None:
-            listener.close()
-        told = ", ".join(f"rank {r}: {w!r}" for r, (w, *_) in enumerate(everyone))
-        raise PartitionError(
-            f"the ranks of this pipeline were given different transports ({told}); every "
-            "rank must run the same script with the same Pipe arguments (transport, "
-            "receive_ahead)"
-        )
-    if wanted == "group":
-        return None
-    off = "has stages off the CPU or a group off gloo"
-    return [
-        f"rank {r} " + (cannot or ("runs elsewhere" if key else off))
-        for r, (_, key, _, _, cannot) in enumerate(everyone)
-        if key is None or key != everyone[0][1]
-    ]
