@@ -144,8 +144,7 @@ def blame(me: int, waits_on: Iterable[int], what: str, *, timeout: float) -> Ver
     waits_on = [r for r in waits_on if r != me]
     waited_before = waited_out(me, timeout=timeout)  # a later wait of the same failure
     _last_blame[me] = time.monotonic()
-    store = _store()
-    if store is None:
+    if _store() is None:
         return Verdict({}, [], {})
     if not waited_before:  # else its first statement stands: the nearer to the cause
         state(me, waits_on, what)
@@ -156,71 +155,52 @@ def blame(me: int, waits_on: Iterable[int], what: str, *, timeout: float) -> Ver
     statements: dict[int, tuple[tuple[int, ...], str]] = {}
     while True:
         path: dict[int, int] = {r: me for r in waits_on}
-        frontier, seen, pending = list(waits_on), {me, *waits_on}, []
-        while frontier:
-            rank = frontier.pop(0)
-            if rank not in statements:
-                try:
-                    said = _read(store, rank, since)
-                except _StoreGone:  # what is known so far; the silent ones stay unknown
-                    failed = {r: t for r, (w, t) in statements.items() if not w}
-                    return Verdict(failed, [], path)
-                if said is None:
-                    pending.append(rank)
-                    continue
+        frontier, pending = list(waits_on), []
+        for rank in frontier:  # it grows as the statements lead on
+            if rank not in statements and (said := _read(rank, since)) is not None:
                 statements[rank] = said
+            if rank not in statements:
+                pending.append(rank)
+                continue
             for other in statements[rank][0]:
-                if other not in seen:
-                    seen.add(other)
+                if other not in path and other != me:
                     path[other] = rank
                     frontier.append(other)
         failed = {r: statements[r][1] for r in path if r in statements and not statements[r][0]}
-        if failed or not pending or time.monotonic() >= deadline:
-            return Verdict(failed, [] if failed else pending, path)
+        if failed or not pending or _gone or time.monotonic() >= deadline:
+            # The store gone: what is known so far; the silent ones stay unknown.
+            return Verdict(failed, [] if failed or _gone else pending, path)
         time.sleep(0.05)
 
 
 def said_by(rank: int, *, timeout: float) -> str | None:
     """Rank ``rank``'s statement of its latest failure (at most a timeout and a grace old),
     without waiting for one; None if it left none or the store is gone."""
-    store = _store()
-    if store is None:
-        return None
-    try:
-        said = _read(store, rank, time.time() - timeout - grace(timeout))
-    except _StoreGone:
-        return None
+    said = _read(rank, time.time() - timeout - grace(timeout))
     return None if said is None else said[1]
 
 
-class _StoreGone(Exception):
-    """The store's host (rank 0's process, or torchrun's agent) has exited."""
-
-
-def _read(store: Any, rank: int, since: float) -> tuple[tuple[int, ...], str] | None:
-    key = _PREFIX + str(rank)
+def _read(rank: int, since: float) -> tuple[tuple[int, ...], str] | None:
+    """Rank ``rank``'s statement, if it wrote one since ``since`` and the store is there."""
+    store, key = _store(), _PREFIX + str(rank)
     try:
-        if not store.check([key]):
-            return None
-        data = store.get(key)
-    except Exception as error:
+        data = store.get(key) if store is not None and store.check([key]) else None
+    except Exception:
         _gone.append(True)  # torch logs each failed call: try no more in this process
-        raise _StoreGone from error
-    try:
-        written, waits_on, what = _statement(data)
-    except CodecError as error:
-        warnings.warn(f"gpipe: the job's store holds something else than rank {rank}'s "
-                      f"statement under {key!r}, ignored ({error}): another process wrote "
-                      "there (the store takes any connection: docs/reliability.md)",
-                      RuntimeWarning, stacklevel=2)  # fmt: skip
         return None
-    return (waits_on, what) if written >= since else None
-
-
-def _statement(data: bytes) -> tuple[float, tuple[int, ...], str]:
-    said = decode(data)
+    if data is None:
+        return None
+    try:
+        said = decode(data)
+    except CodecError as error:
+        said = error
     if not (type(said) is tuple and len(said) == 3 and type(said[0]) is float
             and type(said[1]) is tuple and all(type(r) is int for r in said[1])
             and type(said[2]) is str):  # fmt: skip
-        raise CodecError(f"not a statement: {str(said)[:200]}")
-    return said
+        warnings.warn(f"gpipe: the job's store holds something else than rank {rank}'s "
+                      f"statement under {key!r}, ignored ({str(said)[:200]}): another process "
+                      "wrote there (the store takes any connection: docs/reliability.md)",
+                      RuntimeWarning, stacklevel=2)  # fmt: skip
+        return None
+    written, waits_on, what = said
+    return (waits_on, what) if written >= since else None
