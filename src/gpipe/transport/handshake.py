@@ -78,7 +78,7 @@ def connect(
         deadline = time.monotonic() + timeout
         for peer in range(rank):
             link = _call(peers[peer][0], deadline)
-            if (stranger := _stranger(link)) is not None:  # the name was taken before ours
+            if (stranger := _who(link)[1]) is not None:  # the name was taken before ours
                 raise ConnectionError(f"rank {peer}'s socket is held by {stranger}")
             link.sendall(_HELLO.pack(rank, peers[peer][1]))
             links[peer] = link
@@ -88,7 +88,10 @@ def connect(
                 link, _ = listener.accept()
             except TimeoutError as error:
                 if strangers:
-                    raise RefusedConnection(_refused(rank, strangers)) from error
+                    raise RefusedConnection(
+                        f"rank {rank} refused connections to its socket from processes not of "
+                        f"this job ({'; '.join(strangers)}), and its peers did not all connect"
+                    ) from error
                 raise
             peer = _hello(link, peers[rank][1], rank, len(peers), deadline)
             if isinstance(peer, str) or peer in links:
@@ -129,47 +132,30 @@ def _call(address: str, deadline: float) -> socket.socket:
             time.sleep(0.005)
 
 
-def _credentials(link: socket.socket) -> tuple[int, int] | None:
-    """(pid, uid) of the process at the other end; None where the system does not tell."""
-    option = getattr(socket, "SO_PEERCRED", None)
-    if option is None:
-        return None
+def _who(link: socket.socket) -> tuple[int | str, str | None]:
+    """The pid of the process at the other end, and who it is if not a process of this user
+    (where the system does not tell: "unknown", and None: the token decides alone)."""
     try:
+        option = socket.SO_PEERCRED
         pid, uid, _ = struct.unpack("3i", link.getsockopt(socket.SOL_SOCKET, option, 12))
-    except OSError:
-        return None
-    return pid, uid
-
-
-def _stranger(link: socket.socket) -> str | None:
-    """Who is at the other end, if not a process of this user (None also where the system
-    does not tell: the token decides alone)."""
-    known = _credentials(link)
-    if known is None or known[1] == os.geteuid():
-        return None
-    return f"uid {known[1]} (pid {known[0]}), not this job's user"
+    except (AttributeError, OSError):
+        return "unknown", None
+    return pid, None if uid == os.geteuid() else f"uid {uid} (pid {pid}), not this job's user"
 
 
 def _hello(link: socket.socket, token: bytes, rank: int, size: int, deadline: float) -> int | str:
     """The rank a caller says it is, or who it is when it is no rank of this job."""
-    if (stranger := _stranger(link)) is not None:
+    pid, stranger = _who(link)
+    if stranger is not None:
         return stranger
     link.settimeout(max(deadline - time.monotonic(), 0.001))
     hello = b""
     with contextlib.suppress(OSError):
         while len(hello) < _HELLO.size and (part := link.recv(_HELLO.size - len(hello))):
             hello += part
-    pid = (_credentials(link) or ("unknown",))[0]
     if len(hello) < _HELLO.size:
         return f"pid {pid}, which did not say its rank and token"
     peer, said = _HELLO.unpack(hello)
     if not hmac.compare_digest(said, token):
         return f"pid {pid}, which did not present the job's token"
     return peer if rank < peer < size else f"pid {pid}, which said it is rank {peer}"
-
-
-def _refused(rank: int, strangers: list[str]) -> str:
-    return (
-        f"rank {rank} refused connections to its socket from processes not of this job "
-        f"({'; '.join(strangers)}), and its peers did not all connect"
-    )
