@@ -79,24 +79,29 @@ def _sockets(
     otherwise (``wanted``): every rank on this machine, its stages on the CPU (``on_cpu``,
     the group on gloo). None: the process group carries the messages. Every rank takes
     part, whatever it was told."""
-    key = handshake.host_key() if on_cpu and wanted != "group" else None
-    listener, address, token, cannot = None, "", b"", None
-    if key is not None:
+    where: Any = "has stages off the CPU or a group off gloo"  # or the machine, if it can
+    listener, address, token = None, "", b""
+    if on_cpu and wanted != "group":
+        where = handshake.host_key() or "has no abstract Unix sockets (not Linux)"
+    if not isinstance(where, str):
         try:
             listener, address, token = handshake.listen(num_ranks)
         except OSError as error:
-            key, cannot = None, f"cannot open a Unix socket here ({error})"
+            where = f"cannot open a Unix socket here ({error})"
     formed, failed = {}, ""
     try:
-        everyone = gather((wanted, key, address, token, cannot), "where each rank runs")
-        unavailable = _unavailable(wanted, everyone)
-        if unavailable is None:  # all told 'group'
+        everyone = gather((wanted, where, address, token), "where each rank runs")
+        _check_told(wanted, [told for told, *_ in everyone])
+        if wanted == "group":
             return None
+        unavailable = [
+            f"rank {r} " + (w if isinstance(w, str) else "runs elsewhere")
+            for r, (_, w, _, _) in enumerate(everyone)
+            if isinstance(w, str) or w != everyone[0][1]
+        ]
         if not unavailable:
             try:
-                formed = handshake.connect(
-                    listener, [(a, t) for _, _, a, t, _ in everyone], rank, timeout
-                )
+                formed = handshake.connect(listener, [e[2:] for e in everyone], rank, timeout)
             except OSError as error:
                 failed = f"rank {rank} could not connect its sockets: {error}"
     finally:
@@ -124,21 +129,13 @@ def _sockets(
     return None
 
 
-def _unavailable(wanted: str, everyone: list[tuple]) -> list[str] | None:
-    """Why the sockets cannot exist, from what each rank found (none: they can); None when
-    every rank was told 'group'. Ranks told different transports stop the build."""
-    if {told for told, *_ in everyone} != {wanted}:
-        told = ", ".join(f"rank {r}: {w!r}" for r, (w, *_) in enumerate(everyone))
+def _check_told(wanted: str, told: list[str]) -> None:
+    """Ranks told different transports stop the build (never one on sockets, its peer on
+    the group, waiting for each other)."""
+    if set(told) != {wanted}:
+        said = ", ".join(f"rank {r}: {w!r}" for r, w in enumerate(told))
         raise PartitionError(
-            f"the ranks of this pipeline were given different transports ({told}); every "
+            f"the ranks of this pipeline were given different transports ({said}); every "
             "rank must run the same script with the same Pipe arguments (transport, "
             "receive_ahead)"
         )
-    if wanted == "group":
-        return None
-    off = "has stages off the CPU or a group off gloo"
-    return [
-        f"rank {r} " + (cannot or ("runs elsewhere" if key else off))
-        for r, (_, key, _, _, cannot) in enumerate(everyone)
-        if key is None or key != everyone[0][1]
-    ]
