@@ -1,20 +1,15 @@
 """Collectives that wait no longer than the pipeline's timeout, and say which one stopped.
 
-torch.distributed bounds a collective by its process group's timeout: torch's default is
-30 minutes, and a group the user built has whatever they gave it. A pipeline promises its
-own ``timeout``, so every collective outside the schedule goes through :class:`Collectives`:
-it is started with that timeout in its options (``AllreduceOptions.timeout``: the backend
-ends the operation itself, so that no abandoned collective stays in flight, where it would
-hang the process group's destruction at exit) and waited for as long
-(``Work.wait(timeout=...)``, on gloo and NCCL alike). One that does not complete in time,
-or fails because a peer left the group (gloo: "Connection reset by peer"), raises a
-:class:`~gpipe.base.errors.PipelineError` that names the operation, what this rank was doing,
-the timeout, the ranks that did not arrive (with two ranks, the other one; else "a peer":
-a collective does not tell who is missing), each by its global rank, and the remedy.
+torch.distributed bounds a collective by its process group's timeout (torch's default: 30
+minutes). A pipeline promises its own ``timeout``, so every collective outside the schedule
+goes through :class:`Collectives`: started with that timeout in its options (the backend
+then ends the operation itself: no abandoned collective stays in flight, to hang the group's
+destruction at exit) and waited for as long, on gloo and NCCL alike. One that fails raises a
+:class:`~gpipe.base.errors.PipelineError` naming the operation, what this rank was doing,
+the rank that caused it (``gpipe.transport.inquest``) and the remedy.
 
-Values travel as bytes in tensors, as in torch's ``all_gather_object`` (whose object
-collectives take no timeout), but never pickled: plain values only (``gpipe.transport.codec``),
-so that no peer's bytes are run.
+Values travel as bytes in tensors, never pickled (``gpipe.transport.codec``): torch's own
+``all_gather_object`` unpickles what peers send, and takes no timeout.
 """
 
 from __future__ import annotations
@@ -188,11 +183,6 @@ class Collectives:
 
     def broadcast_object(self, value: Any, operation: str, *, src: int = 0, doing: str = "") -> Any:
         """Group rank ``src``'s ``value`` (plain data: ``gpipe.transport.codec``) on every
-        rank."""
-        data = encode(value, operation) if self.rank == src else b""
-        size = self.broadcast(torch.tensor([len(data)]), operation, src=src, doing=doing)
-        buffer = torch.zeros(int(size), dtype=torch.uint8)
-        if self.rank == src:
-            buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        buffer = self.broadcast(buffer, operation, src=src, doing=doing)
-        return decode(buffer.numpy().tobytes())
+        rank (the other ranks' ``value`` is not sent)."""
+        mine = value if self.rank == src else None
+        return self.all_gather_object(mine, operation, doing=doing)[src]

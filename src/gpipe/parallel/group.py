@@ -8,9 +8,8 @@ must agree on goes through a ``MultiProcess``: the step's random seed, the loss,
 first, the gradient norm, tied copies, the automatic balance.
 
 How a failure is agreed on is ``gpipe.parallel.agreement``'s; which carrier moves the
-messages, ``gpipe.transport.choice``'s. Every collective waits at most the Pipe's ``timeout``
-(``gpipe.parallel.collectives``): one that does not complete names itself and breaks the
-pipeline, and its rank tells the others, which then raise at once.
+messages, ``gpipe.transport.choice``'s; how a collective is bounded and named,
+``gpipe.parallel.collectives``'.
 """
 
 from __future__ import annotations
@@ -249,12 +248,7 @@ class MultiProcess(StepAgreement, PipelineGroup):
         return int(values[0]), (None if first_batch < 0 else first_batch)
 
     def check_same(self, configuration: dict[str, Any]) -> None:
-        everyone = self._collective(
-            self.ops.all_gather_object,
-            configuration,
-            "the configuration check (all-gather)",
-            doing="building the Pipe",
-        )
+        everyone = self.gather(configuration, "every rank's configuration")
         differences = [
             f"- {key}: rank {rank} has {theirs[key]!r}, rank 0 has {everyone[0][key]!r}"
             for rank, theirs in enumerate(everyone)

@@ -51,6 +51,7 @@ from torch.utils._pytree import tree_map
 from gpipe.base.errors import COMMUNICATION_FAILURES, PartitionError, PipelineError
 from gpipe.engine.stage import Stage
 from gpipe.parallel.collectives import Collectives
+from gpipe.transport.failures import said_in
 
 __all__ = [
     "ShardedStages",
@@ -328,8 +329,8 @@ class ShardedStages:
         return self._ops.error(
             "a collective of the sharded replicas (FSDP's parameter all-gather or gradient "
             "reduce-scatter)",
-            RuntimeError(text.splitlines()[0]),
-            timed_out="imed out" in text or "imeout" in text,
+            error,
+            timed_out=said_in(error)[1],
         )
 
     # -- whole-model questions over the replicas -----------------------------------------------
