@@ -90,9 +90,7 @@ class PeerTransport(Failures):
         timeout: float,
         routes: Routes | None = None,
     ) -> None:
-        import torch.distributed as dist
-
-        self._dist, self.carrier, self.kind = dist, carrier, carrier.kind
+        self.carrier, self.kind = carrier, carrier.kind
         self.schedule, self.rank, self.group, self.timeout = schedule, rank, group, timeout
         self.routes = routes or Routes(schedule.num_stages)
         self.wire_device = carrier.wire_device  # where the group's collectives take tensors
