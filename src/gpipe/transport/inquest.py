@@ -32,7 +32,7 @@ __all__ = [
 # What to do, in every error that names a rank: one that stopped answering, one that died.
 REMEDY = (
     "(its own error, py-spy dump), or raise the timeout (Pipe(timeout=...), gpipe train "
-    "--timeout) if it is only slow"
+    "--timeout) if it is only slow (data loading, a checkpoint write)"
 )
 DIED = "look for its own error, or why it was killed (out of memory?)"
 
