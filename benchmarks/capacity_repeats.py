@@ -95,13 +95,13 @@ def worker(job: dict) -> None:
     print(int(peak), int(before), flush=True)
 
 
-def run_row(name: str, k: int, mode: str, repeats: int, overhead, emit) -> None:
+def run_row(name: str, k: int, mode: str, repeats: int, overhead, emit, parallel: int) -> None:
     family = families()[name]
     fit = predicted(family, k, mode, overhead)
     checks = []
     for i in range(1, repeats + 1):
         start = time.perf_counter()
-        check = verify_capacity(family, fit, refine=True, moves=16, repeats=2)
+        check = verify_capacity(family, fit, refine=True, moves=16, repeats=2, parallel=parallel)
         checks.append(check)
         runs = [m for m in (check.found, check.next_size, *check.again) if m is not None]
         emit({"row": f"{name} K={k} {mode}", "repeat": i, "layout": fit.layout.label(),
@@ -187,6 +187,7 @@ def main() -> None:
     parser.add_argument("--rows", nargs="+", default=["1:no-remat", "2:remat"],
                         help="K:MODE, MODE no-remat or remat")  # fmt: skip
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--parallel", type=int, default=2, help="runs side by side")
     parser.add_argument("--calibration", type=float, nargs=4,
                         default=[233.8, 98.0, 0.033, 0.211])  # fmt: skip
     parser.add_argument("--out", type=Path, default=Path("capacity_repeats.jsonl"))
@@ -212,7 +213,7 @@ def main() -> None:
         if args.kept:
             kept_row(args.kept, args.family, int(k), mode, emit)
         else:
-            run_row(args.family, int(k), mode, args.repeats, overhead, emit)
+            run_row(args.family, int(k), mode, args.repeats, overhead, emit, args.parallel)
 
 
 if __name__ == "__main__":
