@@ -432,8 +432,9 @@ def results_doc(results: Results) -> str:
             "",
         ]
     minutes = ", ".join(f"{name} {m:.1f} min" for name, (_, _, m) in results.items())
-    doc.append(f"Benchmark wall time: {minutes} on this machine (a family's run, or the sum "
-               "of its rows' where they were measured alone).")  # fmt: skip
+    doc.append(f"Benchmark wall time: {minutes} on this machine (the family's last whole run, "
+               "or the sum of its rows' where they were measured alone; at the load of the "
+               "day: the rows' CPU-minutes below do not depend on it).")  # fmt: skip
     for name, (_, rows, _) in results.items():
         each = "; ".join(f"K={r.fit.layout.stages} {r.kind} {r.minutes:.1f}"
                          + (f" ({r.cpu / 60:.1f} CPU)" if r.cpu else "")

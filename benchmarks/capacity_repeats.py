@@ -12,8 +12,12 @@ verdict (exact, or the range it decides) printed. Then the independent check: th
 depth and the next size up of the last run are trained again by K processes each started
 on its own (a fresh ``python``, its process group formed from the environment as under
 torchrun, not forked by ``gpipe.launch``), each reading its own ``VmHWM`` (the kernel's
-high-water mark of the whole process, never reset) as it ends; they are set next to the
-tool's readings of the same depth. One JSON line per result in ``--out``.
+high-water mark of the whole process, never reset) as it ends, and what it held before
+the build; each is set next to the tool's readings of the same process at the same depth
+(how far outside them it lies, against the scatter: one process's largest spread between
+the tool's runs), and the check's decided range is tested against it (a depth called
+fitting that this launch finds over the budget, or one beyond the range that fits, is a
+contradiction). One JSON line per result in ``--out``.
 
 The memory beyond the model is ``--calibration`` (baseline, per process, per layer of the
 model, per layer of a stage, MiB; default: docs/capacity.md's calibration of this family
