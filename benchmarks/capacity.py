@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import subprocess
 import sys
 import time
@@ -129,7 +130,7 @@ def measure(
     for row in rows:
         if row.fit.layout.shard and row.fit.layout.stages not in sharded:
             continue
-        start, load = time.perf_counter(), os.getloadavg()[0]
+        start, load, cpu = time.perf_counter(), os.getloadavg()[0], cpu_seconds()
         bigger = row.fit.layout.stages in next_size
         first, depth = row.fit, (starts or {}).get((row.kind, row.fit.layout.label()))
         if depth is None:
@@ -141,12 +142,20 @@ def measure(
             family, first, next_size=bigger, refine=bigger, steps=2, moves=moves, parallel=parallel
         )
         row.found, row.bigger, row.check = check.found, check.next_size, check
-        row.minutes = (time.perf_counter() - start) / 60
+        row.minutes, row.cpu = (time.perf_counter() - start) / 60, cpu_seconds() - cpu
         row.load, row.commit = (load, os.getloadavg()[0]), _commit()
         if bigger and check.found.fits:
             errors[row.kind] = check.found.fit.depth / row.fit.depth
-        print(f"  {check.describe()}  ({row.minutes:.1f} min)", flush=True)
+        print(f"  {check.describe()}  ({row.minutes:.1f} min, {row.cpu / 60:.1f} CPU-min)",
+              flush=True)  # fmt: skip
         done()
+
+
+def cpu_seconds() -> float:
+    """CPU-seconds of this process and of every process it waited for (each measured rank):
+    what a run costs whatever else the machine runs."""
+    usage = [resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
+    return sum(u.ru_utime + u.ru_stime for u in usage)
 
 
 def _commit() -> str:
@@ -372,11 +381,12 @@ def family_rows(
     ``--save``, ``results`` with the rows measured so far kept as each row ends (a run
     stopped midway loses only its row)."""
     print(f"{family.describe()}:", flush=True)
-    begun = time.perf_counter()
+    begun, cpu = time.perf_counter(), cpu_seconds()
     overhead = _calibration(args.calibration) or calibrate(family, processes=8)
     print(f"  calibrated: {overhead}", flush=True)
     rows = search(family, budget, overhead, every)
-    print(f"  searched: {(time.perf_counter() - begun) / 60:.1f} min", flush=True)
+    print(f"  searched: {(time.perf_counter() - begun) / 60:.1f} min, "
+          f"{(cpu_seconds() - cpu) / 60:.1f} CPU-min", flush=True)  # fmt: skip
 
     def done(end: bool = False) -> None:
         if args.save:
@@ -389,7 +399,9 @@ def family_rows(
         measure(family, rows, tuple(args.next_size), tuple(args.measure_sharded),
                 starts=starts_of(args, name), done=done, parallel=args.parallel)  # fmt: skip
     done(end=True)
-    return overhead, rows, (time.perf_counter() - begun) / 60
+    minutes = (time.perf_counter() - begun) / 60
+    print(f"  {name}: {minutes:.1f} min, {(cpu_seconds() - cpu) / 60:.1f} CPU-min", flush=True)
+    return overhead, rows, minutes
 
 
 def results_doc(results: Results) -> str:
@@ -420,13 +432,16 @@ def results_doc(results: Results) -> str:
             "",
         ]
     minutes = ", ".join(f"{name} {m:.1f} min" for name, (_, _, m) in results.items())
-    doc.append(f"Benchmark wall time: {minutes} on this machine (a family's run, or the sum "
-               "of its rows' where they were measured alone).")  # fmt: skip
+    doc.append(f"Benchmark wall time: {minutes} on this machine (the family's last whole run, "
+               "or the sum of its rows' where they were measured alone; at the load of the "
+               "day: the rows' CPU-minutes below do not depend on it).")  # fmt: skip
     for name, (_, rows, _) in results.items():
         each = "; ".join(f"K={r.fit.layout.stages} {r.kind} {r.minutes:.1f}"
+                         + (f" ({r.cpu / 60:.1f} CPU)" if r.cpu else "")
                          for r in rows if r.minutes)  # fmt: skip
         if each:
-            doc += ["", f"{name}, minutes per row (measured, refined, repeated): {each}."]
+            doc += ["", f"{name}, minutes per row (measured, refined, repeated; CPU-minutes, "
+                    f"every process's, where kept): {each}."]  # fmt: skip
     return "\n".join(doc)
 
 

@@ -31,6 +31,7 @@ class Row:
     minutes: float = 0.0  # the row's measuring, refinement and repeats included
     load: tuple[float, ...] = ()  # the 1-minute load average as the row began and ended
     commit: str = ""  # the code it was measured with
+    cpu: float = 0.0  # CPU-seconds of its runs, every process's: the load does not inflate it
 
     @property
     def final(self) -> Fit:

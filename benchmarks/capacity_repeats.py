@@ -12,8 +12,12 @@ verdict (exact, or the range it decides) printed. Then the independent check: th
 depth and the next size up of the last run are trained again by K processes each started
 on its own (a fresh ``python``, its process group formed from the environment as under
 torchrun, not forked by ``gpipe.launch``), each reading its own ``VmHWM`` (the kernel's
-high-water mark of the whole process, never reset) as it ends; they are set next to the
-tool's readings of the same depth. One JSON line per result in ``--out``.
+high-water mark of the whole process, never reset) as it ends, and what it held before
+the build; each is set next to the tool's readings of the same process at the same depth
+(how far outside them it lies, against the scatter: one process's largest spread between
+the tool's runs), and the check's decided range is tested against it (a depth called
+fitting that this launch finds over the budget, or one beyond the range that fits, is a
+contradiction). One JSON line per result in ``--out``.
 
 The memory beyond the model is ``--calibration`` (baseline, per process, per layer of the
 model, per layer of a stage, MiB; default: docs/capacity.md's calibration of this family
@@ -34,7 +38,7 @@ from pathlib import Path
 from gpipe.base._utils import MiB
 from gpipe.base.allocator import started_with
 from gpipe.estimate.memory_model import Calibration
-from gpipe.planner import capacity, verify_capacity
+from gpipe.planner import CapacityCheck, Measured, capacity, verify_capacity
 from gpipe.planner.capacity import optimizer_state_of
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -50,8 +54,9 @@ def predicted(family, k: int, mode: str, overhead: Calibration):
     return result.best
 
 
-def independent(name: str, fit, timeout: float = 600.0) -> list[float]:
-    """Each rank's VmHWM (bytes) when ``fit`` is trained by K processes started on their own."""
+def independent(name: str, fit, timeout: float = 600.0) -> list[tuple[float, float]]:
+    """Each rank's VmHWM and what it held before the build (bytes) when ``fit`` is trained
+    by K processes started on their own."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -72,7 +77,7 @@ def independent(name: str, fit, timeout: float = 600.0) -> list[float]:
     outs = [p.communicate(timeout=timeout)[0] for p in processes]
     if any(p.returncode for p in processes):
         raise RuntimeError(f"an independent rank failed: {[p.returncode for p in processes]}")
-    return [float(out.strip().splitlines()[-1]) for out in outs]
+    return [tuple(map(float, out.strip().splitlines()[-1].split())) for out in outs]
 
 
 def worker(job: dict) -> None:
@@ -87,20 +92,20 @@ def worker(job: dict) -> None:
     layout = Layout(**job["layout"])
     state = optimizer_state_of("adamw")
     family = families()[job["family"]]
-    peak, _ = measured._train_rank(dist.get_rank(), family, job["depth"], layout,
-                                   tuple(job["balance"]), state, 2, 300.0)  # fmt: skip
+    peak, before = measured._train_rank(dist.get_rank(), family, job["depth"], layout,
+                                        tuple(job["balance"]), state, 2, 300.0)  # fmt: skip
     dist.barrier()
     dist.destroy_process_group()
-    print(int(peak), flush=True)
+    print(int(peak), int(before), flush=True)
 
 
-def run_row(name: str, k: int, mode: str, repeats: int, overhead, emit) -> None:
+def run_row(name: str, k: int, mode: str, repeats: int, overhead, emit, parallel: int) -> None:
     family = families()[name]
     fit = predicted(family, k, mode, overhead)
     checks = []
     for i in range(1, repeats + 1):
         start = time.perf_counter()
-        check = verify_capacity(family, fit, refine=True, moves=16, repeats=2)
+        check = verify_capacity(family, fit, refine=True, moves=16, repeats=2, parallel=parallel)
         checks.append(check)
         runs = [m for m in (check.found, check.next_size, *check.again) if m is not None]
         emit({"row": f"{name} K={k} {mode}", "repeat": i, "layout": fit.layout.label(),
@@ -111,15 +116,33 @@ def run_row(name: str, k: int, mode: str, repeats: int, overhead, emit) -> None:
               "minutes": (time.perf_counter() - start) / 60})  # fmt: skip
     last = checks[-1]
     for m in (last.found, last.next_size):
-        tool = [r.peak for r in (last.found, last.next_size, *last.again)
-                if r is not None and r.fit.depth == m.fit.depth]  # fmt: skip
-        own = independent(name, m.fit)
-        emit({"row": f"{name} K={k} {mode}", "independent_depth": m.fit.depth,
-              "vmhwm_mib": [round(p / MiB, 2) for p in own],
-              "tool_mib": [round(p / MiB, 2) for p in tool],
-              "difference_mib": round((max(own) - max(tool)) / MiB, 2),
-              "scatter_mib": round(last.scatter / MiB, 2),
-              "independent_fits": max(own) <= BUDGET})  # fmt: skip
+        emit(compared(name, f"{name} K={k} {mode}", last, m))
+
+
+def compared(name: str, label: str, check: CapacityCheck, run: Measured, **extra) -> dict:
+    """``run``'s depth of ``check`` trained once more by processes started on their own,
+    against the tool's runs of that depth: per process, how far its own VmHWM lies outside
+    the tool's readings of the same process (0 inside them), against the scatter (one
+    process's largest spread between the tool's runs); and whether it contradicts the range
+    the check decides (a depth it calls fitting over the budget, or one beyond it within)."""
+    runs = [r for r in (check.found, check.next_size, *check.again) if r is not None and r.ran]
+    tool = [r.measured for r in runs if r.fit.depth == run.fit.depth]
+    own = independent(name, run.fit)
+    peaks = [p for p, _ in own]
+    by_process = zip(*tool, strict=True)
+    outside = [max(p - max(t), min(t) - p, 0.0) for p, t in zip(peaks, by_process, strict=True)]
+    low, high = check.depths
+    depth, fits = run.fit.depth, max(peaks) <= BUDGET
+    return {"row": label, "independent_depth": depth,
+            "vmhwm_mib": [round(p / MiB, 2) for p in peaks],
+            "before_mib": [round(b / MiB, 2) for _, b in own],
+            "tool_mib": [[round(p / MiB, 2) for p in t] for t in tool],
+            "difference_mib": round((max(peaks) - max(map(max, tool))) / MiB, 2),
+            "outside_mib": round(max(outside) / MiB, 2),
+            "scatter_mib": round(check.scatter / MiB, 2), "depths": list(check.depths),
+            "independent_fits": fits,
+            "contradicts": (depth <= low and not fits) or (depth > high and fits),
+            **extra}  # fmt: skip
 
 
 def kept_row(path: Path, name: str, k: int, mode: str, emit) -> None:
@@ -132,16 +155,8 @@ def kept_row(path: Path, name: str, k: int, mode: str, emit) -> None:
     kind = "remat" if mode == "remat" else "no remat"
     row = next(r for r in rows if r.kind == kind and r.fit.layout.stages == k)
     check = row.check
-    runs = [r for r in (check.found, check.next_size, *check.again) if r is not None]
     for m in (check.found, check.next_size):
-        own = independent(name, m.fit)
-        tool = [r.peak for r in runs if r.fit.depth == m.fit.depth]
-        emit({"row": f"{name} K={k} {mode}", "independent_depth": m.fit.depth,
-              "vmhwm_mib": [round(p / MiB, 2) for p in own],
-              "tool_mib": [round(p / MiB, 2) for p in tool],
-              "difference_mib": round((max(own) - max(tool)) / MiB, 2),
-              "scatter_mib": round(check.scatter / MiB, 2),
-              "independent_fits": max(own) <= BUDGET, "commit": row.commit})  # fmt: skip
+        emit(compared(name, f"{name} K={k} {mode}", check, m, commit=row.commit))
 
 
 def markdown(records: list[dict]) -> str:
@@ -155,12 +170,16 @@ def markdown(records: list[dict]) -> str:
         cells = [r["row"], r["repeat"], r["layout"], r["predicted"], verdict,
                  f"{r['scatter_mib']:.2f}", peaks, f"{r['minutes']:.1f}"]  # fmt: skip
         lines.append("| " + " | ".join(map(str, cells)) + " |")
-    lines += ["", "| row | depth | VmHWM, each process on its own (MiB) | the tool's "
-              "readings (MiB) | difference of the largest | scatter |",
-              "|---|---|---|---|---|---|"]  # fmt: skip
+    lines += ["", "| row | depth | VmHWM, each process on its own (MiB) | the tool's runs, by "
+              "process (MiB) | difference of the largest | farthest outside the tool's runs | "
+              "scatter | decided | contradicts |",
+              "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in (r for r in records if "independent_depth" in r):
+        low, high = r.get("depths", (None, None))
         cells = [r["row"], r["independent_depth"], r["vmhwm_mib"], r["tool_mib"],
-                 f"{r['difference_mib']:+.2f}", f"{r['scatter_mib']:.2f}"]  # fmt: skip
+                 f"{r['difference_mib']:+.2f}", f"{r.get('outside_mib', float('nan')):.2f}",
+                 f"{r['scatter_mib']:.2f}", f"{low}–{high}" if low != high else low,
+                 "yes" if r.get("contradicts") else "no"]  # fmt: skip
         lines.append("| " + " | ".join(map(str, cells)) + " |")
     return "\n".join(lines)
 
@@ -172,6 +191,7 @@ def main() -> None:
     parser.add_argument("--rows", nargs="+", default=["1:no-remat", "2:remat"],
                         help="K:MODE, MODE no-remat or remat")  # fmt: skip
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--parallel", type=int, default=2, help="runs side by side")
     parser.add_argument("--calibration", type=float, nargs=4,
                         default=[233.8, 98.0, 0.033, 0.211])  # fmt: skip
     parser.add_argument("--out", type=Path, default=Path("capacity_repeats.jsonl"))
@@ -197,7 +217,7 @@ def main() -> None:
         if args.kept:
             kept_row(args.kept, args.family, int(k), mode, emit)
         else:
-            run_row(args.family, int(k), mode, args.repeats, overhead, emit)
+            run_row(args.family, int(k), mode, args.repeats, overhead, emit, args.parallel)
 
 
 if __name__ == "__main__":

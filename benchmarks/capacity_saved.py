@@ -42,7 +42,7 @@ def _row(row: Row) -> dict[str, Any]:
     again = [_measured(m) for m in row.check.again] if row.check is not None else []
     found, bigger = _measured(row.found), _measured(row.bigger)
     return {"kind": row.kind, "minutes": row.minutes, "load": list(row.load),
-            "commit": row.commit, "predicted": _member(row.fit), "found": found,
+            "commit": row.commit, "cpu": row.cpu, "predicted": _member(row.fit), "found": found,
             "bigger": bigger, "again": again}  # fmt: skip
 
 
@@ -87,6 +87,7 @@ def _unrow(data: dict[str, Any], fit: Callable[[dict], Fit]) -> Row:
         minutes=float(data["minutes"]),
         load=tuple(map(float, data.get("load", ()))),
         commit=str(data.get("commit", "")),
+        cpu=float(data.get("cpu", 0.0)),
     )
     row.found, row.bigger = measured(data["found"]), measured(data["bigger"])
     if row.found is not None:

@@ -191,3 +191,34 @@ def test_a_found_depth_over_the_budget_in_a_repeat_is_the_range_below_it(monkeyp
     check = verify_capacity(family, fit_of(family, layout, 5, budget=100 * MiB), refine=True)
     assert not check.exact and check.found.fit.depth == 5 and check.depths == (4, 5)
     assert "depth 4-5: a run of the found depth went over the budget" in check.describe()
+
+
+def _check(found: list[tuple[float, ...]], bigger: list[tuple[float, ...]], budget: float = 100.0):
+    """A check of depth 5 and the next size up, each run's peaks (MiB) by process."""
+    from gpipe.planner.measured import CapacityCheck, Measured
+
+    family = tiny_gpt()
+    layout = Layout(stages=len(found[0]), chunks=1, checkpoint="always")
+    fits = [fit_of(family, layout, d, budget=budget * MiB) for d in (5, 6)]
+    runs = [[Measured(fits[i], tuple(p * MiB for p in peaks), 2) for peaks in each]
+            for i, each in enumerate((found, bigger))]  # fmt: skip
+    return CapacityCheck(runs[0][0], runs[1][0], fits[0], (*runs[0][1:], *runs[1][1:]))
+
+
+def test_the_scatter_is_one_process_s_largest_spread_between_runs():
+    # The runs' largest peaks spread 0.5 MiB (98.0, 98.5), process 0's 2 MiB (98.0, 96.0):
+    # another run, or another launch, may read 98.5 + 2 = 100.5 at depth 5, over the budget
+    # of 100. On the largest peaks' spread depth 5 would have been exact.
+    check = _check([(98.0, 97.0), (96.0, 98.5)], [(103.0, 101.0), (103.5, 101.0)])
+    assert check.scatter == 2 * MiB
+    assert not check.exact and check.depths == (4, 5)
+
+
+def test_exact_needs_the_found_depth_within_the_budget_by_more_than_the_scatter():
+    clear = _check([(97.0, 95.0), (97.5, 95.0)], [(101.0, 99.0), (101.5, 99.0)])
+    assert clear.scatter == 0.5 * MiB and clear.exact and clear.depths == (5, 5)
+    close = _check([(99.8, 95.0), (99.3, 95.0)], [(103.0, 99.0), (103.5, 99.0)])
+    assert not close.exact and close.depths == (4, 5)  # 99.8 is 0.2 under; another run
+    assert "the found depth is not within the budget by more than it" in close.describe()
+    both = _check([(99.8, 95.0), (99.3, 95.0)], [(100.2, 99.0), (100.5, 99.0)])
+    assert both.depths == (4, 6)  # neither side decided: three depths

@@ -132,39 +132,53 @@ class CapacityCheck:
 
     @property
     def scatter(self) -> float:
-        """Bytes: the most the peak of one depth moved between its runs (0: none repeated)."""
-        runs: dict[int, list[float]] = {}
+        """Bytes: the most one process's peak moved between runs of one depth (0: none
+        repeated). Per process, not the runs' largest peaks: which process peaks highest
+        changes from run to run, and K processes at two depths sample the spread 2K times
+        where the largest peaks sample it twice; it is never less than their spread. (GPT
+        K=4 remat: the largest peaks of two runs spread 0.72 MiB, one process's 1.98, and
+        processes started on their own read up to 1.29 MiB above the runs' largest.)"""
+        runs: dict[int, list[tuple[float, ...]]] = {}
         for m in (self.found, self.next_size, *self.again):
             if m is not None and m.ran:
-                runs.setdefault(m.fit.depth, []).append(m.peak)
-        return max((max(p) - min(p) for p in runs.values()), default=0.0)
+                runs.setdefault(m.fit.depth, []).append(m.measured)
+        return max(
+            (max(p) - min(p) for peaks in runs.values() for p in zip(*peaks, strict=True)),
+            default=0.0,
+        )
 
     def _peaks(self, depth: int) -> list[float]:
         runs = (self.found, self.next_size, *self.again)
         return [m.peak for m in runs if m is not None and m.ran and m.fit.depth == depth]
 
+    def _fits_clearly(self) -> bool:
+        """The found depth within the budget by at least the scatter in every run."""
+        return max(self._peaks(self.found.fit.depth)) <= self.found.fit.budget - self.scatter
+
+    def _over_clearly(self) -> bool:
+        """The next size up (one block deeper) over the budget by more than the scatter in
+        every run."""
+        bigger, found = self.next_size, self.found.fit.depth
+        if bigger is None or not bigger.ran or bigger.fit.depth != found + 1:
+            return False
+        return min(self._peaks(found + 1)) > self.found.fit.budget + self.scatter
+
     @property
     def exact(self) -> bool:
-        """Measured and repeatable: the found member fits in every run, and the next size up
-        (one block deeper) exceeds the budget by more than the runs' scatter in each."""
-        bigger = self.next_size
-        if not (self.found.ran and bigger is not None and bigger.ran):
-            return False
-        budget, found = self.found.fit.budget, self.found.fit.depth
-        return (
-            bigger.fit.depth == found + 1 and max(self._peaks(found)) <= budget
-            and min(self._peaks(found + 1)) > budget + self.scatter
-        )  # fmt: skip
+        """Measured and repeatable: the found member fits, and the next size up (one block
+        deeper) exceeds the budget, each by more than the runs' scatter in every run, so
+        that another run, or another launch of the same processes, decides the same."""
+        return self.found.ran and self._fits_clearly() and self._over_clearly()
 
     @property
     def depths(self) -> tuple[int, int]:
-        """The range the runs decide (one depth when ``exact``): the found depth up to the
-        next size up, which a run's scatter could still fit; or, where a run of the found
-        depth itself went over the budget, the one below it up to the found depth."""
+        """The range the runs decide (one depth when ``exact``): from the one below the found
+        depth where that fits by less than the scatter (or went over in a run), to the next
+        size up where that is over by less than it."""
         low = self.found.fit.depth
-        if self.exact or self.next_size is None:
+        if self.next_size is None or not self.found.ran:
             return (low, low)
-        return (low - 1, low) if self._over_once() else (low, low + 1)
+        return (low - (not self._fits_clearly()), low + (not self._over_clearly()))
 
     def _over_once(self) -> bool:
         """A run of the found depth measured over the budget."""
@@ -184,8 +198,12 @@ class CapacityCheck:
             lines.append(f"predicted depth {self.predicted.depth}: off by {moved:+d} block(s)")
         if self.again:
             low, high = self.depths
-            why = ("a run of the found depth went over the budget" if self._over_once() else
-                   "the next size up is not over the budget by more than it")  # fmt: skip
+            why = "; ".join(w for w, bad in (
+                ("a run of the found depth went over the budget", self._over_once()),
+                ("the found depth is not within the budget by more than it",
+                 not self._over_once() and not self._fits_clearly()),
+                ("the next size up is not over the budget by more than it",
+                 not self._over_clearly())) if bad)  # fmt: skip
             verdict = f"exact: depth {low}" if self.exact else f"depth {low}-{high}: {why}"
             lines.append(
                 f"scatter between runs of one depth {self.scatter / MiB:.1f} MiB; {verdict}"
@@ -305,8 +323,9 @@ def verify_capacity(
     layout at depth + 1 (cut as lightly as it can be; predicted not to fit).
 
     ``repeats``: runs of the found depth and of the next size up, for the scatter of a
-    peak between runs; ``exact`` then holds only where the next size up exceeds the budget
-    by more than that scatter in every run (``depths`` says the range the runs decide).
+    peak between runs (one process's largest spread); ``exact`` then holds only where the
+    found depth fits and the next size up exceeds the budget, each by more than that scatter
+    in every run (``depths`` says the range the runs decide).
 
     ``refine``: the answer exact to one block, measured, in at most ``moves`` runs after
     the first two (``exact`` says whether it got there): each round measures two adjacent
