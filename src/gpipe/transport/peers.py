@@ -328,16 +328,15 @@ class PeerTransport(Failures):
             self._ahead[src] -= posted.frame.numel()
             self._wait([posted.work], src, until, deadline)
             kind, position, size = read_head(posted.frame)
-            if kind != NOTICE:
-                self._post_ahead(src)
-            elif not self._pending[src]:
-                self._post_next(src, beyond=True)  # the agreement row that follows it
             if kind == NOTICE:
+                if not self._pending[src]:
+                    self._post_next(src, beyond=True)  # the agreement row that follows it
                 said = self._notice_from(src, self._receive_bytes(src, posted, size, until))
                 self._note(src, said)
                 if until != AGREEMENT or said.get("gave_up"):
                     raise announced(said)
                 continue
+            self._post_ahead(src)
             if kind == MESSAGE:
                 if position != posted.position or not isinstance(posted.key, Message):
                     raise PipelineError(
