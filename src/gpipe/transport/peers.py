@@ -254,7 +254,9 @@ class PeerTransport(Failures):
             frames.append(bytes_tensor(data, self.carrier.meta_device))
         post = self.carrier.post
         try:
-            works = post(True, dst, position, frames) + post(True, dst, position, payload, True)
+            works = post(True, dst, position, frames)
+            if payload:
+                works += post(True, dst, position, payload, True)
         except RuntimeError as error:  # gloo: "Connection closed by peer"
             raise self._left(error, dst, "send to") from error
         self._works += [(work, frames + payload) for work in works]
