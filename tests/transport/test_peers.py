@@ -1,6 +1,6 @@
 """The one sequencing over both carriers (``gpipe.transport.peers``): each pair's sequence
 of frames, a message that cannot cross names itself on the sending side, sends let go
-oldest first."""
+oldest first, a step's receives posted when it begins."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import torch
 from gpipe.schedule.builders import fill_drain
 from gpipe.schedule.routes import Channel, Message, Routes
 from gpipe.transport.codec import CodecError
-from gpipe.transport.framing import AGREEMENT, SEED
-from gpipe.transport.peers import PeerTransport
+from gpipe.transport.framing import AGREEMENT, SEED, History, TensorMeta, flatten
+from gpipe.transport.peers import AHEAD, PeerTransport
 
 
 def test_a_stage_output_that_cannot_cross_names_the_message_and_the_remedy():
@@ -65,3 +65,47 @@ def test_sends_already_done_are_let_go_oldest_first_not_kept_to_the_steps_end():
     transport._release_sent()
     assert [work for work, _ in transport._works] == sends[2:]  # in order: the rest waits
     assert [send.waited for send in sends] == [True, True, False, False]
+
+
+class _Carrier:
+    """Records the receives a transport posts (group rank, position, bytes)."""
+
+    kind, receive_ahead = "fake", True
+    wire_device = meta_device = torch.device("cpu")
+
+    def __init__(self) -> None:
+        self.posted: list[tuple[int, int, int]] = []
+
+    def post(self, sends, peer, position, tensors, data=False):
+        assert not sends
+        self.posted += [(peer, position, t.numel()) for t in tensors]
+        return [object() for _ in tensors]
+
+    def heard(self):
+        return []
+
+
+def _stable(size: int) -> History:
+    """A message's history as after two steps of one float32 tensor of ``size`` elements."""
+    history = History()
+    _, spec = flatten(torch.zeros(size))
+    meta = history.describe(spec, [TensorMeta(torch.float32, (size,), False)])
+    history.update(meta)
+    history.update(meta)
+    return history
+
+
+@pytest.mark.parametrize("size", [16, 1 << 19])
+def test_a_step_s_receives_are_all_posted_when_it_begins_up_to_a_bound_in_bytes(size):
+    """Small messages: every receive of the step at once, so that none is posted while the
+    peer's bytes come in (gloo's thread spins on its pair's lock then). Large ones: one
+    ahead, so that 1F1B does not allocate all M inputs at once."""
+    carrier = _Carrier()
+    transport = PeerTransport(fill_drain(2, 8), 1, None, [torch.device("cpu")] * 2, carrier,
+                              timeout=5.0)  # fmt: skip
+    for message in transport._plans[True][0][0][1:-1]:
+        transport._recv_meta[transport._key(0, message)] = _stable(size)
+    transport.begin(training=True)
+    frames = [(0, p) for p, _ in enumerate(transport._plans[True][0][0])]  # seed, 8, agreement
+    assert [(peer, p) for peer, p, _ in carrier.posted] == (frames if size == 16 else frames[:2])
+    assert carrier.posted[1][2] > AHEAD or size == 16

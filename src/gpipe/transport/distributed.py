@@ -43,6 +43,12 @@ class GroupCarrier:
         # otherwise on a gloo side group of the same processes.
         self._meta_group = group if self.receive_ahead else _gloo_twin(group)
         self.meta_device = self.wire_device if self.receive_ahead else torch.device("cpu")
+        # Receiving ahead on gloo, the frames to a lower rank travel on a group of their own:
+        # a gloo pair's thread takes the incoming bytes only under the pair's lock, which
+        # the rank's own sends hold; over one pair both ways, its thread spins while they do
+        # (a third of a step's CPU on 1F1B's last stage), over two it has nothing to wait for.
+        self._back = _gloo_twin(group) if self.receive_ahead and self._direct else None
+        self._rank = dist.get_rank(group)
         members = tuple(dist.get_process_group_ranks(group))
         built = _transports_built.get(members, 0)
         _transports_built[members] = built + 1
@@ -61,6 +67,8 @@ class GroupCarrier:
         dist, tag = self._dist, self._tags + position
         tensors = [join(t) if isinstance(t, list) else t for t in tensors]  # a packed message
         group = self.group if data else self._meta_group
+        if self._back is not None and (peer < self._rank) == sends:
+            group = self._back  # to a lower rank, or from a higher one
         if len(tensors) == 1 or self._direct:
             move = group.send if sends else group.recv
             return [move([t], peer, tag) for t in tensors]

@@ -6,15 +6,15 @@ Each pair of ranks exchanges one sequence of frames per step (seed row, messages
 schedule's order, agreement row); every transfer of a frame is posted with its position as
 tag. When receives are posted:
 
-* ``receive_ahead`` (sockets; gloo by default): the next frame from each peer is always
-  posted, and where a burst begins (the messages a rank takes between two of its sends, as
-  a GPipe schedule's forwards) all of the burst's, so a message lands while the rank
-  computes (a gloo send waits for its receiver's word that the receive is posted: a round
-  trip per message otherwise). A *stable* message (same description the last two times) is
-  ONE transfer: head and tensors packed in one buffer that the receiver posted at last
-  time's size and reads its tensors from without copying. A frame in place of a stable
-  message (it changed after all, a notice, a row after a notice) fills that buffer with its
-  head alone; the rest follows: a rare extra transfer instead of a guess.
+* ``receive_ahead`` (sockets; gloo by default): every frame of the step is received
+  ahead, posted when the step begins (and the rest as frames are taken, while more than
+  ``AHEAD`` bytes would be): a message lands while the rank computes, and a gloo send
+  finds its receive posted (it waits for its receiver's word that it is, otherwise: a
+  round trip). A *stable* message (same description the last two times) is ONE transfer:
+  head and tensors packed in one buffer that the receiver posted at last time's size and
+  reads its tensors from without copying. A frame in place of a stable message (it
+  changed after all, a notice, a row after a notice) fills that buffer with its head
+  alone; the rest follows: a rare extra transfer instead of a guess.
 * NCCL (and ``receive_ahead=False`` on gloo, which tests use to run NCCL's order on the
   CPU): a process's operations run in issue order, so a receive posted early would hold
   back later sends and can deadlock. Heads and descriptions travel on a gloo side group
@@ -39,7 +39,6 @@ import torch
 
 from gpipe.base.errors import PipelineError
 from gpipe.schedule.comm_plan import receive_points, wire_order
-from gpipe.schedule.ir import Kind
 from gpipe.schedule.routes import Message, Routes
 from gpipe.transport.codec import CodecError
 from gpipe.transport.failures import Failures, announced, said_in
@@ -60,6 +59,12 @@ from gpipe.transport.framing import (
 from gpipe.transport.local import LocalTransport
 
 __all__ = ["PeerTransport"]
+
+# Bytes of receives a rank keeps posted ahead per peer: a step's small messages all at once
+# (no receive is posted while the step runs: on gloo, posting one while the peer's data
+# comes in makes gloo's thread spin on the pair's lock), large ones one at a time (their
+# buffers would otherwise all be allocated at once: 1F1B's memory bound).
+AHEAD = 1 << 20
 
 
 @dataclass
@@ -98,9 +103,11 @@ class PeerTransport(Failures):
         self._devices = devices  # device of each stage (meaningful for local stages)
         self._here = LocalTransport(devices)  # messages between two stages of this rank
         self._plans = {training: self._sequences(training) for training in (True, False)}
-        # NCCL: where each receive is posted; ahead: where a burst's receives are.
-        points = self._bursts if self.receive_ahead else receive_points
-        self._points = {t: points(schedule, self.routes, rank, t) for t in (True, False)}
+        # NCCL: where each tensor receive is posted (in the one order of all transfers).
+        self._points = {
+            t: {} if self.receive_ahead else receive_points(schedule, self.routes, rank, t)
+            for t in (True, False)
+        }
         self._training = True
         # Per peer, this step's frames in wire order (messages, and the rows' kinds).
         self._incoming: dict[int, list[Any]] = {}
@@ -113,6 +120,7 @@ class PeerTransport(Failures):
         self._sent: dict[int, int] = {}  # to each peer: frames of the step sent
         self._cursor: dict[int, int] = {}  # from each peer: frames posted
         self._pending: dict[int, deque[_Posted]] = {}  # posted, from each peer, in order
+        self._ahead: dict[int, int] = {}  # bytes of those receives, from each peer
         self._arriving: dict[Any, _Posted] = {}  # head in, tensors not yet waited for
         self._seed_ahead: _Posted | None = None  # the next step's seed row, posted
         self._works: list[tuple[Any, list[torch.Tensor]]] = []  # the step's sends
@@ -135,28 +143,6 @@ class PeerTransport(Failures):
             {p: [*seed, *outgoing.get(p, []), AGREEMENT] for p in peers},
         )
 
-    def _bursts(self, schedule: Any, routes: Routes, rank: int, training: bool) -> dict:
-        """Where receives are posted ahead: at the first action after one that sends (and at
-        the first), those of every message it takes before its next send, so that each of a
-        burst's messages lands at once instead of waiting for its receive to be posted.
-        {action: [(peer, last position from it)]}."""
-        incoming = self._plans[training][0]
-        position = {m: (src, i) for src, ms in incoming.items() for i, m in enumerate(ms)}
-        points: dict[Any, dict[int, int]] = {}
-        start = None
-        for action in schedule.actions[rank]:
-            if not training and action.kind is not Kind.FORWARD:
-                continue
-            start = start or action
-            for message in routes.incoming(action):
-                if message in position:
-                    src, at = position[message]
-                    burst = points.setdefault(start, {})
-                    burst[src] = max(at, burst.get(src, -1))
-            if any(schedule.stage_to_rank[m.stage] != rank for m in routes.outgoing(action)):
-                start = None
-        return {action: list(last.items()) for action, last in points.items()}
-
     def begin(self, training: bool) -> None:
         """Start a step: reset the per-peer positions and post the first receives."""
         self.check_notices()  # a peer gave up on this pipeline since the last step
@@ -166,23 +152,20 @@ class PeerTransport(Failures):
         self._cursor = dict.fromkeys(self._incoming, 0)
         self._sent = dict.fromkeys(self._outgoing, 0)
         self._pending = {src: deque() for src in self._incoming}
+        self._ahead = dict.fromkeys(self._incoming, 0)
         self._arriving.clear()
         if self._seed_ahead is not None:
             self._pending[0].append(self._seed_ahead)
+            self._ahead[0] = self._seed_ahead.frame.numel()
             self._cursor[0], self._seed_ahead = 1, None
         for src in self._incoming:
-            if not self._pending[src]:
-                self._post_next(src)  # raises PipelineError if src left
+            self._post_ahead(src)  # raises PipelineError if src left
 
     def prepare(self, action: Any) -> None:
-        """This rank is about to run ``action``: post the receives due here (ahead: the
-        burst's; NCCL: the tensors', in its order)."""
+        """This rank is about to run ``action``: under NCCL's order, take the heads of the
+        messages whose tensor receives are posted here (ahead, all are posted already)."""
         for src, message in self._points[self._training].get(action, ()):
-            if not self.receive_ahead:
-                self._take(src, until=message)
-                continue
-            while self._cursor[src] <= message:
-                self._post_next(src)
+            self._take(src, until=message)
 
     def ready(self, message: Message) -> bool:
         return True  # receiving blocks until the message is here
@@ -269,7 +252,9 @@ class PeerTransport(Failures):
             frames.append(bytes_tensor(data, self.carrier.meta_device))
         post = self.carrier.post
         try:
-            works = post(True, dst, position, frames) + post(True, dst, position, payload, True)
+            works = post(True, dst, position, frames)
+            if payload:
+                works += post(True, dst, position, payload, True)
         except RuntimeError as error:  # gloo: "Connection closed by peer"
             raise self._left(error, dst, "send to") from error
         self._works += [(work, frames + payload) for work in works]
@@ -298,6 +283,14 @@ class PeerTransport(Failures):
             self._wait(posted.works, src, message)
         return posted.history.rebuild(posted.leaves, message.channel.forward)
 
+    def _post_ahead(self, src: int) -> None:
+        """Post the receives of the next frames from ``src``: at least one, more while
+        fewer than ``AHEAD`` bytes are posted."""
+        while self._cursor[src] < len(self._incoming[src]) and (
+            not self._pending[src] or self._ahead[src] < AHEAD
+        ):
+            self._post_next(src)
+
     def _post_next(self, src: int, beyond: bool = False) -> None:
         """Post the receive of the next frame from ``src``, if this step has one (or
         ``beyond`` its sequence: an agreement row after a notice in place of the last)."""
@@ -310,7 +303,9 @@ class PeerTransport(Failures):
         history = None
         if isinstance(key, Message):
             history = self._recv_meta.setdefault(self._key(src, key), History())
-        self._pending[src].append(self._post(src, key, position, history))
+        posted = self._post(src, key, position, history)
+        self._pending[src].append(posted)
+        self._ahead[src] += posted.frame.numel()
 
     def _post(self, src: int, key: Any, position: int, history: History | None) -> _Posted:
         if self.receive_ahead and history is not None and history.stable:
@@ -330,16 +325,18 @@ class PeerTransport(Failures):
             if not self._pending.get(src):
                 raise RuntimeError(f"rank {self.rank} expects no more frames from rank {src}")
             posted = self._pending[src].popleft()
+            self._ahead[src] -= posted.frame.numel()
             self._wait([posted.work], src, until, deadline)
             kind, position, size = read_head(posted.frame)
-            if not self._pending[src]:
-                self._post_next(src, beyond=kind == NOTICE)  # keep the next one posted
             if kind == NOTICE:
+                if not self._pending[src]:
+                    self._post_next(src, beyond=True)  # the agreement row that follows it
                 said = self._notice_from(src, self._receive_bytes(src, posted, size, until))
                 self._note(src, said)
                 if until != AGREEMENT or said.get("gave_up"):
                     raise announced(said)
                 continue
+            self._post_ahead(src)
             if kind == MESSAGE:
                 if position != posted.position or not isinstance(posted.key, Message):
                     raise PipelineError(

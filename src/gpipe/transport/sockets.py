@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from gpipe.transport.framing import HEAD
+from gpipe.transport.framing import HEAD, bytes_of
 
 __all__ = ["SocketCarrier"]
 
@@ -39,15 +39,6 @@ _MAX_PARTS = 512  # buffers per sendmsg call (the system's limit is 1024)
 _PREAMBLE = struct.Struct("<qq")  # a transfer's tag and size
 _NOTICE = -1  # the tag of a notice to every peer, outside the sequences
 _GONE = select.POLLHUP | select.POLLERR  # reported whatever the poll watches for
-
-
-def _bytes_of(tensor: torch.Tensor) -> memoryview:
-    """A contiguous CPU tensor's bytes, without a copy (any dtype: viewed as bytes; a view
-    of the last dimension costs a third of a reshape's)."""
-    if not tensor.numel():
-        return memoryview(b"")
-    flat = tensor.view(torch.uint8) if tensor.dim() else tensor.reshape(1).view(torch.uint8)
-    return memoryview(flat.numpy()).cast("B")
 
 
 class _Transfer:
@@ -115,7 +106,7 @@ class SocketCarrier:
             return [self._send(peer, tag, t if isinstance(t, list) else [t]) for t in tensors]
         transfers = []
         for t in tensors:
-            view = _bytes_of(t)
+            view = bytes_of(t)
             transfers.append(_Transfer(self, view.nbytes, view, t))
             transfers[-1].peer, transfers[-1].error = peer, self._closed.get(peer)
             self._posted[peer].setdefault(tag, deque()).append(transfers[-1])
@@ -123,7 +114,7 @@ class SocketCarrier:
 
     def _send(self, peer: int, tag: int, parts: list[Any]) -> _Transfer:
         """One transfer of ``parts`` (bytes, contiguous tensors) to ``peer``."""
-        views = [memoryview(p) if isinstance(p, bytes) else _bytes_of(p) for p in parts]
+        views = [memoryview(p) if isinstance(p, bytes) else bytes_of(p) for p in parts]
         transfer = _Transfer(self, sum(v.nbytes for v in views), keep=parts)
         out = self._out[peer]
         out.append((memoryview(_PREAMBLE.pack(tag, transfer.size)), None))
