@@ -184,6 +184,11 @@ def test_balance_by_size_without_a_sample_balances_parameters():
     with torch.device("meta"):
         on_meta = nn.Sequential(nn.Linear(10, 10), nn.Linear(10, 1000), nn.Linear(1000, 10))
     assert gpipe.balance_by_size(on_meta, stages=2) == [2, 1]
+    for wrong, words in ((nn.Sequential(), "Sequential of length 0"), (nn.Linear(2, 2), "Linear")):
+        with pytest.raises(
+            TypeError, match=f"balance_by_size takes a non-empty nn.Sequential, got {words}"
+        ):
+            gpipe.balance_by_size(wrong, stages=2)
 
 
 def test_pipe_auto_balance_trains_like_the_unsplit_model():

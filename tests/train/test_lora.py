@@ -13,8 +13,6 @@ from gpipe.train import ConfigError, lora, resolve
 from gpipe.train.data import EpochSampler, hash_seed
 from train.saved_models import TEXT, llama, model_folder, transformers
 
-peft = pytest.importorskip("peft")
-
 LR = 0.5
 SPEC = "r=4,alpha=8,targets=q_proj,v_proj"
 
@@ -34,11 +32,16 @@ def test_lora_is_refused_on_a_built_in_model(tmp_path):
         resolve({"size": "tiny", "lora": SPEC, "out": str(tmp_path / "run")})
 
 
+def _peft():
+    """peft, imported by the one test that uses it: at every worker's collection it cost 2 s."""
+    return pytest.importorskip("peft")
+
+
 def _peft_model(folder, state=None):
     """peft's own model of the folder's weights: get_peft_model, the adapters of ``state``."""
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64)
-    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
-    model = peft.get_peft_model(model, config)
+    config = _peft().LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    model = _peft().get_peft_model(model, config)
     if state is not None:
         mine = {"base_model.model." + k: v for k, v in state.items()}
         missing = model.load_state_dict(mine, strict=True)
@@ -49,6 +52,7 @@ def _peft_model(folder, state=None):
 @pytest.mark.timeout(300)
 @pytest.mark.slow
 def test_lora_through_the_pipeline_is_peft_on_the_unsplit_model(in_process, tmp_path):
+    _peft()  # without peft: skipped before the run
     folder = model_folder(tmp_path / "llama", llama())
     data = tmp_path / "train.txt"
     data.write_text(TEXT[:8000])
@@ -111,7 +115,7 @@ def test_lora_through_the_pipeline_is_peft_on_the_unsplit_model(in_process, tmp_
     for name, value in reference.state_dict().items():
         assert torch.equal(merged.state_dict()[name], value), name
     base = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64)
-    adapted = peft.PeftModel.from_pretrained(base, exported / "adapter")
+    adapted = _peft().PeftModel.from_pretrained(base, exported / "adapter")
     with torch.no_grad():
         ours = adapted(input_ids=x).logits
         theirs = _peft_model(folder, after)(input_ids=x).logits

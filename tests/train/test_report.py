@@ -42,5 +42,8 @@ def test_the_loss_plot_names_every_layout_of_a_resumed_run(tmp_path):
     older = [{k: v for k, v in r.items() if k != "layout"} for r in records[:5]]  # before layouts
     assert loss_title("gpt tiny", older + records[5:]).startswith("gpt tiny: ? (steps 1-5); K=4")
     pytest.importorskip("matplotlib")
+    (tmp_path / "target").write_text("theirs")
+    (tmp_path / "loss.png").symlink_to(tmp_path / "target")  # replaced, not followed
     assert plot_losses(records, tmp_path / "loss.png", name="gpt tiny")
-    assert (tmp_path / "loss.png").stat().st_size > 0
+    assert (tmp_path / "loss.png").read_bytes().startswith(b"\x89PNG")
+    assert (tmp_path / "target").read_text() == "theirs"

@@ -104,8 +104,12 @@ def test_chrome_trace_time_unit_is_explicit_when_given(tmp_path):
     with pytest.raises(ValueError, match="positive"):
         timeline.to_chrome_trace(result, time_unit_us=0)
 
+    # written whole through gpipe.base.files: a link planted at the name is replaced, not followed
+    (tmp_path / "target").write_text("theirs")
+    (tmp_path / "step.json").symlink_to(tmp_path / "target")
     path = timeline.save_chrome_trace(result.events, tmp_path / "step.json", time_unit_us=2.5)
     assert json.loads(path.read_text()) == trace
+    assert not path.is_symlink() and (tmp_path / "target").read_text() == "theirs"
 
 
 # -- pictures ----------------------------------------------------------------------------------
@@ -175,8 +179,11 @@ def test_png_of_measured_trace_is_in_milliseconds(mpl, tmp_path, measured):
     ax = timeline.draw(measured.last_trace)
     assert ax.get_xlabel() in ("time (ms)", "time (µs)")  # µs only on a very fast machine
     assert len(ax.patches) == len(measured.last_trace)
+    (tmp_path / "target").write_text("theirs")
+    (tmp_path / "measured.png").symlink_to(tmp_path / "target")  # replaced, not followed
     path = timeline.save_png(measured.last_trace, tmp_path / "measured.png")
     assert path.read_bytes().startswith(PNG_HEADER)
+    assert not path.is_symlink() and (tmp_path / "target").read_text() == "theirs"
 
 
 def test_compare_png_stacks_simulated_above_measured(mpl, tmp_path, measured):

@@ -36,7 +36,7 @@ from gpipe.estimate.memory_model import (
     StageMemoryTable,
     held_microbatches,
 )
-from gpipe.estimate.profile import Profile, profile
+from gpipe.estimate.profile import Profile, check_sequential, profile
 from gpipe.estimate.ranges import prefix_sums, spans
 from gpipe.layout import Layout
 from gpipe.schedule import Schedule
@@ -287,8 +287,7 @@ def balance_by_size(
         balance = gpipe.balance_by_size(model, x[:8], stages=4, chunks=8)  # + activations
     """
     if sample is None:
-        if not isinstance(model, nn.Sequential) or len(model) == 0:
-            raise TypeError(f"balance_by_size takes a non-empty nn.Sequential, got {model!r}")
+        check_sequential(model, "balance_by_size")
         prof = Profile.sizes_of(model)
     else:
         prof = profile(model, sample, device, target=target, loss_fn=loss_fn, repeats=1, warmup=0)

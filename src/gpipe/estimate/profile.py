@@ -62,7 +62,7 @@ from gpipe.engine.memory import ActivationMeter
 from gpipe.engine.split_backward import backward_input, backward_weight
 from gpipe.engine.stage import detached
 
-__all__ = ["LayerProfile", "Profile", "profile"]
+__all__ = ["LayerProfile", "Profile", "check_sequential", "profile"]
 
 
 @dataclass(frozen=True)
@@ -265,12 +265,18 @@ def profile(
     return Profile(tuple(run.result() for run in runs), batch, str(device))
 
 
-def _check_arguments(model: Any, target: Any, loss_fn: Any, **counts: int) -> None:
+def check_sequential(model: Any, caller: str) -> None:
+    """What profiling and balancing take: a non-empty ``nn.Sequential`` (``caller`` names
+    the function in the error)."""
     if not isinstance(model, nn.Sequential) or len(model) == 0:
         raise TypeError(
-            f"profile takes a non-empty nn.Sequential, got {type(model).__name__}"
+            f"{caller} takes a non-empty nn.Sequential, got {type(model).__name__}"
             + (" of length 0" if isinstance(model, nn.Sequential) else "")
         )
+
+
+def _check_arguments(model: Any, target: Any, loss_fn: Any, **counts: int) -> None:
+    check_sequential(model, "profile")
     for label, low in (("repeats", 1), ("warmup", 0)):
         value = counts[label]
         if not isinstance(value, int) or isinstance(value, bool) or value < low:

@@ -127,9 +127,12 @@ def _context() -> Any:
     )
     if hasattr(os, "pidfd_open") and not read_at_start:
         context = mp.get_context("forkserver")
-        preload = ["torch", "torch.distributed", "gpipe.pipe"]
-        if "transformers" in sys.modules:  # the launcher's model is one: 3 s a rank saved
-            preload.append("transformers.modeling_utils")
+        # torch._dynamo: every model built through gpipe.materialize imports it (2 s a rank).
+        preload = ["torch", "torch.distributed", "torch._dynamo", "gpipe.pipe"]
+        # What the ranks of a launcher that uses them most likely import too: a Hugging Face
+        # model (3 s a rank saved), matplotlib's figures (gpipe train's pictures, 3 s a run).
+        also = {"transformers": "transformers.modeling_utils", "matplotlib": "matplotlib.figure"}
+        preload += [module for package, module in also.items() if package in sys.modules]
         context.set_forkserver_preload(preload)
         return context
     return mp.get_context("spawn")

@@ -65,6 +65,7 @@ __all__ = [
     "CheckpointError",
     "LATEST",
     "MANIFEST",
+    "UNFINISHED",
     "Loaded",
     "Manifest",
     "begin",
@@ -87,7 +88,10 @@ LATEST = "latest"
 FORMAT = "gpipe-checkpoint"
 VERSION = 2  # 1: torch.save shards (gpipe up to commit 9de4e29); 2: DCP
 FORMER = "9de4e29"  # the last commit that wrote (and reads) version 1
-_TMP = ".tmp"
+# A step's folder being assembled, and the one a save of the same step is replacing: every
+# reader skips both.
+_TMP, _OLD = ".tmp", ".old"
+UNFINISHED = (_TMP, _OLD)
 
 
 class CheckpointError(RuntimeError):
@@ -182,7 +186,7 @@ def commit(root: str | Path, tmp: str | Path, manifest: Manifest, *, keep: int =
         raise CheckpointError(f"cannot commit {tmp}: {error}") from None
     write_manifest(tmp, manifest)
     final = root / step_folder(manifest.step)
-    old = final.with_name(final.name + ".old")  # left by a save that died replacing it
+    old = final.with_name(final.name + _OLD)  # left by a save that died replacing it
     shutil.rmtree(old, ignore_errors=True)
     if final.exists():  # saving a step again (a rerun into the same folder): replace it
         final.rename(old)
@@ -229,7 +233,7 @@ def _complete(root: Path) -> list[Path]:
     found = [
         p
         for p in root.glob(STEPS)
-        if p.is_dir() and not p.name.endswith((_TMP, ".old")) and (p / MANIFEST).is_file()
+        if p.is_dir() and not p.name.endswith(UNFINISHED) and (p / MANIFEST).is_file()
     ]
     return sorted(found, key=lambda p: p.name)
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from gpipe.parallel import dcp
 from gpipe.train.checkpoint import (
     MANIFEST,
+    UNFINISHED,
     CheckpointError,
     find,
     read_manifest_file,
@@ -23,8 +24,6 @@ from gpipe.train.checkpoint import (
 from gpipe.train.run_folder import STEPS, checkpoints, step_folder
 
 __all__ = ["choose", "listing", "problems"]
-
-_UNFINISHED = (".tmp", ".old")
 
 
 def problems(folder: str | Path) -> list[str]:
@@ -71,7 +70,7 @@ def listing(path: str | Path) -> list[tuple[Path, list[str]]]:
 
 
 def _state(folder: Path) -> list[str]:
-    if folder.name.endswith(_UNFINISHED):
+    if folder.name.endswith(UNFINISHED):
         return ["incomplete: a save that did not finish"]
     try:
         if not (folder / MANIFEST).is_file():

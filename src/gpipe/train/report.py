@@ -298,5 +298,5 @@ def plot_losses(records: list[dict[str, Any]], path: Path, *, name: str) -> bool
     ax.set_title(textwrap.fill(title, 90), loc="left", fontsize=10)
     ax.grid(color="#dddddd", linewidth=0.6)
     ax.legend(frameon=False)
-    fig.savefig(path, dpi=120, facecolor="white")
+    write_file(path, lambda f: fig.savefig(f, format="png", dpi=120, facecolor="white"))
     return True

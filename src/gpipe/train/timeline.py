@@ -32,6 +32,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from gpipe.base.files import write_file
 from gpipe.schedule.ir import Kind, TimedAction
 
 if TYPE_CHECKING:
@@ -111,7 +112,7 @@ def to_chrome_trace(trace: Trace, *, time_unit_us: float | None = None) -> dict[
 def save_chrome_trace(trace: Trace, path: str | Path, **kwargs: Any) -> Path:
     """Write :func:`to_chrome_trace` (same keywords) as JSON to ``path``; return the path."""
     path = Path(path)
-    path.write_text(json.dumps(to_chrome_trace(trace, **kwargs)))
+    write_file(path, lambda f: f.write(json.dumps(to_chrome_trace(trace, **kwargs)).encode()))
     return path
 
 
@@ -408,5 +409,5 @@ def _legend(ax, events: Sequence[TimedAction], virtual: int, colors, patches) ->
 
 def _save(fig, path: str | Path) -> Path:
     path = Path(path)
-    fig.savefig(path, dpi=_DPI, format="png", facecolor="white")
+    write_file(path, lambda f: fig.savefig(f, dpi=_DPI, format="png", facecolor="white"))
     return path

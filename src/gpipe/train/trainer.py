@@ -33,6 +33,7 @@ import gpipe.train.timeline as timeline
 from gpipe.base._utils import local_value
 from gpipe.base.allocator import cpu_allocator
 from gpipe.base.errors import NonFiniteError
+from gpipe.base.files import write_file
 from gpipe.engine.memory import measure_activations
 from gpipe.layout import Layout
 from gpipe.parallel.launch import threads_per_process
@@ -274,9 +275,8 @@ class Trainer:
         )  # fmt: skip
         texts = [self.task.decode(row.tolist()) for row in tokens]
         if self.rank == 0:
-            (self.out / run_folder.SAMPLE).write_text(
-                "\n\n".join(f"--- sample {i} ---\n{t}" for i, t in enumerate(texts)) + "\n"
-            )
+            text = "\n\n".join(f"--- sample {i} ---\n{t}" for i, t in enumerate(texts)) + "\n"
+            write_file(self.out / run_folder.SAMPLE, lambda f: f.write(text.encode()))
         return texts[0] if self.replica == 0 else None
 
     # -- measurements ----------------------------------------------------------------------
