@@ -19,13 +19,25 @@ from train_runs import TINY, gpipe_command
 torch.set_num_threads(1)
 
 
-def pytest_collection_modifyitems(items):
+def pytest_collection_modifyitems(config, items):
     for item in items:  # the session's tiny run starts processes for whoever asks first
         if "tiny_run" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.slow)
-    # Tests that start processes first (in their order): they are the long ones, and the
-    # workers then end together on short tests instead of one waiting for the other.
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+    # Tests that start processes first: they are the long ones, and the workers then end
+    # together on short tests instead of one waiting for the other. xdist's worksteal hands
+    # each of n workers one contiguous n-th of this order (and an idle one steals from the
+    # end of another's), so each n-th starts with every n-th of the slow tests: all at the
+    # front would be one worker's, the others stealing short tests from its far end.
+    slow = [item for item in items if item.get_closest_marker("slow")]
+    fast = [item for item in items if not item.get_closest_marker("slow")]
+    workers = getattr(config, "workerinput", {}).get("workercount", 1)
+    items[:], left = [], len(items)
+    for worker in range(workers):  # the n-ths' sizes as worksteal cuts them
+        share, mine = left // (workers - worker), slow[worker::workers]
+        left -= share
+        items += [*mine, *fast[: max(share - len(mine), 0)]]
+        del fast[: max(share - len(mine), 0)]
+    items += fast
 
 
 @pytest.fixture(scope="session", autouse=True)
