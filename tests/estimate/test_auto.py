@@ -35,12 +35,13 @@ def test_what_auto_balance_needs_is_named_with_the_remedy():
 
 def test_pipe_auto_balance_times_the_loss_the_last_stage_adds():
     torch.manual_seed(0)
-    model = nn.Sequential(*(nn.Linear(128, 128) for _ in range(8)))
-    x, y = torch.randn(64, 128), torch.randn(64, 128)
-    mixer = torch.randn(128, 128) / 128**0.5
+    # Layers of milliseconds, not of the 0.1 ms that a busy machine's scheduling swamps.
+    model = nn.Sequential(*(nn.Linear(384, 384) for _ in range(8)))
+    x, y = torch.randn(128, 384), torch.randn(128, 384)
+    mixer = torch.randn(384, 384) / 384**0.5
 
-    def costly_loss(out, target):  # about twelve layers' worth of forward and backward
-        for _ in range(12):
+    def costly_loss(out, target):  # about sixteen layers' worth of forward and backward
+        for _ in range(16):
             out = torch.tanh(out @ mixer)
         return F.mse_loss(out, target)
 
