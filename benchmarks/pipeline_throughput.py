@@ -112,6 +112,7 @@ class Setup:
     only: tuple[str, ...] = ()  # "schedule:M" labels to run (all when empty)
     ranks: int = 2  # K: processes
     allocator: str = "default"  # gpipe.cpu_allocator policy of every process
+    transport: str = "auto"  # gpipe's: "auto" (sockets on one machine) or "group" (gloo)
 
     def cases(self) -> list[Case]:
         every = self._every()
@@ -280,6 +281,7 @@ def _measure(
         schedule=case.schedule,
         virtual_stages=case.virtual,
         group=dist.group.WORLD,
+        transport=setup.transport,
     )
     placement = _placement(case)
     holds_first, holds_last = rank == placement[0], rank == placement[-1]
@@ -596,6 +598,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     parser.add_argument("--chunks", type=int, nargs="+", help="micro-batch counts M to run")
     add_allocator_option(parser, "every process (both libraries run in them)")
+    parser.add_argument(
+        "--transport", choices=["auto", "group"], default="auto",
+        help="gpipe's carrier: auto (same-host sockets) or group (the process group's gloo, as "
+        "between machines); the docs table is auto's",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     setup = QUICK if args.quick else FULL
     if args.cases:
@@ -605,7 +612,9 @@ def main(argv: Sequence[str] | None = None) -> None:
             parser.error("--out writes the full table: run without --cases")
     if args.ranks not in (2, 4):
         parser.error(f"--ranks must be 2 or 4 (8 blocks split evenly), got {args.ranks}")
-    setup = replace(setup, ranks=args.ranks, allocator=args.cpu_allocator)
+    if args.transport != "auto" and args.out is not None:
+        parser.error("--out writes the table of the default carrier: leave out --transport")
+    setup = replace(setup, ranks=args.ranks, allocator=args.cpu_allocator, transport=args.transport)
     if args.chunks:
         setup = replace(setup, chunks=tuple(sorted(set(args.chunks))))
     if args.rounds is not None:

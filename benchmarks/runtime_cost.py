@@ -53,6 +53,9 @@ SECTION = "runtime-cost"
 # other processes of a shared machine do changes the wall clock much more than this.
 CLOCK = time.process_time
 WIDTH, LAYERS = 16, 4
+# --compute-bound: the same MLP wide enough, and micro-batches large enough, that the layers'
+# compute sets the pace (a stage's step ~10x the latency-bound one's messages).
+COMPUTE_WIDTH, COMPUTE_ROWS = 512, 32
 PEERS = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
 SIDES = ("gpipe", "gpipe-gloo", "peer")  # gpipe as it chooses (sockets); over gloo; the peer
 
@@ -69,12 +72,15 @@ def mse(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 # -- 1. two processes, latency-bound ------------------------------------------------------
 
 
-def _sides(rank: int, schedule: str, m: int) -> dict[str, Callable[[], None]]:
-    """One training step of each side on this rank (``SIDES``), same stages."""
+def _sides(
+    rank: int, schedule: str, m: int, width: int = WIDTH, rows: int = 1
+) -> dict[str, Callable[[], None]]:
+    """One training step of each side on this rank (``SIDES``), same stages; micro-batches
+    of ``rows`` samples."""
     import torch.distributed as dist
     from torch.distributed import pipelining
 
-    model = mlp()
+    model = mlp(width)
     half = len(model) // 2
     mine = copy.deepcopy(model[:half] if rank == 0 else model[half:])
     stage = pipelining.PipelineStage(mine, rank, 2, torch.device("cpu"), group=dist.group.WORLD)
@@ -92,8 +98,8 @@ def _sides(rank: int, schedule: str, m: int) -> dict[str, Callable[[], None]]:
         for transport in ("auto", "group")
     }
     generator = torch.Generator().manual_seed(1)
-    x = torch.randn(m, WIDTH, generator=generator)
-    y = torch.randn(m, WIDTH, generator=generator)
+    x = torch.randn(m * rows, width, generator=generator)
+    y = torch.randn(m * rows, width, generator=generator)
 
     def ours(pipe: gpipe.Pipe) -> Callable[[], None]:
         def step() -> None:
@@ -127,14 +133,18 @@ def _one_side_rank(rank: int, side: str, schedule: str, m: int, steps: int) -> N
 
 
 def _pipeline_rank(
-    rank: int, cases: list[tuple[str, int]], rounds: int, profile: tuple[str, str] | None
+    rank: int,
+    cases: list[tuple[str, int]],
+    rounds: int,
+    profile: tuple[str, str] | None,
+    shape: tuple[int, int],
 ):
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     results = []
     for schedule, m in cases:
-        sides = _sides(rank, schedule, m)
+        sides = _sides(rank, schedule, m, *shape)
 
         def timed(step: Callable[[], None]) -> tuple[float, float, float]:
             """The step's wall time (to the slower rank), this process's CPU time, and the
@@ -183,9 +193,12 @@ def _profile(step: Callable[[], None], out: Path, steps: int = 30) -> None:
     out.write_text(f"{elapsed * 1e3:.2f} ms per step ({steps} steps, profiled)\n" + text.getvalue())
 
 
-def pipeline_rows(rounds: int, profile: tuple[str, str] | None) -> list[dict]:
-    cases = [(s, m) for m in (8, 32) for s in ("gpipe", "1f1b")]
-    per_rank = launch(_pipeline_rank, 2, args=(cases, rounds, profile), timeout=1200)
+def pipeline_rows(
+    rounds: int, profile: tuple[str, str] | None, compute_bound: bool = False
+) -> list[dict]:
+    shape = (COMPUTE_WIDTH, COMPUTE_ROWS) if compute_bound else (WIDTH, 1)
+    cases = [(s, m) for m in ((8,) if compute_bound else (8, 32)) for s in ("gpipe", "1f1b")]
+    per_rank = launch(_pipeline_rank, 2, args=(cases, rounds, profile, shape), timeout=1200)
     rows = []
     for r0, r1 in zip(*per_rank, strict=True):
         row = {"schedule": r0["schedule"], "chunks": r0["chunks"]}
@@ -328,15 +341,27 @@ def _cpu_table(pipeline: Sequence[dict]) -> list[str]:
     return lines
 
 
-def report(pipeline: Sequence[dict], micro: dict, single: Sequence[dict], rounds: int) -> str:
+def report(
+    pipeline: Sequence[dict],
+    micro: dict,
+    single: Sequence[dict],
+    rounds: int,
+    compute_bound: bool = False,
+) -> str:
     ms = 1e3
+    pace = (
+        f"Compute-bound pipeline: MLP of {LAYERS} × Linear({COMPUTE_WIDTH}) + ReLU, "
+        f"{COMPUTE_ROWS} samples per micro-batch"
+        if compute_bound
+        else f"Latency-bound pipeline: MLP of {LAYERS} × Linear({WIDTH}) + ReLU, batch = M (one "
+        "sample per micro-batch)"
+    )
     lines = [
         f"Measured by `python benchmarks/runtime_cost.py` on {machine()}, {source()}, "
         f"load {os.getloadavg()[0]:.1f} at the end; {rounds} rounds per row, the sides "
         "alternating; medians, 95% bootstrap intervals of the paired ratios.",
         "",
-        f"Latency-bound pipeline: MLP of {LAYERS} × Linear({WIDTH}) + ReLU, batch = M (one "
-        "sample per micro-batch), K=2 gloo processes, one thread each; a step is the slower "
+        f"{pace}, K=2 gloo processes, one thread each; a step is the slower "
         "rank's, between barriers. gpipe: as it chooses on one machine (Unix sockets, "
         '`gpipe.transport.sockets`); gpipe over gloo: `transport="group"`, the process '
         "group's point-to-point (as between machines); the peer: `torch.distributed.pipelining` "
@@ -389,6 +414,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         "--only", choices=["pipeline", "micro", "single"], default=None, help="one part"
     )
     parser.add_argument(
+        "--compute-bound", action="store_true",
+        help=f"part 1 only, at M=8 on an MLP of width {COMPUTE_WIDTH} with {COMPUTE_ROWS} samples "
+        "per micro-batch: does the transport cost anything where compute sets the pace? "
+        "(printed, never written into --out)",
+    )  # fmt: skip
+    parser.add_argument(
         "--one-side", nargs=4, default=None, metavar=("SIDE", "SCHEDULE", "M", "STEPS"),
         help="only run STEPS steps of one side (gpipe, gpipe-gloo or peer) of part 1, to watch "
         "from outside, e.g. strace -f -c python benchmarks/runtime_cost.py --one-side gpipe "
@@ -398,6 +429,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.one_side is not None:
         side, schedule, m, steps = args.one_side
         launch(_one_side_rank, 2, args=(side, schedule, int(m), int(steps)), timeout=1200)
+        return
+    if args.compute_bound:
+        if args.out is not None:
+            parser.error("--compute-bound prints its table: leave out --out")
+        empty = {"chunks": 0, "plain": 0, "pipe": 0, "extra": 0, "interval": (0, 0)}
+        rows = pipeline_rows(args.rounds, None, compute_bound=True)
+        print(report(rows, empty, [], args.rounds, compute_bound=True).split("\n\nOne process")[0])
         return
     pipeline = pipeline_rows(args.rounds, args.profile) if args.only in (None, "pipeline") else []
     micro = per_microbatch(args.rounds) if args.only in (None, "micro") else None
