@@ -13,11 +13,10 @@ from typing import Any
 
 import torch
 
-from gpipe.transport.framing import HEAD, join, read_head
+from gpipe.transport.framing import HEAD, NOTICE_BYTES, join, read_head
 
 __all__ = ["GroupCarrier"]
 
-_NOTICE_BYTES = 4096
 # Tags: each transport built on a group takes its own range for its frames, above those a
 # user's own transfers take (a receive posted ahead must take no other's), and one for
 # notices to every peer outside the sequences; the n-th the same on every rank.
@@ -82,7 +81,7 @@ class GroupCarrier:
         a gloo receive tells that it completed only to ``wait()``)."""
         if self._heard is None:
             self._heard = []
-            frame = torch.zeros(_NOTICE_BYTES, dtype=torch.uint8)
+            frame = torch.zeros(NOTICE_BYTES, dtype=torch.uint8)
             work = self._dist.irecv(frame, src=None, group=self._meta_group, tag=self._notice_tag)
             threading.Thread(target=_wait_for_notice, args=(work, frame, self._heard),
                              name="gpipe-failure-notice", daemon=True).start()  # fmt: skip
@@ -91,7 +90,7 @@ class GroupCarrier:
     def announce(self, frame: bytes, peers: list[int]) -> None:
         """A failure notice's frame to every peer of ``peers``, outside the sequences (it
         may be waiting for another rank, or between steps)."""
-        tensor = torch.zeros(_NOTICE_BYTES, dtype=torch.uint8)
+        tensor = torch.zeros(NOTICE_BYTES, dtype=torch.uint8)
         tensor[: len(frame)] = torch.frombuffer(bytearray(frame), dtype=torch.uint8)
         for peer in peers:
             with contextlib.suppress(Exception):  # it left: nobody to tell
