@@ -41,11 +41,8 @@ NOTICE_BYTES = 4096  # a notice's frame at most: head and notice (a fixed receiv
 
 def head(kind: int, position: int, size: int = 0, row: Any = None) -> bytes:
     """A frame's head; ``row`` (a CPU tensor of at most ``HEAD - 24`` bytes) travels in it."""
-    words = _WORDS.pack(kind, position, size)
-    if row is None:
-        return words + bytes(HEAD - _WORDS.size)
-    data = row.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
-    return words + data + bytes(HEAD - _WORDS.size - len(data))
+    data = b"" if row is None else row.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+    return _WORDS.pack(kind, position, size) + data + bytes(HEAD - _WORDS.size - len(data))
 
 
 def read_head(data: Any) -> tuple[int, int, int]:
