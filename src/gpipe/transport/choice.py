@@ -58,7 +58,8 @@ def open_transport(
     mine = [devices[s] for s in schedule.stages_of(rank)]
     on_cpu = dist.get_backend(group) == "gloo" and all(d.type == "cpu" for d in mine)
     size = dist.get_world_size(group)
-    links = _sockets(wanted, on_cpu, rank, size, timeout, gather)
+    # Every rank was told the same (``MultiProcess.connect`` checked): all ask, or none.
+    links = None if wanted == "group" else _sockets(wanted, on_cpu, rank, size, timeout, gather)
     if links is not None:
         carrier: Any = SocketCarrier(links, timeout)
     else:
@@ -74,13 +75,12 @@ def _sockets(
     timeout: float,
     gather: Callable[[Any, str], list[Any]],
 ) -> dict[int, socket.socket] | None:
-    """A Unix socket to every peer, where the pipeline can use them and was not told
-    otherwise (``wanted``): every rank on this machine, its stages on the CPU (``on_cpu``,
-    the group on gloo). None: the process group carries the messages. Every rank takes
-    part (each was told the same: ``MultiProcess.connect`` checked)."""
+    """A Unix socket to every peer, where the pipeline can use them (``wanted``: 'auto' or
+    'sockets'): every rank on this machine, its stages on the CPU (``on_cpu``, the group on
+    gloo). None: the process group carries the messages."""
     where: Any = "has stages off the CPU or a group off gloo"  # or the machine, if it can
     listener, address, token = None, "", b""
-    if on_cpu and wanted != "group":
+    if on_cpu:
         where = handshake.host_key() or "has no abstract Unix sockets (not Linux)"
     if not isinstance(where, str):
         try:
@@ -90,8 +90,6 @@ def _sockets(
     formed, failed = {}, ""
     try:
         everyone = gather((where, address, token), "where each rank runs")
-        if wanted == "group":
-            return None
         unavailable = [
             f"rank {r} " + (w if isinstance(w, str) else "runs elsewhere")
             for r, (w, _, _) in enumerate(everyone)
