@@ -32,4 +32,4 @@ def test_the_ranks_choose_the_transport_together():
     assert chosen == [{"transport": "group"}] * 2
     refused = launch(told_transports, 2, args=(["group", "auto"],), timeout=60)
     for outcome in refused:
-        assert "given different transports (rank 0: 'group', rank 1: 'auto')" in outcome["error"]
+        assert "- transport: rank 1 has 'auto', rank 0 has 'group'" in outcome["error"]

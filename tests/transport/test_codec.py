@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from gpipe.transport import inquest
 from gpipe.transport.codec import VERSION, CodecError, TensorMeta, decode, encode
-from gpipe.transport.framing import History, notice, read_notice
+from gpipe.transport.framing import HEAD, NOTICE_BYTES, History, notice, read_notice
 
 PLAIN = [
     None, True, False, 0, -1, 2**63 - 1, -(2**63), 2**80, -(2**90), 0.1, -0.0, math.inf,
@@ -95,6 +95,8 @@ def test_a_planted_description_or_notice_runs_nothing(tmp_path):
     assert not marker.exists()
     said = read_notice(notice({"rank": 1, "global_rank": 3, "message": "é" * 5000}), 0, "")
     assert said["rank"] == 1 and len(said["message"].encode()) <= 3000
+    escaped = notice({"rank": 1, "global_rank": 3, "message": "\x01" * 3000})  # 6 bytes each
+    assert HEAD + len(escaped) <= NOTICE_BYTES and read_notice(escaped, 0, "")["message"]
 
 
 def test_a_tree_spec_naming_an_enum_is_refused_on_both_sides():

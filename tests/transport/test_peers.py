@@ -17,9 +17,10 @@ from gpipe.transport.peers import AHEAD, PeerTransport
 def test_a_stage_output_that_cannot_cross_names_the_message_and_the_remedy():
     transport = PeerTransport.__new__(PeerTransport)
     transport._sent_meta, transport._training = {}, True
+    transport.schedule, transport.rank = fill_drain(2, 3), 0
     message = Message(Channel.ACTIVATION, 1, 2)
     with pytest.raises(CodecError, match=r"activation of micro-batch 2 for stage 1: .*send tens"):
-        transport._described(1, message, (torch.zeros(2), torch.device("cpu")))
+        transport.send(message, (torch.zeros(2), torch.device("cpu")))
 
 
 def test_each_pair_s_sequence_is_the_seed_row_the_messages_in_order_then_the_agreement_row():

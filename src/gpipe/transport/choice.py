@@ -1,9 +1,8 @@
 """Which carrier moves a pipeline's messages between processes: same-host sockets
 (``gpipe.transport.handshake`` connects them) where every rank's stages are CPU stages of one
 machine on gloo and the user did not say otherwise, else the process group's own
-point-to-point (gloo between machines, NCCL on GPUs). The ranks decide together: a rank told
-otherwise stops every rank's build, and sockets that should form but do not are never a
-silent switch."""
+point-to-point (gloo between machines, NCCL on GPUs). The ranks decide together, and sockets
+that should form but do not are never a silent switch."""
 
 from __future__ import annotations
 
@@ -59,7 +58,8 @@ def open_transport(
     mine = [devices[s] for s in schedule.stages_of(rank)]
     on_cpu = dist.get_backend(group) == "gloo" and all(d.type == "cpu" for d in mine)
     size = dist.get_world_size(group)
-    links = _sockets(wanted, on_cpu, rank, size, timeout, gather)
+    # Every rank was told the same (``MultiProcess.connect`` checked): all ask, or none.
+    links = None if wanted == "group" else _sockets(wanted, on_cpu, rank, size, timeout, gather)
     if links is not None:
         carrier: Any = SocketCarrier(links, timeout)
     else:
@@ -75,13 +75,12 @@ def _sockets(
     timeout: float,
     gather: Callable[[Any, str], list[Any]],
 ) -> dict[int, socket.socket] | None:
-    """A Unix socket to every peer, where the pipeline can use them and was not told
-    otherwise (``wanted``): every rank on this machine, its stages on the CPU (``on_cpu``,
-    the group on gloo). None: the process group carries the messages. Every rank takes
-    part, whatever it was told."""
+    """A Unix socket to every peer, where the pipeline can use them (``wanted``: 'auto' or
+    'sockets'): every rank on this machine, its stages on the CPU (``on_cpu``, the group on
+    gloo). None: the process group carries the messages."""
     where: Any = "has stages off the CPU or a group off gloo"  # or the machine, if it can
     listener, address, token = None, "", b""
-    if on_cpu and wanted != "group":
+    if on_cpu:
         where = handshake.host_key() or "has no abstract Unix sockets (not Linux)"
     if not isinstance(where, str):
         try:
@@ -90,18 +89,15 @@ def _sockets(
             where = f"cannot open a Unix socket here ({error})"
     formed, failed = {}, ""
     try:
-        everyone = gather((wanted, where, address, token), "where each rank runs")
-        _check_told(wanted, [told for told, *_ in everyone])
-        if wanted == "group":
-            return None
+        everyone = gather((where, address, token), "where each rank runs")
         unavailable = [
             f"rank {r} " + (w if isinstance(w, str) else "runs elsewhere")
-            for r, (_, w, _, _) in enumerate(everyone)
-            if isinstance(w, str) or w != everyone[0][1]
+            for r, (w, _, _) in enumerate(everyone)
+            if isinstance(w, str) or w != everyone[0][0]
         ]
         if not unavailable:
             try:
-                formed = handshake.connect(listener, [e[2:] for e in everyone], rank, timeout)
+                formed = handshake.connect(listener, [e[1:] for e in everyone], rank, timeout)
             except OSError as error:
                 failed = f"rank {rank} could not connect its sockets: {error}"
     finally:
@@ -127,15 +123,3 @@ def _sockets(
     if rank == 0:
         _log.info("transport='auto' uses the process group: %s", "; ".join(unavailable))
     return None
-
-
-def _check_told(wanted: str, told: list[str]) -> None:
-    """Ranks told different transports stop the build (never one on sockets, its peer on
-    the group, waiting for each other)."""
-    if set(told) != {wanted}:
-        said = ", ".join(f"rank {r}: {w!r}" for r, w in enumerate(told))
-        raise PartitionError(
-            f"the ranks of this pipeline were given different transports ({said}); every "
-            "rank must run the same script with the same Pipe arguments (transport, "
-            "receive_ahead)"
-        )

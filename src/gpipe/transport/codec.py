@@ -2,9 +2,10 @@
 
 Unpickling runs whatever the bytes say, and what a process reads comes from peers, the
 job's store (which any local user can write to) or a socket. So values travel in one
-fixed, versioned layout: a version byte, then each value as a one-byte tag and its
-contents (little-endian). :func:`decode` builds only these types, and :func:`encode`
-refuses anything else on the sending side, naming its type and :data:`REMEDY`:
+fixed, versioned layout: a version byte, then JSON, which builds nothing but dicts, lists,
+strings and numbers. The types JSON lacks travel as one-key objects (``{"t": [...]}``: a
+tuple); :func:`decode` builds only these, and :func:`encode` refuses anything else on the
+sending side, naming its type and :data:`REMEDY`:
 
 None, bool, int, float (inf and nan included), str, bytes, list, tuple, dict,
 ``torch.dtype``, ``torch.Size`` and :class:`TensorMeta`. Subclasses of int, float and str
@@ -13,7 +14,7 @@ None, bool, int, float (inf and nan included), str, bytes, list, tuple, dict,
 
 from __future__ import annotations
 
-import struct
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,15 +22,12 @@ import torch
 
 __all__ = ["REMEDY", "VERSION", "CodecError", "TensorMeta", "decode", "encode"]
 
-VERSION = 1
+VERSION = 2  # 1: a hand-written binary layout
 REMEDY = (
     "send tensors or plain values (None, bool, int, float, str, bytes, torch.dtype, and "
     "lists, tuples and dicts of them)"
 )
 _DEPTH = 64  # nesting: deeper is refused (a value cannot exhaust the reader's stack)
-_LENGTH = struct.Struct("<I")
-_INT = struct.Struct("<q")
-_FLOAT = struct.Struct("<d")
 _DTYPES = {
     str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)
 }
@@ -50,126 +48,70 @@ class CodecError(ValueError):
 
 def encode(value: Any, what: str = "the value sent") -> bytes:
     """``value`` in the wire layout; :class:`CodecError` naming ``what`` for any other type."""
-    out = bytearray((VERSION,))
-    _put(out, value, what, 0)
-    return bytes(out)
+    text = json.dumps(_plain(value, what, 0), ensure_ascii=False, separators=(",", ":"))
+    return bytes((VERSION,)) + text.encode("utf-8", "surrogatepass")
 
 
 def decode(data: bytes | bytearray | memoryview) -> Any:
     """The value ``data`` holds; :class:`CodecError` if it is not one :func:`encode` wrote."""
-    view = memoryview(data).cast("B")
-    if not view.nbytes or view[0] != VERSION:
-        found = view[0] if view.nbytes else "no data"
+    data = bytes(data)
+    if not data or data[0] != VERSION:
+        found = data[0] if data else "no data"
         raise CodecError(f"not gpipe's wire format (version {found}, expected {VERSION})")
     try:
-        value, end = _get(view, 1, 0)
-    except (struct.error, IndexError, UnicodeDecodeError, TypeError, KeyError) as error:
+        return json.loads(data[1:].decode("utf-8", "surrogatepass"), object_hook=_built)
+    except (ValueError, TypeError, KeyError, RecursionError) as error:
         raise CodecError(f"not gpipe's wire format: {type(error).__name__}: {error}") from None
-    if end != view.nbytes:
-        raise CodecError(f"not gpipe's wire format: {view.nbytes - end} bytes after the value")
-    return value
 
 
-def _put(out: bytearray, value: Any, what: str, depth: int) -> None:
+def _plain(value: Any, what: str, depth: int) -> Any:
+    """``value`` as JSON holds it: the types JSON lacks as one-key objects."""
     if depth > _DEPTH:
         raise CodecError(f"{what} is nested more than {_DEPTH} deep (or holds itself): {REMEDY}")
     kind = type(value)
-    if value is None:
-        out += b"N"
-    elif kind is bool:
-        out += b"T" if value else b"F"
-    elif isinstance(value, int):
-        if -(1 << 63) <= value < 1 << 63:
-            out += b"i" + _INT.pack(value)
-        else:
-            _sized(
-                out, b"I", int(value).to_bytes(value.bit_length() // 8 + 1, "little", signed=True)
-            )
-    elif isinstance(value, float):
-        out += b"f" + _FLOAT.pack(value)
-    elif isinstance(value, str):
-        _sized(out, b"s", value.encode("utf-8", "surrogatepass"))
-    elif kind is bytes or kind is bytearray:
-        _sized(out, b"b", value)
-    elif kind is torch.dtype:
-        _sized(out, b"y", str(value).removeprefix("torch.").encode())
-    elif kind is torch.Size:
-        out += b"S" + _LENGTH.pack(len(value)) + b"".join(_INT.pack(n) for n in value)
-    elif kind is TensorMeta:
-        out += b"M"
-        for part in (value.dtype, torch.Size(value.shape), bool(value.requires_grad)):
-            _put(out, part, what, depth + 1)
-    elif kind is list or kind is tuple:
-        out += (b"l" if kind is list else b"t") + _LENGTH.pack(len(value))
-        for item in value:
-            _put(out, item, what, depth + 1)
-    elif kind is dict:
-        out += b"d" + _LENGTH.pack(len(value))
-        for key, item in value.items():
-            _put(out, key, what, depth + 1)
-            _put(out, item, what, depth + 1)
-    else:
-        name = f"{kind.__module__}.{kind.__qualname__}".removeprefix("builtins.")
-        raise CodecError(f"{what} holds a value of type {name}, which cannot cross processes: "
-                         f"{REMEDY}")  # fmt: skip
+    if value is None or kind is bool:
+        return value
+    if isinstance(value, (int, float, str)):
+        return value  # JSON writes a subclass (an IntEnum) as its base type
+    if kind is list or kind is tuple or kind is torch.Size:
+        items = [_plain(item, what, depth + 1) for item in value]
+        return items if kind is list else {"t" if kind is tuple else "S": items}
+    if kind is dict:
+        return {"d": [[_plain(k, what, depth + 1), _plain(v, what, depth + 1)]
+                      for k, v in value.items()]}  # fmt: skip
+    if kind is bytes or kind is bytearray:
+        return {"b": bytes(value).hex()}
+    if kind is torch.dtype:
+        return {"y": str(value).removeprefix("torch.")}
+    if kind is TensorMeta:
+        parts = (value.dtype, torch.Size(value.shape), bool(value.requires_grad))
+        return {"M": [_plain(part, what, depth + 1) for part in parts]}
+    name = f"{kind.__module__}.{kind.__qualname__}".removeprefix("builtins.")
+    raise CodecError(f"{what} holds a value of type {name}, which cannot cross processes: {REMEDY}")
 
 
-def _sized(out: bytearray, tag: bytes, raw: bytes) -> None:
-    out += tag + _LENGTH.pack(len(raw)) + raw
+def _built(tagged: dict[str, Any]) -> Any:
+    """The value a one-key object stands for (JSON builds the innermost first)."""
+    ((tag, body),) = tagged.items()  # ValueError for any other object
+    kind, build = _TAGS[tag]
+    if type(body) is not kind:
+        raise ValueError(f"{tag!r} holds a {type(body).__name__}")
+    if tag == "S" and not all(type(n) is int for n in body):
+        raise ValueError("a size holds something else than ints")
+    return build(*body) if tag == "M" else build(body)
 
 
-def _get(view: memoryview, at: int, depth: int) -> tuple[Any, int]:
-    if depth > _DEPTH:
-        raise CodecError(f"not gpipe's wire format: nested more than {_DEPTH} deep")
-    tag = view[at]
-    at += 1
-    if tag in _CONSTANTS:
-        return _CONSTANTS[tag], at
-    if tag == _I:
-        return _INT.unpack_from(view, at)[0], at + 8
-    if tag == _F:
-        return _FLOAT.unpack_from(view, at)[0], at + 8
-    if tag in _SIZED:
-        (size,) = _LENGTH.unpack_from(view, at)
-        at += 4
-        raw = bytes(view[at : at + size])
-        if len(raw) != size:
-            raise CodecError(f"not gpipe's wire format: {size} bytes announced, {len(raw)} there")
-        return _SIZED[tag](raw), at + size
-    if tag == _SIZE:
-        (n,) = _LENGTH.unpack_from(view, at)
-        dims = struct.unpack_from(f"<{n}q", view, at + 4)
-        return torch.Size(dims), at + 4 + 8 * n
-    if tag == _META:
-        dtype, at = _get(view, at, depth + 1)
-        shape, at = _get(view, at, depth + 1)
-        grad, at = _get(view, at, depth + 1)
-        if (
-            type(dtype) is not torch.dtype
-            or type(shape) is not torch.Size
-            or type(grad) is not bool
-        ):
-            raise CodecError("not gpipe's wire format: a tensor's description is malformed")
-        return TensorMeta(dtype, tuple(shape), grad), at
-    if tag in _SEQUENCES:
-        (n,) = _LENGTH.unpack_from(view, at)
-        at += 4
-        items = []
-        for _ in range(n * (2 if tag == _D else 1)):
-            item, at = _get(view, at, depth + 1)
-            items.append(item)
-        if tag == _D:
-            return dict(zip(items[::2], items[1::2], strict=True)), at
-        return _SEQUENCES[tag](items), at
-    raise CodecError(f"not gpipe's wire format: unknown tag {tag} at byte {at - 1}")
+def _meta(dtype: Any, shape: Any, grad: Any) -> TensorMeta:
+    if type(dtype) is not torch.dtype or type(shape) is not torch.Size or type(grad) is not bool:
+        raise ValueError("a tensor's description is malformed")
+    return TensorMeta(dtype, tuple(shape), grad)
 
 
-_CONSTANTS = {ord("N"): None, ord("T"): True, ord("F"): False}
-_I, _F, _SIZE, _META, _D = (ord(t) for t in "ifSMd")
-_SIZED = {
-    ord("I"): lambda raw: int.from_bytes(raw, "little", signed=True),
-    ord("s"): lambda raw: raw.decode("utf-8", "surrogatepass"),
-    ord("b"): bytes,
-    ord("y"): lambda raw: _DTYPES[raw.decode("ascii")],
+_TAGS = {  # tag: (the type JSON holds it as, what builds the value from that)
+    "t": (list, tuple),
+    "S": (list, torch.Size),
+    "d": (list, dict),  # [key, value] pairs: keys of any type
+    "b": (str, bytes.fromhex),
+    "y": (str, _DTYPES.__getitem__),
+    "M": (list, _meta),
 }
-_SEQUENCES = {ord("l"): list, ord("t"): tuple, _D: dict}

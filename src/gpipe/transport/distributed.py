@@ -12,12 +12,12 @@ from datetime import timedelta
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from gpipe.transport.framing import HEAD, join, read_head
+from gpipe.transport.framing import HEAD, NOTICE_BYTES, join, read_head
 
 __all__ = ["GroupCarrier"]
 
-_NOTICE_BYTES = 4096
 # Tags: each transport built on a group takes its own range for its frames, above those a
 # user's own transfers take (a receive posted ahead must take no other's), and one for
 # notices to every peer outside the sequences; the n-th the same on every rank.
@@ -31,9 +31,7 @@ class GroupCarrier:
     kind = "group"  # what Pipe.transport says
 
     def __init__(self, group: Any, device: torch.device, receive_ahead: bool | None) -> None:
-        import torch.distributed as dist
-
-        self._dist, self.group = dist, group
+        self.group = group
         backend = _backend(group)
         # Collectives of the front end (loss, health check) use a device the backend supports.
         self.wire_device = device if backend == "nccl" else torch.device("cpu")
@@ -64,7 +62,7 @@ class GroupCarrier:
         or description). One operation, or any number on gloo, goes straight to the process group
         (``torch.distributed``'s wrappers cost more than gloo's own posting for small
         messages); several on NCCL are coalesced into one group call."""
-        dist, tag = self._dist, self._tags + position
+        tag = self._tags + position
         tensors = [join(t) if isinstance(t, list) else t for t in tensors]  # a packed message
         group = self.group if data else self._meta_group
         if self._back is not None and (peer < self._rank) == sends:
@@ -82,8 +80,8 @@ class GroupCarrier:
         a gloo receive tells that it completed only to ``wait()``)."""
         if self._heard is None:
             self._heard = []
-            frame = torch.zeros(_NOTICE_BYTES, dtype=torch.uint8)
-            work = self._dist.irecv(frame, src=None, group=self._meta_group, tag=self._notice_tag)
+            frame = torch.zeros(NOTICE_BYTES, dtype=torch.uint8)
+            work = dist.irecv(frame, src=None, group=self._meta_group, tag=self._notice_tag)
             threading.Thread(target=_wait_for_notice, args=(work, frame, self._heard),
                              name="gpipe-failure-notice", daemon=True).start()  # fmt: skip
         return [(None, data) for data in self._heard]
@@ -91,7 +89,7 @@ class GroupCarrier:
     def announce(self, frame: bytes, peers: list[int]) -> None:
         """A failure notice's frame to every peer of ``peers``, outside the sequences (it
         may be waiting for another rank, or between steps)."""
-        tensor = torch.zeros(_NOTICE_BYTES, dtype=torch.uint8)
+        tensor = torch.zeros(NOTICE_BYTES, dtype=torch.uint8)
         tensor[: len(frame)] = torch.frombuffer(bytearray(frame), dtype=torch.uint8)
         for peer in peers:
             with contextlib.suppress(Exception):  # it left: nobody to tell
@@ -112,14 +110,10 @@ def _wait_for_notice(work: Any, frame: torch.Tensor, heard: list[bytes]) -> None
 
 def _backend(group: Any) -> str:
     """What every NCCL path here is chosen by (a test names 'nccl' to run them on gloo)."""
-    import torch.distributed as dist
-
     return dist.get_backend(group)
 
 
 def _gloo_twin(group: Any) -> Any:
     """A gloo group of the same processes, for small host-side messages."""
-    import torch.distributed as dist
-
     ranks = dist.get_process_group_ranks(group)
     return dist.new_group(ranks, backend="gloo", use_local_synchronization=True)

@@ -26,8 +26,9 @@ from torch.utils._pytree import tree_flatten, tree_unflatten, treespec_dumps, tr
 from gpipe.transport.codec import CodecError, TensorMeta, decode, encode
 
 __all__ = [
-    "AGREEMENT", "ALIGN", "HEAD", "MESSAGE", "NOTICE", "SEED", "History", "TensorMeta", "bytes_of",
-    "bytes_tensor", "flatten", "head", "join", "notice", "read_head", "read_notice", "row_of",
+    "AGREEMENT", "ALIGN", "HEAD", "MESSAGE", "NOTICE", "NOTICE_BYTES", "SEED", "History",
+    "TensorMeta", "bytes_of", "bytes_tensor", "flatten", "head", "join", "notice", "read_head",
+    "read_notice", "row_of",
 ]  # fmt: skip
 
 ALIGN = 64  # bytes: a cache line, so that vectorized kernels see aligned tensors
@@ -35,15 +36,13 @@ HEAD = 128  # bytes of a frame's head: its three words, then room for a row
 MESSAGE, SEED, AGREEMENT, NOTICE = 0, 1, 2, 3
 _WORDS = struct.Struct("<qqq")
 _NOTICE_TEXT = 3000  # bytes of a failure notice's message (its start names the cause)
+NOTICE_BYTES = 4096  # a notice's frame at most: head and notice (a fixed receive on a group)
 
 
 def head(kind: int, position: int, size: int = 0, row: Any = None) -> bytes:
     """A frame's head; ``row`` (a CPU tensor of at most ``HEAD - 24`` bytes) travels in it."""
-    words = _WORDS.pack(kind, position, size)
-    if row is None:
-        return words + bytes(HEAD - _WORDS.size)
-    data = row.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
-    return words + data + bytes(HEAD - _WORDS.size - len(data))
+    data = b"" if row is None else row.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+    return _WORDS.pack(kind, position, size) + data + bytes(HEAD - _WORDS.size - len(data))
 
 
 def read_head(data: Any) -> tuple[int, int, int]:
@@ -219,9 +218,14 @@ def _description(data: bytes) -> tuple[str, list[Any]]:
 
 def notice(description: dict[str, Any]) -> bytes:
     """A failure notice on the wire: ``rank``, ``global_rank``, ``message`` (its first
-    ``_NOTICE_TEXT`` bytes), ``gave_up`` when the rank left the pipeline."""
+    ``_NOTICE_TEXT`` bytes, fewer if escaping makes its frame longer than ``NOTICE_BYTES``),
+    ``gave_up`` when the rank left the pipeline."""
     text = description["message"].encode()[:_NOTICE_TEXT].decode(errors="ignore")
-    return encode({**description, "message": text}, "a failure notice")
+    data = encode({**description, "message": text}, "a failure notice")
+    while HEAD + len(data) > NOTICE_BYTES:
+        text = text[: len(text) // 2]
+        data = encode({**description, "message": text}, "a failure notice")
+    return data
 
 
 def read_notice(data: bytes | memoryview, rank: int | None, named: str) -> dict[str, Any]:

@@ -192,20 +192,12 @@ class PeerTransport(Failures):
     # -- sending ----------------------------------------------------------------------------
 
     def send(self, message: Message, value: Any) -> None:
-        if self.schedule.stage_to_rank[message.stage] == self.rank:  # to a stage of this rank
+        """``message`` to the rank of its stage: its description (encoded only when it
+        changed; the head's size 0: described as last time), then its tensors."""
+        dst = self.schedule.stage_to_rank[message.stage]
+        if dst == self.rank:  # to a stage of this rank
             self._here.send(message, value)
             return
-        dst = self.schedule.stage_to_rank[message.stage]
-        history, meta, size, payload = self._described(dst, message, value)
-        self._emit(dst, MESSAGE, size=size, data=meta, payload=payload)
-        history.update(meta)
-
-    def _described(
-        self, dst: int, message: Message, value: Any
-    ) -> tuple[History, bytes, int, list[torch.Tensor]]:
-        """``message`` to rank ``dst`` as it goes on the wire: its history on that wire, its
-        description (encoded only when it changed), the size the head says (0: described
-        as last time), and its tensors (contiguous). Update the history once it is sent."""
         leaves, spec = flatten(value)
         described = [
             TensorMeta(leaf.dtype, tuple(leaf.shape), leaf.requires_grad)
@@ -220,7 +212,9 @@ class PeerTransport(Failures):
         except CodecError as error:  # on the sending side, where the value was made
             raise CodecError(f"the {message.channel} of micro-batch {message.microbatch} for "
                              f"stage {message.stage}: {error}") from None  # fmt: skip
-        return history, meta, 0 if meta == history.last else len(meta), payload
+        size = 0 if meta == history.last else len(meta)
+        self._emit(dst, MESSAGE, size=size, data=meta, payload=payload)
+        history.update(meta)
 
     def _emit(
         self,

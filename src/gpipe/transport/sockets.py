@@ -90,10 +90,6 @@ class SocketCarrier:
         self._broken: dict[int, str] = {}  # peers that take nothing more
         self._heard: list[tuple[int | None, bytes]] = []
         self._hung: set[int] = set()  # peers whose socket reported a hang-up
-        self._poll = select.poll()
-        self._events: dict[int, int | None] = dict.fromkeys(links, 0)
-        for link in links.values():
-            self._poll.register(link, 0)
 
     def post(
         self, sends: bool, peer: int, tag: int, tensors: list[torch.Tensor], data=False
@@ -146,22 +142,15 @@ class SocketCarrier:
     def pump(self, seconds: float) -> None:
         """Wait at most ``seconds`` for any socket to be readable (where a read lands) or
         writable (with something to write), and move what can be moved."""
+        poll = select.poll()  # a few peers: cheaper than keeping one in step with them
         for peer, link in self._links.items():
             if peer in self._hung and self._out[peer]:
                 self._write(peer)  # it fails: nobody reads what is written
             reading = peer not in self._closed and self._wanted(peer)
             events = (select.POLLIN if reading else 0) | (select.POLLOUT if self._out[peer] else 0)
-            if peer in self._hung and not reading:
-                events = None  # a hung-up socket is always ready: polled, it would spin
-            if events != self._events[peer]:
-                if self._events[peer] is None:
-                    self._poll.register(link, events)
-                elif events is None:
-                    self._poll.unregister(link)
-                else:
-                    self._poll.modify(link, events)
-                self._events[peer] = events
-        for fd, happened in self._poll.poll(max(seconds, 0) * 1000):
+            if reading or peer not in self._hung:  # hung up: always ready, it would spin
+                poll.register(link, events)
+        for fd, happened in poll.poll(max(seconds, 0) * 1000):
             peer = self._by_fd[fd]
             if happened & _GONE:
                 self._hung.add(peer)
