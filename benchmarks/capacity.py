@@ -146,8 +146,9 @@ def measure(
         row.load, row.commit = (load, os.getloadavg()[0]), _commit()
         if bigger and check.found.fits:
             errors[row.kind] = check.found.fit.depth / row.fit.depth
-        print(f"  {check.describe()}  ({row.minutes:.1f} min, {row.cpu / 60:.1f} CPU-min)",
-              flush=True)  # fmt: skip
+        each = row.cpu / max(check.launches, 1)
+        print(f"  {check.describe()}  ({row.minutes:.1f} min, {row.cpu / 60:.1f} CPU-min, "
+              f"{check.launches} launches of {each:.0f} CPU-s)", flush=True)  # fmt: skip
         done()
 
 
