@@ -67,6 +67,14 @@ def load(path: Path, families: dict[str, Family]) -> Results:
     return results
 
 
+def kept_calibration(
+    paths: list[Path], families: dict[str, Family], name: str
+) -> Calibration | None:
+    """Family ``name``'s calibration in the first of ``paths`` that keeps it, else None."""
+    return next((kept[name][0] for kept in (load(p, families) for p in paths) if name in kept),
+                None)  # fmt: skip
+
+
 def _refit(family: Family, budget: float, overhead: Calibration) -> Callable[[dict], Fit]:
     def fit(d: dict[str, Any]) -> Fit:
         return fit_of(family, Layout.from_dict(d["layout"]), int(d["depth"]), budget=budget,
