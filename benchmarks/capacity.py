@@ -434,12 +434,12 @@ def results_doc(results: Results) -> str:
                "or the sum of its rows' where they were measured alone; at the load of the "
                "day: the rows' CPU-minutes below do not depend on it).")  # fmt: skip
     for name, (_, rows, _) in results.items():
-        each = "; ".join(f"K={r.fit.layout.stages} {r.kind} {r.minutes:.1f}"
-                         + (f" ({r.cpu / 60:.1f} CPU)" if r.cpu else "")
-                         for r in rows if r.minutes)  # fmt: skip
+        each = "; ".join(f"K={r.fit.layout.stages} {r.kind} {r.minutes:.1f}" + (
+            f" ({r.cpu / 60:.1f} CPU" + (f", {r.launches} launches" if r.launches else "") + ")"
+            if r.cpu else "") for r in rows if r.minutes)  # fmt: skip
         if each:
             doc += ["", f"{name}, minutes per row (measured, refined, repeated; CPU-minutes, "
-                    f"every process's, where kept): {each}."]  # fmt: skip
+                    f"every process's, and measured runs, where kept): {each}."]  # fmt: skip
     return "\n".join(doc)
 
 
