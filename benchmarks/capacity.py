@@ -65,7 +65,7 @@ from capacity_doc import (  # a sibling: the rows and the doc's tables
     terms_table,
     write_doc,
 )
-from capacity_saved import Results, load, save
+from capacity_saved import Results, kept_calibration, load, save
 
 CHUNKS = (1, 2, 4, 8, 16)
 MODES = {"no-remat": "no remat", "remat": "remat", "sharded": "2 sharded replicas"}  # --rows
@@ -146,8 +146,9 @@ def measure(
         row.load, row.commit = (load, os.getloadavg()[0]), _commit()
         if bigger and check.found.fits:
             errors[row.kind] = check.found.fit.depth / row.fit.depth
-        print(f"  {check.describe()}  ({row.minutes:.1f} min, {row.cpu / 60:.1f} CPU-min)",
-              flush=True)  # fmt: skip
+        each = row.cpu / max(check.launches, 1)
+        print(f"  {check.describe()}  ({row.minutes:.1f} min, {row.cpu / 60:.1f} CPU-min, "
+              f"{check.launches} launches of {each:.0f} CPU-s)", flush=True)  # fmt: skip
         done()
 
 
@@ -243,19 +244,13 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", type=Path, default=None, help="write the markdown here")
     parser.add_argument("--plot", type=Path, default=None, help="save the plot here")
     parser.add_argument(
-        "--next-size",
-        type=int,
-        nargs="*",
-        default=list(STAGES),
+        "--next-size", type=int, nargs="*", default=list(STAGES),
         help="K whose depth + 1 is run, and the depth refined until exact",
-    )
+    )  # fmt: skip
     parser.add_argument(
-        "--measure-sharded",
-        type=int,
-        nargs="*",
-        default=list(SHARDED_STAGES),
+        "--measure-sharded", type=int, nargs="*", default=list(SHARDED_STAGES),
         help="K of sharded rows run",
-    )
+    )  # fmt: skip
     parser.add_argument(
         "--predict-only", nargs="*", default=None, metavar="FAMILY",
         help="no measured runs (of these families; none named: all)",
@@ -280,7 +275,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--start-from", type=Path, nargs="+", default=None,
         help="rows kept by --save: a row of the same kind and layout is refined from the "
-        "depth measured there, not from its prediction (a rerun: 4 runs where it still holds)",
+        "depth measured there, not from its prediction (a rerun: 4 runs where it still holds); "
+        "without --calibration, the family's calibration kept there",
     )  # fmt: skip
     parser.add_argument(
         "--save", type=Path, default=None,
@@ -305,10 +301,12 @@ def starts_of(args: argparse.Namespace, name: str) -> dict[tuple[str, str], int]
     return starts
 
 
-def _calibration(values: list[float] | None) -> Calibration | None:
-    if values is None:
-        return None
-    before, process, model_layer, stage_layer = (v * MiB for v in values)
+def _calibration(args: argparse.Namespace, name: str) -> Calibration | None:
+    """``--calibration``'s, else the family's kept in ``--start-from`` (what its depths were
+    predicted with: a rerun needs no calibration's runs), else None (calibrate)."""
+    if args.calibration is None:
+        return kept_calibration(args.start_from or [], families(), name)
+    before, process, model_layer, stage_layer = (v * MiB for v in args.calibration)
     return Calibration(process, model_layer, stage_layer, before)
 
 
@@ -355,7 +353,7 @@ def rows_into(results: Results, args: argparse.Namespace, budget: float) -> bool
                  f"({', '.join(map(str, STAGES))}; sharded: {', '.join(map(str, SHARDED_STAGES))})"
                  f" and a mode ({', '.join(MODES)})")  # fmt: skip
     kept = results.get(name)
-    overhead = kept[0] if kept else _calibration(args.calibration)
+    overhead = kept[0] if kept else _calibration(args, name)
     rows, text = rows_alone(name, int(k), mode, budget, overhead, starts_of(args, name),
                             kept[1] if kept else [], args.parallel)  # fmt: skip
     print(text)
@@ -382,7 +380,7 @@ def family_rows(
     stopped midway loses only its row)."""
     print(f"{family.describe()}:", flush=True)
     begun, cpu = time.perf_counter(), cpu_seconds()
-    overhead = _calibration(args.calibration) or calibrate(family, processes=8)
+    overhead = _calibration(args, name) or calibrate(family, processes=8)
     print(f"  calibrated: {overhead}", flush=True)
     rows = search(family, budget, overhead, every)
     print(f"  searched: {(time.perf_counter() - begun) / 60:.1f} min, "
@@ -436,12 +434,12 @@ def results_doc(results: Results) -> str:
                "or the sum of its rows' where they were measured alone; at the load of the "
                "day: the rows' CPU-minutes below do not depend on it).")  # fmt: skip
     for name, (_, rows, _) in results.items():
-        each = "; ".join(f"K={r.fit.layout.stages} {r.kind} {r.minutes:.1f}"
-                         + (f" ({r.cpu / 60:.1f} CPU)" if r.cpu else "")
-                         for r in rows if r.minutes)  # fmt: skip
+        each = "; ".join(f"K={r.fit.layout.stages} {r.kind} {r.minutes:.1f}" + (
+            f" ({r.cpu / 60:.1f} CPU" + (f", {r.launches} launches" if r.launches else "") + ")"
+            if r.cpu else "") for r in rows if r.minutes)  # fmt: skip
         if each:
             doc += ["", f"{name}, minutes per row (measured, refined, repeated; CPU-minutes, "
-                    f"every process's, where kept): {each}."]  # fmt: skip
+                    f"every process's, and measured runs, where kept): {each}."]  # fmt: skip
     return "\n".join(doc)
 
 

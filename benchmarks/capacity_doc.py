@@ -42,6 +42,11 @@ class Row:
         return self.found.fit if self.found is not None and self.found.ran else self.fit
 
     @property
+    def launches(self) -> int:
+        """Its measured runs (each K·R processes), where kept: what its CPU paid for."""
+        return self.check.launches if self.check is not None else 0
+
+    @property
     def lower_bound(self) -> bool:
         """The refinement stopped while the next size up still fit: deeper may fit too."""
         return self.bigger is not None and self.bigger.ran and self.bigger.fits

@@ -43,7 +43,8 @@ def _row(row: Row) -> dict[str, Any]:
     found, bigger = _measured(row.found), _measured(row.bigger)
     return {"kind": row.kind, "minutes": row.minutes, "load": list(row.load),
             "commit": row.commit, "cpu": row.cpu, "predicted": _member(row.fit), "found": found,
-            "bigger": bigger, "again": again}  # fmt: skip
+            "bigger": bigger, "again": again,
+            "launches": row.check.launches if row.check is not None else 0}  # fmt: skip
 
 
 def save(path: Path, results: Results, budget: float) -> None:
@@ -64,6 +65,14 @@ def load(path: Path, families: dict[str, Family]) -> Results:
         rows = order([_unrow(r, fit) for r in data["rows"]])
         results[name] = (overhead, rows, float(data["minutes"]))
     return results
+
+
+def kept_calibration(
+    paths: list[Path], families: dict[str, Family], name: str
+) -> Calibration | None:
+    """Family ``name``'s calibration in the first of ``paths`` that keeps it, else None."""
+    return next((kept[name][0] for kept in (load(p, families) for p in paths) if name in kept),
+                None)  # fmt: skip
 
 
 def _refit(family: Family, budget: float, overhead: Calibration) -> Callable[[dict], Fit]:
@@ -92,5 +101,6 @@ def _unrow(data: dict[str, Any], fit: Callable[[dict], Fit]) -> Row:
     row.found, row.bigger = measured(data["found"]), measured(data["bigger"])
     if row.found is not None:
         again = tuple(measured(d) for d in data["again"])
-        row.check = CapacityCheck(row.found, row.bigger, row.fit, again)
+        row.check = CapacityCheck(row.found, row.bigger, row.fit, again,
+                                  int(data.get("launches", 0)))  # fmt: skip
     return row

@@ -133,6 +133,7 @@ def test_refine_aims_at_the_budget_from_the_measured_peaks(monkeypatch, answer):
     check = verify_capacity(family, fit, refine=True, moves=16, repeats=2)
     assert check.exact and check.found.fit.depth == answer, rounds
     assert len(rounds) <= 3 and sum(map(len, rounds)) <= 6, rounds
+    assert check.launches == sum(map(len, rounds))  # every run counted, the repeats' too
 
 
 def test_runs_measured_at_once_measure_what_they_measure_alone(monkeypatch):

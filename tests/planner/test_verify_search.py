@@ -66,3 +66,24 @@ def test_out_of_moves_gives_the_deepest_within_and_the_next_measured():
     found, bigger = refine([_run(10, peak)], lambda ds: [_run(d, peak) for d in ds],
                            lambda d: 0.01 * MiB * d, moves=0)  # fmt: skip
     assert found.fit.depth == 10 and bigger.fit.depth == 11 and bigger.fits  # not decided
+
+
+@pytest.mark.parametrize("answer", [31, 32])
+def test_the_depth_just_past_the_deepest_within_is_run_alone(answer):
+    # Both first depths fit, the deeper by less than a block's rise as predicted: the aim is
+    # the next depth, which with the deepest within decides, so it runs alone (one run, not
+    # two). Where it fits after all (the prediction's slope twice the measured), the search
+    # goes on from there.
+    def peak(depth: int) -> float:
+        return BUDGET + 3 * MiB * (depth - answer - 0.9)
+
+    rounds: list[list[int]] = []
+
+    def measure(depths: list[int]) -> list[Measured]:
+        rounds.append(depths)
+        return [_run(d, peak) for d in depths]
+
+    found, bigger = refine([_run(30, peak), _run(31, peak)], measure, lambda d: 6 * MiB * d,
+                           moves=16)  # fmt: skip
+    assert (found.fit.depth, bigger.fit.depth) == (answer, answer + 1)
+    assert rounds[0] == [32] and (len(rounds) == 1) == (answer == 31), rounds

@@ -129,6 +129,7 @@ class CapacityCheck:
     next_size: Measured | None
     predicted: Fit | None = None
     again: tuple[Measured, ...] = ()  # the found depth and the next size up, run again
+    launches: int = 0  # measured runs in all (each K·R processes), the refinement's included
 
     @property
     def scatter(self) -> float:
@@ -340,7 +341,11 @@ def verify_capacity(
     processes' memory.
     """
 
+    launches = 0
+
     def measure(depths: list[int]) -> list[Measured]:
+        nonlocal launches
+        launches += len(depths)
         rows = [fit if d == fit.depth else fit_of(
             family, fit.layout, d, optimizer=optimizer, budget=fit.budget,
             overhead=fit.calibration) for d in depths]  # fmt: skip
@@ -360,7 +365,8 @@ def verify_capacity(
         found, bigger = verify_search.refine(first, measure, peak, moves)
     check = CapacityCheck(found, bigger, fit)
     depths = [m.fit.depth for m in (found, bigger) if m is not None and m.ran]
-    return replace(check, again=tuple(measure(depths * (repeats - 1))))
+    again = tuple(measure(depths * (repeats - 1)))
+    return replace(check, again=again, launches=launches)
 
 
 def measure_fits(

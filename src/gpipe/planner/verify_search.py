@@ -8,7 +8,9 @@ peak and a slope in bytes per block, the measured one between two depths at leas
 blocks apart where there are such, else the prediction's over eight blocks (a single block
 moves the fullest stage of a pipeline by a block or by nothing, as the lightest cut
 shifts). The prediction's error is mostly a per-stage offset, so one round usually lands
-within a block, and the pair then decides. Where the estimate fails (a flat or jumpy
+within a block, and the pair then decides. Where the aim is the depth just past the deepest
+within the budget, that depth alone is run: with the deepest within it decides, and one
+more, estimated over too, would only cost a run. Where the estimate fails (a flat or jumpy
 measured curve), the steps grow as a gallop (1, 2, 4, ... blocks) until a depth within the
 budget and one over it bracket the answer; inside a bracket the estimate is interpolated
 between its ends, and a round after one that left more than half its bracket bisects it.
@@ -96,6 +98,8 @@ def _probes(
     nearest = max(within) if within else min(over)
     step = (budget - measured[nearest].peak) / _slope(measured, predicted_peak, nearest)
     if within:  # up: at least the gallop's stride
+        if math.floor(step) < 1 and stride == 1:  # aimed just past the deepest within:
+            return [nearest + 1]  # it and the deepest decide; one more would be over too
         t = nearest + max(math.floor(step), stride)
     else:  # down
         t = max(nearest + min(math.floor(step), -stride), 1)
