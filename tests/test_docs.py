@@ -33,6 +33,7 @@ LINK = re.compile(r"\]\(([^)\s#]+)")
 SOURCE = re.compile(r"(?<=`)[A-Za-z_][\w/]*(?:\.py|/)(?=`)")  # `parallel/group.py`, `planner/`
 
 
+@cache  # three patterns read each file: tokenized once (every test worker collects this)
 def prose(path: Path) -> str:
     """A Markdown file whole; of a Python file, its strings and comments (not its code,
     whose names the tests that run it check)."""

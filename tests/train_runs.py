@@ -12,12 +12,9 @@ SRC = Path(__file__).parents[1] / "src"
 TINY = ["--size", "tiny", "--steps", "10", "--save-every", "5", "--eval-every", "5"]
 
 
-def gpipe_command(
-    *args: str, cache: Path, timeout: float = 150, path: tuple[Path, ...] = ()
-) -> subprocess.CompletedProcess:
-    """``gpipe ARGS`` in a new process; ``path``: folders importable before gpipe's."""
-    pythonpath = os.pathsep.join(map(str, (*path, SRC)))
-    env = {**os.environ, "GPIPE_CACHE_DIR": str(cache), "PYTHONPATH": pythonpath}
+def gpipe_command(*args: str, cache: Path, timeout: float = 150) -> subprocess.CompletedProcess:
+    """``gpipe ARGS`` in a new process."""
+    env = {**os.environ, "GPIPE_CACHE_DIR": str(cache), "PYTHONPATH": str(SRC)}
     for variable in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(variable, None)  # not under torchrun: the command spawns its processes
     return subprocess.run(

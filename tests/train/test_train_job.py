@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import sys
 from dataclasses import asdict
 
 import pytest
@@ -23,7 +24,7 @@ from gpipe.cli.export import export
 from gpipe.train import TrainConfig, Trainer, build_model, config_file, resolve
 from gpipe.train.optimizer_state import optimizer_state_by_name
 from train import fake_trackers
-from train_runs import gpipe_command, losses
+from train_runs import losses
 
 RANK_FILES = ["__0_0.distcp", "__1_0.distcp"]
 
@@ -163,26 +164,27 @@ def test_a_checkpoint_without_the_schedulers_state_resumes_bitwise(tiny_run, in_
 
 @pytest.mark.slow
 @pytest.mark.timeout(200)
-def test_a_run_reports_to_wandb_mlflow_and_a_function_of_its_own(cache, tmp_path):
+def test_a_run_reports_to_wandb_mlflow_and_a_function_of_its_own(in_process, tmp_path, monkeypatch):
     """Through stand-ins of wandb and mlflow (tests/train/fake_trackers.py) and a hook, all
-    importable first; without tensorboard in --report-to, no event files."""
-    site = fake_trackers.write_site(tmp_path / "site")
-    (site / "step_hook.py").write_text(
+    importable first (the ranks start with this process's path); without tensorboard in
+    --report-to, no event files."""
+    out, seen, log = tmp_path / "run", tmp_path / "hook.jsonl", tmp_path / "trackers.jsonl"
+    fake_trackers.install(tmp_path / "site", log, monkeypatch)
+    (tmp_path / "site" / "step_hook.py").write_text(
         "import json, os\n"
         "def record(metrics):\n"
         "    with open(os.environ['GPIPE_TEST_HOOK_FILE'], 'a') as f:\n"
         "        f.write(json.dumps(metrics) + '\\n')\n"
     )
-    out, seen, log = tmp_path / "run", tmp_path / "hook.jsonl", tmp_path / "trackers.jsonl"
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("GPIPE_TEST_HOOK_FILE", str(seen))
-        patch.setenv("GPIPE_TEST_TRACKERS", str(log))
-        done = gpipe_command(
-            "train", "--size", "tiny", "--stages", "1", "--steps", "3", "--eval-every", "0",
-            "--save-every", "0", "--sample-tokens", "0", "--out", str(out),
-            "--report-to", "wandb,mlflow,step_hook:record",
-            cache=cache, path=(site,),
-        )  # fmt: skip
+    monkeypatch.setenv("GPIPE_TEST_HOOK_FILE", str(seen))
+    # This process imports the hook to check --report-to: it leaves with the test.
+    monkeypatch.setitem(sys.modules, "step_hook", None)
+    del sys.modules["step_hook"]
+    done = in_process(
+        "train", "--size", "tiny", "--stages", "1", "--steps", "3", "--eval-every", "0",
+        "--save-every", "0", "--sample-tokens", "0", "--out", str(out),
+        "--report-to", "wandb,mlflow,step_hook:record",
+    )  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert not list(out.glob("events.out.tfevents.*")) and (out / "metrics.jsonl").exists()
     hooked = [json.loads(line) for line in seen.read_text().splitlines()]
