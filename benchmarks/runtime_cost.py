@@ -343,7 +343,7 @@ def _cpu_table(pipeline: Sequence[dict]) -> list[str]:
 
 def report(
     pipeline: Sequence[dict],
-    micro: dict,
+    micro: dict | None,
     single: Sequence[dict],
     rounds: int,
     compute_bound: bool = False,
@@ -381,18 +381,22 @@ def report(
             f"{glo:.2f}–{ghi:.2f} |"
         )
     lines += _cpu_table(pipeline)
-    lo, hi = micro["interval"]
-    lines += [
-        "",
-        f"One process, M={micro['chunks']} micro-batches of one sample: plain gradient "
-        f"accumulation {micro['plain'] * 1e6:.0f} µs per micro-batch, `Pipe(K=1)` "
-        f"{micro['pipe'] * 1e6:.0f} µs: the runtime adds **{micro['extra'] * 1e6:.0f} µs per "
-        f"micro-batch** (95% interval {lo * 1e6:.0f}–{hi * 1e6:.0f}).",
-        "",
-        "| `Pipe(K=1, M=1)` against the plain model | plain step | Pipe step | overhead | "
-        "95% interval |",
-        "|---|---|---|---|---|",
-    ]
+    if micro is not None:  # the parts left out (--only, --compute-bound) are not printed
+        lo, hi = micro["interval"]
+        lines += [
+            "",
+            f"One process, M={micro['chunks']} micro-batches of one sample: plain gradient "
+            f"accumulation {micro['plain'] * 1e6:.0f} µs per micro-batch, `Pipe(K=1)` "
+            f"{micro['pipe'] * 1e6:.0f} µs: the runtime adds **{micro['extra'] * 1e6:.0f} µs "
+            f"per micro-batch** (95% interval {lo * 1e6:.0f}–{hi * 1e6:.0f}).",
+        ]
+    if single:
+        lines += [
+            "",
+            "| `Pipe(K=1, M=1)` against the plain model | plain step | Pipe step | overhead | "
+            "95% interval |",
+            "|---|---|---|---|---|",
+        ]
     for r in single:
         lo, hi = r["interval"]
         lines.append(
@@ -433,15 +437,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.compute_bound:
         if args.out is not None:
             parser.error("--compute-bound prints its table: leave out --out")
-        empty = {"chunks": 0, "plain": 0, "pipe": 0, "extra": 0, "interval": (0, 0)}
         rows = pipeline_rows(args.rounds, None, compute_bound=True)
-        print(report(rows, empty, [], args.rounds, compute_bound=True).split("\n\nOne process")[0])
+        print(report(rows, None, [], args.rounds, compute_bound=True))
         return
     pipeline = pipeline_rows(args.rounds, args.profile) if args.only in (None, "pipeline") else []
     micro = per_microbatch(args.rounds) if args.only in (None, "micro") else None
     single = one_stage(max(11, args.rounds // 2)) if args.only in (None, "single") else []
-    if micro is None:
-        micro = {"chunks": 0, "plain": 0, "pipe": 0, "extra": 0, "interval": (0, 0)}
     text = report(pipeline, micro, single, args.rounds)
     print(text)
     if args.out is not None:
