@@ -12,7 +12,7 @@ from typing import Any
 from gpipe.base.errors import PipelineError
 from gpipe.schedule.routes import Message
 from gpipe.transport.framing import NOTICE, head, notice, read_notice
-from gpipe.transport.inquest import DIED, REMEDY, blame, global_rank, group_rank, said_by
+from gpipe.transport.inquest import DIED, failure, global_rank, said_by, said_in
 
 __all__ = ["Failures", "announced", "said_in"]
 
@@ -96,44 +96,17 @@ class Failures:
         )
 
     def _wait_failed(self, error: Exception, src: int, message: Message) -> PipelineError:
-        """The error of a receive from ``src`` that failed: naming the rank that caused it,
-        which may not be ``src`` (``gpipe.transport.inquest``)."""
-        text, timed_out = said_in(error)
-        me, peer = self._global(self.rank), self._global(src)
-        what = f"{message.channel} of micro-batch {message.microbatch}"
-        waited = (
-            f"rank {me} waited {self.timeout:g} s for the {what} from rank {peer}"
-            if timed_out
-            else f"rank {me} lost rank {peer} while waiting for its {what} ({text})"
+        """The error of a receive from ``src`` that failed (``inquest.failure``)."""
+        what = (
+            f"the receive of the {message.channel} of micro-batch {message.microbatch} "
+            f"from rank {self._global(src)}"
         )
-        verdict = blame(me, [peer], waited, timeout=self.timeout)
-        culprit = next(iter(verdict.failed)) if verdict.failed else (verdict.silent or [peer])[0]
-        if verdict.failed:
-            said = f"{verdict.describe(me)}; {waited}"
-        elif culprit != peer:
-            said = f"{verdict.describe(me)}: {waited}; look for why rank {culprit} stopped {REMEDY}"
-        elif timed_out:  # rank src itself, or nobody could tell
-            # Silent for a grace more, with no one else to wait on (two ranks): it hung.
-            alone = verdict.silent and self.schedule.num_ranks == 2
-            maybe = "" if alone else "; it may itself be waiting on another rank"
-            said = (
-                f"{waited} without an answer{maybe}: rank {peer} stalled or is slower than "
-                f"that; look for why {REMEDY}"
-            )
-        else:
-            said = f"{waited}: rank {peer} died or left; {DIED}"
-        return PipelineError(said, rank=group_rank(self.group, culprit), global_rank=culprit)
+        return failure(
+            self.group, self.rank, [src], what, error, timeout=self.timeout, cause_first=True
+        )
 
 
 def announced(notice: dict[str, Any]) -> PipelineError:
     """The error a peer's failure notice says."""
     return PipelineError(notice["message"], rank=notice["rank"],
                          global_rank=notice.get("global_rank"))  # fmt: skip
-
-
-def said_in(error: Exception) -> tuple[str, bool]:
-    """What a failed transfer's error says (its first line, gloo's advice after the cause
-    dropped), and whether it timed out, in gloo's words or NCCL's."""
-    text = str(error).splitlines()[0] if str(error) else type(error).__name__
-    text = text.split(" This is typically")[0]
-    return text, "imed out" in text or "imeout" in text
