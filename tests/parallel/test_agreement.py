@@ -16,8 +16,8 @@ from gpipe.parallel.agreement import StepAgreement, refuse_step
 
 
 class _Transport:
-    def __init__(self, rows: list[list[float]] | Exception) -> None:
-        self.rows, self.sent = rows, []
+    def __init__(self, rows: list[list[float]] | Exception, said: dict[int, str]) -> None:
+        self.rows, self.sent, self.notices = rows, [], said
 
     def all_gather_row(self, row: torch.Tensor) -> torch.Tensor:
         self.sent.append(row.tolist())
@@ -27,6 +27,9 @@ class _Transport:
 
     def peer_gave_up(self) -> bool:
         return False
+
+    def said(self, rank: int) -> str | None:
+        return self.notices.get(rank)
 
 
 class _Ops:
@@ -43,9 +46,9 @@ class _Ops:
 class _Rank(StepAgreement):
     """Rank ``rank`` of two, stage i on rank i."""
 
-    def __init__(self, rank: int, rows, messages=("", "")) -> None:
+    def __init__(self, rank: int, rows, messages=("", ""), said=None) -> None:
         self.rank, self.steps, self.broken = rank, 4, None
-        self.transport, self.ops = _Transport(rows), _Ops(list(messages))
+        self.transport, self.ops = _Transport(rows, said or {}), _Ops(list(messages))
         self.schedule = type("Schedule", (), {"stage_to_rank": [0, 1]})()
 
     def _collective(self, run, *args, notices=True, **kw):
@@ -72,7 +75,7 @@ def test_a_non_finite_gradient_on_another_rank_refuses_the_step_here():
 
 def test_the_first_failed_rank_s_own_words_are_raised_on_every_rank():
     rows = [[0.0, 0, 0], [0.0, 2, 0]]  # rank 1 failed (failed rank + 1 in the row)
-    rank = _Rank(0, rows, messages=("", "rank 1 (stage 1) raised ValueError: bad"))
+    rank = _Rank(0, rows, said={1: "rank 1 (stage 1) raised ValueError: bad"})  # its notice
     with pytest.raises(PipelineError, match=r"rank 0: the step failed elsewhere: rank 1 .*bad"):
         rank.agree(None, None, None)
     assert "ValueError: bad" in rank.broken

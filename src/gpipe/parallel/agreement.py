@@ -10,6 +10,7 @@ group's collectives' are (``gpipe.parallel.collectives``).
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -91,7 +92,11 @@ class StepAgreement:
             found = f"rank {self.rank}: a non-finite gradient of {trouble!r}" if trouble else ""
             if why:
                 found = f"rank {self.rank}: {why}" + (f"; {found}" if found else "")
-            refuse_step(loss, self._share_failures(found))
+            what = "the gather of what made the step non-finite"
+            doing = f"ending step {self.steps}"
+            refuse_step(
+                loss, self._collective(self.ops.all_gather_object, found, what, doing=doing)
+            )
         # The same on every rank; float64 holds a float32 or float64 loss exactly.
         return Agreement(torch.tensor(loss, dtype=torch.float64), nonfinite_grads)
 
@@ -137,25 +142,14 @@ class StepAgreement:
         )
         if gave_up:
             return
-        try:
+        # The peers have the announcement; the original error is what this rank raises.
+        with contextlib.suppress(Exception):
             self._gather(0.0, failed=origin)
-            self._share_failures(message if origin == self.rank else "")
-        except Exception:
-            pass  # the peers have the announcement; the original error is what we raise
-
-    def _share_failures(self, message: str) -> list[str]:
-        try:
-            return self.ops.all_gather_object(
-                message, "the gather of failure messages", doing=f"ending step {self.steps}"
-            )
-        except PipelineError as error:
-            self.broken = self.broken or str(error)
-            raise
 
     def _raise_remote(self, rows: torch.Tensor) -> None:
+        # The failed ranks' words came in their notices, ahead of their rows.
         origin = int(rows[rows[:, 1] > 0, 1].min().item()) - 1
-        messages = self._share_failures("")
-        message = messages[origin] or next((m for m in messages if m), f"rank {origin} failed")
+        message = self.transport.said(origin) or f"rank {origin} failed"
         self.broken = message
         raise PipelineError(f"rank {self.rank}: the step failed elsewhere: {message}", rank=origin)
 

@@ -41,10 +41,20 @@ class Failures:
     def _note(self, peer: int | None, said: dict[str, Any]) -> None:
         """Keep the notice this rank raises: the first, but a neighbour's (a rank it
         exchanges messages with: its words are nearer the cause) over a farther rank's."""
+        if peer is not None:
+            self._said.setdefault(peer, said)
         near = peer in self._neighbours
         if not self._notices or (near and not self._near):
             self._notices, self._near = said, near
         self._gave_up = self._gave_up or bool(said.get("gave_up"))
+
+    def said(self, rank: int) -> str | None:
+        """What failed rank ``rank`` said in its notice, else what a peer's notice says of it
+        (or of the step's failure)."""
+        heard = list(self._said.values())
+        said = self._said.get(rank) or next((s for s in heard if s["rank"] == rank), None)
+        said = said or (heard[0] if heard else None)
+        return None if said is None else said["message"]
 
     def announce_failure(self, description: dict) -> None:
         """Tell every peer: outside the sequences (it may be waiting for another rank, or

@@ -114,6 +114,7 @@ class PeerTransport(Failures):
         self._outgoing: dict[int, list[Any]] = {}
         # A peer's failure, once noticed (``failures``): from a neighbour? one gave up?
         self._notices: dict[str, Any] = {}
+        self._said: dict[int, dict[str, Any]] = {}  # each peer's first notice
         self._near = self._gave_up = False
         plans = [*self._plans[True][0].items(), *self._plans[True][1].items()]
         self._neighbours = {p for p, frames in plans if any(isinstance(f, Message) for f in frames)}
