@@ -47,7 +47,7 @@ def test_a_rank_two_hops_from_a_hung_one_names_the_hung_one_not_its_neighbour(tm
     for outcome in (first, second):  # the timeout, and the grace to hear from the others
         assert TIMEOUT - 0.5 <= outcome["seconds"] <= late(outcome, TIMEOUT), outcome
     # Awake, the hung rank learns why the others gave up (from rank 1's statement).
-    assert "rank 1 gave up on this pipeline: rank 1 waited" in outcomes[2]["message"]
+    assert "rank 1 gave up on this pipeline: rank 1: the receive" in outcomes[2]["message"]
 
 
 @pytest.mark.timeout(180)
