@@ -39,8 +39,8 @@ def test_a_rank_two_hops_from_a_hung_one_names_the_hung_one_not_its_neighbour(tm
     first, second = outcomes[0], outcomes[1]
     assert first["type"] == "PipelineError" and first["rank"] == 2, first
     assert first["message"].startswith(
-        "rank 2 did not answer (stalled, or died) (rank 1 waits on it): rank 0: the receive of "
-        "the gradient of micro-batch 1 from rank 1 did not complete within the pipeline's "
+        "rank 2 did not answer (stalled, or died) (rank 1 waits on it): rank 0: the receive "
+        "from rank 1 of the gradient of micro-batch 1 did not complete within the pipeline's "
         "timeout of 4 s; look for why rank 2 stopped"
     ), first
     assert second["rank"] == 2 and "rank 2 did not arrive" in second["message"], second

@@ -34,8 +34,9 @@ class Failures:
         return self._gave_up
 
     def _heard(self) -> dict[str, Any]:
-        for peer, data in self.carrier.heard():
-            self._note(peer, self._notice_from(peer, data))
+        for data in self.carrier.notices.heard():
+            said = self._notice_from(None, data)
+            self._note(said["from"] if type(said.get("from")) is int else None, said)
         return self._notices
 
     def _note(self, peer: int | None, said: dict[str, Any]) -> None:
@@ -61,9 +62,9 @@ class Failures:
         between steps; on a socket, ahead of what follows), and in place of the next frame
         of its sequence if it still expects one (then, unless this rank gave up, its
         agreement row follows); written within a second."""
-        self._failed, text = True, notice(description)
+        self._failed, text = True, notice({**description, "from": self.rank})
         others = [p for p in range(self.schedule.num_ranks) if p != self.rank]
-        self.carrier.announce(head(NOTICE, -1, len(text)) + text, others)
+        self.carrier.notices.announce(head(NOTICE, -1, len(text)) + text, others)
         for dst, sequence in self._outgoing.items():
             if self._sent.get(dst, 0) < len(sequence):
                 with contextlib.suppress(Exception):
@@ -75,17 +76,16 @@ class Failures:
         return global_rank(self.group, rank)
 
     def _notice_from(self, peer: int | None, data: bytes | bytearray) -> dict[str, Any]:
-        """The failure notice ``peer`` sent (``framing.notice``; None: a peer outside the
-        step's frames), as this rank tells it: one that blames this rank (the peer gave up
-        waiting on it) says so, in its words."""
-        if peer is None:
-            return read_notice(data, None, "a peer")
-        me, other = self._global(self.rank), self._global(peer)
-        said = read_notice(data, peer, f"rank {other}")
-        if said.get("global_rank") != me:
+        """The failure notice ``peer`` sent (``framing.notice``; None: the one it names, a
+        notice outside the step's frames), as this rank tells it: one that blames this rank
+        (the peer gave up waiting on it) says so, in its words."""
+        said = read_notice(data, peer, "a peer" if peer is None else f"rank {self._global(peer)}")
+        peer = said.get("from") if peer is None else peer
+        if type(peer) is not int or said.get("global_rank") != self._global(self.rank):
             return said
+        me, other = self._global(self.rank), self._global(peer)
         words = f"rank {me}: rank {other} gave up on this pipeline: {said['message']}"
-        return {**said, "rank": peer, "global_rank": other, "message": words}
+        return {**said, "rank": peer, "global_rank": other, "message": words, "from": peer}
 
     def _left(self, error: Exception, peer: int, doing: str) -> PipelineError:
         """Posting a transfer failed: ``peer`` left. The failure it announced, if any."""
@@ -108,8 +108,8 @@ class Failures:
     def _wait_failed(self, error: Exception, src: int, message: Message) -> PipelineError:
         """The error of a receive from ``src`` that failed (``inquest.failure``)."""
         what = (
-            f"the receive of the {message.channel} of micro-batch {message.microbatch} "
-            f"from rank {self._global(src)}"
+            f"the receive from rank {self._global(src)} of the {message.channel} of "
+            f"micro-batch {message.microbatch}"
         )
         return failure(
             self.group, self.rank, [src], what, error, timeout=self.timeout, cause_first=True
