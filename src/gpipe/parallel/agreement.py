@@ -4,15 +4,14 @@ non-finite gradient anywhere, a per-stage clip of the step's gradients.
 A failure in one rank is announced to its peers through the transport and then agreed on
 by every rank (``fail``, then the agreement's rows), so that all ranks raise the same first
 error instead of waiting for messages that will never come. The rows travel on the
-transport's own wire (``PeerTransport.all_gather_row``); their failures are named as the
-group's collectives' are (``gpipe.parallel.collectives``).
+transport's own wire (``PeerTransport.all_gather_row``); their failures are named as every
+failed wait's (``gpipe.transport.inquest.failure``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -38,28 +37,6 @@ class StepAgreement:
     end, and what a failed step tells its peers. Uses the group's ``transport``, ``ops``
     (its collectives), ``_collective``, ``rank``, ``steps`` and ``broken``."""
 
-    def _row(
-        self,
-        send: Callable[[torch.Tensor], torch.Tensor],
-        row: torch.Tensor,
-        operation: str,
-        doing: str,
-    ) -> torch.Tensor:
-        """``send(row)``: a row of the step through the transport's own wire, as a collective
-        of the group (``_collective``), its failures named as the group's collectives' are.
-        The rows carry the peers' failures themselves: a notice comes in a row's place."""
-
-        def run() -> torch.Tensor:
-            try:
-                return send(row)
-            except (TimeoutError, ConnectionError) as error:
-                if self.transport.peer_gave_up():
-                    self.transport.check_notices()  # its words: it looked for the cause already
-                timed_out = isinstance(error, TimeoutError)
-                raise self.ops.error(operation, error, doing=doing, timed_out=timed_out) from error
-
-        return self._collective(run, notices=False)
-
     def _gather(self, value: float, failed: int, troubled: bool = False) -> torch.Tensor:
         """Every rank's (value, failed rank + 1 or 0, non-finite gradient), one row per
         pipeline rank. The rows themselves say who failed (a failed rank sends its row after
@@ -67,7 +44,8 @@ class StepAgreement:
         row = torch.tensor([value, failed + 1, troubled], dtype=torch.float64)
         operation = "the end-of-step agreement (all-gather)"
         doing = f"ending step {self.steps} of this Pipe"
-        return self._row(self.transport.all_gather_row, row, operation, doing)
+        send = self.transport.all_gather_row  # a notice comes in a row's place: no check first
+        return self._collective(send, row, operation, doing, notices=False)
 
     def agree(
         self,
