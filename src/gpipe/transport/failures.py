@@ -24,36 +24,29 @@ class Failures:
 
     def check_notices(self) -> None:
         """Raise the failure a peer announced, if one has (outside this step's frames too)."""
-        if self._heard():
-            raise announced(self._notices)
+        if (said := self._notice()) is not None:
+            raise announced(said)
 
     def peer_gave_up(self) -> bool:
         """Whether a peer announced that it left the pipeline without agreeing on the
         failure (a collective of its timed out): nobody is left to agree with."""
-        self._heard()
-        return self._gave_up
+        self._notice()
+        return any(said.get("gave_up") for said in self._told.values())
 
-    def _heard(self) -> dict[str, Any]:
+    def _notice(self) -> dict[str, Any] | None:
+        """The notice this rank raises: the first, but a neighbour's (a rank it exchanges
+        messages with: its words are nearer the cause) over a farther rank's."""
         for data in self.carrier.notices.heard():
             said = self._notice_from(None, data)
-            self._note(said["from"] if type(said.get("from")) is int else None, said)
-        return self._notices
-
-    def _note(self, peer: int | None, said: dict[str, Any]) -> None:
-        """Keep the notice this rank raises: the first, but a neighbour's (a rank it
-        exchanges messages with: its words are nearer the cause) over a farther rank's."""
-        if peer is not None:
-            self._said.setdefault(peer, said)
-        near = peer in self._neighbours
-        if not self._notices or (near and not self._near):
-            self._notices, self._near = said, near
-        self._gave_up = self._gave_up or bool(said.get("gave_up"))
+            self._told.setdefault(said["from"] if type(said.get("from")) is int else None, said)
+        near = [said for peer, said in self._told.items() if peer in self._neighbours]
+        return next(iter(near or self._told.values()), None)
 
     def said(self, rank: int) -> str | None:
         """What failed rank ``rank`` said in its notice, else what a peer's notice says of it
         (or of the step's failure)."""
-        heard = list(self._said.values())
-        said = self._said.get(rank) or next((s for s in heard if s["rank"] == rank), None)
+        heard = list(self._told.values())
+        said = self._told.get(rank) or next((s for s in heard if s["rank"] == rank), None)
         said = said or (heard[0] if heard else None)
         return None if said is None else said["message"]
 

@@ -113,10 +113,8 @@ class PeerTransport(Failures):
         # Per peer, this step's frames in wire order (messages, and the rows' kinds).
         self._incoming: dict[int, list[Any]] = {}
         self._outgoing: dict[int, list[Any]] = {}
-        # A peer's failure, once noticed (``failures``): from a neighbour? one gave up?
-        self._notices: dict[str, Any] = {}
-        self._said: dict[int, dict[str, Any]] = {}  # each peer's first notice
-        self._near = self._gave_up = False
+        # Each peer's failure notice, once heard (``failures``; None: a sender not known).
+        self._told: dict[int | None, dict[str, Any]] = {}
         plans = [*self._plans[True][0].items(), *self._plans[True][1].items()]
         self._neighbours = {p for p, frames in plans if any(isinstance(f, Message) for f in frames)}
         self._sent: dict[int, int] = {}  # to each peer: frames of the step sent
@@ -328,7 +326,7 @@ class PeerTransport(Failures):
                 if not self._pending[src]:
                     self._post_next(src, beyond=True)  # the agreement row that follows it
                 said = self._notice_from(src, self._receive_bytes(src, posted, size, until))
-                self._note(src, said)
+                self._told.setdefault(src, said)
                 if until != AGREEMENT or said.get("gave_up"):
                     raise announced(said)
                 continue
@@ -403,7 +401,7 @@ class PeerTransport(Failures):
             self._emit(peer, AGREEMENT, row=row)
         deadline = time.monotonic() + self.timeout
         rows = {p: self._take_row(p, AGREEMENT, row, deadline, what, doing) for p in self._incoming}
-        if not self._notices and not self._failed:  # every rank took all: none can wait
+        if not self._told and not self._failed:  # every rank took all: none can wait
             self.finish()  # here, so that a step refused after its agreement frees them too
         return torch.stack([rows.get(r, row) for r in range(self.schedule.num_ranks)])
 
@@ -421,7 +419,7 @@ class PeerTransport(Failures):
         except Exception as failed:
             error, gave_up = failed, self.peer_gave_up()
         if gave_up:
-            raise announced(self._notices) from error
+            raise announced(self._notice()) from error
         if error is not None:
             timed_out = False if isinstance(error, PipelineError) else None  # a notice
             raise failure(
