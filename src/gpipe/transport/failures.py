@@ -1,8 +1,7 @@
 """A failure on the wire between the ranks of a pipeline: the notices a failed rank sends
 (in place of its next frame, and to every peer outside the sequences) and those it
-receives, in this rank's words; the errors of a failed transfer, naming the rank that
-caused it (``gpipe.transport.inquest``), which may not be the one waited on; gloo's and
-NCCL's error texts read in one place."""
+receives, in this rank's words, and the error of a transfer that could not be posted (its
+peer left). A failed wait's error is ``gpipe.transport.inquest.failure``'s."""
 
 from __future__ import annotations
 
@@ -10,9 +9,8 @@ import contextlib
 from typing import Any
 
 from gpipe.base.errors import PipelineError
-from gpipe.schedule.routes import Message
 from gpipe.transport.framing import NOTICE, head, notice, read_notice
-from gpipe.transport.inquest import DIED, failure, global_rank, said_by, said_in
+from gpipe.transport.inquest import DIED, global_rank, said_by, said_in
 
 __all__ = ["Failures", "announced", "said_in"]
 
@@ -96,16 +94,6 @@ class Failures:
             f"pipeline): {said_in(error)[0]}; {DIED}",
             rank=peer,
             global_rank=other,
-        )
-
-    def _wait_failed(self, error: Exception, src: int, message: Message) -> PipelineError:
-        """The error of a receive from ``src`` that failed (``inquest.failure``)."""
-        what = (
-            f"the receive from rank {self._global(src)} of the {message.channel} of "
-            f"micro-batch {message.microbatch}"
-        )
-        return failure(
-            self.group, self.rank, [src], what, error, timeout=self.timeout, cause_first=True
         )
 
 

@@ -9,6 +9,9 @@ the ranks it waited on: a rank that failed by itself is the cause, with its own 
 rank that left no statement within a short grace (``grace``) stalled or died. The grace is
 paid only on a failure, once per rank; a step that succeeds never touches the store.
 
+:func:`failure` is the one error of every failed wait (a message's receive, a row of the
+step, a collective): who waited, for what, the rank that caused it, and the remedy.
+
 Ranks are global (the store is the whole job's), as a user knows them. Statements are plain
 values (``gpipe.transport.codec``): any process that reaches the store can write there, and
 what is not a statement is ignored, with a warning.

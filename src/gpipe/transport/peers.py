@@ -370,16 +370,20 @@ class PeerTransport(Failures):
             raise self._left(error, src, "receive from") from error
 
     def _wait(self, works: list, src: int, what: Any, deadline: float | None = None) -> None:
-        """Wait for receives from ``src`` of ``what`` (a message, or a row's kind: those
-        raise ``TimeoutError`` or ``ConnectionError`` naming ``src``, for the caller)."""
+        """Wait for receives from ``src`` of ``what`` (a message; a row's kind: the error of
+        its wait, for ``_take_row`` to name)."""
         left = self.timeout if deadline is None else max(deadline - time.monotonic(), 0.001)
         try:
             for work in works:
                 work.wait(timeout=timedelta(seconds=left))
         except Exception as error:  # a dead peer or a timeout: gloo and NCCL differ
-            if isinstance(what, Message):
-                raise self._wait_failed(error, src, what) from error
-            raise  # a row's: ``_take_row`` names it
+            if not isinstance(what, Message):
+                raise
+            words = f"the receive from rank {self._global(src)} of the {what.channel} of "
+            words += f"micro-batch {what.microbatch}"
+            raise failure(
+                self.group, self.rank, [src], words, error, timeout=self.timeout, cause_first=True
+            ) from error
 
     # -- the step's rows: frames of the same sequences ------------------------------------
 
