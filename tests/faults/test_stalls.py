@@ -39,14 +39,15 @@ def test_a_rank_two_hops_from_a_hung_one_names_the_hung_one_not_its_neighbour(tm
     first, second = outcomes[0], outcomes[1]
     assert first["type"] == "PipelineError" and first["rank"] == 2, first
     assert first["message"].startswith(
-        "rank 2 did not answer (stalled, or died) (rank 1 waits on it): rank 0 waited 4 s for "
-        "the gradient of micro-batch 1 from rank 1; look for why rank 2 stopped"
+        "rank 2 did not answer (stalled, or died) (rank 1 waits on it): rank 0: the receive "
+        "from rank 1 of the gradient of micro-batch 1 did not complete within the pipeline's "
+        "timeout of 4 s; look for why rank 2 stopped"
     ), first
-    assert second["rank"] == 2 and "from rank 2 without an answer" in second["message"], second
+    assert second["rank"] == 2 and "rank 2 did not arrive" in second["message"], second
     for outcome in (first, second):  # the timeout, and the grace to hear from the others
         assert TIMEOUT - 0.5 <= outcome["seconds"] <= late(outcome, TIMEOUT), outcome
     # Awake, the hung rank learns why the others gave up (from rank 1's statement).
-    assert "rank 1 gave up on this pipeline: rank 1 waited" in outcomes[2]["message"]
+    assert "rank 1 gave up on this pipeline: rank 1: the receive" in outcomes[2]["message"]
 
 
 @pytest.mark.timeout(180)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from gpipe.base.errors import PipelineError
 from gpipe.transport import failures
 from gpipe.transport.failures import said_in
 from gpipe.transport.framing import notice
@@ -45,3 +46,18 @@ def test_gloo_s_and_nccl_s_errors_read_as_their_first_line_and_whether_they_time
     text, first, timed_out
 ):
     assert said_in(RuntimeError(text)) == (first or text, timed_out)
+
+
+def test_the_notice_raised_is_a_neighbour_s_and_a_failed_rank_s_words_are_its_own(monkeypatch):
+    monkeypatch.setattr(failures, "global_rank", lambda group, rank: rank)
+    transport = PeerTransport.__new__(PeerTransport)
+    transport.rank, transport.group, transport._neighbours = 0, None, {1}
+    transport.carrier = type("Carrier", (), {"notices": type("Board", (), {})})()
+    far = {"rank": 2, "message": "rank 2 raised", "from": 2}
+    near = {"rank": 2, "message": "rank 1: the step failed at rank 2", "from": 1}
+    transport.carrier.notices.heard = lambda: [notice(far), notice(near)]  # far came first
+    transport._told = {}
+    with pytest.raises(PipelineError, match="rank 1: the step failed at rank 2"):
+        transport.check_notices()
+    assert transport.said(2) == "rank 2 raised" and transport.said(1) == near["message"]
+    assert not transport.peer_gave_up()

@@ -4,14 +4,14 @@ non-finite gradient anywhere, a per-stage clip of the step's gradients.
 A failure in one rank is announced to its peers through the transport and then agreed on
 by every rank (``fail``, then the agreement's rows), so that all ranks raise the same first
 error instead of waiting for messages that will never come. The rows travel on the
-transport's own wire (``PeerTransport.all_gather_row``); their failures are named as the
-group's collectives' are (``gpipe.parallel.collectives``).
+transport's own wire (``PeerTransport.all_gather_row``); their failures are named as every
+failed wait's (``gpipe.transport.inquest.failure``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -37,28 +37,6 @@ class StepAgreement:
     end, and what a failed step tells its peers. Uses the group's ``transport``, ``ops``
     (its collectives), ``_collective``, ``rank``, ``steps`` and ``broken``."""
 
-    def _row(
-        self,
-        send: Callable[[torch.Tensor], torch.Tensor],
-        row: torch.Tensor,
-        operation: str,
-        doing: str,
-    ) -> torch.Tensor:
-        """``send(row)``: a row of the step through the transport's own wire, as a collective
-        of the group (``_collective``), its failures named as the group's collectives' are.
-        The rows carry the peers' failures themselves: a notice comes in a row's place."""
-
-        def run() -> torch.Tensor:
-            try:
-                return send(row)
-            except (TimeoutError, ConnectionError) as error:
-                if self.transport.peer_gave_up():
-                    self.transport.check_notices()  # its words: it looked for the cause already
-                timed_out = isinstance(error, TimeoutError)
-                raise self.ops.error(operation, error, doing=doing, timed_out=timed_out) from error
-
-        return self._collective(run, notices=False)
-
     def _gather(self, value: float, failed: int, troubled: bool = False) -> torch.Tensor:
         """Every rank's (value, failed rank + 1 or 0, non-finite gradient), one row per
         pipeline rank. The rows themselves say who failed (a failed rank sends its row after
@@ -66,7 +44,8 @@ class StepAgreement:
         row = torch.tensor([value, failed + 1, troubled], dtype=torch.float64)
         operation = "the end-of-step agreement (all-gather)"
         doing = f"ending step {self.steps} of this Pipe"
-        return self._row(self.transport.all_gather_row, row, operation, doing)
+        send = self.transport.all_gather_row  # a notice comes in a row's place: no check first
+        return self._collective(send, row, operation, doing, notices=False)
 
     def agree(
         self,
@@ -91,7 +70,11 @@ class StepAgreement:
             found = f"rank {self.rank}: a non-finite gradient of {trouble!r}" if trouble else ""
             if why:
                 found = f"rank {self.rank}: {why}" + (f"; {found}" if found else "")
-            refuse_step(loss, self._share_failures(found))
+            what = "the gather of what made the step non-finite"
+            doing = f"ending step {self.steps}"
+            refuse_step(
+                loss, self._collective(self.ops.all_gather_object, found, what, doing=doing)
+            )
         # The same on every rank; float64 holds a float32 or float64 loss exactly.
         return Agreement(torch.tensor(loss, dtype=torch.float64), nonfinite_grads)
 
@@ -137,25 +120,14 @@ class StepAgreement:
         )
         if gave_up:
             return
-        try:
+        # The peers have the announcement; the original error is what this rank raises.
+        with contextlib.suppress(Exception):
             self._gather(0.0, failed=origin)
-            self._share_failures(message if origin == self.rank else "")
-        except Exception:
-            pass  # the peers have the announcement; the original error is what we raise
-
-    def _share_failures(self, message: str) -> list[str]:
-        try:
-            return self.ops.all_gather_object(
-                message, "the gather of failure messages", doing=f"ending step {self.steps}"
-            )
-        except PipelineError as error:
-            self.broken = self.broken or str(error)
-            raise
 
     def _raise_remote(self, rows: torch.Tensor) -> None:
+        # The failed ranks' words came in their notices, ahead of their rows.
         origin = int(rows[rows[:, 1] > 0, 1].min().item()) - 1
-        messages = self._share_failures("")
-        message = messages[origin] or next((m for m in messages if m), f"rank {origin} failed")
+        message = self.transport.said(origin) or f"rank {origin} failed"
         self.broken = message
         raise PipelineError(f"rank {self.rank}: the step failed elsewhere: {message}", rank=origin)
 

@@ -26,8 +26,7 @@ from torch._C._distributed_c10d import AllgatherOptions  # not re-exported by di
 
 from gpipe.base.errors import PipelineError
 from gpipe.transport.codec import decode, encode
-from gpipe.transport.failures import said_in
-from gpipe.transport.inquest import DIED, REMEDY, blame, global_rank, group_rank
+from gpipe.transport.inquest import failure
 
 __all__ = ["Collectives"]
 
@@ -74,43 +73,19 @@ class Collectives:
     def error(
         self, operation: str, error: BaseException, *, doing: str = "", timed_out: bool
     ) -> PipelineError:
-        """The error of a collective that did not complete: what, who, and what to do.
-
-        Who: the rank that caused it, found by following what the others were waiting on
-        (``gpipe.transport.inquest``), not a peer that only waited too."""
-        me = global_rank(self.group, self.rank)
-        where = self._named(me) + (f", {doing}" if doing else "")
-        others = [global_rank(self.group, r) for r in range(self.size) if r != self.rank]
-        stuck = f"{where}: {operation} {'timed out' if timed_out else 'failed'}"
-        verdict = blame(me, others, stuck, timeout=self.timeout)
-        culprits = verdict.silent or (others if len(others) == 1 else [])
-        who = " and ".join(self._named(r) for r in culprits) or "a peer"
-        if len(culprits) == 1:
-            who += verdict.via(culprits[0], me)
-        if verdict.failed:
-            culprits = [next(iter(verdict.failed))]
-            text = f"{verdict.describe(me)}; {stuck}"
-        elif timed_out:
-            text = (
-                f"{where}: {operation} did not complete within the pipeline's timeout of "
-                f"{self.timeout:g} s: {who} did not arrive (stalled, or busy elsewhere); look "
-                f"for why it stopped {REMEDY}"
-            )
-        else:
-            said = said_in(error)[0] if str(error) else ""
-            text = (
-                f"{where}: {operation} failed: {who} left the group (died or closed it): "
-                f"{said}; {DIED}"
-            )
-        culprit = culprits[0] if len(culprits) == 1 else None
-        rank = None if culprit is None else group_rank(self.group, culprit)
-        return PipelineError(text, rank=rank, global_rank=culprit)
-
-    def _named(self, rank: int) -> str:
-        """Global rank ``rank`` as a user knows it, and as this group does where that differs
-        (a data-parallel group's rank 1 is no process's name)."""
-        local = group_rank(self.group, rank)
-        return f"rank {rank}" + ("" if local in (None, rank) else f" (rank {local} of this group)")
+        """The error of a collective that did not complete: what, who (the rank that caused
+        it: ``gpipe.transport.inquest.failure``), and what to do."""
+        others = [r for r in range(self.size) if r != self.rank]
+        return failure(
+            self.group,
+            self.rank,
+            others,
+            operation,
+            error,
+            timeout=self.timeout,
+            doing=doing,
+            timed_out=timed_out,
+        )
 
     # -- tensors ------------------------------------------------------------------------------
 

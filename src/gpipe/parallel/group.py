@@ -240,12 +240,9 @@ class MultiProcess(StepAgreement, PipelineGroup):
         drawn = rng.draw_step_seed() if seed is None else seed
         values = torch.tensor([drawn, -1 if batch is None else batch], dtype=torch.int64)
         self.steps += 1
-        values = self._row(
-            self.transport.broadcast_row,
-            values,
-            "the step-seed broadcast",
-            f"starting step {self.steps} of this Pipe",
-        )
+        doing = f"starting step {self.steps} of this Pipe"
+        send = self.transport.broadcast_row  # a notice comes in a row's place: no check first
+        values = self._collective(send, values, "the step-seed broadcast", doing, notices=False)
         first_batch = int(values[1])
         return int(values[0]), (None if first_batch < 0 else first_batch)
 

@@ -1,8 +1,7 @@
 """A failure on the wire between the ranks of a pipeline: the notices a failed rank sends
 (in place of its next frame, and to every peer outside the sequences) and those it
-receives, in this rank's words; the errors of a failed transfer, naming the rank that
-caused it (``gpipe.transport.inquest``), which may not be the one waited on; gloo's and
-NCCL's error texts read in one place."""
+receives, in this rank's words, and the error of a transfer that could not be posted (its
+peer left). A failed wait's error is ``gpipe.transport.inquest.failure``'s."""
 
 from __future__ import annotations
 
@@ -10,9 +9,8 @@ import contextlib
 from typing import Any
 
 from gpipe.base.errors import PipelineError
-from gpipe.schedule.routes import Message
 from gpipe.transport.framing import NOTICE, head, notice, read_notice
-from gpipe.transport.inquest import DIED, REMEDY, blame, global_rank, group_rank, said_by
+from gpipe.transport.inquest import DIED, global_rank, said_by, said_in
 
 __all__ = ["Failures", "announced", "said_in"]
 
@@ -24,36 +22,40 @@ class Failures:
 
     def check_notices(self) -> None:
         """Raise the failure a peer announced, if one has (outside this step's frames too)."""
-        if self._heard():
-            raise announced(self._notices)
+        if (said := self._notice()) is not None:
+            raise announced(said)
 
     def peer_gave_up(self) -> bool:
         """Whether a peer announced that it left the pipeline without agreeing on the
         failure (a collective of its timed out): nobody is left to agree with."""
-        self._heard()
-        return self._gave_up
+        self._notice()
+        return any(said.get("gave_up") for said in self._told.values())
 
-    def _heard(self) -> dict[str, Any]:
-        for peer, data in self.carrier.heard():
-            self._note(peer, self._notice_from(peer, data))
-        return self._notices
+    def _notice(self) -> dict[str, Any] | None:
+        """The notice this rank raises: the first, but a neighbour's (a rank it exchanges
+        messages with: its words are nearer the cause) over a farther rank's."""
+        for data in self.carrier.notices.heard():
+            said = self._notice_from(None, data)
+            self._told.setdefault(said["from"] if type(said.get("from")) is int else None, said)
+        near = [said for peer, said in self._told.items() if peer in self._neighbours]
+        return next(iter(near or self._told.values()), None)
 
-    def _note(self, peer: int | None, said: dict[str, Any]) -> None:
-        """Keep the notice this rank raises: the first, but a neighbour's (a rank it
-        exchanges messages with: its words are nearer the cause) over a farther rank's."""
-        near = peer in self._neighbours
-        if not self._notices or (near and not self._near):
-            self._notices, self._near = said, near
-        self._gave_up = self._gave_up or bool(said.get("gave_up"))
+    def said(self, rank: int) -> str | None:
+        """What failed rank ``rank`` said in its notice, else what a peer's notice says of it
+        (or of the step's failure)."""
+        heard = list(self._told.values())
+        said = self._told.get(rank) or next((s for s in heard if s["rank"] == rank), None)
+        said = said or (heard[0] if heard else None)
+        return None if said is None else said["message"]
 
     def announce_failure(self, description: dict) -> None:
         """Tell every peer: outside the sequences (it may be waiting for another rank, or
         between steps; on a socket, ahead of what follows), and in place of the next frame
         of its sequence if it still expects one (then, unless this rank gave up, its
         agreement row follows); written within a second."""
-        self._failed, text = True, notice(description)
+        self._failed, text = True, notice({**description, "from": self.rank})
         others = [p for p in range(self.schedule.num_ranks) if p != self.rank]
-        self.carrier.announce(head(NOTICE, -1, len(text)) + text, others)
+        self.carrier.notices.announce(head(NOTICE, -1, len(text)) + text, others)
         for dst, sequence in self._outgoing.items():
             if self._sent.get(dst, 0) < len(sequence):
                 with contextlib.suppress(Exception):
@@ -65,17 +67,16 @@ class Failures:
         return global_rank(self.group, rank)
 
     def _notice_from(self, peer: int | None, data: bytes | bytearray) -> dict[str, Any]:
-        """The failure notice ``peer`` sent (``framing.notice``; None: a peer outside the
-        step's frames), as this rank tells it: one that blames this rank (the peer gave up
-        waiting on it) says so, in its words."""
-        if peer is None:
-            return read_notice(data, None, "a peer")
-        me, other = self._global(self.rank), self._global(peer)
-        said = read_notice(data, peer, f"rank {other}")
-        if said.get("global_rank") != me:
+        """The failure notice ``peer`` sent (``framing.notice``; None: the one it names, a
+        notice outside the step's frames), as this rank tells it: one that blames this rank
+        (the peer gave up waiting on it) says so, in its words."""
+        said = read_notice(data, peer, "a peer" if peer is None else f"rank {self._global(peer)}")
+        peer = said.get("from") if peer is None else peer
+        if type(peer) is not int or said.get("global_rank") != self._global(self.rank):
             return said
+        me, other = self._global(self.rank), self._global(peer)
         words = f"rank {me}: rank {other} gave up on this pipeline: {said['message']}"
-        return {**said, "rank": peer, "global_rank": other, "message": words}
+        return {**said, "rank": peer, "global_rank": other, "message": words, "from": peer}
 
     def _left(self, error: Exception, peer: int, doing: str) -> PipelineError:
         """Posting a transfer failed: ``peer`` left. The failure it announced, if any."""
@@ -95,45 +96,8 @@ class Failures:
             global_rank=other,
         )
 
-    def _wait_failed(self, error: Exception, src: int, message: Message) -> PipelineError:
-        """The error of a receive from ``src`` that failed: naming the rank that caused it,
-        which may not be ``src`` (``gpipe.transport.inquest``)."""
-        text, timed_out = said_in(error)
-        me, peer = self._global(self.rank), self._global(src)
-        what = f"{message.channel} of micro-batch {message.microbatch}"
-        waited = (
-            f"rank {me} waited {self.timeout:g} s for the {what} from rank {peer}"
-            if timed_out
-            else f"rank {me} lost rank {peer} while waiting for its {what} ({text})"
-        )
-        verdict = blame(me, [peer], waited, timeout=self.timeout)
-        culprit = next(iter(verdict.failed)) if verdict.failed else (verdict.silent or [peer])[0]
-        if verdict.failed:
-            said = f"{verdict.describe(me)}; {waited}"
-        elif culprit != peer:
-            said = f"{verdict.describe(me)}: {waited}; look for why rank {culprit} stopped {REMEDY}"
-        elif timed_out:  # rank src itself, or nobody could tell
-            # Silent for a grace more, with no one else to wait on (two ranks): it hung.
-            alone = verdict.silent and self.schedule.num_ranks == 2
-            maybe = "" if alone else "; it may itself be waiting on another rank"
-            said = (
-                f"{waited} without an answer{maybe}: rank {peer} stalled or is slower than "
-                f"that; look for why {REMEDY}"
-            )
-        else:
-            said = f"{waited}: rank {peer} died or left; {DIED}"
-        return PipelineError(said, rank=group_rank(self.group, culprit), global_rank=culprit)
-
 
 def announced(notice: dict[str, Any]) -> PipelineError:
     """The error a peer's failure notice says."""
     return PipelineError(notice["message"], rank=notice["rank"],
                          global_rank=notice.get("global_rank"))  # fmt: skip
-
-
-def said_in(error: Exception) -> tuple[str, bool]:
-    """What a failed transfer's error says (its first line, gloo's advice after the cause
-    dropped), and whether it timed out, in gloo's words or NCCL's."""
-    text = str(error).splitlines()[0] if str(error) else type(error).__name__
-    text = text.split(" This is typically")[0]
-    return text, "imed out" in text or "imeout" in text

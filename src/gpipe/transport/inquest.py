@@ -9,6 +9,9 @@ the ranks it waited on: a rank that failed by itself is the cause, with its own 
 rank that left no statement within a short grace (``grace``) stalled or died. The grace is
 paid only on a failure, once per rank; a step that succeeds never touches the store.
 
+:func:`failure` is the one error of every failed wait (a message's receive, a row of the
+step, a collective): who waited, for what, the rank that caused it, and the remedy.
+
 Ranks are global (the store is the whole job's), as a user knows them. Statements are plain
 values (``gpipe.transport.codec``): any process that reaches the store can write there, and
 what is not a statement is ignored, with a warning.
@@ -22,11 +25,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from gpipe.base.errors import PipelineError
 from gpipe.transport.codec import CodecError, decode, encode
 
 __all__ = [
-    "DIED", "REMEDY", "Verdict", "blame", "global_rank", "grace", "group_rank", "said_by", "state",
-    "waited_out",
+    "DIED", "REMEDY", "Verdict", "blame", "failure", "global_rank", "grace", "group_rank", "named",
+    "said_by", "said_in", "state", "waited_out",
 ]  # fmt: skip
 
 # What to do, in every error that names a rank: one that stopped answering, one that died.
@@ -76,6 +80,21 @@ def group_rank(group: Any, rank: int) -> int | None:
         return dist.get_group_rank(group, rank)
     except (RuntimeError, ValueError):
         return None
+
+
+def named(group: Any, rank: int) -> str:
+    """Global rank ``rank`` as a user knows it, and as ``group`` does where that differs (a
+    data-parallel group's rank 1 is no process's name)."""
+    local = group_rank(group, rank)
+    return f"rank {rank}" + ("" if local in (None, rank) else f" (rank {local} of this group)")
+
+
+def said_in(error: BaseException) -> tuple[str, bool]:
+    """What a failed transfer's error says (its first line, gloo's advice after the cause
+    dropped), and whether it timed out, in gloo's words or NCCL's."""
+    text = str(error).splitlines()[0] if str(error) else type(error).__name__
+    text = text.split(" This is typically")[0]
+    return text, "imed out" in text or "imeout" in text
 
 
 def _store() -> Any:
@@ -171,6 +190,48 @@ def blame(me: int, waits_on: Iterable[int], what: str, *, timeout: float) -> Ver
             # The store gone: what is known so far; the silent ones stay unknown.
             return Verdict(failed, [] if failed or _gone else pending, path)
         time.sleep(0.05)
+
+
+def failure(
+    group: Any,
+    rank: int,
+    peers: list[int],
+    what: str,
+    error: BaseException,
+    *,
+    timeout: float,
+    doing: str = "",
+    timed_out: bool | None = None,
+    cause_first: bool = False,
+) -> PipelineError:
+    """The one error of every failed wait (a receive, a collective, a row of the step): rank
+    ``rank`` of ``group``, ``doing`` something, waited on its ranks ``peers`` for ``what``
+    (``timed_out``: unless ``error`` says). It names the rank that caused it (:func:`blame`),
+    which may be none of ``peers`` (``cause_first``: then it is named first), and the remedy."""
+    me = global_rank(group, rank)
+    others = [global_rank(group, r) for r in peers]
+    text, said_timed_out = said_in(error)
+    timed_out = said_timed_out if timed_out is None else timed_out
+    where = named(group, me) + (f", {doing}" if doing else "")
+    late = f"did not complete within the pipeline's timeout of {timeout:g} s"
+    stuck = f"{where}: {what} {late if timed_out else 'failed'}"
+    verdict = blame(me, others, stuck, timeout=timeout)
+    culprits = verdict.silent or (others if len(others) == 1 else [])
+    via = verdict.via(culprits[0], me) if len(culprits) == 1 else ""
+    who = " and ".join(named(group, r) for r in culprits) or "a peer"
+    if verdict.failed:
+        culprits = [next(iter(verdict.failed))]
+        text = f"{verdict.describe(me)}; {stuck}"
+    elif cause_first and via:
+        text = f"{verdict.describe(me)}: {stuck}; look for why {who} stopped {REMEDY}"
+    elif timed_out:
+        text = f"{stuck}: {who}{via} did not arrive (stalled, or slower than that); look for why "
+        text += f"it stopped {REMEDY}"
+    else:
+        text = f"{stuck}: {who} left the group (died or closed it): {text}; {DIED}"
+    culprit = culprits[0] if len(culprits) == 1 else None
+    rank = None if culprit is None else group_rank(group, culprit)
+    return PipelineError(text, rank=rank, global_rank=culprit)
 
 
 def said_by(rank: int, *, timeout: float) -> str | None:

@@ -41,7 +41,7 @@ from gpipe.base.errors import PipelineError
 from gpipe.schedule.comm_plan import receive_points, wire_order
 from gpipe.schedule.routes import Message, Routes
 from gpipe.transport.codec import CodecError
-from gpipe.transport.failures import Failures, announced, said_in
+from gpipe.transport.failures import Failures, announced
 from gpipe.transport.framing import (
     AGREEMENT,
     HEAD,
@@ -56,6 +56,7 @@ from gpipe.transport.framing import (
     read_head,
     row_of,
 )
+from gpipe.transport.inquest import failure
 from gpipe.transport.local import LocalTransport
 
 __all__ = ["PeerTransport"]
@@ -112,9 +113,8 @@ class PeerTransport(Failures):
         # Per peer, this step's frames in wire order (messages, and the rows' kinds).
         self._incoming: dict[int, list[Any]] = {}
         self._outgoing: dict[int, list[Any]] = {}
-        # A peer's failure, once noticed (``failures``): from a neighbour? one gave up?
-        self._notices: dict[str, Any] = {}
-        self._near = self._gave_up = False
+        # Each peer's failure notice, once heard (``failures``; None: a sender not known).
+        self._told: dict[int | None, dict[str, Any]] = {}
         plans = [*self._plans[True][0].items(), *self._plans[True][1].items()]
         self._neighbours = {p for p, frames in plans if any(isinstance(f, Message) for f in frames)}
         self._sent: dict[int, int] = {}  # to each peer: frames of the step sent
@@ -326,7 +326,7 @@ class PeerTransport(Failures):
                 if not self._pending[src]:
                     self._post_next(src, beyond=True)  # the agreement row that follows it
                 said = self._notice_from(src, self._receive_bytes(src, posted, size, until))
-                self._note(src, said)
+                self._told.setdefault(src, said)
                 if until != AGREEMENT or said.get("gave_up"):
                     raise announced(said)
                 continue
@@ -370,53 +370,72 @@ class PeerTransport(Failures):
             raise self._left(error, src, "receive from") from error
 
     def _wait(self, works: list, src: int, what: Any, deadline: float | None = None) -> None:
-        """Wait for receives from ``src`` of ``what`` (a message, or a row's kind: those
-        raise ``TimeoutError`` or ``ConnectionError`` naming ``src``, for the caller)."""
+        """Wait for receives from ``src`` of ``what`` (a message; a row's kind: the error of
+        its wait, for ``_take_row`` to name)."""
         left = self.timeout if deadline is None else max(deadline - time.monotonic(), 0.001)
         try:
             for work in works:
                 work.wait(timeout=timedelta(seconds=left))
         except Exception as error:  # a dead peer or a timeout: gloo and NCCL differ
-            if isinstance(what, Message):
-                raise self._wait_failed(error, src, what) from error
-            text, timed_out = said_in(error)
-            failure = TimeoutError if timed_out else ConnectionError
-            raise failure(f"rank {self._global(src)}: {text}") from error
+            if not isinstance(what, Message):
+                raise
+            words = f"the receive from rank {self._global(src)} of the {what.channel} of "
+            words += f"micro-batch {what.microbatch}"
+            raise failure(
+                self.group, self.rank, [src], words, error, timeout=self.timeout, cause_first=True
+            ) from error
 
     # -- the step's rows: frames of the same sequences ------------------------------------
 
-    def broadcast_row(self, row: torch.Tensor) -> torch.Tensor:
+    def broadcast_row(self, row: torch.Tensor, what: str, doing: str) -> torch.Tensor:
         """Rank 0's ``row`` (of one dtype and length on every rank): the step's seed, which
-        rank 0 sends ahead of its messages without waiting for anyone. Raises
-        ``TimeoutError`` when it is not in within the timeout, ``ConnectionError`` when
-        rank 0 left or failed."""
+        rank 0 sends ahead of its messages without waiting for anyone (``what``, ``doing``:
+        an error's words for it)."""
         if self.rank == 0:
             for peer in self._outgoing:
                 self._emit(peer, SEED, row=row)
             return row
-        return self._take_row(0, SEED, row, time.monotonic() + self.timeout)
+        return self._take_row(0, SEED, row, time.monotonic() + self.timeout, what, doing)
 
-    def all_gather_row(self, row: torch.Tensor) -> torch.Tensor:
+    def all_gather_row(self, row: torch.Tensor, what: str, doing: str) -> torch.Tensor:
         """Every rank's ``row`` (of one dtype and length on every rank), stacked by rank:
         the step's agreement, sent after this rank's messages of the step and received
-        after the peers' (a rank that failed still sends its row, after its notice). Raises
-        ``TimeoutError`` when a row is not in within the timeout, ``ConnectionError`` when
-        its rank left, or gave up and will send none."""
+        after the peers' (a rank that failed still sends its row, after its notice)."""
         for peer in self._outgoing:
             self._emit(peer, AGREEMENT, row=row)
         deadline = time.monotonic() + self.timeout
-        rows = {p: self._take_row(p, AGREEMENT, row, deadline) for p in self._incoming}
-        if not self._notices and not self._failed:  # every rank took all: none can wait
+        rows = {p: self._take_row(p, AGREEMENT, row, deadline, what, doing) for p in self._incoming}
+        if not self._told and not self._failed:  # every rank took all: none can wait
             self.finish()  # here, so that a step refused after its agreement frees them too
         return torch.stack([rows.get(r, row) for r in range(self.schedule.num_ranks)])
 
-    def _take_row(self, src: int, kind: int, like: torch.Tensor, deadline: float) -> torch.Tensor:
-        if self.peer_gave_up():  # it sends no row: nobody is left to agree with
-            raise ConnectionError(self._notices["message"])
+    def _take_row(
+        self, src: int, kind: int, like: torch.Tensor, deadline: float, what: str, doing: str
+    ) -> torch.Tensor:
+        """``src``'s row of ``kind``. One that does not come (a notice in its place, a
+        timeout, its rank gone) raises the error of any failed wait (``inquest.failure``),
+        or the words of a peer that gave up (it sends no row; it looked for the cause)."""
+        error = None
         try:
-            self._take(src, until=kind, deadline=deadline)
-        except PipelineError as error:  # a notice in its place: the caller names it
-            raise ConnectionError(str(error)) from error
+            gave_up = self.peer_gave_up()
+            if not gave_up:
+                self._take(src, until=kind, deadline=deadline)
+        except Exception as failed:
+            error, gave_up = failed, self.peer_gave_up()
+        if gave_up:
+            raise announced(self._notice()) from error
+        if error is not None:
+            timed_out = False if isinstance(error, PipelineError) else None  # a notice
+            raise failure(
+                self.group,
+                self.rank,
+                [src],
+                what,
+                error,
+                timeout=self.timeout,
+                doing=doing,
+                timed_out=timed_out,
+            ) from error
         posted = self._arriving.pop(kind)
         if kind == AGREEMENT and self.rank != 0 and src == 0:
             self._seed_ahead = self._post(0, SEED, 0, None)  # the next step's, ahead

@@ -9,8 +9,8 @@ Each pair of ranks holds one connected socket (``gpipe.transport.handshake``). I
 transfers ``gpipe.transport.peers`` posts, as gloo's point-to-point does: each goes with a
 preamble (its tag, its size) and lands in the first receive posted with its tag, straight
 into the tensor that holds it; one whose receive is not posted yet stays in the socket
-(the stream holds everything behind it), except a failure notice to every peer (tag -1),
-which is read whenever it comes.
+(the stream holds everything behind it). Failure notices outside the sequences go on the
+process group (``gpipe.transport.distributed.Board``).
 
 Sends never wait on the peer: what the socket's kernel buffer does not take is written
 whenever the rank next waits (for any transfer), so two ranks sending to each other never
@@ -31,13 +31,12 @@ from typing import Any
 
 import torch
 
-from gpipe.transport.framing import HEAD, bytes_of
+from gpipe.transport.framing import bytes_of
 
 __all__ = ["SocketCarrier"]
 
 _MAX_PARTS = 512  # buffers per sendmsg call (the system's limit is 1024)
 _PREAMBLE = struct.Struct("<qq")  # a transfer's tag and size
-_NOTICE = -1  # the tag of a notice to every peer, outside the sequences
 _GONE = select.POLLHUP | select.POLLERR  # reported whatever the poll watches for
 
 
@@ -78,8 +77,8 @@ class SocketCarrier:
     receive_ahead = True  # a stream's receives are matched in order: never a deadlock
     wire_device = meta_device = torch.device("cpu")
 
-    def __init__(self, links: dict[int, socket.socket], timeout: float) -> None:
-        self.timeout = timeout
+    def __init__(self, links: dict[int, socket.socket], timeout: float, notices: Any) -> None:
+        self.timeout, self.notices = timeout, notices  # notices: a Board on the group
         self._links = links
         self._by_fd = {link.fileno(): peer for peer, link in links.items()}
         self._posted: dict[int, dict[int, deque[_Transfer]]] = {p: {} for p in links}
@@ -88,7 +87,6 @@ class SocketCarrier:
         self._into: dict[int, _Transfer | None] = dict.fromkeys(links)  # being filled
         self._closed: dict[int, str] = {}  # peers whose stream ended, once all it sent is read
         self._broken: dict[int, str] = {}  # peers that take nothing more
-        self._heard: list[tuple[int | None, bytes]] = []
         self._hung: set[int] = set()  # peers whose socket reported a hang-up
 
     def post(
@@ -117,19 +115,6 @@ class SocketCarrier:
         out.extend((view, transfer) for view in views if view.nbytes)
         self._write(peer)
         return transfer
-
-    def heard(self) -> list[tuple[int | None, bytes]]:
-        """Failure notices from any peer outside the step's frames, read without waiting."""
-        for peer in self._links:
-            self._read(peer)
-        return self._heard
-
-    def announce(self, frame: bytes, peers: list[int]) -> None:
-        """A failure notice's frame to every peer of ``peers``, outside the sequences, after
-        what is posted already (the rest of a frame a failure interrupted)."""
-        for peer in peers:
-            if peer not in self._broken:
-                self._send(peer, _NOTICE, [frame])
 
     def flush(self, seconds: float) -> None:
         """Write what is posted, for at most ``seconds``."""
@@ -161,7 +146,7 @@ class SocketCarrier:
     def _wanted(self, peer: int) -> bool:
         """Whether a read from ``peer`` would land somewhere (or read a preamble)."""
         upcoming = self._next[peer]
-        return (upcoming is None or upcoming[0] == _NOTICE or self._into[peer] is not None
+        return (upcoming is None or self._into[peer] is not None
                 or bool(self._posted[peer].get(upcoming[0])))  # fmt: skip
 
     def _read(self, peer: int) -> None:
@@ -180,30 +165,22 @@ class SocketCarrier:
                     return
                 into.got += got
                 continue
-            if self._next[peer] is None:
-                self._next[peer] = _PREAMBLE.unpack(into.view)
-            else:
-                if self._next[peer][0] == _NOTICE:
-                    self._heard.append((peer, bytes(into.view[HEAD:])))
-                self._next[peer] = None
+            self._next[peer] = _PREAMBLE.unpack(into.view) if self._next[peer] is None else None
             self._into[peer] = None
 
     def _match(self, peer: int) -> bool:
         """Where the transfer whose preamble came lands: the first receive posted with its
-        tag (a notice to every peer: a buffer of its own). False while none is posted."""
+        tag. False while none is posted."""
         tag, size = self._next[peer]
         queue = self._posted[peer].get(tag)
-        if tag == _NOTICE:
-            self._into[peer] = _Transfer(self, size, memoryview(bytearray(size)))
-        elif not queue:
+        if not queue:
             return False
-        else:
-            self._into[peer] = into = queue.popleft()
-            if into.size != size:
-                self._lose(peer, f"rank sent {size} bytes on tag {tag} where {into.size} "
-                           "were posted: the ranks disagree on what they send; build every "
-                           "rank's Pipe with the same arguments")  # fmt: skip
-                return False
+        self._into[peer] = into = queue.popleft()
+        if into.size != size:
+            self._lose(peer, f"rank sent {size} bytes on tag {tag} where {into.size} were "
+                       "posted: the ranks disagree on what they send; build every rank's "
+                       "Pipe with the same arguments")  # fmt: skip
+            return False
         return True
 
     def _recv(self, peer: int, link: socket.socket, view: memoryview) -> int | None:
