@@ -148,3 +148,20 @@ def test_an_inference_only_capture_runs_the_eval_graph_in_both_modes():
         for mode in (False, True):
             units.train(mode)
             torch.testing.assert_close(units(x), expected[mode], rtol=0, atol=1e-12)
+
+
+def test_a_pipe_captured_for_inference_only_evaluates_and_refuses_to_train():
+    model = build().eval()
+    x, y = batch()
+    pipe = gpipe.Pipe.from_model(
+        model, x[:2], split="blocks", balance=[2, 3], chunks=3, inference_only=True
+    )
+    with torch.no_grad():
+        torch.testing.assert_close(pipe(x), model(x), rtol=0, atol=1e-12)
+    remedy = r"inference_only=True \(its eval\(\) graph only\): build it with Pipe.from_model"
+    with pytest.raises(CaptureError, match=rf"^pipe.step trains, .*{remedy}"):
+        pipe.step(x, y, F.cross_entropy)
+    model.train()  # a forward with autograd would train on the eval() graph too
+    with pytest.raises(CaptureError, match=rf"^a forward in train\(\) mode .*{remedy}"):
+        pipe(x)
+    assert all(p.grad is None for p in pipe.parameters())

@@ -47,6 +47,7 @@ def _pipe_and_model(config, stages: int, rows: int):
         pipe = Pipe.from_model(
             model, torch.zeros(rows, 16, dtype=torch.int64), split=source.split(model),
             balance=[4] if stages == 1 else [2, 2], devices=["cpu"] * stages, chunks=rows,
+            inference_only=True,  # as gpipe generate builds it: the eval() graph alone
         )  # fmt: skip
     finally:
         torch.set_default_dtype(previous)

@@ -121,7 +121,7 @@ def capture(
             f"{[p.name for p in train]} vs {[p.name for p in evaluate]}"
         )
     captured = units_of(model, paths, train, evaluate, target)
-    captured.source = source
+    captured.source, captured.inference_only = source, inference_only
     captured.train(model.training)
     for m, mode in was_training.items():  # the kept modules are the model's: as they were
         m.training = mode
@@ -184,7 +184,10 @@ def fit_devices(
     model, example, split, dynamic = captured.source
     by_type = {captured_for.type: captured}
     for kind, device in others.items():
-        by_type[kind] = capture(model, example, split=split, dynamic=dynamic, device=device)
+        by_type[kind] = capture(
+            model, example, split=split, dynamic=dynamic, device=device,
+            inference_only=captured.inference_only,
+        )  # fmt: skip
         names = [u.unit_name for u in by_type[kind]]
         if names != [u.unit_name for u in captured]:
             raise CaptureError(

@@ -25,8 +25,9 @@ __all__ = ["Original"]
 class Original:
     """What a Pipe of a captured model follows: see the module doc."""
 
-    def __init__(self, model: nn.Module, order: dict[str, int]) -> None:
+    def __init__(self, model: nn.Module, order: dict[str, int], inference_only: bool) -> None:
         self.model = model
+        self.inference_only = inference_only  # no train() graph was captured
         self.order = order  # a tensor's name -> its place in the model's own order
         self.hooks = HookWatch(model)
         self._inlined: list[tuple[str, nn.Module]] | None = None  # known at the first call
@@ -36,7 +37,16 @@ class Original:
         """The original of a captured model (None for any other module)."""
         if not isinstance(module, CapturedModel) or module.source is None:
             return None
-        return cls(module.source[0], module.order)
+        return cls(module.source[0], module.order, module.inference_only)
+
+    def refuse_training(self, doing: str) -> None:
+        """An inference-only capture holds no train() graph: its units would run the eval()
+        graph (no dropout, batch norm's running statistics), so ``doing`` is refused."""
+        if self.inference_only:
+            raise CaptureError(
+                f"{doing} trains, but this Pipe was captured with inference_only=True (its "
+                "eval() graph only): build it with Pipe.from_model(..., inference_only=False)"
+            )
 
     def follow(self, pipe: nn.Module) -> None:
         """Before each call of ``pipe``: refuse a hook added since capture, and take the

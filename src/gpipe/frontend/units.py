@@ -157,6 +157,7 @@ class CapturedModel(nn.Sequential):
         self.split = list(split)
         self.origin = None  # a gpipe.frontend.weights.Origin when captured on meta
         self.source = None  # (model, example, split, dynamic): to capture again elsewhere
+        self.inference_only = False  # captured in eval() only: a Pipe of it refuses to train
         self.order: dict[str, int] = {}  # a tensor's name -> its place in the model's order
 
     @staticmethod

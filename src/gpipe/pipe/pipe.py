@@ -191,6 +191,7 @@ class Pipe(ModelNames, nn.Module):
         strict: bool = True,
         init_seed: int = 0,
         tied: Sequence[Sequence[str]] = (),
+        inference_only: bool = False,
         **options: Any,
     ) -> Pipe:
         """A Pipe of any model, as it is (a Hugging Face or torchvision model, ...).
@@ -227,18 +228,16 @@ class Pipe(ModelNames, nn.Module):
         capture assumed (``torch.export``'s range constraints: a forward that branches on a
         length is captured for one side); an input outside raises before the graph runs,
         naming the dimension, the range and the remedy.
+
+        ``inference_only=True`` captures the ``eval()`` graph alone (one export, not two: a
+        Pipe only evaluated starts sooner); such a Pipe refuses ``step`` and a forward that
+        trains.
         """
-        if options.get("balance") == "auto":
-            options.setdefault("sample", example)  # profile the units on the example
-        model, origin = origin_of(model, weights, init_seed, strict)
-        if origin is not None and options.get("balance") == "auto":
-            raise PartitionError(
-                "balance='auto' profiles the model, which needs its values, but this one is on "
-                "meta (or a function): pass balance=[units per stage], or plan on a smaller "
-                "configuration built in one process (gpipe.plan)"
-            )
+        model, origin = _origin(model, example, weights, init_seed, strict, options)
         device = assembly.capture_device(options.get("devices"), options.get("group"))
-        captured = capture(model, example, split=split, device=device)
+        captured = capture(
+            model, example, split=split, device=device, inference_only=inference_only
+        )
         captured.origin = origin
         return cls(captured, tied=[*captured.tied, *tied], init_seed=init_seed, **options)
 
@@ -431,3 +430,18 @@ class Pipe(ModelNames, nn.Module):
             f"chunks={self.chunks}, checkpoint={self.checkpoint!r}, "
             f"schedule={self.schedule.name!r}, virtual_stages={self.virtual_stages}, {self._ranks}"
         )
+
+
+def _origin(model: Any, example: Any, weights: Any, init_seed: int, strict: bool, options: dict):
+    """``Pipe.from_model``'s model and where its values come from (``origin_of``); with
+    ``balance="auto"`` the units are profiled on the example, which needs the values."""
+    if options.get("balance") == "auto":
+        options.setdefault("sample", example)  # profile the units on the example
+    model, origin = origin_of(model, weights, init_seed, strict)
+    if origin is not None and options.get("balance") == "auto":
+        raise PartitionError(
+            "balance='auto' profiles the model, which needs its values, but this one is on "
+            "meta (or a function): pass balance=[units per stage], or plan on a smaller "
+            "configuration built in one process (gpipe.plan)"
+        )
+    return model, origin

@@ -74,6 +74,8 @@ def run(
 ) -> StepResult:
     """The step of ``pipe`` on these micro-batches (``losses`` None: inference), agreed."""
     pipe._follow_model()  # a captured model's mode, and no hook added since capture
+    if losses is not None and pipe._original is not None:
+        pipe._original.refuse_training("pipe.step")
     if pipe._ranks.broken is not None:
         raise PipelineError(
             f"this pipeline failed in an earlier step ({pipe._ranks.broken}); "

@@ -52,6 +52,8 @@ def forward(pipe: Any, inputs: Any, *, chunks: int | None = None) -> Any:
     chunks = pipe.chunks if chunks is None else chunks
     microbatches = microbatch.split(inputs, chunks, name="inputs")
     training = pipe.training and torch.is_grad_enabled()
+    if training and pipe._original is not None:
+        pipe._original.refuse_training("a forward in train() mode with autograd on")
     seed, _ = pipe._ranks.begin_step(None, None)  # the seed a step would draw (gpipe.base.rng)
     flags = [training and remat.recomputes(pipe.checkpoint, m, chunks) for m in range(chunks)]
     try:

@@ -109,7 +109,8 @@ def load_pipe(config: TrainConfig) -> tuple[Mesh, Pipe]:
     c = config
     torch.set_num_threads(c.threads or threads_per_process(c.world_size))
     mesh = Mesh.build(c.stages, c.replicas, timeout=c.timeout)
-    pipe = build_pipe(c, mesh, c.balance or c.layout.default_balance(num_layers(model_spec(c))))
+    balance = c.balance or c.layout.default_balance(num_layers(model_spec(c)))
+    pipe = build_pipe(c, mesh, balance, inference_only=True)  # one capture, not two
     if c.resume:
         manifest = ckpt.read_manifest(c.resume)
         pipe.load_state_dict(ckpt.load(manifest, model=list(pipe.state_dict())).model)

@@ -22,12 +22,15 @@ from gpipe.train.data import hash_seed
 __all__ = ["build_pipe", "validate"]
 
 
-def build_pipe(config: TrainConfig, mesh: Mesh, balance: list[int]) -> Pipe:
+def build_pipe(
+    config: TrainConfig, mesh: Mesh, balance: list[int], *, inference_only: bool = False
+) -> Pipe:
     """This rank's stage(s) of ``config``'s model, from the model's weights unless it
-    resumes (the checkpoint's are loaded next)."""
+    resumes (the checkpoint's are loaded next); ``inference_only``: it only evaluates."""
     c = config
     return c.task.pipe(
         resume=bool(c.resume),
+        inference_only=inference_only,
         balance=balance,
         layout=c.layout,
         deferred_batch_norm=c.task.deferred_batch_norm,

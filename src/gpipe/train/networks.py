@@ -42,9 +42,13 @@ class ModelSource:
         """What ``--balance`` counts: the layers (units) of the pipelined model."""
         raise NotImplementedError
 
-    def pipe(self, example: Any, *, weights: str | None = None, **options: Any) -> Pipe:
+    def pipe(
+        self, example: Any, *, weights: str | None = None, inference_only: bool = False,
+        **options: Any,
+    ) -> Pipe:  # fmt: skip
         """The model as a Pipe, each rank building only its own layers (from ``weights``, a
-        ``save_pretrained`` folder, where given)."""
+        ``save_pretrained`` folder, where given); ``inference_only``: a captured model's
+        ``eval()`` graph only (``Pipe.from_model``'s), nothing to a model built by layers."""
         return Pipe(functools.partial(self.build), **options)
 
     def logits(self, output: Any) -> torch.Tensor:
