@@ -19,10 +19,10 @@ from gpipe.planner.measured import measure_fit
 
 def _bound(processes: int) -> float:
     """Seconds for a test that launches ``processes`` processes of the tiny GPT (the
-    calibration fixture's two included: each xdist worker that runs one of these tests runs
-    it), each 4-5 CPU-seconds (a fresh interpreter, its build, two steps): 30 s a process
-    with a core to itself, times the run queue per core where that is more (at load 12-15
-    on 2 cores the fixed 180 s and 120 s ran out with nothing hung)."""
+    calibration fixture's two included), each 4-5 CPU-seconds (a fresh interpreter, its
+    build, two steps): 30 s a process with a core to itself, times the run queue per core
+    where that is more (at load 12-15 on 2 cores the fixed 180 s and 120 s ran out with
+    nothing hung)."""
     per_core = os.getloadavg()[0] / (os.cpu_count() or 1)
     return 30.0 * processes * max(1.0, per_core)
 
@@ -38,9 +38,12 @@ def calibration() -> Calibration:
     return calibrate(tiny_gpt(batch=8))
 
 
-@pytest.mark.timeout(_bound(2 + 2 * 2))
+# One test, so that one calibration serves both (a module's fixture is computed once per
+# xdist worker, and the two halves went to two workers): a row and the next size up, then
+# sharded replicas, each trained for real.
+@pytest.mark.timeout(_bound(2 + 2 * 2 + 2))
 @pytest.mark.slow
-def test_verify_measures_the_found_model_and_the_next_size_up(calibration):
+def test_verify_measures_the_found_model_the_next_size_up_and_sharded_replicas(calibration):
     family = tiny_gpt(batch=8)
     assert calibration.process > 0 and calibration.per_layer >= 0
     assert calibration.baseline > 100 * MiB  # Python, torch and gloo: a budget pays them
@@ -71,11 +74,6 @@ def test_verify_measures_the_found_model_and_the_next_size_up(calibration):
     assert len(bigger.measured) == 2
     assert "next size" in check.describe() and "measured" in check.describe()
 
-
-@pytest.mark.timeout(_bound(2 + 2))
-@pytest.mark.slow
-def test_sharded_replicas_are_measured(calibration):
-    family = tiny_gpt(batch=8)
     layout = Layout(stages=1, replicas=2, shard="all", chunks=2, checkpoint="always")
     budget = calibration.baseline + calibration.process + 4 * MiB
     fit = fit_of(family, layout, 2, budget=budget, overhead=calibration)
