@@ -28,10 +28,10 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
-from torch.utils._pytree import tree_flatten, tree_map
 
 from gpipe.base.rng import device_generator
 from gpipe.materialize.init_calls import InitCall, init_functions_recorded
+from gpipe.materialize.operations import info_of, leaves, map_leaves, written_by
 
 __all__ = ["Recording", "TensorRef", "Unreplayable", "record"]
 
@@ -121,7 +121,7 @@ class Recording:
         return self._interned.setdefault(ref, ref)
 
     def _refs(self, tree: Any) -> Any:
-        return tree_map(lambda x: self._ref(x, None) if isinstance(x, torch.Tensor) else x, tree)
+        return map_leaves(lambda x: self._ref(x, None) if isinstance(x, torch.Tensor) else x, tree)
 
     def _watch(self, generator: torch.Generator) -> None:
         digest = _digest(generator.get_state().numpy().tobytes())
@@ -147,7 +147,8 @@ class Recording:
         self._watch(generator)
 
     def _observe(self, func: Any, args: tuple, kwargs: dict) -> Any:
-        inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        info = info_of(func)
+        inputs = [t for t in leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         if func in _READS_TO_PYTHON and any(self.key_of(t) in self._tainted for t in inputs):
             raise ValueError(
                 f"factory() reads a randomly drawn value back into Python ({func}, e.g. .item()); "
@@ -155,8 +156,8 @@ class Recording:
                 f"cannot reproduce what the factory does with it. Build the model in one process "
                 f"and pass it to Pipe instead"
             )
-        written = _written(func, args, kwargs)
-        random = torch.Tag.nondeterministic_seeded in func.tags
+        written = written_by(info, args, kwargs)
+        random = info.random
         generator, events = None, ()
         if random:
             generator = kwargs.get("generator") or next(
@@ -176,17 +177,17 @@ class Recording:
         out = func(*args, **kwargs)
 
         index = len(self.ops)
-        flat_out = tree_flatten(out)[0]
+        flat_out = leaves(out)
         outs = tuple(self._ref(t, index) if isinstance(t, torch.Tensor) else None for t in flat_out)
         fresh = {r.key for r in outs if r is not None and self.storages[r.key].born == index}
         writes = fresh | {self.key_of(t) for t in written}
         if not writes and not random:
             return out  # a view or a query: replay rebuilds views from their storage
         args, kwargs = refs
-        if not inputs and len(fresh) == 1 and kwargs.get("dtype") is None and _dtype_kwarg(func):
+        if not inputs and len(fresh) == 1 and kwargs.get("dtype") is None and info.dtype_kwarg:
             kwargs = {**kwargs, "dtype": flat_out[0].dtype}  # not the default dtype of replay
-        name = func._schema.name.removeprefix("aten::")
-        reads = {r.key for r in tree_flatten((args, kwargs))[0] if isinstance(r, TensorRef)}
+        name = info.name
+        reads = {r.key for r in leaves((args, kwargs)) if isinstance(r, TensorRef)}
         if name in _SHAPE_ONLY_FIRST and args and isinstance(args[0], TensorRef):
             reads.discard(args[0].key)
         written_keys = {self.key_of(t) for t in written}
@@ -318,8 +319,8 @@ class Recording:
                 storage, x.offset, x.size, x.stride
             )
 
-        args, kwargs = tree_map(real, (op.args, op.kwargs))
-        out = tree_flatten(op.func(*args, **kwargs))[0]
+        args, kwargs = map_leaves(real, (op.args, op.kwargs))
+        out = leaves(op.func(*args, **kwargs))
         for ref, tensor in zip(op.outs, out, strict=True):
             born_here = ref is not None and self.storages[ref.key].born == index
             if born_here and ref.key in uses and ref.key not in env:
@@ -397,17 +398,3 @@ def _default_generators(device: torch.device) -> list[torch.Generator]:
 def _digest(state: bytes) -> bytes:
     """A generator state's fingerprint: equal states, equal digests (collisions: 2**-128)."""
     return hashlib.blake2b(state, digest_size=16).digest()
-
-
-def _dtype_kwarg(func: Any) -> bool:
-    return any(a.name == "dtype" and a.kwarg_only for a in func._schema.arguments)
-
-
-def _written(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
-    """The tensor arguments ``func``'s schema says it writes (``Tensor(a!)``)."""
-    found = []
-    for i, arg in enumerate(func._schema.arguments):
-        if arg.alias_info is not None and arg.alias_info.is_write:
-            value = kwargs.get(arg.name) if arg.kwarg_only or i >= len(args) else args[i]
-            found += [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
-    return found
