@@ -27,11 +27,11 @@ from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from gpipe.base.rng import device_generator
 from gpipe.materialize.init_calls import InitCall, init_functions_recorded
+from gpipe.materialize.operations import info_of, leaves, map_leaves, written_by
 
 __all__ = ["Recording", "TensorRef", "Unreplayable", "record"]
 
@@ -95,9 +95,9 @@ class Recording:
         self._keys: dict[int, int] = {}
         self._tainted: set[int] = set()  # storages holding values derived from random draws
         # Generator states by digest (a CPU state is 5 KB, and there is one per draw).
-        self._expected: dict[int, bytes] = {}  # generator -> its state after our last look
+        self._expected: dict[int, bytes] = {}  # generator -> its whole state at our last look
         self._boundaries: dict[int, dict[bytes, int]] = {}  # generator -> state -> after op i
-        self._interned: dict[TensorRef, TensorRef] = {}  # equal refs shared by all ops
+        self._interned: dict[tuple, TensorRef] = {}  # equal refs shared by all ops
 
     def key_of(self, tensor: torch.Tensor) -> int | None:
         """The storage key of a tensor seen during the record (None: never seen)."""
@@ -116,24 +116,26 @@ class Recording:
         if key is None:
             key = self._keys[cdata] = len(self.storages)
             self.storages.append(_Storage(tensor, born))
-        shape, stride, offset = tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset()
-        ref = TensorRef(key, shape, stride, offset, tensor.dtype, tensor.device)
-        return self._interned.setdefault(ref, ref)
+        fields = (key, tuple(tensor.shape), tensor.stride(), tensor.storage_offset(), tensor.dtype,
+                  tensor.device)  # fmt: skip
+        ref = self._interned.get(fields)  # by a plain tuple: hashing a TensorRef costs more
+        if ref is None:
+            ref = self._interned[fields] = TensorRef(*fields)
+        return ref
 
     def _refs(self, tree: Any) -> Any:
-        return tree_map(lambda x: self._ref(x, None) if isinstance(x, torch.Tensor) else x, tree)
+        return map_leaves(lambda x: self._ref(x, None) if isinstance(x, torch.Tensor) else x, tree)
 
     def _watch(self, generator: torch.Generator) -> None:
-        digest = _digest(generator.get_state().numpy().tobytes())
-        self._expected[id(generator)] = digest
-        self._boundaries.setdefault(id(generator), {})[digest] = len(self.ops) - 1
+        state = self._expected[id(generator)] = _state(generator)
+        self._boundaries.setdefault(id(generator), {})[_digest(state)] = len(self.ops) - 1
 
     def _before_draw(self, generator: torch.Generator) -> tuple:
         """An event if the factory changed the generator since our last look."""
-        state = generator.get_state().numpy().tobytes()
-        digest = _digest(state)
-        if self._expected.get(id(generator)) == digest:
+        state = _state(generator)
+        if self._expected.get(id(generator)) == state:
             return ()
+        digest = _digest(state)
         earlier = self._boundaries.get(id(generator), {}).get(digest)
         if earlier is not None:  # restored to a state it had after draw `earlier`
             return ((generator, earlier, None),)
@@ -142,12 +144,34 @@ class Recording:
     def _after_draw(self, generator: torch.Generator) -> None:
         # Meta draws consume nothing, so states would repeat and restores be ambiguous: one
         # real draw makes every point of the record distinct. It is not recorded.
-        with _disable_current_modes(), torch._C.DisableTorchFunction():
+        with torch._C._DisableTorchDispatch(), torch._C.DisableTorchFunction():  # no mode sees it
             torch.empty(1, device=generator.device).uniform_(generator=generator)
         self._watch(generator)
 
+    def _generator_of(self, args: tuple, kwargs: dict, tensors: list) -> torch.Generator:
+        """The generator a random operation draws from: its own, or its device's default."""
+        generator = kwargs.get("generator") or next(
+            (a for a in args if isinstance(a, torch.Generator)), None
+        )
+        if generator is None:
+            first = next(iter(tensors), None)
+            device = kwargs.get("device") or (first.device if first is not None else None)
+            generator = device_generator(self.replay_device(torch.device(device or "cpu")))
+        return generator
+
     def _observe(self, func: Any, args: tuple, kwargs: dict) -> Any:
-        inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        info = info_of(func)
+        inputs: list[torch.Tensor] = []  # in pytree's order, as their refs
+        input_refs: list[TensorRef] = []
+
+        def ref(x: Any) -> Any:
+            if not isinstance(x, torch.Tensor):
+                return x
+            inputs.append(x)
+            input_refs.append(self._ref(x, None))
+            return input_refs[-1]
+
+        refs = map_leaves(ref, (args, kwargs))  # as the operation finds them
         if func in _READS_TO_PYTHON and any(self.key_of(t) in self._tainted for t in inputs):
             raise ValueError(
                 f"factory() reads a randomly drawn value back into Python ({func}, e.g. .item()); "
@@ -155,19 +179,12 @@ class Recording:
                 f"cannot reproduce what the factory does with it. Build the model in one process "
                 f"and pass it to Pipe instead"
             )
-        written = _written(func, args, kwargs)
-        random = torch.Tag.nondeterministic_seeded in func.tags
+        written = written_by(info, args, kwargs)
+        random = info.random
         generator, events = None, ()
         if random:
-            generator = kwargs.get("generator") or next(
-                (a for a in args if isinstance(a, torch.Generator)), None
-            )
-            if generator is None:
-                first = next(iter(written or inputs), None)
-                device = kwargs.get("device") or (first.device if first is not None else None)
-                generator = device_generator(self.replay_device(torch.device(device or "cpu")))
+            generator = self._generator_of(args, kwargs, written or inputs)
             events = self._before_draw(generator)
-        refs = self._refs((args, kwargs))
         for tensor in written:
             storage = self.storages[self.key_of(tensor)]
             if storage.born is None and storage.snapshot is None and not tensor.is_meta:
@@ -176,17 +193,17 @@ class Recording:
         out = func(*args, **kwargs)
 
         index = len(self.ops)
-        flat_out = tree_flatten(out)[0]
+        flat_out = leaves(out)
         outs = tuple(self._ref(t, index) if isinstance(t, torch.Tensor) else None for t in flat_out)
         fresh = {r.key for r in outs if r is not None and self.storages[r.key].born == index}
         writes = fresh | {self.key_of(t) for t in written}
         if not writes and not random:
             return out  # a view or a query: replay rebuilds views from their storage
         args, kwargs = refs
-        if not inputs and len(fresh) == 1 and kwargs.get("dtype") is None and _dtype_kwarg(func):
+        if not inputs and len(fresh) == 1 and kwargs.get("dtype") is None and info.dtype_kwarg:
             kwargs = {**kwargs, "dtype": flat_out[0].dtype}  # not the default dtype of replay
-        name = func._schema.name.removeprefix("aten::")
-        reads = {r.key for r in tree_flatten((args, kwargs))[0] if isinstance(r, TensorRef)}
+        name = info.name
+        reads = {r.key for r in input_refs}
         if name in _SHAPE_ONLY_FIRST and args and isinstance(args[0], TensorRef):
             reads.discard(args[0].key)
         written_keys = {self.key_of(t) for t in written}
@@ -318,8 +335,8 @@ class Recording:
                 storage, x.offset, x.size, x.stride
             )
 
-        args, kwargs = tree_map(real, (op.args, op.kwargs))
-        out = tree_flatten(op.func(*args, **kwargs))[0]
+        args, kwargs = map_leaves(real, (op.args, op.kwargs))
+        out = leaves(op.func(*args, **kwargs))
         for ref, tensor in zip(op.outs, out, strict=True):
             born_here = ref is not None and self.storages[ref.key].born == index
             if born_here and ref.key in uses and ref.key not in env:
@@ -394,20 +411,11 @@ def _default_generators(device: torch.device) -> list[torch.Generator]:
     return list({id(g): g for g in (torch.default_generator, device_generator(device))}.values())
 
 
+def _state(generator: torch.Generator) -> bytes:
+    with torch._C.DisableTorchFunction():  # from an init call, .numpy() would meet the modes
+        return generator.get_state().numpy().tobytes()
+
+
 def _digest(state: bytes) -> bytes:
     """A generator state's fingerprint: equal states, equal digests (collisions: 2**-128)."""
     return hashlib.blake2b(state, digest_size=16).digest()
-
-
-def _dtype_kwarg(func: Any) -> bool:
-    return any(a.name == "dtype" and a.kwarg_only for a in func._schema.arguments)
-
-
-def _written(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
-    """The tensor arguments ``func``'s schema says it writes (``Tensor(a!)``)."""
-    found = []
-    for i, arg in enumerate(func._schema.arguments):
-        if arg.alias_info is not None and arg.alias_info.is_write:
-            value = kwargs.get(arg.name) if arg.kwarg_only or i >= len(args) else args[i]
-            found += [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
-    return found
