@@ -77,11 +77,13 @@ def connect(
     try:
         deadline = time.monotonic() + timeout
         for peer in range(rank):
-            link = _call(peers[peer][0], deadline)
+            link = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            links[peer] = link  # closed with the others if this fails
+            link.settimeout(max(deadline - time.monotonic(), 0.001))
+            link.connect(peers[peer][0])  # its backlog is the system's largest: never full
             if (stranger := _who(link)[1]) is not None:  # the name was taken before ours
                 raise ConnectionError(f"rank {peer}'s socket is held by {stranger}")
             link.sendall(_HELLO.pack(rank, peers[peer][1]))
-            links[peer] = link
         while len(links) < len(peers) - 1:
             listener.settimeout(max(deadline - time.monotonic(), 0.001))
             try:
@@ -114,22 +116,6 @@ def connect(
             link.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _BUFFER)
             link.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _BUFFER)
     return links
-
-
-def _call(address: str, deadline: float) -> socket.socket:
-    """A socket connected to ``address``, trying again while its backlog is full (strangers
-    calling too: the listener closes on them)."""
-    while True:
-        link = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        link.settimeout(max(deadline - time.monotonic(), 0.001))
-        try:
-            link.connect(address)
-            return link
-        except BlockingIOError:
-            link.close()
-            if time.monotonic() >= deadline:
-                raise TimeoutError("its listener took no call (its backlog stayed full)") from None
-            time.sleep(0.005)
 
 
 def _who(link: socket.socket) -> tuple[int | str, str | None]:
