@@ -79,6 +79,6 @@ def test_a_row_travels_in_its_frame_s_head_the_same_on_both_carriers():
     head, nothing after it."""
     row = torch.tensor([1.5, -2.0, float("inf")], dtype=torch.float64)
     frame = head(AGREEMENT, 9, 0, row)
-    assert len(frame) == HEAD and read_head(frame) == (AGREEMENT, 9, 0)
-    assert torch.equal(row_of(frame, torch.empty_like(row)), row)
-    assert torch.equal(row_of(torch.frombuffer(bytearray(frame), dtype=torch.uint8), row), row)
+    received = torch.frombuffer(bytearray(frame), dtype=torch.uint8)
+    assert len(frame) == HEAD and read_head(received) == (AGREEMENT, 9, 0)
+    assert torch.equal(row_of(received, torch.empty_like(row)), row)

@@ -45,18 +45,14 @@ def head(kind: int, position: int, size: int = 0, row: Any = None) -> bytes:
     return _WORDS.pack(kind, position, size) + data + bytes(HEAD - _WORDS.size - len(data))
 
 
-def read_head(data: Any) -> tuple[int, int, int]:
-    """(kind, position, size) of a head (bytes, or a uint8 tensor that starts with one)."""
-    if isinstance(data, torch.Tensor):
-        data = (data if data.is_cpu else data[: _WORDS.size].cpu()).numpy()
-    return _WORDS.unpack_from(data)
+def read_head(frame: torch.Tensor) -> tuple[int, int, int]:
+    """(kind, position, size) of a frame received (a uint8 tensor that starts with a head)."""
+    return _WORDS.unpack_from((frame if frame.is_cpu else frame[: _WORDS.size].cpu()).numpy())
 
 
-def row_of(data: Any, like: torch.Tensor) -> torch.Tensor:
-    """The row a head (bytes, or a CPU uint8 tensor) holds, shaped as ``like``."""
-    if isinstance(data, torch.Tensor):
-        data = data[:HEAD].numpy().tobytes()
-    raw = bytearray(data[_WORDS.size : _WORDS.size + like.nbytes])
+def row_of(frame: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """The row a frame received (a CPU uint8 tensor) holds in its head, shaped as ``like``."""
+    raw = bytearray(frame[_WORDS.size : _WORDS.size + like.nbytes].numpy())
     return torch.frombuffer(raw, dtype=like.dtype).reshape(like.shape)
 
 
