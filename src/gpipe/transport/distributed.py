@@ -103,11 +103,9 @@ class GroupCarrier:
         group = self.group if data else self._meta_group
         if self._back is not None and (peer < self._rank) == sends:
             group = self._back  # to a lower rank, or from a higher one
-        if len(tensors) == 1 or self._direct:
+        if len(tensors) <= 1 or self._direct:
             move = group.send if sends else group.recv
             return [move([t], peer, tag) for t in tensors]
-        if not tensors:
-            return []
         op, glob = dist.isend if sends else dist.irecv, dist.get_global_rank(self.group, peer)
         return dist.batch_isend_irecv([dist.P2POp(op, t, glob, group, tag) for t in tensors])
 
