@@ -62,8 +62,13 @@ class StepAgreement:
         value = loss_value if loss_value is not None else 0.0
         rows = self._gather(value, -1, troubled=trouble is not None)
         table = rows.tolist()  # one read of the agreement
-        if any(row[1] for row in table):
-            self._raise_remote(rows)
+        if failed := [int(row[1]) - 1 for row in table if row[1]]:
+            # The failed ranks' words came in their notices, ahead of their rows.
+            origin = min(failed)
+            self.broken = self.transport.said(origin) or f"rank {origin} failed"
+            raise PipelineError(
+                f"rank {self.rank}: the step failed elsewhere: {self.broken}", rank=origin
+            )
         loss = table[self.schedule.stage_to_rank[-1]][0]
         nonfinite_grads = any(row[2] for row in table)
         if refuse_nonfinite and (nonfinite_grads or not math.isfinite(loss)):
@@ -123,13 +128,6 @@ class StepAgreement:
         # The peers have the announcement; the original error is what this rank raises.
         with contextlib.suppress(Exception):
             self._gather(0.0, failed=origin)
-
-    def _raise_remote(self, rows: torch.Tensor) -> None:
-        # The failed ranks' words came in their notices, ahead of their rows.
-        origin = int(rows[rows[:, 1] > 0, 1].min().item()) - 1
-        message = self.transport.said(origin) or f"rank {origin} failed"
-        self.broken = message
-        raise PipelineError(f"rank {self.rank}: the step failed elsewhere: {message}", rank=origin)
 
 
 def refuse_step(loss: float, troubles: list[str]) -> None:
