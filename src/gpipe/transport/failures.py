@@ -80,10 +80,8 @@ class Failures:
 
     def _left(self, error: Exception, peer: int, doing: str) -> PipelineError:
         """Posting a transfer failed: ``peer`` left. The failure it announced, if any."""
-        try:
-            self.check_notices()  # it gave up on this step, and said why
-        except PipelineError as said:
-            return said
+        if (notice := self._notice()) is not None:  # it gave up on this step, and said why
+            return announced(notice)
         me, other = self._global(self.rank), self._global(peer)
         said = said_by(other, timeout=self.timeout)
         if said is not None:  # it gave up on this pipeline: its words, which may name this rank
