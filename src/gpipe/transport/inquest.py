@@ -62,14 +62,10 @@ def waited_out(me: int, *, timeout: float) -> bool:
 
 
 def global_rank(group: Any, rank: int) -> int:
-    """``group``'s rank ``rank`` as the job knows it (as it is, in a group torch does not
-    know)."""
+    """``group``'s rank ``rank`` as the job knows it."""
     import torch.distributed as dist
 
-    try:
-        return dist.get_global_rank(group, rank)
-    except (RuntimeError, ValueError):
-        return rank
+    return dist.get_global_rank(group, rank)
 
 
 def group_rank(group: Any, rank: int) -> int | None:
