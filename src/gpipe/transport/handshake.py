@@ -2,7 +2,7 @@
 
 The sockets are abstract Unix sockets: no file, no permission bits, and their names are
 listed in ``/proc/net/unix`` for anyone to see. So a rank's listener takes a connection only
-from a process of the same user (``SO_PEERCRED``, where the system tells) that presents the
+from a process of the same user (``SO_PEERCRED``) that presents the
 listener's token: 32 random bytes shared with the other ranks through the process group's
 own all-gather (never through the job's store, which anyone who reaches its port can read),
 compared in constant time. Anything else is closed and reported (a warning naming its user
@@ -118,14 +118,11 @@ def connect(
     return links
 
 
-def _who(link: socket.socket) -> tuple[int | str, str | None]:
+def _who(link: socket.socket) -> tuple[int, str | None]:
     """The pid of the process at the other end, and who it is if not a process of this user
-    (where the system does not tell: "unknown", and None: the token decides alone)."""
-    try:
-        option = socket.SO_PEERCRED
-        pid, uid, _ = struct.unpack("3i", link.getsockopt(socket.SOL_SOCKET, option, 12))
-    except (AttributeError, OSError):
-        return "unknown", None
+    (Linux tells: the sockets are formed only there, ``host_key``)."""
+    option = socket.SO_PEERCRED
+    pid, uid, _ = struct.unpack("3i", link.getsockopt(socket.SOL_SOCKET, option, 12))
     return pid, None if uid == os.geteuid() else f"uid {uid} (pid {pid}), not this job's user"
 
 
