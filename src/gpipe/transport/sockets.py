@@ -37,7 +37,6 @@ __all__ = ["SocketCarrier"]
 
 _MAX_PARTS = 512  # buffers per sendmsg call (the system's limit is 1024)
 _PREAMBLE = struct.Struct("<qq")  # a transfer's tag and size
-_GONE = select.POLLHUP | select.POLLERR  # reported whatever the poll watches for
 
 
 class _Transfer:
@@ -87,7 +86,6 @@ class SocketCarrier:
         self._into: dict[int, _Transfer | None] = dict.fromkeys(links)  # being filled
         self._closed: dict[int, str] = {}  # peers whose stream ended, once all it sent is read
         self._broken: dict[int, str] = {}  # peers that take nothing more
-        self._hung: set[int] = set()  # peers whose socket reported a hang-up
 
     def post(
         self, sends: bool, peer: int, tag: int, tensors: list[torch.Tensor], data=False
@@ -129,16 +127,14 @@ class SocketCarrier:
         writable (with something to write), and move what can be moved."""
         poll = select.poll()  # a few peers: cheaper than keeping one in step with them
         for peer, link in self._links.items():
-            if peer in self._hung and self._out[peer]:
-                self._write(peer)  # it fails: nobody reads what is written
             reading = peer not in self._closed and self._wanted(peer)
             events = (select.POLLIN if reading else 0) | (select.POLLOUT if self._out[peer] else 0)
-            if reading or peer not in self._hung:  # hung up: always ready, it would spin
+            # Only a socket with something to move: a hung-up one is always ready (it would
+            # spin); reading or writing it ends its peer (_lose, _write), and it is left out.
+            if events:
                 poll.register(link, events)
-        for fd, happened in poll.poll(max(seconds, 0) * 1000):
+        for fd, _ in poll.poll(max(seconds, 0) * 1000):
             peer = self._by_fd[fd]
-            if happened & _GONE:
-                self._hung.add(peer)
             if self._out[peer]:
                 self._write(peer)
             self._read(peer)
