@@ -415,27 +415,24 @@ class PeerTransport(Failures):
         """``src``'s row of ``kind``. One that does not come (a notice in its place, a
         timeout, its rank gone) raises the error of any failed wait (``inquest.failure``),
         or the words of a peer that gave up (it sends no row; it looked for the cause)."""
-        error = None
         try:
-            gave_up = self.peer_gave_up()
-            if not gave_up:
+            if not self.peer_gave_up():
                 self._take(src, until=kind, deadline=deadline)
-        except Exception as failed:
-            error, gave_up = failed, self.peer_gave_up()
-        if gave_up:
-            raise announced(self._notice()) from error
-        if error is not None:
-            timed_out = False if isinstance(error, PipelineError) else None  # a notice
-            raise failure(
-                self.group,
-                self.rank,
-                [src],
-                what,
-                error,
-                timeout=self.timeout,
-                doing=doing,
-                timed_out=timed_out,
-            ) from error
+        except Exception as error:
+            if not self.peer_gave_up():
+                timed_out = False if isinstance(error, PipelineError) else None  # a notice
+                raise failure(
+                    self.group,
+                    self.rank,
+                    [src],
+                    what,
+                    error,
+                    timeout=self.timeout,
+                    doing=doing,
+                    timed_out=timed_out,
+                ) from error
+        if kind not in self._arriving:  # a peer gave up, before this wait or during it
+            raise announced(self._notice())
         posted = self._arriving.pop(kind)
         if kind == AGREEMENT and self.rank != 0 and src == 0:
             self._seed_ahead = self._post(0, SEED, 0, None)  # the next step's, ahead
