@@ -111,8 +111,7 @@ class StepAgreement:
             origin, culprit = self.rank, me
             held = ", ".join(str(s.index) for s in stages)
             message = f"rank {me} (stage {held}) raised {type(error).__name__}: {error}"
-            if hasattr(error, "add_note"):
-                error.add_note(f"raised in pipeline rank {self.rank} (stage {held})")
+            error.add_note(f"raised in pipeline rank {self.rank} (stage {held})")
             state(me, [], message)  # before the news: whoever asks finds the cause
         self.broken = message
         # Its own wait failed: it waited a timeout for a rank that may never answer. It gives
