@@ -61,35 +61,23 @@ def leaves(tree: Any) -> list:
     """pytree's ``tree_flatten(tree)[0]``."""
     kind = type(tree)
     if kind is tuple or kind is list:
-        found = []
-        for x in tree:
-            if _is_leaf(x):
-                found.append(x)
-            else:
-                found += leaves(x)
-        return found
+        return [leaf for x in tree for leaf in leaves(x)]
     if kind is dict:
-        return leaves(list(tree.values()))
-    if _is_leaf(tree):
-        return [tree]
-    return tree_flatten(tree)[0]
+        return [leaf for x in tree.values() for leaf in leaves(x)]
+    if kind in SUPPORTED_NODES or isinstance(tree, (tuple, dict)):
+        return tree_flatten(tree)[0]
+    return [tree]
 
 
 def map_leaves(fn: Callable[[Any], Any], tree: Any) -> Any:
     """pytree's ``tree_map(fn, tree)``."""
     kind = type(tree)
     if kind is tuple:
-        return tuple([fn(x) if _is_leaf(x) else map_leaves(fn, x) for x in tree])
+        return tuple(map_leaves(fn, x) for x in tree)
     if kind is list:
-        return [fn(x) if _is_leaf(x) else map_leaves(fn, x) for x in tree]
+        return [map_leaves(fn, x) for x in tree]
     if kind is dict:
-        return {k: fn(x) if _is_leaf(x) else map_leaves(fn, x) for k, x in tree.items()}
-    if _is_leaf(tree):
-        return fn(tree)
-    return tree_map(fn, tree)
-
-
-def _is_leaf(x: Any) -> bool:
-    """A leaf to pytree: not a container it knows (a namedtuple is a tuple)."""
-    kind = type(x)
-    return kind not in SUPPORTED_NODES and not isinstance(x, (tuple, dict))
+        return {k: map_leaves(fn, x) for k, x in tree.items()}
+    if kind in SUPPORTED_NODES or isinstance(tree, (tuple, dict)):
+        return tree_map(fn, tree)
+    return fn(tree)

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from gpipe.base.rng import device_generator
 from gpipe.materialize.init_calls import InitCall, init_functions_recorded
@@ -95,9 +95,9 @@ class Recording:
         self._keys: dict[int, int] = {}
         self._tainted: set[int] = set()  # storages holding values derived from random draws
         # Generator states by digest (a CPU state is 5 KB, and there is one per draw).
-        self._expected: dict[int, bytes] = {}  # generator -> its whole state at our last look
+        self._expected: dict[int, bytes] = {}  # generator -> its state after our last look
         self._boundaries: dict[int, dict[bytes, int]] = {}  # generator -> state -> after op i
-        self._interned: dict[tuple, TensorRef] = {}  # equal refs shared by all ops
+        self._interned: dict[TensorRef, TensorRef] = {}  # equal refs shared by all ops
 
     def key_of(self, tensor: torch.Tensor) -> int | None:
         """The storage key of a tensor seen during the record (None: never seen)."""
@@ -116,26 +116,24 @@ class Recording:
         if key is None:
             key = self._keys[cdata] = len(self.storages)
             self.storages.append(_Storage(tensor, born))
-        fields = (key, tuple(tensor.shape), tensor.stride(), tensor.storage_offset(), tensor.dtype,
-                  tensor.device)  # fmt: skip
-        ref = self._interned.get(fields)  # by a plain tuple: hashing a TensorRef costs more
-        if ref is None:
-            ref = self._interned[fields] = TensorRef(*fields)
-        return ref
+        shape, stride, offset = tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset()
+        ref = TensorRef(key, shape, stride, offset, tensor.dtype, tensor.device)
+        return self._interned.setdefault(ref, ref)
 
     def _refs(self, tree: Any) -> Any:
         return map_leaves(lambda x: self._ref(x, None) if isinstance(x, torch.Tensor) else x, tree)
 
     def _watch(self, generator: torch.Generator) -> None:
-        state = self._expected[id(generator)] = _state(generator)
-        self._boundaries.setdefault(id(generator), {})[_digest(state)] = len(self.ops) - 1
+        digest = _digest(generator.get_state().numpy().tobytes())
+        self._expected[id(generator)] = digest
+        self._boundaries.setdefault(id(generator), {})[digest] = len(self.ops) - 1
 
     def _before_draw(self, generator: torch.Generator) -> tuple:
         """An event if the factory changed the generator since our last look."""
-        state = _state(generator)
-        if self._expected.get(id(generator)) == state:
-            return ()
+        state = generator.get_state().numpy().tobytes()
         digest = _digest(state)
+        if self._expected.get(id(generator)) == digest:
+            return ()
         earlier = self._boundaries.get(id(generator), {}).get(digest)
         if earlier is not None:  # restored to a state it had after draw `earlier`
             return ((generator, earlier, None),)
@@ -144,34 +142,13 @@ class Recording:
     def _after_draw(self, generator: torch.Generator) -> None:
         # Meta draws consume nothing, so states would repeat and restores be ambiguous: one
         # real draw makes every point of the record distinct. It is not recorded.
-        with torch._C._DisableTorchDispatch(), torch._C.DisableTorchFunction():  # no mode sees it
+        with _disable_current_modes(), torch._C.DisableTorchFunction():
             torch.empty(1, device=generator.device).uniform_(generator=generator)
         self._watch(generator)
 
-    def _generator_of(self, args: tuple, kwargs: dict, tensors: list) -> torch.Generator:
-        """The generator a random operation draws from: its own, or its device's default."""
-        generator = kwargs.get("generator") or next(
-            (a for a in args if isinstance(a, torch.Generator)), None
-        )
-        if generator is None:
-            first = next(iter(tensors), None)
-            device = kwargs.get("device") or (first.device if first is not None else None)
-            generator = device_generator(self.replay_device(torch.device(device or "cpu")))
-        return generator
-
     def _observe(self, func: Any, args: tuple, kwargs: dict) -> Any:
         info = info_of(func)
-        inputs: list[torch.Tensor] = []  # in pytree's order, as their refs
-        input_refs: list[TensorRef] = []
-
-        def ref(x: Any) -> Any:
-            if not isinstance(x, torch.Tensor):
-                return x
-            inputs.append(x)
-            input_refs.append(self._ref(x, None))
-            return input_refs[-1]
-
-        refs = map_leaves(ref, (args, kwargs))  # as the operation finds them
+        inputs = [t for t in leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         if func in _READS_TO_PYTHON and any(self.key_of(t) in self._tainted for t in inputs):
             raise ValueError(
                 f"factory() reads a randomly drawn value back into Python ({func}, e.g. .item()); "
@@ -183,8 +160,15 @@ class Recording:
         random = info.random
         generator, events = None, ()
         if random:
-            generator = self._generator_of(args, kwargs, written or inputs)
+            generator = kwargs.get("generator") or next(
+                (a for a in args if isinstance(a, torch.Generator)), None
+            )
+            if generator is None:
+                first = next(iter(written or inputs), None)
+                device = kwargs.get("device") or (first.device if first is not None else None)
+                generator = device_generator(self.replay_device(torch.device(device or "cpu")))
             events = self._before_draw(generator)
+        refs = self._refs((args, kwargs))
         for tensor in written:
             storage = self.storages[self.key_of(tensor)]
             if storage.born is None and storage.snapshot is None and not tensor.is_meta:
@@ -203,7 +187,7 @@ class Recording:
         if not inputs and len(fresh) == 1 and kwargs.get("dtype") is None and info.dtype_kwarg:
             kwargs = {**kwargs, "dtype": flat_out[0].dtype}  # not the default dtype of replay
         name = info.name
-        reads = {r.key for r in input_refs}
+        reads = {r.key for r in leaves((args, kwargs)) if isinstance(r, TensorRef)}
         if name in _SHAPE_ONLY_FIRST and args and isinstance(args[0], TensorRef):
             reads.discard(args[0].key)
         written_keys = {self.key_of(t) for t in written}
@@ -409,11 +393,6 @@ def record(factory: Callable[[], Any], *, seed: int, device: torch.device) -> tu
 def _default_generators(device: torch.device) -> list[torch.Generator]:
     """The generators eager construction on ``device`` draws from, each once."""
     return list({id(g): g for g in (torch.default_generator, device_generator(device))}.values())
-
-
-def _state(generator: torch.Generator) -> bytes:
-    with torch._C.DisableTorchFunction():  # from an init call, .numpy() would meet the modes
-        return generator.get_state().numpy().tobytes()
 
 
 def _digest(state: bytes) -> bytes:
