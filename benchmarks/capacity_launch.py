@@ -25,7 +25,7 @@ from gpipe.base.allocator import started_with
 from gpipe.layout import Layout
 from gpipe.parallel.launch import launch
 from gpipe.planner import measured
-from gpipe.planner.capacity import fit_of
+from gpipe.planner.capacity import fit_of, optimizer_state_of
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from capacity import families  # a sibling: the benchmark's two families
@@ -83,7 +83,9 @@ def main() -> None:
     overhead = kept_calibration([Path(str(KEPT).format(args.family.lower()))], families(),
                                 args.family) or 0.0  # fmt: skip
     fit = fit_of(family, layout, args.depth, budget=float("inf"), overhead=overhead)
-    ranks = (family, args.depth, layout, fit.balance, 2.0, 2, 600.0)  # AdamW, 2 steps
+    # measure_fit's arguments of its runs: AdamW, 2 steps
+    state = optimizer_state_of("adamw")
+    ranks = (family, args.depth, layout, fit.balance, state, 2, 600.0)
     before, begun = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
     with started_with("return"):  # as measure_fit launches them
         out = launch(_timed_rank, layout.processes, args=ranks, timeout=600)
