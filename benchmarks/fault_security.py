@@ -30,8 +30,8 @@ TIMEOUT = 5.0
 SECTION = """
 ## What is refused, and what stays yours to protect
 
-Nothing a process receives is run: message descriptions, failure notices, the failure
-inquest's statements in the job's store and the values ranks exchange while building
+Nothing a process receives is run: message descriptions, the failure inquest's
+statements in the job's store (a failure's words) and the values ranks exchange while building
 (configuration checks, the run's options, memory reports, timelines) travel as plain values
 in one fixed, versioned layout (`gpipe.transport.codec`), never pickled. What is not such a
 value is refused: on the sending side with the type named and the remedy, on the receiving

@@ -147,8 +147,8 @@ def rows_stalls(work: Path) -> list[tuple]:
     )
     # Replica 1's first stage waits for rank 3's gradients ("... from rank 3 without an
     # answer"); replica 0 in the all-reduce ("did not arrive").
-    # The stalled rank, once awake, reads the notice of the rank that gave up on it (on the
-    # group carrier sent before that rank's inquest completed its sentence).
+    # The stalled rank, once awake, takes the notice of the rank that gave up on it and reads
+    # that rank's statement.
     said = (
         "did not arrive",
         "left the group",

@@ -1,31 +1,46 @@
-"""A failure on the wire (``gpipe.transport.failures``): a peer's notice that blames this
-rank says so in this rank's words, and gloo's and NCCL's error texts are read in one place."""
+"""A failure on the wire (``gpipe.transport.failures``): a peer's notice says its statement in
+the job's store, one that blames this rank says so in this rank's words, and gloo's and
+NCCL's error texts are read in one place."""
 
 from __future__ import annotations
 
 import pytest
+import torch.distributed as dist
 
 from gpipe.base.errors import PipelineError
-from gpipe.transport import failures
+from gpipe.transport import failures, inquest
 from gpipe.transport.failures import said_in
-from gpipe.transport.framing import notice
 from gpipe.transport.peers import PeerTransport
 
 
-def test_a_notice_that_blames_this_rank_says_who_gave_up_on_it(monkeypatch):
-    # group ranks 0, 1 are global ranks 4, 5
+@pytest.fixture
+def store(monkeypatch):
+    """The job's store, in memory; group ranks 0, 1 are global ranks 4, 5."""
+    store = dist.HashStore()
+    monkeypatch.setattr(inquest, "_store", lambda: store)
+    monkeypatch.setattr(inquest, "_gone", [])
     monkeypatch.setattr(failures, "global_rank", lambda group, rank: rank + 4)
+    return store
+
+
+def _transport() -> PeerTransport:
     transport = PeerTransport.__new__(PeerTransport)
-    transport.rank, transport.group = 0, None
-    other = notice({"rank": 1, "global_rank": 6, "message": "rank 6 raised ValueError: x"})
-    assert transport._notice_from(1, other)["message"] == "rank 6 raised ValueError: x"
-    blamed = notice({"rank": 0, "global_rank": 4, "message": "rank 5 waited 2 s for rank 4"})
-    said = transport._notice_from(1, blamed)
-    assert said["message"] == ("rank 4: rank 5 gave up on this pipeline: rank 5 waited 2 s "
-                               "for rank 4")  # fmt: skip
-    assert (said["rank"], said["global_rank"]) == (1, 5)
-    garbled = transport._notice_from(1, b"not a notice")
-    assert garbled["rank"] == 1 and "not gpipe's wire format" in garbled["message"]
+    transport.rank, transport.group, transport.timeout, transport._told = 0, None, 5.0, {}
+    return transport
+
+
+def test_a_notice_says_the_sender_s_statement_and_one_that_blames_this_rank_who_gave_up(store):
+    transport = _transport()
+    error, gave_up = transport._heard(1, [1, 5, 0])
+    assert str(error) == "rank 5 failed; its statement is not in the job's store"
+    inquest.state(5, [6], "rank 6 raised ValueError: x")  # rank 5 relays rank 6's failure
+    error, gave_up = transport._heard(1, [2, 6, 0])
+    assert str(error) == "rank 6 raised ValueError: x" and not gave_up
+    assert (error.rank, error.global_rank) == (2, 6)
+    inquest.state(5, [4], "rank 5 waited 2 s for rank 4")
+    error, gave_up = transport._heard(1, [0, 4, 1])
+    assert str(error) == "rank 4: rank 5 gave up on this pipeline: rank 5 waited 2 s for rank 4"
+    assert (error.rank, error.global_rank) == (1, 5) and gave_up
 
 
 @pytest.mark.parametrize(
@@ -48,16 +63,13 @@ def test_gloo_s_and_nccl_s_errors_read_as_their_first_line_and_whether_they_time
     assert said_in(RuntimeError(text)) == (first or text, timed_out)
 
 
-def test_the_notice_raised_is_a_neighbour_s_and_a_failed_rank_s_words_are_its_own(monkeypatch):
-    monkeypatch.setattr(failures, "global_rank", lambda group, rank: rank)
-    transport = PeerTransport.__new__(PeerTransport)
-    transport.rank, transport.group, transport._neighbours = 0, None, {1}
-    transport.carrier = type("Carrier", (), {"notices": type("Board", (), {})})()
-    far = {"rank": 2, "message": "rank 2 raised", "from": 2}
-    near = {"rank": 2, "message": "rank 1: the step failed at rank 2", "from": 1}
-    transport.carrier.notices.heard = lambda: [notice(far), notice(near)]  # far came first
-    transport._told = {}
-    with pytest.raises(PipelineError, match="rank 1: the step failed at rank 2"):
+def test_the_first_notice_taken_is_raised_and_a_failed_rank_s_words_are_its_statement(store):
+    transport = _transport()
+    transport.check_notices()  # none yet
+    inquest.state(5, [], "rank 5 (stage 1) raised ValueError: bad")
+    transport._told[1] = transport._heard(1, [1, 5, 0])
+    transport._told[2] = (PipelineError("later"), True)
+    with pytest.raises(PipelineError, match=r"rank 5 \(stage 1\) raised ValueError: bad"):
         transport.check_notices()
-    assert transport.said(2) == "rank 2 raised" and transport.said(1) == near["message"]
-    assert not transport.peer_gave_up()
+    assert transport.said(1) == "rank 5 (stage 1) raised ValueError: bad"
+    assert transport.said(0) is None and transport.peer_gave_up()

@@ -60,7 +60,7 @@ def _pair():
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     a.setblocking(False)
     b.setblocking(False)
-    return SocketCarrier({1: a}, 5.0, None), SocketCarrier({0: b}, 5.0, None)
+    return SocketCarrier({1: a}, 5.0), SocketCarrier({0: b}, 5.0)
 
 
 def test_a_transfer_lands_in_the_receive_posted_with_its_tag_as_gloo_matches_them():

@@ -16,7 +16,7 @@ import torch
 from gpipe.base.errors import PartitionError, PipelineError
 from gpipe.schedule.routes import Routes
 from gpipe.transport import handshake
-from gpipe.transport.distributed import Board, GroupCarrier
+from gpipe.transport.distributed import GroupCarrier
 from gpipe.transport.peers import PeerTransport
 from gpipe.transport.sockets import SocketCarrier
 
@@ -61,7 +61,7 @@ def open_transport(
     # Every rank was told the same (``MultiProcess.connect`` checked): all ask, or none.
     links = None if wanted == "group" else _sockets(wanted, on_cpu, rank, size, timeout, gather)
     if links is not None:
-        carrier: Any = SocketCarrier(links, timeout, Board(group))
+        carrier: Any = SocketCarrier(links, timeout)
     else:
         carrier = GroupCarrier(group, mine[0], receive_ahead)
     return PeerTransport(schedule, rank, group, devices, carrier, timeout=timeout, routes=routes)

@@ -2,64 +2,24 @@
 NCCL on GPUs): each transfer on the tag of its frame's position, so that on gloo the receive
 of a next frame can be posted before the current one has fully arrived without taking its
 bytes (NCCL ignores tags and is never asked to). How receives are posted on each backend is
-``gpipe.transport.peers``'s docstring. Failure notices outside the sequences go on the group
-whatever the carrier (``Board``)."""
+``gpipe.transport.peers``'s docstring."""
 
 from __future__ import annotations
 
-import contextlib
-import threading
-from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from gpipe.transport.framing import HEAD, NOTICE_BYTES, join, read_head
+from gpipe.transport.framing import join
 
-__all__ = ["Board", "GroupCarrier"]
+__all__ = ["GroupCarrier"]
 
 # Tags: each transport built on a group takes its own range for its frames, above those a
-# user's own transfers take (a receive posted ahead must take no other's), and one for
-# notices to every peer outside the sequences; the n-th the same on every rank.
-_FRAMES, _RANGE, _NOTICE_TAG = 1 << 29, 1 << 20, 1 << 30
+# user's own transfers take (a receive posted ahead must take no other's); the n-th the same
+# on every rank.
+_FRAMES, _RANGE = 1 << 29, 1 << 20
 _transports_built: dict[tuple[int, ...], int] = {}
-_boards_built: dict[tuple[int, ...], int] = {}
-
-
-class Board:
-    """Failure notices to every peer outside the sequences, whatever carries the frames:
-    on a gloo group of the pipeline's processes (``group``), with a tag of the transport's
-    own. A thread waits for them (a gloo receive tells that it completed only to ``wait()``),
-    from the first look on."""
-
-    def __init__(self, group: Any) -> None:
-        members = tuple(dist.get_process_group_ranks(group))
-        built = _boards_built.get(members, 0)
-        _boards_built[members] = built + 1
-        self.group, self.tag = group, _NOTICE_TAG + built
-        self._heard: list[bytes] | None = None  # notices received, once listening
-        self._kept: list[Any] = []  # the notices' sends: alive while they may run
-
-    def heard(self) -> list[bytes]:
-        """The notices received so far, without waiting."""
-        if self._heard is None:  # one from each peer at most: every receive posted at once
-            self._heard = []
-            size = dist.get_world_size(self.group)
-            frames = [torch.zeros(NOTICE_BYTES, dtype=torch.uint8) for _ in range(size - 1)]
-            works = [dist.irecv(f, src=None, group=self.group, tag=self.tag) for f in frames]
-            threading.Thread(target=_wait_for_notices, args=(works, frames, self._heard),
-                             name="gpipe-failure-notice", daemon=True).start()  # fmt: skip
-        return self._heard
-
-    def announce(self, frame: bytes, peers: list[int]) -> None:
-        """A notice's frame to every peer of ``peers`` (it may be waiting for another rank,
-        or between steps)."""
-        tensor = torch.zeros(NOTICE_BYTES, dtype=torch.uint8)
-        tensor[: len(frame)] = torch.frombuffer(bytearray(frame), dtype=torch.uint8)
-        for peer in peers:
-            with contextlib.suppress(Exception):  # it left: nobody to tell
-                self._kept.append(self.group.send([tensor], peer, self.tag))
 
 
 class GroupCarrier:
@@ -88,7 +48,6 @@ class GroupCarrier:
         built = _transports_built.get(members, 0)
         _transports_built[members] = built + 1
         self._tags = _FRAMES + built * _RANGE
-        self.notices = Board(self._meta_group)
 
     def post(
         self, sends: bool, peer: int, position: int, tensors: list[torch.Tensor], data=False
@@ -111,16 +70,6 @@ class GroupCarrier:
 
     def flush(self, seconds: float) -> None:
         pass  # the backend moves what is posted by itself
-
-
-def _wait_for_notices(works: list[Any], frames: list[torch.Tensor], heard: list[bytes]) -> None:
-    for work, frame in zip(works, frames, strict=True):
-        try:
-            work.wait(timeout=timedelta(days=365))  # until a peer fails or the group goes away
-        except Exception:
-            return
-        _, _, size = read_head(frame)
-        heard.append(frame[HEAD : HEAD + size].numpy().tobytes())
 
 
 def _backend(group: Any) -> str:

@@ -6,11 +6,13 @@ in one sequence per pair of ranks that the schedule fixes:
 * ``MESSAGE``: an activation or gradient; ``size`` bytes of description follow when it
   differs from last time (``History``; 0: as last time), then its tensors;
 * ``AGREEMENT``: a rank's row of the end-of-step agreement (last);
-* ``NOTICE``: a failure, in place of the next frame; ``size`` bytes of notice text follow
-  (``notice``). Its agreement row is the next frame, unless the notice says it gave up.
+* ``NOTICE``: a failure, in place of the next frame; its row (``NOTICE_ROW``): the rank
+  that caused it, that rank's global rank (-1: not known) and whether the sender gave up
+  on the pipeline (else its agreement row is the next frame). Its words are the sender's
+  statement in the job's store (``gpipe.transport.inquest``), written before it.
 
 The position is the frame's index in its sequence (the process group's tag). Descriptions
-and notices are plain values (``gpipe.transport.codec``): nothing received is unpickled.
+are plain values (``gpipe.transport.codec``): nothing received is unpickled.
 """
 
 from __future__ import annotations
@@ -26,17 +28,15 @@ from torch.utils._pytree import tree_flatten, tree_unflatten, treespec_dumps, tr
 from gpipe.transport.codec import CodecError, TensorMeta, decode, encode
 
 __all__ = [
-    "AGREEMENT", "ALIGN", "HEAD", "MESSAGE", "NOTICE", "NOTICE_BYTES", "SEED", "History",
-    "TensorMeta", "bytes_of", "bytes_tensor", "flatten", "head", "join", "notice", "read_head",
-    "read_notice", "row_of",
+    "AGREEMENT", "ALIGN", "HEAD", "MESSAGE", "NOTICE", "NOTICE_ROW", "SEED", "History",
+    "TensorMeta", "bytes_of", "bytes_tensor", "flatten", "head", "join", "read_head", "row_of",
 ]  # fmt: skip
 
 ALIGN = 64  # bytes: a cache line, so that vectorized kernels see aligned tensors
 HEAD = 128  # bytes of a frame's head: its three words, then room for a row
 MESSAGE, SEED, AGREEMENT, NOTICE = 0, 1, 2, 3
 _WORDS = struct.Struct("<qqq")
-_NOTICE_TEXT = 3000  # bytes of a failure notice's message (its start names the cause)
-NOTICE_BYTES = 4096  # a notice's frame at most: head and notice (a fixed receive on a group)
+NOTICE_ROW = torch.zeros(3, dtype=torch.int64)  # a notice's row: its dtype and length
 
 
 def head(kind: int, position: int, size: int = 0, row: Any = None) -> bytes:
@@ -210,32 +210,6 @@ def _description(data: bytes) -> tuple[str, list[Any]]:
             and type(value[1]) is list):  # fmt: skip
         raise CodecError(f"not a message's description: {type(value).__name__}")
     return value
-
-
-def notice(description: dict[str, Any]) -> bytes:
-    """A failure notice on the wire: ``rank``, ``global_rank``, ``message`` (its first
-    ``_NOTICE_TEXT`` bytes, fewer if escaping makes its frame longer than ``NOTICE_BYTES``),
-    ``gave_up`` when the rank left the pipeline."""
-    text = description["message"].encode()[:_NOTICE_TEXT].decode(errors="ignore")
-    data = encode({**description, "message": text}, "a failure notice")
-    while HEAD + len(data) > NOTICE_BYTES:
-        text = text[: len(text) // 2]
-        data = encode({**description, "message": text}, "a failure notice")
-    return data
-
-
-def read_notice(data: bytes | memoryview, rank: int | None, named: str) -> dict[str, Any]:
-    """A failure notice from group rank ``rank`` (``named``: in words), or one that says it
-    failed when its notice is not gpipe's format."""
-    try:
-        said = decode(data)
-    except CodecError as error:
-        said = error
-    if not (type(said) is dict and type(said.get("message")) is str
-            and type(said.get("rank")) is int):  # fmt: skip
-        return {"rank": rank, "message": f"{named} failed; its failure notice is not gpipe's "
-                f"wire format ({str(said)[:200]})"}  # fmt: skip
-    return said
 
 
 def join(parts: list[Any]) -> torch.Tensor:

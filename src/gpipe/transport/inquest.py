@@ -230,10 +230,11 @@ def failure(
     return PipelineError(text, rank=rank, global_rank=culprit)
 
 
-def said_by(rank: int, *, timeout: float) -> str | None:
-    """Rank ``rank``'s statement of its latest failure (at most a timeout and a grace old),
-    without waiting for one; None if it left none or the store is gone."""
-    said = _read(rank, time.time() - timeout - grace(timeout))
+def said_by(rank: int, *, timeout: float | None = None) -> str | None:
+    """Rank ``rank``'s statement of its latest failure (at most a timeout and a grace old;
+    None: any, where the rank announced a failure, which it states first), without waiting
+    for one; None if it left none or the store is gone."""
+    said = _read(rank, 0.0 if timeout is None else time.time() - timeout - grace(timeout))
     return None if said is None else said[1]
 
 

@@ -41,12 +41,13 @@ from gpipe.base.errors import PipelineError
 from gpipe.schedule.comm_plan import receive_points, wire_order
 from gpipe.schedule.routes import Message, Routes
 from gpipe.transport.codec import CodecError
-from gpipe.transport.failures import Failures, announced
+from gpipe.transport.failures import Failures
 from gpipe.transport.framing import (
     AGREEMENT,
     HEAD,
     MESSAGE,
     NOTICE,
+    NOTICE_ROW,
     SEED,
     History,
     TensorMeta,
@@ -113,10 +114,8 @@ class PeerTransport(Failures):
         # Per peer, this step's frames in wire order (messages, and the rows' kinds).
         self._incoming: dict[int, list[Any]] = {}
         self._outgoing: dict[int, list[Any]] = {}
-        # Each peer's failure notice, once heard (``failures``; None: a sender not known).
-        self._told: dict[int | None, dict[str, Any]] = {}
-        plans = [*self._plans[True][0].items(), *self._plans[True][1].items()]
-        self._neighbours = {p for p, frames in plans if any(isinstance(f, Message) for f in frames)}
+        # Each peer's failure notice, once taken: the error it says, whether the peer gave up.
+        self._told: dict[int, tuple[PipelineError, bool]] = {}
         self._sent: dict[int, int] = {}  # to each peer: frames of the step sent
         self._cursor: dict[int, int] = {}  # from each peer: frames posted
         self._pending: dict[int, deque[_Posted]] = {}  # posted, from each peer, in order
@@ -145,7 +144,6 @@ class PeerTransport(Failures):
 
     def begin(self, training: bool) -> None:
         """Start a step: reset the per-peer positions and post the first receives."""
-        self.check_notices()  # a peer gave up on this pipeline since the last step
         self._training = training
         self._incoming, self._outgoing = self._plans[training]
         self._here.clear()
@@ -212,8 +210,7 @@ class PeerTransport(Failures):
         except CodecError as error:  # on the sending side, where the value was made
             raise CodecError(f"the {message.channel} of micro-batch {message.microbatch} for "
                              f"stage {message.stage}: {error}") from None  # fmt: skip
-        size = 0 if meta == history.last else len(meta)
-        self._emit(dst, MESSAGE, size=size, data=meta, payload=payload)
+        self._emit(dst, MESSAGE, data=b"" if meta == history.last else meta, payload=payload)
         history.update(meta)
 
     def _emit(
@@ -221,28 +218,27 @@ class PeerTransport(Failures):
         dst: int,
         kind: int,
         *,
-        size: int = 0,
         data: bytes = b"",
         payload: list[torch.Tensor] | None = None,
         row: torch.Tensor | None = None,
     ) -> None:
-        """The next frame to ``dst``: its head (``size`` bytes of ``data`` follow when not
-        0), then ``payload``. Where ``dst`` posted a packed buffer, that buffer's size:
-        head and tensors in it, or the head alone."""
+        """The next frame to ``dst``: its head (then ``data``, if any), then ``payload``.
+        Where ``dst`` posted a packed buffer, that buffer's size: head and tensors in it, or
+        the head alone."""
         position = self._sent[dst]
         self._sent[dst] = position + 1
         sequence = self._outgoing[dst]
         key = sequence[position] if position < len(sequence) else None
         history = self._sent_meta.get(self._key(dst, key)) if self.receive_ahead else None
-        frame = head(kind, position, size, row)
+        frame = head(kind, position, len(data), row)
         payload = payload or []
         if history is not None and history.stable:
-            whole = kind == MESSAGE and size == 0
+            whole = kind == MESSAGE and not data
             frames = [history.parts(frame, payload if whole else None)]  # one transfer
             payload = [] if whole else payload
         else:
             frames = [bytes_tensor(frame, self.carrier.meta_device)]
-        if size:
+        if data:
             frames.append(bytes_tensor(data, self.carrier.meta_device))
         post = self.carrier.post
         try:
@@ -285,13 +281,11 @@ class PeerTransport(Failures):
         ):
             self._post_next(src)
 
-    def _post_next(self, src: int, beyond: bool = False) -> None:
-        """Post the receive of the next frame from ``src``, if this step has one (or
-        ``beyond`` its sequence: an agreement row after a notice in place of the last)."""
+    def _post_next(self, src: int) -> None:
+        """Post the receive of the next frame from ``src`` (beyond its sequence: an
+        agreement row after a notice in place of the last)."""
         position = self._cursor[src]
         sequence = self._incoming[src]
-        if position >= len(sequence) and not beyond:
-            return
         self._cursor[src] = position + 1
         key = sequence[position] if position < len(sequence) else AGREEMENT
         history = None
@@ -324,11 +318,12 @@ class PeerTransport(Failures):
             kind, position, size = read_head(posted.frame)
             if kind == NOTICE:
                 if not self._pending[src]:
-                    self._post_next(src, beyond=True)  # the agreement row that follows it
-                said = self._notice_from(src, self._receive_bytes(src, posted, size, until))
-                self._told.setdefault(src, said)
-                if until != AGREEMENT or said.get("gave_up"):
-                    raise announced(said)
+                    self._post_next(src)  # the agreement row that follows it
+                row = row_of(posted.frame[:HEAD].cpu(), NOTICE_ROW).tolist()
+                error, gave_up = self._heard(src, row)
+                self._told.setdefault(src, (error, gave_up))
+                if until != AGREEMENT or gave_up:
+                    raise error
                 continue
             self._post_ahead(src)
             if kind == MESSAGE:
@@ -404,7 +399,9 @@ class PeerTransport(Failures):
         for peer in self._outgoing:
             self._emit(peer, AGREEMENT, row=row)
         deadline = time.monotonic() + self.timeout
-        rows = {p: self._take_row(p, AGREEMENT, row, deadline, what, doing) for p in self._incoming}
+        # The nearest ranks first: where several failed, a neighbour's words are nearer the cause.
+        near = sorted(self._incoming, key=lambda p: abs(p - self.rank))
+        rows = {p: self._take_row(p, AGREEMENT, row, deadline, what, doing) for p in near}
         if not self._told and not self._failed:  # every rank took all: none can wait
             self.finish()  # here, so that a step refused after its agreement frees them too
         return torch.stack([rows.get(r, row) for r in range(self.schedule.num_ranks)])
@@ -432,7 +429,7 @@ class PeerTransport(Failures):
                     timed_out=timed_out,
                 ) from error
         if kind not in self._arriving:  # a peer gave up, before this wait or during it
-            raise announced(self._notice())
+            self.check_notices()
         posted = self._arriving.pop(kind)
         if kind == AGREEMENT and self.rank != 0 and src == 0:
             self._seed_ahead = self._post(0, SEED, 0, None)  # the next step's, ahead

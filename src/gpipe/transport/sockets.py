@@ -9,8 +9,7 @@ Each pair of ranks holds one connected socket (``gpipe.transport.handshake``). I
 transfers ``gpipe.transport.peers`` posts, as gloo's point-to-point does: each goes with a
 preamble (its tag, its size) and lands in the first receive posted with its tag, straight
 into the tensor that holds it; one whose receive is not posted yet stays in the socket
-(the stream holds everything behind it). Failure notices outside the sequences go on the
-process group (``gpipe.transport.distributed.Board``).
+(the stream holds everything behind it).
 
 Sends never wait on the peer: what the socket's kernel buffer does not take is written
 whenever the rank next waits (for any transfer), so two ranks sending to each other never
@@ -76,8 +75,8 @@ class SocketCarrier:
     receive_ahead = True  # a stream's receives are matched in order: never a deadlock
     wire_device = meta_device = torch.device("cpu")
 
-    def __init__(self, links: dict[int, socket.socket], timeout: float, notices: Any) -> None:
-        self.timeout, self.notices = timeout, notices  # notices: a Board on the group
+    def __init__(self, links: dict[int, socket.socket], timeout: float) -> None:
+        self.timeout = timeout
         self._links = links
         self._by_fd = {link.fileno(): peer for peer, link in links.items()}
         self._posted: dict[int, dict[int, deque[_Transfer]]] = {p: {} for p in links}
