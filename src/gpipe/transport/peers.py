@@ -413,23 +413,21 @@ class PeerTransport(Failures):
         timeout, its rank gone) raises the error of any failed wait (``inquest.failure``),
         or the words of a peer that gave up (it sends no row; it looked for the cause)."""
         try:
-            if not self.peer_gave_up():
-                self._take(src, until=kind, deadline=deadline)
+            self._take(src, until=kind, deadline=deadline)
         except Exception as error:
-            if not self.peer_gave_up():
-                timed_out = False if isinstance(error, PipelineError) else None  # a notice
-                raise failure(
-                    self.group,
-                    self.rank,
-                    [src],
-                    what,
-                    error,
-                    timeout=self.timeout,
-                    doing=doing,
-                    timed_out=timed_out,
-                ) from error
-        if kind not in self._arriving:  # a peer gave up, before this wait or during it
-            self.check_notices()
+            if self.peer_gave_up():  # its notice, taken here: a gave-up notice ends the step
+                raise
+            timed_out = False if isinstance(error, PipelineError) else None  # a notice
+            raise failure(
+                self.group,
+                self.rank,
+                [src],
+                what,
+                error,
+                timeout=self.timeout,
+                doing=doing,
+                timed_out=timed_out,
+            ) from error
         posted = self._arriving.pop(kind)
         if kind == AGREEMENT and self.rank != 0 and src == 0:
             self._seed_ahead = self._post(0, SEED, 0, None)  # the next step's, ahead
