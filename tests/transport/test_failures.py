@@ -5,11 +5,14 @@ NCCL's error texts are read in one place."""
 from __future__ import annotations
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from gpipe.base.errors import PipelineError
+from gpipe.schedule.builders import fill_drain
 from gpipe.transport import failures, inquest
 from gpipe.transport.failures import said_in
+from gpipe.transport.framing import NOTICE, NOTICE_ROW, SEED, read_head, row_of
 from gpipe.transport.peers import PeerTransport
 
 
@@ -73,3 +76,39 @@ def test_the_first_notice_taken_is_raised_and_a_failed_rank_s_words_are_its_stat
         transport.check_notices()
     assert transport.said(1) == "rank 5 (stage 1) raised ValueError: bad"
     assert transport.said(0) is None and transport.peer_gave_up()
+
+
+class _Carrier:
+    """Records the frames a transport posts (sends: peer, position, head)."""
+
+    kind, receive_ahead = "fake", True
+    wire_device = meta_device = torch.device("cpu")
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[int, int, torch.Tensor]] = []
+
+    def post(self, sends, peer, position, tensors, data=False):
+        if sends:
+            self.sent += [(peer, position, t) for t in tensors]
+        return [self for _ in tensors]
+
+    def is_completed(self):
+        return False
+
+    def flush(self, seconds):
+        pass
+
+
+def test_a_failure_is_stated_in_the_store_and_a_notice_takes_the_next_frame(store):
+    carrier = _Carrier()
+    transport = PeerTransport(fill_drain(2, 2), 0, None, [torch.device("cpu")] * 2, carrier,
+                              timeout=5.0)  # fmt: skip
+    transport.begin(training=True)
+    transport._emit(1, SEED, row=torch.zeros(2, dtype=torch.int64))  # frame 0 sent
+    words = "rank 4 (stage 0) raised ValueError: x"
+    transport.announce_failure({"rank": 0, "global_rank": 4, "message": words, "gave_up": False})
+    assert inquest.said_by(4) == words
+    (peer, position, frame) = carrier.sent[-1]
+    assert (peer, position, read_head(frame)) == (1, 1, (NOTICE, 1, 0))
+    assert row_of(frame, NOTICE_ROW).tolist() == [0, 4, 0]
+    assert transport._heard(1, [0, 4, 0])[0].args[0].startswith("rank 4: rank 5 gave up")
