@@ -31,18 +31,11 @@ from gpipe.parallel.collectives import Collectives
 from gpipe.parallel.tied import TiedParameters
 from gpipe.schedule.ir import Schedule
 from gpipe.schedule.routes import Routes
-from gpipe.transport.choice import TRANSPORTS, check_choice, open_transport
+from gpipe.transport.choice import check_choice, open_transport
 from gpipe.transport.local import LocalTransport
 from gpipe.transport.peers import PeerTransport
 
-__all__ = [
-    "Agreement",
-    "MultiProcess",
-    "PipelineGroup",
-    "TRANSPORTS",
-    "default_device",
-    "pipeline_group",
-]
+__all__ = ["MultiProcess", "PipelineGroup", "default_device", "pipeline_group"]
 
 T = TypeVar("T")
 
