@@ -94,7 +94,20 @@ class PipelineGroup:
         return (rng.draw_step_seed() if seed is None else seed), batch
 
     def check_same(self, configuration: dict[str, Any]) -> None:
-        """Refuse to start unless every rank was given the same configuration."""
+        """Refuse to start unless every rank was given the same configuration (through
+        ``gather``: one process has nothing to compare)."""
+        everyone = self.gather(configuration, "every rank's configuration")
+        differences = [
+            f"- {key}: rank {rank} has {theirs[key]!r}, rank 0 has {everyone[0][key]!r}"
+            for rank, theirs in enumerate(everyone)
+            for key in configuration
+            if theirs.get(key) != everyone[0].get(key)
+        ]
+        if differences:
+            raise PartitionError(
+                "the ranks of this pipeline were built differently; every rank must run the "
+                "same script with the same model and Pipe arguments:\n" + "\n".join(differences)
+            )
 
     def agree(
         self,
@@ -136,8 +149,9 @@ class PipelineGroup:
         return {stage: mine[stage].to(device) for stage in holders}
 
     def decide(self, choose: Callable[[], T]) -> T:
-        """``choose()``, one answer for every rank."""
-        return choose()
+        """``choose()`` on rank 0, its answer on every rank (timings differ by process)."""
+        mine = choose() if self.rank in (None, 0) else None
+        return self.gather(mine, "the automatic balance (balance='auto')")[0]
 
     def gather(self, value: Any, what: str) -> list[Any]:
         """Every rank's ``value`` (plain data), by rank, while building: what each rank found
@@ -239,20 +253,6 @@ class MultiProcess(StepAgreement, PipelineGroup):
         first_batch = int(values[1])
         return int(values[0]), (None if first_batch < 0 else first_batch)
 
-    def check_same(self, configuration: dict[str, Any]) -> None:
-        everyone = self.gather(configuration, "every rank's configuration")
-        differences = [
-            f"- {key}: rank {rank} has {theirs[key]!r}, rank 0 has {everyone[0][key]!r}"
-            for rank, theirs in enumerate(everyone)
-            for key in configuration
-            if theirs.get(key) != everyone[0].get(key)
-        ]
-        if differences:
-            raise PartitionError(
-                "the ranks of this pipeline were built differently; every rank must run the "
-                "same script with the same model and Pipe arguments:\n" + "\n".join(differences)
-            )
-
     def norm_total(self, local: torch.Tensor, *, maximum: bool) -> torch.Tensor:
         """Replicas hold equal gradients after averaging: reducing over the pipeline suffices."""
         if self.broken is not None:
@@ -299,15 +299,6 @@ class MultiProcess(StepAgreement, PipelineGroup):
 
     def __str__(self) -> str:
         return f"rank {self.rank}"
-
-    def decide(self, choose: Callable[[], T]) -> T:
-        """``choose()`` on rank 0, its answer on every rank (timings differ by process)."""
-        return self._collective(
-            self.ops.broadcast_object,
-            choose() if self.rank == 0 else None,
-            "the broadcast of the automatic balance (balance='auto')",
-            doing="building the Pipe",
-        )
 
     def gather(self, value: Any, what: str) -> list[Any]:
         return self._collective(
