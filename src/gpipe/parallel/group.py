@@ -224,8 +224,6 @@ class MultiProcess(StepAgreement, PipelineGroup):
         self, schedule: Schedule, stage_devices: list[torch.device], routes: Routes
     ) -> PeerTransport:
         self.schedule = schedule
-        # Never one rank on sockets and its peer on the group, waiting for each other.
-        self.check_same({"transport": self.wanted_transport, "receive_ahead": self.receive_ahead})
         self.transport = open_transport(
             schedule, self.rank, self.group, stage_devices, routes=routes, timeout=self.timeout,
             wanted=self.wanted_transport, receive_ahead=self.receive_ahead, gather=self.gather,

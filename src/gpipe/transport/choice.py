@@ -58,7 +58,7 @@ def open_transport(
     mine = [devices[s] for s in schedule.stages_of(rank)]
     on_cpu = dist.get_backend(group) == "gloo" and all(d.type == "cpu" for d in mine)
     size = dist.get_world_size(group)
-    # Every rank was told the same (``MultiProcess.connect`` checked): all ask, or none.
+    # Every rank was told the same (the Pipe's configuration, checked): all ask, or none.
     links = None if wanted == "group" else _sockets(wanted, on_cpu, rank, size, timeout, gather)
     if links is not None:
         carrier: Any = SocketCarrier(links, timeout, Board(group))
