@@ -24,14 +24,10 @@ import time
 import uuid
 import warnings
 
-__all__ = ["RefusedConnection", "connect", "host_key", "listen"]
+__all__ = ["connect", "host_key", "listen"]
 
 _HELLO = struct.Struct("<q32s")  # the caller's rank, the listener's token
 _BUFFER = 4 << 20  # bytes of kernel buffer asked for each way (the system may cap it)
-
-
-class RefusedConnection(ConnectionError):
-    """A rank's peers did not all connect, and processes not of the job tried to."""
 
 
 def host_key() -> tuple[str, ...] | None:
@@ -69,9 +65,9 @@ def connect(
 ) -> dict[int, socket.socket]:
     """Connect this rank with every other (``peers``: each rank's address and token): it
     calls every lower rank's listener, and takes the calls of the higher ones, each of which
-    says its rank and this listener's token. Raises :class:`RefusedConnection` if strangers
-    called and the peers did not all, ``OSError`` if that does not complete within
-    ``timeout`` seconds for another reason."""
+    says its rank and this listener's token. Raises ``ConnectionError`` naming the strangers
+    if strangers called and the peers did not all, ``OSError`` if that does not complete
+    within ``timeout`` seconds for another reason."""
     links: dict[int, socket.socket] = {}
     strangers: list[str] = []
     try:
@@ -90,7 +86,7 @@ def connect(
                 link, _ = listener.accept()
             except TimeoutError as error:
                 if strangers:
-                    raise RefusedConnection(
+                    raise ConnectionError(
                         f"rank {rank} refused connections to its socket from processes not of "
                         f"this job ({'; '.join(strangers)}), and its peers did not all connect"
                     ) from error
