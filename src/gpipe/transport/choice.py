@@ -95,31 +95,30 @@ def _sockets(
             for r, (w, _, _) in enumerate(everyone)
             if isinstance(w, str) or w != everyone[0][0]
         ]
-        if not unavailable:
-            try:
-                formed = handshake.connect(listener, [e[1:] for e in everyone], rank, timeout)
-            except OSError as error:
-                failed = f"rank {rank} could not connect its sockets: {error}"
+        if unavailable:  # every rank read the same gather: none connects
+            if wanted == "sockets":
+                raise PartitionError(
+                    "transport='sockets' needs every rank of the pipeline on one machine, its "
+                    "stages on the CPU and the group on gloo: "
+                    + "; ".join(dict.fromkeys(unavailable))
+                    + "; use transport='auto' or 'group'"
+                )
+            if rank == 0:
+                _log.info("transport='auto' uses the process group: %s", "; ".join(unavailable))
+            return None
+        try:
+            formed = handshake.connect(listener, [e[1:] for e in everyone], rank, timeout)
+        except OSError as error:
+            failed = f"rank {rank} could not connect its sockets: {error}"
     finally:
         if listener is not None:  # closed by connect too; else by nobody
             listener.close()
     failures = [f for f in gather(failed, "the socket connections") if f]
-    if not failures and not unavailable:
-        return formed
-    for link in formed.values():
-        link.close()
     if failures:  # on one machine, sockets that should work did not: never a silent switch
+        for link in formed.values():
+            link.close()
         raise PipelineError(
             f"rank {rank}: the same-host sockets did not form: {'; '.join(failures)}; if a "
             "process not of this job connected, find it (its pid); or use transport='group'"
         )
-    if wanted == "sockets":
-        raise PartitionError(
-            "transport='sockets' needs every rank of the pipeline on one machine, its "
-            "stages on the CPU and the group on gloo: "
-            + "; ".join(dict.fromkeys(unavailable))
-            + "; use transport='auto' or 'group'"
-        )
-    if rank == 0:
-        _log.info("transport='auto' uses the process group: %s", "; ".join(unavailable))
-    return None
+    return formed
