@@ -21,7 +21,6 @@ import socket
 import struct
 import sys
 import time
-import uuid
 import warnings
 
 __all__ = ["connect", "host_key", "listen"]
@@ -49,7 +48,7 @@ def host_key() -> tuple[str, ...] | None:
 def listen(num_ranks: int) -> tuple[socket.socket, str, bytes]:
     """A listening socket for this rank's peers, its (abstract) address, and its token.
     The backlog is the system's largest, so that strangers calling do not fill it."""
-    address = f"\0gpipe/{uuid.uuid4().hex}"
+    address = f"\0gpipe/{secrets.token_hex(16)}"  # public: not the token
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         listener.bind(address)
