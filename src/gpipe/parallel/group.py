@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
+import torch.distributed as dist
 
 from gpipe.base import rng
 from gpipe.base._utils import DeviceLike
@@ -43,11 +44,7 @@ T = TypeVar("T")
 def default_device(group: Any) -> torch.device:
     """Where a process computes unless told: with a process group under NCCL, its
     ``cuda:LOCAL_RANK``; otherwise the CPU."""
-    if group is None:
-        return torch.device("cpu")
-    import torch.distributed as dist
-
-    if dist.get_backend(group) == "nccl":
+    if group is not None and dist.get_backend(group) == "nccl":
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     return torch.device("cpu")
 
@@ -176,8 +173,6 @@ class MultiProcess(StepAgreement, PipelineGroup):
     def __init__(
         self, group: Any, *, timeout: float, receive_ahead: bool | None, transport: str = "auto"
     ) -> None:
-        import torch.distributed as dist
-
         self.group, self.timeout = group, timeout
         self.receive_ahead, self.wanted_transport = receive_ahead, transport
         self.rank, self.num_ranks = dist.get_rank(group), dist.get_world_size(group)
@@ -273,8 +268,6 @@ class MultiProcess(StepAgreement, PipelineGroup):
         """Swap this process's tensor (``mine`` has one entry: checked by ``tie``) with every
         other holder stage's rank: between steps, through the group's own point-to-point
         (not the step's frames); the wait is a collective's, bounded and named."""
-        import torch.distributed as dist
-
         ((stage, tensor),) = mine.items()
         rank_of = self.schedule.stage_to_rank
         doing = f"step {self.steps} of this Pipe" if self.steps else "building the Pipe"

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from gpipe.base.errors import PartitionError, PipelineError
 from gpipe.schedule.routes import Routes
@@ -51,8 +52,6 @@ def open_transport(
 ) -> PeerTransport:
     """This rank's transport (``devices``: each stage's; ``gather``: one bounded all-gather
     of the group, through which every rank takes part in the choice)."""
-    import torch.distributed as dist
-
     # NCCL's order on gloo (receive_ahead=False) is the group's transport's alone.
     wanted = "group" if receive_ahead is False else wanted
     mine = [devices[s] for s in schedule.stages_of(rank)]
