@@ -62,7 +62,8 @@ def pipeline_group(
 class PipelineGroup:
     """What the front end asks of a Pipe's ranks, wherever they are; here, every stage in
     this process: its transport is device copies, and a failed step leaves it ready for the
-    next one. :class:`MultiProcess` overrides each method."""
+    next one. :class:`MultiProcess` overrides each method but those written through
+    ``gather`` (``check_same``, ``decide``)."""
 
     rank: int | None = None  # this process's rank in the pipeline; None: every rank is here
     clock_origin: float | None = None  # where traces count from (None: each step's start)

@@ -74,9 +74,8 @@ def _sockets(
     timeout: float,
     gather: Callable[[Any, str], list[Any]],
 ) -> dict[int, socket.socket] | None:
-    """A Unix socket to every peer, where the pipeline can use them (``wanted``: 'auto' or
-    'sockets'): every rank on this machine, its stages on the CPU (``on_cpu``, the group on
-    gloo). None: the process group carries the messages."""
+    """A Unix socket to every peer where the pipeline can use them (``wanted``: 'auto' or
+    'sockets'; where: the module's docstring), else None: the process group carries them."""
     where: Any = "has stages off the CPU or a group off gloo"  # or the machine, if it can
     listener, address, token = None, "", b""
     if on_cpu:
