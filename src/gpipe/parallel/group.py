@@ -182,22 +182,21 @@ class MultiProcess(StepAgreement, PipelineGroup):
         self.ops = Collectives(group, timeout=timeout, device=default_device(group))
 
     def _collective(self, run: Callable[..., T], *args: Any, notices: bool = True, **kw: Any) -> T:
-        """``run(*args, **kw)``'s collectives, after any failure a peer announced (unless
-        ``notices`` is False: the collective itself carries the failures); one that does not
-        complete breaks this pipeline, and the peers are told (they would wait in vain)."""
-        if self.transport is not None and notices:
+        """``run(*args, **kw)``'s collectives once connected, after any failure a peer
+        announced (unless ``notices`` is False: the collective itself carries the failures);
+        one that does not complete breaks this pipeline, and the peers are told (they would
+        wait in vain)."""
+        if notices:
             self.transport.check_notices()
         try:
             return run(*args, **kw)
         except PipelineError as error:
             if self.broken is None:
                 self.broken = str(error)
-                if self.transport is not None:
-                    self.transport.announce_failure(
-                        {"rank": self.rank if error.rank is None else error.rank,
-                         "global_rank": error.global_rank, "message": str(error),
-                         "gave_up": True}
-                    )  # fmt: skip
+                self.transport.announce_failure(
+                    {"rank": self.rank if error.rank is None else error.rank,
+                     "global_rank": error.global_rank, "message": str(error), "gave_up": True}
+                )  # fmt: skip
             raise
 
     # -- devices and stages -------------------------------------------------------------------
@@ -293,6 +292,5 @@ class MultiProcess(StepAgreement, PipelineGroup):
         return f"rank {self.rank}"
 
     def gather(self, value: Any, what: str) -> list[Any]:
-        return self._collective(
-            self.ops.all_gather_object, value, f"the gather of {what}", doing="building the Pipe"
-        )
+        # Before the transport (a build that fails leaves no Pipe to break): a plain collective.
+        return self.ops.all_gather_object(value, f"the gather of {what}", doing="building the Pipe")
