@@ -19,7 +19,6 @@ import os
 import secrets
 import socket
 import struct
-import sys
 import time
 import warnings
 
@@ -31,11 +30,10 @@ _BUFFER = 4 << 20  # bytes of kernel buffer asked for each way (the system may c
 
 def host_key() -> tuple[str, ...] | None:
     """What processes must share to reach each other's abstract Unix sockets: the machine
-    (host name and boot) and the network namespace; None where there are none (not Linux).
+    (host name and boot) and the network namespace; None where there are none (not Linux,
+    whose ``/proc`` alone tells them).
     ``GPIPE_TEST_HOST`` is a testing aid: ranks given different values believe they run on
     different machines (the suite runs two "nodes" on one host over the process group)."""
-    if not sys.platform.startswith("linux"):
-        return None
     try:
         with open("/proc/sys/kernel/random/boot_id") as boot:
             boot_id = boot.read().strip()
