@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
+import torch.distributed as dist
 
 from gpipe.base import rng
 from gpipe.base._utils import DeviceLike
@@ -31,18 +32,11 @@ from gpipe.parallel.collectives import Collectives
 from gpipe.parallel.tied import TiedParameters
 from gpipe.schedule.ir import Schedule
 from gpipe.schedule.routes import Routes
-from gpipe.transport.choice import TRANSPORTS, check_choice, open_transport
+from gpipe.transport.choice import check_choice, open_transport
 from gpipe.transport.local import LocalTransport
 from gpipe.transport.peers import PeerTransport
 
-__all__ = [
-    "Agreement",
-    "MultiProcess",
-    "PipelineGroup",
-    "TRANSPORTS",
-    "default_device",
-    "pipeline_group",
-]
+__all__ = ["MultiProcess", "PipelineGroup", "default_device", "pipeline_group"]
 
 T = TypeVar("T")
 
@@ -50,11 +44,7 @@ T = TypeVar("T")
 def default_device(group: Any) -> torch.device:
     """Where a process computes unless told: with a process group under NCCL, its
     ``cuda:LOCAL_RANK``; otherwise the CPU."""
-    if group is None:
-        return torch.device("cpu")
-    import torch.distributed as dist
-
-    if dist.get_backend(group) == "nccl":
+    if group is not None and dist.get_backend(group) == "nccl":
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     return torch.device("cpu")
 
@@ -72,7 +62,8 @@ def pipeline_group(
 class PipelineGroup:
     """What the front end asks of a Pipe's ranks, wherever they are; here, every stage in
     this process: its transport is device copies, and a failed step leaves it ready for the
-    next one. :class:`MultiProcess` overrides each method."""
+    next one. :class:`MultiProcess` overrides each method but those written through
+    ``gather`` (``check_same``, ``decide``)."""
 
     rank: int | None = None  # this process's rank in the pipeline; None: every rank is here
     clock_origin: float | None = None  # where traces count from (None: each step's start)
@@ -101,7 +92,20 @@ class PipelineGroup:
         return (rng.draw_step_seed() if seed is None else seed), batch
 
     def check_same(self, configuration: dict[str, Any]) -> None:
-        """Refuse to start unless every rank was given the same configuration."""
+        """Refuse to start unless every rank was given the same configuration (through
+        ``gather``: one process has nothing to compare)."""
+        everyone = self.gather(configuration, "every rank's configuration")
+        differences = [
+            f"- {key}: rank {rank} has {theirs[key]!r}, rank 0 has {everyone[0][key]!r}"
+            for rank, theirs in enumerate(everyone)
+            for key in configuration
+            if theirs.get(key) != everyone[0].get(key)
+        ]
+        if differences:
+            raise PartitionError(
+                "the ranks of this pipeline were built differently; every rank must run the "
+                "same script with the same model and Pipe arguments:\n" + "\n".join(differences)
+            )
 
     def agree(
         self,
@@ -143,8 +147,9 @@ class PipelineGroup:
         return {stage: mine[stage].to(device) for stage in holders}
 
     def decide(self, choose: Callable[[], T]) -> T:
-        """``choose()``, one answer for every rank."""
-        return choose()
+        """``choose()`` on rank 0, its answer on every rank (timings differ by process)."""
+        mine = choose() if self.rank in (None, 0) else None
+        return self.gather(mine, "the automatic balance (balance='auto')")[0]
 
     def gather(self, value: Any, what: str) -> list[Any]:
         """Every rank's ``value`` (plain data), by rank, while building: what each rank found
@@ -169,8 +174,6 @@ class MultiProcess(StepAgreement, PipelineGroup):
     def __init__(
         self, group: Any, *, timeout: float, receive_ahead: bool | None, transport: str = "auto"
     ) -> None:
-        import torch.distributed as dist
-
         self.group, self.timeout = group, timeout
         self.receive_ahead, self.wanted_transport = receive_ahead, transport
         self.rank, self.num_ranks = dist.get_rank(group), dist.get_world_size(group)
@@ -179,22 +182,21 @@ class MultiProcess(StepAgreement, PipelineGroup):
         self.ops = Collectives(group, timeout=timeout, device=default_device(group))
 
     def _collective(self, run: Callable[..., T], *args: Any, notices: bool = True, **kw: Any) -> T:
-        """``run(*args, **kw)``'s collectives, after any failure a peer announced (unless
-        ``notices`` is False: the collective itself carries the failures); one that does not
-        complete breaks this pipeline, and the peers are told (they would wait in vain)."""
-        if self.transport is not None and notices:
+        """``run(*args, **kw)``'s collectives once connected, after any failure a peer
+        announced (unless ``notices`` is False: the collective itself carries the failures);
+        one that does not complete breaks this pipeline, and the peers are told (they would
+        wait in vain)."""
+        if notices:
             self.transport.check_notices()
         try:
             return run(*args, **kw)
         except PipelineError as error:
             if self.broken is None:
                 self.broken = str(error)
-                if self.transport is not None:
-                    self.transport.announce_failure(
-                        {"rank": self.rank if error.rank is None else error.rank,
-                         "global_rank": error.global_rank, "message": str(error),
-                         "gave_up": True}
-                    )  # fmt: skip
+                self.transport.announce_failure(
+                    {"rank": self.rank if error.rank is None else error.rank,
+                     "global_rank": error.global_rank, "message": str(error), "gave_up": True}
+                )  # fmt: skip
             raise
 
     # -- devices and stages -------------------------------------------------------------------
@@ -217,8 +219,6 @@ class MultiProcess(StepAgreement, PipelineGroup):
         self, schedule: Schedule, stage_devices: list[torch.device], routes: Routes
     ) -> PeerTransport:
         self.schedule = schedule
-        # Never one rank on sockets and its peer on the group, waiting for each other.
-        self.check_same({"transport": self.wanted_transport, "receive_ahead": self.receive_ahead})
         self.transport = open_transport(
             schedule, self.rank, self.group, stage_devices, routes=routes, timeout=self.timeout,
             wanted=self.wanted_transport, receive_ahead=self.receive_ahead, gather=self.gather,
@@ -246,20 +246,6 @@ class MultiProcess(StepAgreement, PipelineGroup):
         first_batch = int(values[1])
         return int(values[0]), (None if first_batch < 0 else first_batch)
 
-    def check_same(self, configuration: dict[str, Any]) -> None:
-        everyone = self.gather(configuration, "every rank's configuration")
-        differences = [
-            f"- {key}: rank {rank} has {theirs[key]!r}, rank 0 has {everyone[0][key]!r}"
-            for rank, theirs in enumerate(everyone)
-            for key in configuration
-            if theirs.get(key) != everyone[0].get(key)
-        ]
-        if differences:
-            raise PartitionError(
-                "the ranks of this pipeline were built differently; every rank must run the "
-                "same script with the same model and Pipe arguments:\n" + "\n".join(differences)
-            )
-
     def norm_total(self, local: torch.Tensor, *, maximum: bool) -> torch.Tensor:
         """Replicas hold equal gradients after averaging: reducing over the pipeline suffices."""
         if self.broken is not None:
@@ -282,8 +268,6 @@ class MultiProcess(StepAgreement, PipelineGroup):
         """Swap this process's tensor (``mine`` has one entry: checked by ``tie``) with every
         other holder stage's rank: between steps, through the group's own point-to-point
         (not the step's frames); the wait is a collective's, bounded and named."""
-        import torch.distributed as dist
-
         ((stage, tensor),) = mine.items()
         rank_of = self.schedule.stage_to_rank
         doing = f"step {self.steps} of this Pipe" if self.steps else "building the Pipe"
@@ -307,16 +291,6 @@ class MultiProcess(StepAgreement, PipelineGroup):
     def __str__(self) -> str:
         return f"rank {self.rank}"
 
-    def decide(self, choose: Callable[[], T]) -> T:
-        """``choose()`` on rank 0, its answer on every rank (timings differ by process)."""
-        return self._collective(
-            self.ops.broadcast_object,
-            choose() if self.rank == 0 else None,
-            "the broadcast of the automatic balance (balance='auto')",
-            doing="building the Pipe",
-        )
-
     def gather(self, value: Any, what: str) -> list[Any]:
-        return self._collective(
-            self.ops.all_gather_object, value, f"the gather of {what}", doing="building the Pipe"
-        )
+        # Before the transport (a build that fails leaves no Pipe to break): a plain collective.
+        return self.ops.all_gather_object(value, f"the gather of {what}", doing="building the Pipe")

@@ -144,7 +144,9 @@ class Pipe(ModelNames, nn.Module):
             module, self._ranks, layout, balance=balance, devices=devices,
             data_parallel_group=data_parallel_group, init_seed=init_seed, sample=sample,
             sample_loss=sample_loss,
-            settings={"tied": tied, "deferred_batch_norm": deferred_batch_norm},
+            # the transport too: never one rank on sockets and its peer on the group
+            settings={"tied": tied, "deferred_batch_norm": deferred_batch_norm,
+                      "transport": transport, "receive_ahead": receive_ahead},
         )  # fmt: skip
         self.layout: Layout = config.layout
         self.balance, self.devices, self.schedule = config.balance, config.devices, config.schedule

@@ -12,13 +12,13 @@ from typing import Any
 from gpipe.base.allocator import POLICIES
 from gpipe.base.remat import REMAT_MODES
 from gpipe.layout import SHARD_MODES, Layout
-from gpipe.parallel.group import TRANSPORTS
 from gpipe.schedule import SCHEDULES
 from gpipe.train.hf import FAMILIES
 from gpipe.train.lr_schedule import LR_SCHEDULES
 from gpipe.train.objectives import PACKINGS
 from gpipe.train.optimizers import OPTIMIZERS
 from gpipe.train.tasks import HF_FOLDER, RECIPES, Task, source_of, task_of
+from gpipe.transport.choice import TRANSPORTS
 
 __all__ = [
     "SIZES",

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from gpipe.base.errors import PartitionError, PipelineError
 from gpipe.schedule.routes import Routes
@@ -51,14 +52,12 @@ def open_transport(
 ) -> PeerTransport:
     """This rank's transport (``devices``: each stage's; ``gather``: one bounded all-gather
     of the group, through which every rank takes part in the choice)."""
-    import torch.distributed as dist
-
     # NCCL's order on gloo (receive_ahead=False) is the group's transport's alone.
     wanted = "group" if receive_ahead is False else wanted
     mine = [devices[s] for s in schedule.stages_of(rank)]
     on_cpu = dist.get_backend(group) == "gloo" and all(d.type == "cpu" for d in mine)
     size = dist.get_world_size(group)
-    # Every rank was told the same (``MultiProcess.connect`` checked): all ask, or none.
+    # Every rank was told the same (the Pipe's configuration, checked): all ask, or none.
     links = None if wanted == "group" else _sockets(wanted, on_cpu, rank, size, timeout, gather)
     if links is not None:
         carrier: Any = SocketCarrier(links, timeout)
@@ -75,9 +74,8 @@ def _sockets(
     timeout: float,
     gather: Callable[[Any, str], list[Any]],
 ) -> dict[int, socket.socket] | None:
-    """A Unix socket to every peer, where the pipeline can use them (``wanted``: 'auto' or
-    'sockets'): every rank on this machine, its stages on the CPU (``on_cpu``, the group on
-    gloo). None: the process group carries the messages."""
+    """A Unix socket to every peer where the pipeline can use them (``wanted``: 'auto' or
+    'sockets'; where: the module's docstring), else None: the process group carries them."""
     where: Any = "has stages off the CPU or a group off gloo"  # or the machine, if it can
     listener, address, token = None, "", b""
     if on_cpu:
@@ -95,31 +93,30 @@ def _sockets(
             for r, (w, _, _) in enumerate(everyone)
             if isinstance(w, str) or w != everyone[0][0]
         ]
-        if not unavailable:
-            try:
-                formed = handshake.connect(listener, [e[1:] for e in everyone], rank, timeout)
-            except OSError as error:
-                failed = f"rank {rank} could not connect its sockets: {error}"
+        if unavailable:  # every rank read the same gather: none connects
+            if wanted == "sockets":
+                raise PartitionError(
+                    "transport='sockets' needs every rank of the pipeline on one machine, its "
+                    "stages on the CPU and the group on gloo: "
+                    + "; ".join(dict.fromkeys(unavailable))
+                    + "; use transport='auto' or 'group'"
+                )
+            if rank == 0:
+                _log.info("transport='auto' uses the process group: %s", "; ".join(unavailable))
+            return None
+        try:
+            formed = handshake.connect(listener, [e[1:] for e in everyone], rank, timeout)
+        except OSError as error:
+            failed = f"rank {rank} could not connect its sockets: {error}"
     finally:
         if listener is not None:  # closed by connect too; else by nobody
             listener.close()
     failures = [f for f in gather(failed, "the socket connections") if f]
-    if not failures and not unavailable:
-        return formed
-    for link in formed.values():
-        link.close()
     if failures:  # on one machine, sockets that should work did not: never a silent switch
+        for link in formed.values():
+            link.close()
         raise PipelineError(
             f"rank {rank}: the same-host sockets did not form: {'; '.join(failures)}; if a "
             "process not of this job connected, find it (its pid); or use transport='group'"
         )
-    if wanted == "sockets":
-        raise PartitionError(
-            "transport='sockets' needs every rank of the pipeline on one machine, its "
-            "stages on the CPU and the group on gloo: "
-            + "; ".join(dict.fromkeys(unavailable))
-            + "; use transport='auto' or 'group'"
-        )
-    if rank == 0:
-        _log.info("transport='auto' uses the process group: %s", "; ".join(unavailable))
-    return None
+    return formed

@@ -68,11 +68,9 @@ def _plain(value: Any, what: str, depth: int) -> Any:
     """``value`` as JSON holds it: the types JSON lacks as one-key objects."""
     if depth > _DEPTH:
         raise CodecError(f"{what} is nested more than {_DEPTH} deep (or holds itself): {REMEDY}")
-    kind = type(value)
-    if value is None or kind is bool:
-        return value
-    if isinstance(value, (int, float, str)):
+    if value is None or isinstance(value, (int, float, str)):  # bool is an int
         return value  # JSON writes a subclass (an IntEnum) as its base type
+    kind = type(value)
     if kind is list or kind is tuple or kind is torch.Size:
         items = [_plain(item, what, depth + 1) for item in value]
         return items if kind is list else {"t" if kind is tuple else "S": items}

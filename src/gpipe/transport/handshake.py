@@ -19,28 +19,21 @@ import os
 import secrets
 import socket
 import struct
-import sys
 import time
-import uuid
 import warnings
 
-__all__ = ["RefusedConnection", "connect", "host_key", "listen"]
+__all__ = ["connect", "host_key", "listen"]
 
 _HELLO = struct.Struct("<q32s")  # the caller's rank, the listener's token
 _BUFFER = 4 << 20  # bytes of kernel buffer asked for each way (the system may cap it)
 
 
-class RefusedConnection(ConnectionError):
-    """A rank's peers did not all connect, and processes not of the job tried to."""
-
-
 def host_key() -> tuple[str, ...] | None:
     """What processes must share to reach each other's abstract Unix sockets: the machine
-    (host name and boot) and the network namespace; None where there are none (not Linux).
+    (host name and boot) and the network namespace; None where there are none (not Linux,
+    whose ``/proc`` alone tells them).
     ``GPIPE_TEST_HOST`` is a testing aid: ranks given different values believe they run on
     different machines (the suite runs two "nodes" on one host over the process group)."""
-    if not sys.platform.startswith("linux"):
-        return None
     try:
         with open("/proc/sys/kernel/random/boot_id") as boot:
             boot_id = boot.read().strip()
@@ -53,7 +46,7 @@ def host_key() -> tuple[str, ...] | None:
 def listen(num_ranks: int) -> tuple[socket.socket, str, bytes]:
     """A listening socket for this rank's peers, its (abstract) address, and its token.
     The backlog is the system's largest, so that strangers calling do not fill it."""
-    address = f"\0gpipe/{uuid.uuid4().hex}"
+    address = f"\0gpipe/{secrets.token_hex(16)}"  # public: not the token
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         listener.bind(address)
@@ -69,9 +62,9 @@ def connect(
 ) -> dict[int, socket.socket]:
     """Connect this rank with every other (``peers``: each rank's address and token): it
     calls every lower rank's listener, and takes the calls of the higher ones, each of which
-    says its rank and this listener's token. Raises :class:`RefusedConnection` if strangers
-    called and the peers did not all, ``OSError`` if that does not complete within
-    ``timeout`` seconds for another reason."""
+    says its rank and this listener's token. Raises ``ConnectionError`` naming the strangers
+    if strangers called and the peers did not all, ``OSError`` if that does not complete
+    within ``timeout`` seconds for another reason."""
     links: dict[int, socket.socket] = {}
     strangers: list[str] = []
     try:
@@ -90,7 +83,7 @@ def connect(
                 link, _ = listener.accept()
             except TimeoutError as error:
                 if strangers:
-                    raise RefusedConnection(
+                    raise ConnectionError(
                         f"rank {rank} refused connections to its socket from processes not of "
                         f"this job ({'; '.join(strangers)}), and its peers did not all connect"
                     ) from error
