@@ -4,6 +4,7 @@ import contextlib
 import fcntl
 import json
 import multiprocessing.process
+import os
 import subprocess
 import tempfile
 from pathlib import Path
@@ -15,7 +16,11 @@ from gpipe.__main__ import main
 from train_runs import TINY, gpipe_command
 
 # Two cores, several processes per test at times: one thread per process avoids
-# oversubscription, which made small models an order of magnitude slower.
+# oversubscription, which made small models an order of magnitude slower. The variable
+# carries it to every process the suite starts (launch's ranks, gpipe commands, torchrun's),
+# whose default is the cores shared by a job's processes: a K=1 rank then spun two threads,
+# 3x the CPU of one on a busy machine.
+os.environ["OMP_NUM_THREADS"] = "1"
 torch.set_num_threads(1)
 
 

@@ -196,9 +196,12 @@ def die_with(launcher: int) -> None:
 
 
 def threads_per_process(processes: int) -> int:
-    """This machine's cores (those this process may run on) shared by ``processes``
-    processes: the threads each computes with. Four processes of two threads each on two
-    cores made a small pipeline's steps 20-50x slower."""
+    """The threads each of ``processes`` processes computes with: ``OMP_NUM_THREADS`` when
+    set, else this machine's cores (those this process may run on) shared by them. Four
+    processes of two threads each on two cores made a small pipeline's steps 20-50x slower."""
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0:
+        return int(threads)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return max(1, (cores or 1) // processes)
 
@@ -233,9 +236,7 @@ def _worker(
     )
     if backend == "nccl":
         torch.cuda.set_device(rank)
-    threads = os.environ.get("OMP_NUM_THREADS", "")  # read here: a fork's torch is running
-    torch.set_num_threads(int(threads) if threads.isdigit() and int(threads) > 0
-                          else threads_per_process(world_size))  # fmt: skip
+    torch.set_num_threads(threads_per_process(world_size))  # read here: a fork's torch runs
     failure = "start"  # the group did not form: the launcher may start the job again
     try:
         # The launcher holds the store (gpipe.parallel.store): every rank is its client.

@@ -284,7 +284,11 @@ class TrainConfig:
         "extra: pip install 'gpipe[wandb]'), MODULE:FUNCTION (a function of yours, called with "
         "each record), or none; see gpipe.train.reporters", _OUTPUT, metavar="LIST",
     )  # fmt: skip
-    threads: int = _option(0, "torch threads per process, 0: cores / processes", _PROCESSES)
+    threads: int = _option(
+        0,
+        "torch threads per process, 0: OMP_NUM_THREADS if set, else cores / processes",
+        _PROCESSES,
+    )
     cpu_allocator: str = _option(
         "default", "freed CPU tensors: 'default' as the C library does, 'cache' keeps them for "
         "reuse (faster, notably for zero-bubble schedules), 'return' gives them back "
