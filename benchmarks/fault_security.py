@@ -109,7 +109,8 @@ def rows_security(work: Path) -> list[tuple]:
     marker = work / "ran"
     outcomes, worst, wall, types, left = _case(planted_statement, (TIMEOUT, str(marker)))
     said = outcomes[0]["message"]
-    named = "rank 1 did not answer" in said or "rank 1 stalled" in said
+    # inquest.failure's words for a rank that never answered, as a neighbour or further on
+    named = any(f"rank 1 {words}" in said for words in ("did not arrive", "did not answer"))
     warned = any("something else than rank 1's statement" in w for w in outcomes[0]["warnings"])
     rows.append((f"a pickle planted in the job's store under rank 1's inquest key, rank 1 hung "
                  f"(timeout {TIMEOUT:g} s) (before: unpickled in rank 0: the planted code ran)",
