@@ -49,14 +49,12 @@ def default_device(group: Any) -> torch.device:
     return torch.device("cpu")
 
 
-def pipeline_group(
-    group: Any, *, timeout: float, receive_ahead: bool | None = None, transport: str = "auto"
-) -> PipelineGroup:
+def pipeline_group(group: Any, *, timeout: float, transport: str = "auto") -> PipelineGroup:
     """The ranks of a Pipe: ``group=None`` is one process, else a process group."""
-    check_choice(transport, receive_ahead)
+    check_choice(transport)
     if group is None:
         return PipelineGroup()
-    return MultiProcess(group, timeout=timeout, receive_ahead=receive_ahead, transport=transport)
+    return MultiProcess(group, timeout=timeout, transport=transport)
 
 
 class PipelineGroup:
@@ -171,11 +169,8 @@ class MultiProcess(StepAgreement, PipelineGroup):
     clock_origin: float | None = 0.0  # perf_counter is one clock per machine: traces line up
     broken: str | None = None  # what failed, once a step has: the ranks may disagree
 
-    def __init__(
-        self, group: Any, *, timeout: float, receive_ahead: bool | None, transport: str = "auto"
-    ) -> None:
-        self.group, self.timeout = group, timeout
-        self.receive_ahead, self.wanted_transport = receive_ahead, transport
+    def __init__(self, group: Any, *, timeout: float, transport: str = "auto") -> None:
+        self.group, self.timeout, self.wanted_transport = group, timeout, transport
         self.rank, self.num_ranks = dist.get_rank(group), dist.get_world_size(group)
         self.steps = 0  # steps begun, for errors that say what this rank was doing
         self.transport: PeerTransport | None = None
@@ -221,7 +216,7 @@ class MultiProcess(StepAgreement, PipelineGroup):
         self.schedule = schedule
         self.transport = open_transport(
             schedule, self.rank, self.group, stage_devices, routes=routes, timeout=self.timeout,
-            wanted=self.wanted_transport, receive_ahead=self.receive_ahead, gather=self.gather,
+            wanted=self.wanted_transport, gather=self.gather,
         )  # fmt: skip
         self.ops.device = self.transport.wire_device  # where collectives take tensors
         return self.transport
