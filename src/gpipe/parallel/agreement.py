@@ -19,7 +19,7 @@ import torch
 from gpipe.base.errors import NonFiniteError, PipelineError
 from gpipe.engine.stage import Stage
 from gpipe.parallel.clipping import Edit, check_edits
-from gpipe.transport.inquest import global_rank, state, waited_out
+from gpipe.transport.inquest import global_rank, waited_out
 
 __all__ = ["Agreement", "StepAgreement", "refuse_step"]
 
@@ -100,19 +100,15 @@ class StepAgreement:
             return
         me = global_rank(self.group, self.rank)
         if isinstance(error, PipelineError):  # from elsewhere: this rank only waited
-            origin, message = error.rank, str(error)
-            culprit = error.global_rank
+            origin, message, culprit = error.rank, str(error), error.global_rank
             if culprit is None and origin is not None:
                 culprit = global_rank(self.group, origin)
-            others = [global_rank(self.group, r) for r in range(self.num_ranks) if r != self.rank]
-            state(me, others if culprit is None else [culprit], message)
             origin = self.rank if origin is None else origin
         else:
             origin, culprit = self.rank, me
             held = ", ".join(str(s.index) for s in stages)
             message = f"rank {me} (stage {held}) raised {type(error).__name__}: {error}"
             error.add_note(f"raised in pipeline rank {self.rank} (stage {held})")
-            state(me, [], message)  # before the news: whoever asks finds the cause
         self.broken = message
         # Its own wait failed: it waited a timeout for a rank that may never answer. It gives
         # up (and says so) instead of waiting for that rank again in the agreement; so it
