@@ -44,8 +44,8 @@ class StepAgreement:
         row = torch.tensor([value, failed + 1, troubled], dtype=torch.float64)
         operation = "the end-of-step agreement (all-gather)"
         doing = f"ending step {self.steps} of this Pipe"
-        send = self.transport.all_gather_row  # a notice comes in a row's place: no check first
-        return self._collective(send, row, operation, doing, notices=False)
+        send = self.transport.all_gather_row  # failed: this rank's row after its notice
+        return self._collective(send, row, operation, doing, failing=failed >= 0)
 
     def agree(
         self,

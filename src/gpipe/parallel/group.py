@@ -176,13 +176,13 @@ class MultiProcess(StepAgreement, PipelineGroup):
         self.transport: PeerTransport | None = None
         self.ops = Collectives(group, timeout=timeout, device=default_device(group))
 
-    def _collective(self, run: Callable[..., T], *args: Any, notices: bool = True, **kw: Any) -> T:
-        """``run(*args, **kw)``'s collectives once connected, after any failure a peer
-        announced (unless ``notices`` is False: the collective itself carries the failures);
-        one that does not complete breaks this pipeline, and the peers are told (they would
-        wait in vain)."""
-        if notices:
-            self.transport.check_notices()
+    def _collective(self, run: Callable[..., T], *args: Any, failing=False, **kw: Any) -> T:
+        """``run(*args, **kw)``'s collectives once connected, refused after a failed step
+        (unless ``failing``: that step's own agreement); one that does not complete breaks
+        this pipeline, and the peers are told (they would wait in vain)."""
+        if self.broken is not None and not failing:
+            raise PipelineError(f"rank {self.rank}: this pipeline failed in an earlier step "
+                                f"({self.broken}); build a new Pipe")  # fmt: skip
         try:
             return run(*args, **kw)
         except PipelineError as error:
@@ -236,8 +236,8 @@ class MultiProcess(StepAgreement, PipelineGroup):
         values = torch.tensor([drawn, -1 if batch is None else batch], dtype=torch.int64)
         self.steps += 1
         doing = f"starting step {self.steps} of this Pipe"
-        send = self.transport.broadcast_row  # a notice comes in a row's place: no check first
-        values = self._collective(send, values, "the step-seed broadcast", doing, notices=False)
+        send = self.transport.broadcast_row
+        values = self._collective(send, values, "the step-seed broadcast", doing)
         first_batch = int(values[1])
         return int(values[0]), (None if first_batch < 0 else first_batch)
 

@@ -23,11 +23,6 @@ class Failures:
     ``rank``, ``schedule``, ``timeout``, ``carrier``, its step's frames and ``_emit``; fills
     ``_told`` (each peer's notice: the error it raises, whether the peer gave up)."""
 
-    def check_notices(self) -> None:
-        """Raise the failure a peer announced, if one has."""
-        for error, _ in self._told.values():
-            raise error
-
     def peer_gave_up(self) -> bool:
         """Whether a peer announced that it left the pipeline without agreeing on the
         failure (a collective of its timed out): nobody is left to agree with."""
