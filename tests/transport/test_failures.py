@@ -22,7 +22,7 @@ def store(monkeypatch):
     store = dist.HashStore()
     monkeypatch.setattr(inquest, "_store", lambda: store)
     monkeypatch.setattr(inquest, "_gone", [])
-    monkeypatch.setattr(failures, "global_rank", lambda group, rank: rank + 4)
+    monkeypatch.setattr(failures.Failures, "_global", lambda self, rank: rank + 4)
     return store
 
 

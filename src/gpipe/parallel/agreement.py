@@ -15,11 +15,12 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from gpipe.base.errors import NonFiniteError, PipelineError
 from gpipe.engine.stage import Stage
 from gpipe.parallel.clipping import Edit, check_edits
-from gpipe.transport.inquest import global_rank, waited_out
+from gpipe.transport.inquest import waited_out
 
 __all__ = ["Agreement", "StepAgreement", "refuse_step"]
 
@@ -98,11 +99,11 @@ class StepAgreement:
         """Tell the other ranks this step failed here (or upstream), then agree on who."""
         if self.broken is not None:  # a collective of this step failed here: peers told
             return
-        me = global_rank(self.group, self.rank)
+        me = dist.get_global_rank(self.group, self.rank)
         if isinstance(error, PipelineError):  # from elsewhere: this rank only waited
             origin, message, culprit = error.rank, str(error), error.global_rank
             if culprit is None and origin is not None:
-                culprit = global_rank(self.group, origin)
+                culprit = dist.get_global_rank(self.group, origin)
             origin = self.rank if origin is None else origin
         else:
             origin, culprit = self.rank, me
