@@ -7,6 +7,7 @@ Every function returns plain data; the references are computed by the tests.
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -230,7 +231,28 @@ def _reduce_inputs_held(pipe):
     return held, max((sum(p.numel() for p in layer.parameters()) for layer in layers), default=0)
 
 
+@contextlib.contextmanager
+def nccl_order(ordered: bool):
+    """With ``ordered``, a Pipe built here takes NCCL's paths on gloo (receives posted at the
+    plan's points, a gloo side group, coalescing): its carrier is told the backend is 'nccl'
+    (``gpipe.transport.distributed._backend``), which it reads once, when built."""
+    from gpipe.transport import distributed
+
+    told = distributed._backend
+    if ordered:
+        distributed._backend = lambda group: "nccl"
+    try:
+        yield
+    finally:
+        distributed._backend = told
+
+
 def _pipe_of(case, group, data_parallel_group):
+    with nccl_order(case.get("ordered", False)):
+        return _built(case, group, data_parallel_group)
+
+
+def _built(case, group, data_parallel_group):
     model = case["model"]
     return gpipe.Pipe(
         FACTORIES[model],
@@ -246,9 +268,7 @@ def _pipe_of(case, group, data_parallel_group):
         init_seed=INIT_SEED,
         timeout=30,
         tied=[GPT_TIED] if model == "gpt-tied" else (),
-        # "ordered": post receives as on NCCL (at the plan's points), though gloo carries them.
-        receive_ahead=False if case.get("ordered") else None,
-        transport=case.get("transport", "auto"),
+        transport="group" if case.get("ordered") else case.get("transport", "auto"),
     )
 
 

@@ -19,6 +19,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import gpipe
+from distributed_cases import nccl_order
 from gpipe.base.errors import PipelineError
 
 
@@ -44,7 +45,7 @@ def faulty(rank, stages, fault_stage, microbatch, how, timeout, after_steps=0, o
     """A pipeline whose stage ``fault_stage`` fails; report what this rank raised, and when.
 
     ``after_steps`` good steps come first (receives of a fixed shape are then posted
-    ahead); ``ordered`` posts receives as on NCCL.
+    ahead); ``ordered`` posts receives as on NCCL (``distributed_cases.nccl_order``).
     """
     torch.set_num_threads(1)
 
@@ -56,14 +57,15 @@ def faulty(rank, stages, fault_stage, microbatch, how, timeout, after_steps=0, o
         return nn.Sequential(*layers)
 
     _together()
-    pipe = gpipe.Pipe(
-        factory,
-        balance=[2] * stages,
-        chunks=4,
-        group=dist.group.WORLD,
-        timeout=timeout,
-        receive_ahead=False if ordered else None,
-    )
+    with nccl_order(ordered):
+        pipe = gpipe.Pipe(
+            factory,
+            balance=[2] * stages,
+            chunks=4,
+            group=dist.group.WORLD,
+            timeout=timeout,
+            transport="group" if ordered else "auto",
+        )
     x = torch.randn(8, 8)
     for _ in range(after_steps):
         pipe.step(x, torch.randn(8, 8), F.mse_loss)

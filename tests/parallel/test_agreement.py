@@ -49,7 +49,7 @@ class _Rank(StepAgreement):
         self.transport, self.ops = _Transport(rows, said or {}), _Ops(list(messages))
         self.schedule = type("Schedule", (), {"stage_to_rank": [0, 1]})()
 
-    def _collective(self, run, *args, notices=True, **kw):
+    def _collective(self, run, *args, failing=False, **kw):
         return run(*args, **kw)
 
 

@@ -1,5 +1,6 @@
 """NCCL's code paths without a GPU: the transport chooses them by the backend's name
-(``gpipe.transport.distributed._backend``), so ranks on gloo told 'nccl' run them all —
+(``gpipe.transport.distributed._backend``), so ranks on gloo told 'nccl'
+(``distributed_cases.nccl_order``) run them all —
 receives posted in NCCL's one global order, headers, descriptions and the step's rows on
 a gloo side group, several transfers coalesced into one ``batch_isend_irecv`` — and
 every gradient is compared with the un-split model. benchmarks/cuda_check.py runs the
@@ -28,10 +29,7 @@ CASES = [
 
 
 def _told_nccl(rank: int, cases: list[dict]) -> list[dict]:
-    from gpipe.transport import distributed
-
-    distributed._backend = lambda group: "nccl"
-    pipes: list = []
+    pipes: list = []  # "ordered" cases: their carriers were told 'nccl' (nccl_order)
     results = train_steps(rank, cases, keep=pipes)
     for result, pipe in zip(results, pipes, strict=True):
         carrier = pipe._transport.carrier

@@ -13,13 +13,10 @@ from gpipe.parallel.launch import launch
 pytestmark = pytest.mark.timeout(600)
 
 
-def test_the_transport_is_one_of_three_and_sockets_cannot_post_in_nccls_order():
+def test_the_transport_is_one_of_three():
     model = mlp([4, 4, 4, 4, 4])
     with pytest.raises(ValueError, match="transport must be one of"):
         gpipe.Pipe(model, balance=[2, 2], devices=["cpu"] * 2, transport="tcp")
-    with pytest.raises(ValueError, match="receive_ahead=False"):
-        gpipe.Pipe(model, balance=[2, 2], devices=["cpu"] * 2, transport="sockets",
-                   receive_ahead=False)  # fmt: skip
 
 
 @pytest.mark.slow

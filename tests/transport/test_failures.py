@@ -22,7 +22,7 @@ def store(monkeypatch):
     store = dist.HashStore()
     monkeypatch.setattr(inquest, "_store", lambda: store)
     monkeypatch.setattr(inquest, "_gone", [])
-    monkeypatch.setattr(failures, "global_rank", lambda group, rank: rank + 4)
+    monkeypatch.setattr(failures.Failures, "_global", lambda self, rank: rank + 4)
     return store
 
 
@@ -66,14 +66,15 @@ def test_gloo_s_and_nccl_s_errors_read_as_their_first_line_and_whether_they_time
     assert said_in(RuntimeError(text)) == (first or text, timed_out)
 
 
-def test_the_first_notice_taken_is_raised_and_a_failed_rank_s_words_are_its_statement(store):
+def test_a_notice_raises_the_failed_rank_s_words_its_statement(store):
     transport = _transport()
-    transport.check_notices()  # none yet
+    assert not transport.peer_gave_up()  # none yet
     inquest.state(5, [], "rank 5 (stage 1) raised ValueError: bad")
     transport._told[1] = transport._heard(1, [1, 5, 0])
     transport._told[2] = (PipelineError("later"), True)
-    with pytest.raises(PipelineError, match=r"rank 5 \(stage 1\) raised ValueError: bad"):
-        transport.check_notices()
+    error, gave_up = transport._told[1]
+    assert str(error) == "rank 5 (stage 1) raised ValueError: bad" and not gave_up
+    assert (error.rank, error.global_rank) == (1, 5)
     assert transport.said(1) == "rank 5 (stage 1) raised ValueError: bad"
     assert transport.said(0) is None and transport.peer_gave_up()
 

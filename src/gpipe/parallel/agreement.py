@@ -15,11 +15,12 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from gpipe.base.errors import NonFiniteError, PipelineError
 from gpipe.engine.stage import Stage
 from gpipe.parallel.clipping import Edit, check_edits
-from gpipe.transport.inquest import global_rank, state, waited_out
+from gpipe.transport.inquest import waited_out
 
 __all__ = ["Agreement", "StepAgreement", "refuse_step"]
 
@@ -44,8 +45,8 @@ class StepAgreement:
         row = torch.tensor([value, failed + 1, troubled], dtype=torch.float64)
         operation = "the end-of-step agreement (all-gather)"
         doing = f"ending step {self.steps} of this Pipe"
-        send = self.transport.all_gather_row  # a notice comes in a row's place: no check first
-        return self._collective(send, row, operation, doing, notices=False)
+        send = self.transport.all_gather_row  # failed: this rank's row after its notice
+        return self._collective(send, row, operation, doing, failing=failed >= 0)
 
     def agree(
         self,
@@ -98,21 +99,17 @@ class StepAgreement:
         """Tell the other ranks this step failed here (or upstream), then agree on who."""
         if self.broken is not None:  # a collective of this step failed here: peers told
             return
-        me = global_rank(self.group, self.rank)
+        me = dist.get_global_rank(self.group, self.rank)
         if isinstance(error, PipelineError):  # from elsewhere: this rank only waited
-            origin, message = error.rank, str(error)
-            culprit = error.global_rank
+            origin, message, culprit = error.rank, str(error), error.global_rank
             if culprit is None and origin is not None:
-                culprit = global_rank(self.group, origin)
-            others = [global_rank(self.group, r) for r in range(self.num_ranks) if r != self.rank]
-            state(me, others if culprit is None else [culprit], message)
+                culprit = dist.get_global_rank(self.group, origin)
             origin = self.rank if origin is None else origin
         else:
             origin, culprit = self.rank, me
             held = ", ".join(str(s.index) for s in stages)
             message = f"rank {me} (stage {held}) raised {type(error).__name__}: {error}"
             error.add_note(f"raised in pipeline rank {self.rank} (stage {held})")
-            state(me, [], message)  # before the news: whoever asks finds the cause
         self.broken = message
         # Its own wait failed: it waited a timeout for a rank that may never answer. It gives
         # up (and says so) instead of waiting for that rank again in the agreement; so it

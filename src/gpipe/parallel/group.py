@@ -49,14 +49,12 @@ def default_device(group: Any) -> torch.device:
     return torch.device("cpu")
 
 
-def pipeline_group(
-    group: Any, *, timeout: float, receive_ahead: bool | None = None, transport: str = "auto"
-) -> PipelineGroup:
+def pipeline_group(group: Any, *, timeout: float, transport: str = "auto") -> PipelineGroup:
     """The ranks of a Pipe: ``group=None`` is one process, else a process group."""
-    check_choice(transport, receive_ahead)
+    check_choice(transport)
     if group is None:
         return PipelineGroup()
-    return MultiProcess(group, timeout=timeout, receive_ahead=receive_ahead, transport=transport)
+    return MultiProcess(group, timeout=timeout, transport=transport)
 
 
 class PipelineGroup:
@@ -171,23 +169,20 @@ class MultiProcess(StepAgreement, PipelineGroup):
     clock_origin: float | None = 0.0  # perf_counter is one clock per machine: traces line up
     broken: str | None = None  # what failed, once a step has: the ranks may disagree
 
-    def __init__(
-        self, group: Any, *, timeout: float, receive_ahead: bool | None, transport: str = "auto"
-    ) -> None:
-        self.group, self.timeout = group, timeout
-        self.receive_ahead, self.wanted_transport = receive_ahead, transport
+    def __init__(self, group: Any, *, timeout: float, transport: str = "auto") -> None:
+        self.group, self.timeout, self.wanted_transport = group, timeout, transport
         self.rank, self.num_ranks = dist.get_rank(group), dist.get_world_size(group)
         self.steps = 0  # steps begun, for errors that say what this rank was doing
         self.transport: PeerTransport | None = None
         self.ops = Collectives(group, timeout=timeout, device=default_device(group))
 
-    def _collective(self, run: Callable[..., T], *args: Any, notices: bool = True, **kw: Any) -> T:
-        """``run(*args, **kw)``'s collectives once connected, after any failure a peer
-        announced (unless ``notices`` is False: the collective itself carries the failures);
-        one that does not complete breaks this pipeline, and the peers are told (they would
-        wait in vain)."""
-        if notices:
-            self.transport.check_notices()
+    def _collective(self, run: Callable[..., T], *args: Any, failing=False, **kw: Any) -> T:
+        """``run(*args, **kw)``'s collectives once connected, refused after a failed step
+        (unless ``failing``: that step's own agreement); one that does not complete breaks
+        this pipeline, and the peers are told (they would wait in vain)."""
+        if self.broken is not None and not failing:
+            raise PipelineError(f"rank {self.rank}: this pipeline failed in an earlier step "
+                                f"({self.broken}); build a new Pipe")  # fmt: skip
         try:
             return run(*args, **kw)
         except PipelineError as error:
@@ -221,7 +216,7 @@ class MultiProcess(StepAgreement, PipelineGroup):
         self.schedule = schedule
         self.transport = open_transport(
             schedule, self.rank, self.group, stage_devices, routes=routes, timeout=self.timeout,
-            wanted=self.wanted_transport, receive_ahead=self.receive_ahead, gather=self.gather,
+            wanted=self.wanted_transport, gather=self.gather,
         )  # fmt: skip
         self.ops.device = self.transport.wire_device  # where collectives take tensors
         return self.transport
@@ -241,8 +236,8 @@ class MultiProcess(StepAgreement, PipelineGroup):
         values = torch.tensor([drawn, -1 if batch is None else batch], dtype=torch.int64)
         self.steps += 1
         doing = f"starting step {self.steps} of this Pipe"
-        send = self.transport.broadcast_row  # a notice comes in a row's place: no check first
-        values = self._collective(send, values, "the step-seed broadcast", doing, notices=False)
+        send = self.transport.broadcast_row
+        values = self._collective(send, values, "the step-seed broadcast", doing)
         first_batch = int(values[1])
         return int(values[0]), (None if first_batch < 0 else first_batch)
 

@@ -75,9 +75,6 @@ class Pipe(ModelNames, nn.Module):
             the optimizer after the Pipe.
         init_seed: seed of the per-layer initialization when ``module`` is a function.
         timeout: seconds any rank waits for another before raising (multi-process).
-        receive_ahead: multi-process, how receives are posted (``gpipe.transport.distributed``):
-            ``None`` (default) by backend — ahead on gloo, in NCCL's global order on NCCL;
-            ``False`` runs NCCL's order on gloo (to test it on the CPU).
         transport: multi-process, what carries the messages between stages: ``"auto"``
             (default) a Unix socket per pair of ranks where every rank runs on this machine
             with CPU stages on gloo (``gpipe.transport.sockets``: about 10× cheaper per
@@ -123,16 +120,13 @@ class Pipe(ModelNames, nn.Module):
         sample: Any = None,
         sample_loss: tuple[Any, Callable] | None = None,
         tied: Sequence[Sequence[str]] = (),
-        receive_ahead: bool | None = None,
         transport: Literal["auto", "sockets", "group"] = "auto",
     ) -> None:
         super().__init__()
         self.group, self.timeout = group, seconds(timeout, "timeout")
         # A captured model's: the Pipe shows its names and order, follows its mode and hooks.
         self._original = Original.of(module)
-        self._ranks = pipeline_group(
-            group, timeout=self.timeout, receive_ahead=receive_ahead, transport=transport
-        )
+        self._ranks = pipeline_group(group, timeout=self.timeout, transport=transport)
         self.rank = self._ranks.rank
         layout = assembly.layout_of(
             layout, self._ranks, devices=devices, balance=balance,
@@ -146,7 +140,7 @@ class Pipe(ModelNames, nn.Module):
             sample_loss=sample_loss,
             # the transport too: never one rank on sockets and its peer on the group
             settings={"tied": tied, "deferred_batch_norm": deferred_batch_norm,
-                      "transport": transport, "receive_ahead": receive_ahead},
+                      "transport": transport},
         )  # fmt: skip
         self.layout: Layout = config.layout
         self.balance, self.devices, self.schedule = config.balance, config.devices, config.schedule

@@ -27,15 +27,10 @@ TRANSPORTS = ("auto", "sockets", "group")
 _log = logging.getLogger(__name__)
 
 
-def check_choice(transport: str, receive_ahead: bool | None) -> None:
-    """Refuse a ``Pipe(transport=..., receive_ahead=...)`` that names no carrier."""
+def check_choice(transport: str) -> None:
+    """Refuse a ``Pipe(transport=...)`` that names no carrier."""
     if transport not in TRANSPORTS:
         raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
-    if transport == "sockets" and receive_ahead is False:
-        raise ValueError(
-            "receive_ahead=False posts receives in NCCL's order, which only the process "
-            "group's transport does; use transport='group' (or 'auto') with it"
-        )
 
 
 def open_transport(
@@ -47,13 +42,10 @@ def open_transport(
     routes: Routes,
     timeout: float,
     wanted: str,
-    receive_ahead: bool | None,
     gather: Callable[[Any, str], list[Any]],
 ) -> PeerTransport:
     """This rank's transport (``devices``: each stage's; ``gather``: one bounded all-gather
     of the group, through which every rank takes part in the choice)."""
-    # NCCL's order on gloo (receive_ahead=False) is the group's transport's alone.
-    wanted = "group" if receive_ahead is False else wanted
     mine = [devices[s] for s in schedule.stages_of(rank)]
     on_cpu = dist.get_backend(group) == "gloo" and all(d.type == "cpu" for d in mine)
     size = dist.get_world_size(group)
@@ -62,7 +54,7 @@ def open_transport(
     if links is not None:
         carrier: Any = SocketCarrier(links, timeout)
     else:
-        carrier = GroupCarrier(group, mine[0], receive_ahead)
+        carrier = GroupCarrier(group, mine[0])
     return PeerTransport(schedule, rank, group, devices, carrier, timeout=timeout, routes=routes)
 
 

@@ -27,13 +27,13 @@ class GroupCarrier:
 
     kind = "group"  # what Pipe.transport says
 
-    def __init__(self, group: Any, device: torch.device, receive_ahead: bool | None) -> None:
+    def __init__(self, group: Any, device: torch.device) -> None:
         self.group = group
         backend = _backend(group)
         # Collectives of the front end (loss, health check) use a device the backend supports.
         self.wire_device = device if backend == "nccl" else torch.device("cpu")
-        self.receive_ahead = receive_ahead if receive_ahead is not None else backend == "gloo"
-        self._direct = backend == "gloo"  # no coalescing: every operation posted by itself
+        # No coalescing on gloo: every operation posted by itself.
+        self.receive_ahead = self._direct = backend == "gloo"
         # Heads and descriptions: on the group itself where receiving ahead is safe,
         # otherwise on a gloo side group of the same processes.
         self._meta_group = group if self.receive_ahead else _gloo_twin(group)

@@ -10,10 +10,11 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import torch.distributed as dist
 
 from gpipe.base.errors import PipelineError
 from gpipe.transport.framing import NOTICE
-from gpipe.transport.inquest import DIED, global_rank, said_by, said_in, state
+from gpipe.transport.inquest import DIED, said_by, said_in, state
 
 __all__ = ["Failures", "said_in"]
 
@@ -22,11 +23,6 @@ class Failures:
     """The failure half of ``gpipe.transport.peers.PeerTransport``: uses its ``group``,
     ``rank``, ``schedule``, ``timeout``, ``carrier``, its step's frames and ``_emit``; fills
     ``_told`` (each peer's notice: the error it raises, whether the peer gave up)."""
-
-    def check_notices(self) -> None:
-        """Raise the failure a peer announced, if one has."""
-        for error, _ in self._told.values():
-            raise error
 
     def peer_gave_up(self) -> bool:
         """Whether a peer announced that it left the pipeline without agreeing on the
@@ -56,7 +52,7 @@ class Failures:
         self.clear()
 
     def _global(self, rank: int) -> int:
-        return global_rank(self.group, rank)
+        return dist.get_global_rank(self.group, rank)
 
     def _heard(self, peer: int, row: list[int]) -> tuple[PipelineError, bool]:
         """The error ``peer``'s notice (its ``row``) makes this rank raise, and whether the

@@ -25,11 +25,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+import torch.distributed as dist
+
 from gpipe.base.errors import PipelineError
 from gpipe.transport.codec import CodecError, decode, encode
 
 __all__ = [
-    "DIED", "REMEDY", "Verdict", "blame", "failure", "global_rank", "grace", "group_rank", "named",
+    "DIED", "REMEDY", "Verdict", "blame", "failure", "grace", "group_rank", "named",
     "said_by", "said_in", "state", "waited_out",
 ]  # fmt: skip
 
@@ -61,17 +63,8 @@ def waited_out(me: int, *, timeout: float) -> bool:
     return time.monotonic() - _last_blame.get(me, -1e9) < timeout + grace(timeout)
 
 
-def global_rank(group: Any, rank: int) -> int:
-    """``group``'s rank ``rank`` as the job knows it."""
-    import torch.distributed as dist
-
-    return dist.get_global_rank(group, rank)
-
-
 def group_rank(group: Any, rank: int) -> int | None:
     """Global rank ``rank``'s rank in ``group``; None if it is not in it."""
-    import torch.distributed as dist
-
     try:
         return dist.get_group_rank(group, rank)
     except (RuntimeError, ValueError):
@@ -98,7 +91,6 @@ def _store() -> Any:
     if _gone:
         return None
     try:
-        import torch.distributed as dist
         from torch.distributed.distributed_c10d import _get_default_store
 
         return _get_default_store() if dist.is_initialized() else None
@@ -204,8 +196,8 @@ def failure(
     ``rank`` of ``group``, ``doing`` something, waited on its ranks ``peers`` for ``what``
     (``timed_out``: unless ``error`` says). It names the rank that caused it (:func:`blame`),
     which may be none of ``peers`` (``cause_first``: then it is named first), and the remedy."""
-    me = global_rank(group, rank)
-    others = [global_rank(group, r) for r in peers]
+    me = dist.get_global_rank(group, rank)
+    others = [dist.get_global_rank(group, r) for r in peers]
     text, said_timed_out = said_in(error)
     timed_out = said_timed_out if timed_out is None else timed_out
     where = named(group, me) + (f", {doing}" if doing else "")

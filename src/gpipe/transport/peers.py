@@ -15,8 +15,8 @@ tag. When receives are posted:
   reads its tensors from without copying. A frame in place of a stable message (it
   changed after all, a notice, a row after a notice) fills that buffer with its head
   alone; the rest follows: a rare extra transfer instead of a guess.
-* NCCL (and ``receive_ahead=False`` on gloo, which tests use to run NCCL's order on the
-  CPU): a process's operations run in issue order, so a receive posted early would hold
+* NCCL (tests run its order on gloo by naming the backend 'nccl': test_nccl_paths.py):
+  a process's operations run in issue order, so a receive posted early would hold
   back later sends and can deadlock. Heads and descriptions travel on a gloo side group
   (received ahead); each tensor receive is posted at the point of :func:`receive_points`,
   where the sender's send falls in one global order of all the pipeline's transfers.
