@@ -68,6 +68,16 @@ def test_the_grace_is_paid_once_per_failure_and_the_first_statement_stands(store
     assert inquest.said_by(0, timeout=TIMEOUT) == "rank 0 waited for rank 1's gradient"
 
 
+def test_a_rank_that_failed_by_itself_keeps_its_statement_and_waits_for_nobody(store):
+    # rank 0 raised and stated it; in its failure's agreement rank 1 (told, done) is gone
+    inquest.state(0, [], "rank 0 (stage 0) raised KeyError: 'x'")
+    began = time.monotonic()
+    verdict = inquest.blame(0, [1], "rank 0: the receive from rank 1 failed", timeout=TIMEOUT)
+    assert time.monotonic() - began < inquest.grace(TIMEOUT) / 2
+    assert verdict.silent == [1]  # what is known now; rank 0 raises its own error anyway
+    assert inquest.said_by(0, timeout=TIMEOUT) == "rank 0 (stage 0) raised KeyError: 'x'"
+
+
 def test_an_old_statement_is_an_earlier_failure_not_this_one(store, monkeypatch):
     inquest.state(1, [], "rank 1 raised long ago")
     later = time.time() + TIMEOUT + inquest.grace(TIMEOUT) + 1

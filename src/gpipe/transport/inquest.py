@@ -153,9 +153,13 @@ def blame(me: int, waits_on: Iterable[int], what: str, *, timeout: float) -> Ver
     _last_blame[me] = time.monotonic()
     if _store() is None:
         return Verdict({}, [], {})
+    since = time.time() - timeout - grace(timeout)  # older statements: an earlier failure
+    # A rank that stated a failure of its own is its cause: a wait of that failure (its
+    # agreement, a peer that ended meanwhile) neither restates it nor waits for anyone.
+    own = _read(me, since)
+    waited_before = waited_before or (own is not None and not own[0])
     if not waited_before:  # else its first statement stands: the nearer to the cause
         state(me, waits_on, what)
-    since = time.time() - timeout - grace(timeout)  # older statements: an earlier failure
     # The grace once per failure: a rank's later waits of the same failure (its agreement
     # on it) ask only what is known by now.
     deadline = time.monotonic() + (0.0 if waited_before else grace(timeout))
