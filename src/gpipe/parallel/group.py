@@ -176,7 +176,7 @@ class MultiProcess(StepAgreement, PipelineGroup):
         self.transport: PeerTransport | None = None
         self.ops = Collectives(group, timeout=timeout, device=default_device(group))
 
-    def _collective(self, run: Callable[..., T], *args: Any, failing=False, **kw: Any) -> T:
+    def _collective(self, run: Callable[..., T], *args: Any, failing: bool = False, **kw: Any) -> T:
         """``run(*args, **kw)``'s collectives once connected, refused after a failed step
         (unless ``failing``: that step's own agreement); one that does not complete breaks
         this pipeline, and the peers are told (they would wait in vain)."""

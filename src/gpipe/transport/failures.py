@@ -44,10 +44,11 @@ class Failures:
         state(me, waits_on, description["message"])  # before the notices: they point here
         self._failed = True
         row = [description["rank"], -1 if culprit is None else culprit, description["gave_up"]]
+        row = torch.tensor(row, dtype=torch.int64)
         for dst, sequence in self._outgoing.items():
             if self._sent.get(dst, 0) < len(sequence):
                 with contextlib.suppress(Exception):
-                    self._emit(dst, NOTICE, row=torch.tensor(row, dtype=torch.int64))
+                    self._emit(dst, NOTICE, row=row)
         self.carrier.flush(min(1.0, self.timeout))
         self.clear()
 
