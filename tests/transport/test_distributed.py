@@ -33,14 +33,16 @@ def test_on_gloo_the_frames_to_a_lower_rank_travel_on_a_group_of_their_own():
     """Incoming bytes then never wait for the pair's lock that the rank's own sends hold
     (gloo's pair thread only tries to take it, and spins)."""
     carrier = GroupCarrier.__new__(GroupCarrier)
-    carrier.group, carrier._back, carrier._rank = _Group("up"), _Group("back"), 1
-    carrier._meta_group, carrier._direct, carrier._tags = carrier.group, True, 0
-    carrier._dist = None  # one operation at a time: torch.distributed's wrappers unused
+    carrier.group, carrier._twin, carrier._rank = _Group("up"), _Group("back"), 1
+    carrier.receive_ahead, carrier._tags = True, 0
     frame = [torch.zeros(4, dtype=torch.uint8)]
     assert carrier.post(True, 0, 3, frame) == ["back"]  # to rank 0, below
     assert carrier.post(False, 0, 3, frame, True) == ["up"]  # from rank 0: rank 0's sends
     assert carrier.post(True, 2, 3, frame, True) == ["up"]  # to rank 2, above
     assert carrier.post(False, 2, 3, frame) == ["back"]  # from rank 2: its sends down
+    carrier.receive_ahead = False  # NCCL's order: heads and descriptions on the gloo twin
+    assert carrier.post(True, 0, 3, frame) == carrier.post(False, 2, 3, frame) == ["back"]
+    assert carrier.post(True, 0, 3, frame, True) == carrier.post(False, 2, 3, frame, True) == ["up"]
 
 
 @pytest.mark.timeout(120)

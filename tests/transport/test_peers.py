@@ -72,7 +72,7 @@ class _Carrier:
     """Records the receives a transport posts (group rank, position, bytes)."""
 
     kind, receive_ahead = "fake", True
-    wire_device = meta_device = torch.device("cpu")
+    wire_device = torch.device("cpu")
 
     def __init__(self) -> None:
         self.posted: list[tuple[int, int, int]] = []

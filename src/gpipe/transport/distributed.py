@@ -29,20 +29,15 @@ class GroupCarrier:
 
     def __init__(self, group: Any, device: torch.device) -> None:
         self.group = group
-        backend = _backend(group)
+        self.receive_ahead = _backend(group) == "gloo"  # else NCCL's order: peers' docstring
         # Collectives of the front end (loss, health check) use a device the backend supports.
-        self.wire_device = device if backend == "nccl" else torch.device("cpu")
-        # No coalescing on gloo: every operation posted by itself.
-        self.receive_ahead = self._direct = backend == "gloo"
-        # Heads and descriptions: on the group itself where receiving ahead is safe,
-        # otherwise on a gloo side group of the same processes.
-        self._meta_group = group if self.receive_ahead else _gloo_twin(group)
-        self.meta_device = self.wire_device if self.receive_ahead else torch.device("cpu")
-        # Receiving ahead on gloo, the frames to a lower rank travel on a group of their own:
-        # a gloo pair's thread takes the incoming bytes only under the pair's lock, which
-        # the rank's own sends hold; over one pair both ways, its thread spins while they do
-        # (a third of a step's CPU on 1F1B's last stage), over two it has nothing to wait for.
-        self._back = _gloo_twin(group) if self.receive_ahead and self._direct else None
+        self.wire_device = torch.device("cpu") if self.receive_ahead else device
+        # A gloo group of the same processes. On NCCL it carries the heads and descriptions.
+        # On gloo the frames to a lower rank: a gloo pair's thread takes the incoming bytes
+        # only under the pair's lock, which the rank's own sends hold; over one pair both
+        # ways, its thread spins while they do (a third of a step's CPU on 1F1B's last
+        # stage), over two it has nothing to wait for.
+        self._twin = _gloo_twin(group)
         self._rank = dist.get_rank(group)
         members = tuple(dist.get_process_group_ranks(group))
         built = _transports_built.get(members, 0)
@@ -54,15 +49,16 @@ class GroupCarrier:
     ) -> list[Any]:
         """Post sends (or receives) of ``tensors`` (a list: the parts of one) of the frame at
         ``position`` with group rank ``peer`` (``data``: tensors of a message, else its head
-        or description). One operation, or any number on gloo, goes straight to the process group
+        or description). On gloo, and one operation on NCCL, straight to the process group
         (``torch.distributed``'s wrappers cost more than gloo's own posting for small
         messages); several on NCCL are coalesced into one group call."""
         tag = self._tags + position
         tensors = [join(t) if isinstance(t, list) else t for t in tensors]  # a packed message
-        group = self.group if data else self._meta_group
-        if self._back is not None and (peer < self._rank) == sends:
-            group = self._back  # to a lower rank, or from a higher one
-        if len(tensors) <= 1 or self._direct:
+        if self.receive_ahead:  # to a lower rank, or from a higher one: on the twin
+            group = self._twin if (peer < self._rank) == sends else self.group
+        else:
+            group = self.group if data else self._twin
+        if len(tensors) <= 1 or self.receive_ahead:
             move = group.send if sends else group.recv
             return [move([t], peer, tag) for t in tensors]
         op, glob = dist.isend if sends else dist.irecv, dist.get_global_rank(self.group, peer)

@@ -219,7 +219,7 @@ def join(parts: list[Any]) -> torch.Tensor:
         joined = bytearray().join([p if type(p) is bytes else bytes_of(p) for p in parts])
         return torch.frombuffer(joined, dtype=torch.uint8)
     device = next(p.device for p in parts if isinstance(p, torch.Tensor))
-    return torch.cat([bytes_tensor(p, device) if isinstance(p, bytes)
+    return torch.cat([bytes_tensor(p).to(device) if isinstance(p, bytes)
                       else p.reshape(-1).view(torch.uint8) for p in parts])  # fmt: skip
 
 
@@ -232,5 +232,5 @@ def bytes_of(tensor: torch.Tensor) -> memoryview:
     return memoryview(flat.numpy()).cast("B")
 
 
-def bytes_tensor(data: bytes, device: torch.device) -> torch.Tensor:
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+def bytes_tensor(data: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)

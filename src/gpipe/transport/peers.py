@@ -67,6 +67,7 @@ __all__ = ["PeerTransport"]
 # comes in makes gloo's thread spin on the pair's lock), large ones one at a time (their
 # buffers would otherwise all be allocated at once: 1F1B's memory bound).
 AHEAD = 1 << 20
+_CPU = torch.device("cpu")  # of every head and description, on every carrier
 
 
 @dataclass
@@ -237,9 +238,9 @@ class PeerTransport(Failures):
             frames = [history.parts(frame, payload if whole else None)]  # one transfer
             payload = [] if whole else payload
         else:
-            frames = [bytes_tensor(frame, self.carrier.meta_device)]
+            frames = [bytes_tensor(frame)]
         if data:
-            frames.append(bytes_tensor(data, self.carrier.meta_device))
+            frames.append(bytes_tensor(data))
         post = self.carrier.post
         try:
             works = post(True, dst, position, frames)
@@ -299,7 +300,7 @@ class PeerTransport(Failures):
         if self.receive_ahead and history is not None and history.stable:
             device, size, data = self._devices[key.stage], history.layout[1], True
         else:
-            device, size, data = self.carrier.meta_device, HEAD, False
+            device, size, data = _CPU, HEAD, False
         frame = torch.empty(size, dtype=torch.uint8, device=device)
         (work,) = self._irecv([frame], src, position, data)
         return _Posted(key, history, position, frame, work)
@@ -354,7 +355,7 @@ class PeerTransport(Failures):
         posted.works = self._irecv(tensors, src, posted.position, True)
 
     def _receive_bytes(self, src: int, posted: _Posted, size: int, what: Any) -> bytes:
-        data = torch.empty(size, dtype=torch.uint8, device=self.carrier.meta_device)
+        data = torch.empty(size, dtype=torch.uint8, device=_CPU)
         self._wait(self._irecv([data], src, posted.position), src, what)
         return data.cpu().numpy().tobytes()
 

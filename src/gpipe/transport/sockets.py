@@ -73,7 +73,7 @@ class SocketCarrier:
 
     kind = "sockets"  # what Pipe.transport says
     receive_ahead = True  # a stream's receives are matched in order: never a deadlock
-    wire_device = meta_device = torch.device("cpu")
+    wire_device = torch.device("cpu")
 
     def __init__(self, links: dict[int, socket.socket], timeout: float) -> None:
         self.timeout = timeout
