@@ -52,7 +52,7 @@ def test_a_packed_message_holds_every_dtype_and_shape_as_views():
         else:
             assert received == original
     alone = join(history.parts(head(NOTICE, 3, 5), None))  # in place of a packed message
-    assert alone.numel() == history.layout[1] and read_head(alone) == (NOTICE, 3, 5)
+    assert alone.numel() == history.decoded.size and read_head(alone) == (NOTICE, 3, 5)
 
 
 def test_flatten_and_rebuild_are_pytree_s_own_for_every_kind_of_value():

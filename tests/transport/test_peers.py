@@ -16,7 +16,7 @@ from gpipe.transport.peers import AHEAD, PeerTransport
 
 def test_a_stage_output_that_cannot_cross_names_the_message_and_the_remedy():
     transport = PeerTransport.__new__(PeerTransport)
-    transport._sent_meta, transport._training = {}, True
+    transport._history = {}
     transport.schedule, transport.rank = fill_drain(2, 3), 0
     message = Message(Channel.ACTIVATION, 1, 2)
     with pytest.raises(CodecError, match=r"activation of micro-batch 2 for stage 1: .*send tens"):
@@ -102,7 +102,7 @@ def test_a_step_s_receives_are_all_posted_when_it_begins_up_to_a_bound_in_bytes(
     transport = PeerTransport(fill_drain(2, 8), 1, None, [torch.device("cpu")] * 2, carrier,
                               timeout=5.0)  # fmt: skip
     for message in transport._plans[True][0][0][1:-1]:
-        transport._recv_meta[transport._key(0, message)] = _stable(size)
+        transport._histories[True][message] = _stable(size)
     transport.begin(training=True)
     frames = [(0, p) for p, _ in enumerate(transport._plans[True][0][0])]  # seed, 8, agreement
     assert [(peer, p) for peer, p, _ in carrier.posted] == (frames if size == 16 else frames[:2])

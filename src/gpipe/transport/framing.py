@@ -20,7 +20,7 @@ from __future__ import annotations
 import functools
 import math
 import struct
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten, treespec_dumps, treespec_loads
@@ -56,6 +56,18 @@ def row_of(frame: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return torch.frombuffer(raw, dtype=like.dtype).reshape(like.shape)
 
 
+class Decoded(NamedTuple):
+    """A message's description, decoded: what its receiver needs."""
+
+    spec: Any  # its tree spec
+    described: list[Any]  # its leaves, with a TensorMeta for each tensor
+    flat: type | None  # object if the spec is a leaf, list or tuple if one of leaves, else None
+    # Packed, the head first (HEAD bytes), then each tensor on an ALIGN-byte boundary (so
+    # that each can be a view of the packed bytes): where each tensor is, and the size.
+    spans: list[slice]
+    size: int
+
+
 class History:
     """What one message (one peer, one kind, one micro-batch) looked like last time.
 
@@ -64,14 +76,12 @@ class History:
     description the last two times).
     """
 
-    __slots__ = ("_decoded", "_described", "_flat", "_layout", "last", "stable")
+    __slots__ = ("_decoded", "_described", "last", "stable")
 
     def __init__(self) -> None:
         self.last: bytes | None = None
         self.stable = False
-        self._decoded: Any = None
-        self._flat: type | None = None  # the decoded spec's: a leaf (object), list or tuple
-        self._layout: Any = None
+        self._decoded: Decoded | None = None
         self._described: tuple[Any, bytes] | None = None  # sender: (description, encoded)
 
     def describe(self, spec: str, described: list[Any]) -> bytes:
@@ -86,79 +96,60 @@ class History:
     def update(self, meta: bytes) -> None:
         self.stable = meta == self.last
         if not self.stable:
-            self.last, self._decoded, self._layout = meta, None, None
+            self.last, self._decoded = meta, None
 
     @property
-    def decoded(self) -> tuple[Any, list[Any]]:
-        """(tree spec, leaves with a ``TensorMeta`` for each tensor) of the last message."""
+    def decoded(self) -> Decoded:
+        """The last message's description, decoded (once)."""
         if self._decoded is None:
             spec, described = _description(self.last)
-            self._decoded = (treespec_loads(_checked(spec)), described)
-            self._flat = _flat_kind(self._decoded[0])
+            spans, offset = [], HEAD
+            for d in described:
+                if isinstance(d, TensorMeta):
+                    size = math.prod(d.shape) * d.dtype.itemsize
+                    spans.append(slice(offset, offset + size))
+                    offset += -(-size // ALIGN) * ALIGN
+            tree = treespec_loads(_checked(spec))
+            self._decoded = Decoded(tree, described, _flat_kind(tree), spans, offset)
         return self._decoded
 
     def allocate(self, device: torch.device) -> list[Any]:
         """The last message's leaves, each tensor empty on ``device``, to receive into."""
         return [
             torch.empty(d.shape, dtype=d.dtype, device=device) if isinstance(d, TensorMeta) else d
-            for d in self.decoded[1]
+            for d in self.decoded.described
         ]
 
     def rebuild(self, leaves: list[Any], forward: bool = False) -> Any:
         """The last message's value from its received leaves (as ``tree_unflatten``; a
         tensor, or a list or tuple of them, without pytree's walk). A ``forward`` message's
         tensors require grad where the sender's did."""
-        spec, described = self.decoded
+        spec, described, flat, _, _ = self.decoded
         if forward:
             for leaf, d in zip(leaves, described, strict=True):
                 if isinstance(d, TensorMeta) and d.requires_grad:
                     leaf.requires_grad_(True)
-        if self._flat is object:
+        if flat is object:
             return leaves[0]
-        if self._flat is not None:
-            return self._flat(leaves)
-        return tree_unflatten(leaves, spec)
-
-    @property
-    def layout(self) -> tuple[list[tuple[int, int]], int]:
-        """Where a packed message puts each tensor: (offset, bytes) each, and the total.
-
-        The head comes first (``HEAD`` bytes); every part starts on an ``ALIGN``-byte
-        boundary, so each tensor can be a view of the packed bytes.
-        """
-        if self._layout is None:
-            spans, offset = [], HEAD
-            for d in self.decoded[1]:
-                if isinstance(d, TensorMeta):
-                    size = math.prod(d.shape) * d.dtype.itemsize
-                    spans.append((offset, size))
-                    offset += -(-size // ALIGN) * ALIGN
-            self._layout = (spans, offset)
-        return self._layout
+        return tree_unflatten(leaves, spec) if flat is None else flat(leaves)
 
     def parts(self, head: bytes, tensors: list[torch.Tensor] | None) -> list[Any]:
         """A frame's head and tensors (contiguous, as described last time) as the parts of
         one transfer of the size the receiver posted: the head, each tensor at its offset,
         zeros between. A socket writes them as they are; the process group joins them
         (:func:`join`)."""
-        spans, total = self.layout
+        spans, total = self.decoded.spans, self.decoded.size
         parts, at = [head], HEAD
-        for tensor, (offset, size) in zip(tensors or [], spans if tensors else [], strict=True):
-            parts += [bytes(offset - at), tensor] if offset > at else [tensor]
-            at = offset + size
+        for tensor, span in zip(tensors or [], spans if tensors else [], strict=True):
+            parts += [bytes(span.start - at), tensor] if span.start > at else [tensor]
+            at = span.stop
         return [*parts, bytes(total - at)] if total > at else parts
 
     def unpack(self, packed: torch.Tensor) -> list[Any]:
         """The message's leaves, its tensors as views of ``packed`` (no copy)."""
-        spans = iter(self.layout[0])
-        leaves = []
-        for d in self.decoded[1]:
-            if isinstance(d, TensorMeta):
-                offset, size = next(spans)
-                leaves.append(packed[offset : offset + size].view(d.dtype).view(d.shape))
-            else:
-                leaves.append(d)
-        return leaves
+        spans = iter(self.decoded.spans)
+        return [packed[next(spans)].view(d.dtype).view(d.shape) if isinstance(d, TensorMeta)
+                else d for d in self.decoded.described]  # fmt: skip
 
 
 @functools.lru_cache(maxsize=256)

@@ -126,9 +126,10 @@ class PeerTransport(Failures):
         self._works: list[tuple[Any, list[torch.Tensor]]] = []  # the step's sends
         self._abandoned: list[Any] = []  # a failed step's sends: alive while they may run
         self._failed = False  # this rank announced a failure
-        # What each message looked like last time, on both ends of its wire.
-        self._sent_meta: dict[tuple, History] = {}
-        self._recv_meta: dict[tuple, History] = {}
+        # What each message this rank sends or receives looked like last time, in training
+        # and in inference (which sends no gradients along: its descriptions differ).
+        self._histories: dict[bool, dict[Message, History]] = {True: {}, False: {}}
+        self._history = self._histories[True]
 
     # -- the order of frames on each wire ---------------------------------------------------
 
@@ -147,6 +148,7 @@ class PeerTransport(Failures):
         """Start a step: reset the per-peer positions and post the first receives."""
         self._training = training
         self._incoming, self._outgoing = self._plans[training]
+        self._history = self._histories[training]
         self._here.clear()
         self._cursor = dict.fromkeys(self._incoming, 0)
         self._sent = dict.fromkeys(self._outgoing, 0)
@@ -184,10 +186,6 @@ class PeerTransport(Failures):
         self._abandoned += self._works
         self._works = []
 
-    def _key(self, peer: int, message: Any) -> tuple:
-        # Inference sends no gradients along: its descriptions differ from training's.
-        return (peer, self._training, message)
-
     # -- sending ----------------------------------------------------------------------------
 
     def send(self, message: Message, value: Any) -> None:
@@ -205,7 +203,7 @@ class PeerTransport(Failures):
             for leaf in leaves
         ]
         payload = [leaf.detach().contiguous() for leaf in leaves if isinstance(leaf, torch.Tensor)]
-        history = self._sent_meta.setdefault(self._key(dst, message), History())
+        history = self._history.setdefault(message, History())
         try:
             meta = history.describe(spec, described)
         except CodecError as error:  # on the sending side, where the value was made
@@ -230,7 +228,7 @@ class PeerTransport(Failures):
         self._sent[dst] = position + 1
         sequence = self._outgoing[dst]
         key = sequence[position] if position < len(sequence) else None
-        history = self._sent_meta.get(self._key(dst, key)) if self.receive_ahead else None
+        history = self._history.get(key) if self.receive_ahead else None
         frame = head(kind, position, len(data), row)
         payload = payload or []
         if history is not None and history.stable:
@@ -289,16 +287,14 @@ class PeerTransport(Failures):
         sequence = self._incoming[src]
         self._cursor[src] = position + 1
         key = sequence[position] if position < len(sequence) else AGREEMENT
-        history = None
-        if isinstance(key, Message):
-            history = self._recv_meta.setdefault(self._key(src, key), History())
+        history = self._history.setdefault(key, History()) if isinstance(key, Message) else None
         posted = self._post(src, key, position, history)
         self._pending[src].append(posted)
         self._ahead[src] += posted.frame.numel()
 
     def _post(self, src: int, key: Any, position: int, history: History | None) -> _Posted:
         if self.receive_ahead and history is not None and history.stable:
-            device, size, data = self._devices[key.stage], history.layout[1], True
+            device, size, data = self._devices[key.stage], history.decoded.size, True
         else:
             device, size, data = _CPU, HEAD, False
         frame = torch.empty(size, dtype=torch.uint8, device=device)
@@ -338,26 +334,23 @@ class PeerTransport(Failures):
             self._arriving[posted.key if kind == MESSAGE else kind] = posted
 
     def _message_in(self, src: int, posted: _Posted, size: int) -> None:
-        """A message's head is in: post the receives of whatever else of it comes."""
-        message, history = posted.key, posted.history
-        if size == 0 and posted.frame.numel() > HEAD:
-            history.update(history.last)  # as posted: nothing else of it is on the wire
+        """A message's head is in: its description (``size`` bytes, else as last time), then
+        the receives of whatever else of it comes."""
+        history = posted.history
+        meta = history.last
+        if size != 0:
+            data = torch.empty(size, dtype=torch.uint8, device=_CPU)
+            self._wait(self._irecv([data], src, posted.position), src, posted.key)
+            meta = data.numpy().tobytes()
+        elif meta is None:
+            raise PipelineError(f"rank {src} sent {posted.key} without describing it", rank=src)
+        history.update(meta)
+        if size == 0 and posted.frame.numel() > HEAD:  # packed: nothing else of it comes
             posted.leaves = history.unpack(posted.frame)
             return
-        if size != 0:
-            history.update(self._receive_bytes(src, posted, size, message))
-        elif history.last is None:
-            raise PipelineError(f"rank {src} sent {message} without describing it", rank=src)
-        else:
-            history.update(history.last)
-        posted.leaves = history.allocate(self._devices[message.stage])
+        posted.leaves = history.allocate(self._devices[posted.key.stage])
         tensors = [t for t in posted.leaves if isinstance(t, torch.Tensor)]
         posted.works = self._irecv(tensors, src, posted.position, True)
-
-    def _receive_bytes(self, src: int, posted: _Posted, size: int, what: Any) -> bytes:
-        data = torch.empty(size, dtype=torch.uint8, device=_CPU)
-        self._wait(self._irecv([data], src, posted.position), src, what)
-        return data.cpu().numpy().tobytes()
 
     def _irecv(self, tensors: list, src: int, position: int, data: bool = False) -> list[Any]:
         try:
