@@ -36,16 +36,17 @@ __all__ = ["SocketCarrier"]
 
 _MAX_PARTS = 512  # buffers per sendmsg call (the system's limit is 1024)
 _PREAMBLE = struct.Struct("<qq")  # a transfer's tag and size
+_tag = struct.Struct("<q").unpack_from  # (the tag,) of a preamble
 
 
 class _Transfer:
     """One posted send or receive: what a gloo work answers (``is_completed``, ``wait``)."""
 
-    __slots__ = ("carrier", "error", "got", "keep", "peer", "size", "view")
+    __slots__ = ("carrier", "error", "got", "peer", "size", "view")
 
-    def __init__(self, carrier: SocketCarrier, size: int, view: Any = None, keep: Any = None):
-        self.carrier, self.size, self.view, self.keep = carrier, size, view, keep
-        self.got, self.error, self.peer = 0, None, None
+    def __init__(self, carrier: SocketCarrier, size: int, view: Any = None, peer: Any = None):
+        self.carrier, self.size, self.view, self.peer = carrier, size, view, peer
+        self.got, self.error = 0, carrier._closed.get(peer)  # a receive from a peer lost
 
     def is_completed(self) -> bool:
         return self.got == self.size
@@ -81,32 +82,30 @@ class SocketCarrier:
         self._by_fd = {link.fileno(): peer for peer, link in links.items()}
         self._posted: dict[int, dict[int, deque[_Transfer]]] = {p: {} for p in links}
         self._out: dict[int, deque[tuple[memoryview, _Transfer]]] = {p: deque() for p in links}
-        self._next: dict[int, tuple[int, int] | None] = dict.fromkeys(links)  # preamble read
-        self._into: dict[int, _Transfer | None] = dict.fromkeys(links)  # being filled
         self._closed: dict[int, str] = {}  # peers whose stream ended, once all it sent is read
         self._broken: dict[int, str] = {}  # peers that take nothing more
+        # From each peer: the preamble of the transfer that comes, read into its own buffer
+        # (complete: no receive with its tag is posted yet), then the transfer it announced.
+        self._preambles = {p: _Transfer(self, 16, memoryview(bytearray(16))) for p in links}
+        self._into: dict[int, _Transfer] = dict(self._preambles)
 
     def post(
         self, sends: bool, peer: int, tag: int, tensors: list[torch.Tensor], data=False
     ) -> list[_Transfer]:
         """Post sends (or receives) of ``tensors`` with ``peer`` on ``tag``; sends are
         written at once as far as the socket takes them."""
-        if sends:
-            if peer in self._broken:
-                raise RuntimeError(f"Connection closed by peer: {self._broken[peer]}")
-            return [self._send(peer, tag, t if isinstance(t, list) else [t]) for t in tensors]
-        transfers = []
-        for t in tensors:
-            view = bytes_of(t)
-            transfers.append(_Transfer(self, view.nbytes, view, t))
-            transfers[-1].peer, transfers[-1].error = peer, self._closed.get(peer)
-            self._posted[peer].setdefault(tag, deque()).append(transfers[-1])
-        return transfers
+        if not sends:
+            transfers = [_Transfer(self, v.nbytes, v, peer) for v in map(bytes_of, tensors)]
+            self._posted[peer].setdefault(tag, deque()).extend(transfers)
+            return transfers
+        if peer in self._broken:
+            raise RuntimeError(f"Connection closed by peer: {self._broken[peer]}")
+        return [self._send(peer, tag, t if isinstance(t, list) else [t]) for t in tensors]
 
     def _send(self, peer: int, tag: int, parts: list[Any]) -> _Transfer:
         """One transfer of ``parts`` (bytes, contiguous tensors) to ``peer``."""
         views = [memoryview(p) if isinstance(p, bytes) else bytes_of(p) for p in parts]
-        transfer = _Transfer(self, sum(v.nbytes for v in views), keep=parts)
+        transfer = _Transfer(self, sum(v.nbytes for v in views))
         out = self._out[peer]
         out.append((memoryview(_PREAMBLE.pack(tag, transfer.size)), None))
         out.extend((view, transfer) for view in views if view.nbytes)
@@ -139,34 +138,39 @@ class SocketCarrier:
             self._read(peer)
 
     def _wanted(self, peer: int) -> bool:
-        """Whether a read from ``peer`` would land somewhere (or read a preamble)."""
-        upcoming = self._next[peer]
-        return (upcoming is None or self._into[peer] is not None
-                or bool(self._posted[peer].get(upcoming[0])))  # fmt: skip
+        """Whether a read from ``peer`` would land somewhere (a preamble, read whole, waits
+        for a receive posted with its tag)."""
+        into = self._into[peer]
+        return not into.is_completed() or bool(self._posted[peer].get(_tag(into.view)[0]))
 
     def _read(self, peer: int) -> None:
         """Read what ``peer`` sent into the receives posted for it, without waiting."""
-        link = self._links[peer]
+        link, preamble = self._links[peer], self._preambles[peer]
         while peer not in self._closed:
-            if self._into[peer] is None:
-                if self._next[peer] is None:  # between transfers: a preamble comes
-                    self._into[peer] = _Transfer(self, _PREAMBLE.size, memoryview(bytearray(16)))
+            into = self._into[peer]
+            if into.is_completed():
+                if into is not preamble:  # a transfer in: the next one's preamble comes
+                    self._into[peer], preamble.got = preamble, 0
                 elif not self._match(peer):
                     return  # not posted yet: it stays in the socket
-            into = self._into[peer]
-            if not into.is_completed():
-                got = self._recv(peer, link, into.view[into.got :])
-                if got is None:
-                    return
-                into.got += got
                 continue
-            self._next[peer] = _PREAMBLE.unpack(into.view) if self._next[peer] is None else None
-            self._into[peer] = None
+            try:
+                got = link.recv_into(into.view[into.got :])
+            except BlockingIOError:
+                return
+            except OSError as error:
+                got, why = 0, f"Connection closed by peer ({error})"
+            else:
+                why = "Connection closed by peer"
+            if got == 0:  # the stream ended: the peer is closed
+                self._lose(peer, why)
+                return
+            into.got += got
 
     def _match(self, peer: int) -> bool:
         """Where the transfer whose preamble came lands: the first receive posted with its
         tag. False while none is posted."""
-        tag, size = self._next[peer]
+        tag, size = _PREAMBLE.unpack(self._preambles[peer].view)
         queue = self._posted[peer].get(tag)
         if not queue:
             return False
@@ -178,29 +182,13 @@ class SocketCarrier:
             return False
         return True
 
-    def _recv(self, peer: int, link: socket.socket, view: memoryview) -> int | None:
-        """Bytes read into ``view``, or None when nothing is there (or the stream ended:
-        the peer is then closed)."""
-        try:
-            got = link.recv_into(view)
-        except BlockingIOError:
-            return None
-        except OSError as error:
-            self._lose(peer, f"Connection closed by peer ({error})")
-            return None
-        if got == 0:
-            self._lose(peer, "Connection closed by peer")
-            return None
-        return got
-
     def _lose(self, peer: int, why: str) -> None:
         """``peer``'s stream ended: every receive posted from it fails, now and later."""
         self._closed[peer] = why
         for queue in self._posted[peer].values():
             for t in queue:
                 t.error = why
-        if self._into[peer] is not None:
-            self._into[peer].error = why
+        self._into[peer].error = why
 
     def _write(self, peer: int) -> None:
         """Write what is queued for ``peer``, as far as its socket takes it."""
