@@ -6,6 +6,7 @@ that should form but do not are never a silent switch."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
 from collections.abc import Callable
@@ -51,10 +52,7 @@ def open_transport(
     size = dist.get_world_size(group)
     # Every rank was told the same (the Pipe's configuration, checked): all ask, or none.
     links = None if wanted == "group" else _sockets(wanted, on_cpu, rank, size, timeout, gather)
-    if links is not None:
-        carrier: Any = SocketCarrier(links, timeout)
-    else:
-        carrier = GroupCarrier(group, mine[0])
+    carrier = GroupCarrier(group, mine[0]) if links is None else SocketCarrier(links, timeout)
     return PeerTransport(schedule, rank, group, devices, carrier, timeout=timeout, routes=routes)
 
 
@@ -78,7 +76,7 @@ def _sockets(
         except OSError as error:
             where = f"cannot open a Unix socket here ({error})"
     formed, failed = {}, ""
-    try:
+    with listener or contextlib.nullcontext():  # closed by connect too; else by nobody
         everyone = gather((where, address, token), "where each rank runs")
         unavailable = [
             f"rank {r} " + (w if isinstance(w, str) else "runs elsewhere")
@@ -100,9 +98,6 @@ def _sockets(
             formed = handshake.connect(listener, [e[1:] for e in everyone], rank, timeout)
         except OSError as error:
             failed = f"rank {rank} could not connect its sockets: {error}"
-    finally:
-        if listener is not None:  # closed by connect too; else by nobody
-            listener.close()
     failures = [f for f in gather(failed, "the socket connections") if f]
     if failures:  # on one machine, sockets that should work did not: never a silent switch
         for link in formed.values():

@@ -227,25 +227,18 @@ class PeerTransport(Failures):
         position = self._sent[dst]
         self._sent[dst] = position + 1
         sequence = self._outgoing[dst]
-        key = sequence[position] if position < len(sequence) else None
-        history = self._history.get(key) if self.receive_ahead else None
-        frame = head(kind, position, len(data), row)
-        payload = payload or []
-        if history is not None and history.stable:
-            whole = kind == MESSAGE and not data
-            frames = [history.parts(frame, payload if whole else None)]  # one transfer
+        history = self._history.get(sequence[position]) if position < len(sequence) else None
+        frame, payload = head(kind, position, len(data), row), payload or []
+        if self.receive_ahead and history is not None and history.stable:  # posted packed
+            whole = kind == MESSAGE and not data  # the message itself: one transfer
+            frames = [history.parts(frame, payload if whole else None)]
             payload = [] if whole else payload
         else:
             frames = [bytes_tensor(frame)]
-        if data:
-            frames.append(bytes_tensor(data))
-        post = self.carrier.post
-        try:
-            works = post(True, dst, position, frames)
-            if payload:
-                works += post(True, dst, position, payload, True)
-        except RuntimeError as error:  # gloo: "Connection closed by peer"
-            raise self._left(error, dst, "send to") from error
+        frames += [bytes_tensor(data)] if data else []
+        works = self._carry(True, dst, position, frames)
+        if payload:
+            works += self._carry(True, dst, position, payload, True)
         self._works += [(work, frames + payload) for work in works]
         self._release_sent()
 
@@ -268,8 +261,7 @@ class PeerTransport(Failures):
         # come in at prepare(), before this action.
         self._take(src, until=message)
         posted = self._arriving.pop(message)
-        if posted.works:  # its tensors came apart from its head
-            self._wait(posted.works, src, message)
+        self._wait(posted.works, src, message)  # its tensors, where apart from its head
         return posted.history.rebuild(posted.leaves, message.channel.forward)
 
     def _post_ahead(self, src: int) -> None:
@@ -298,7 +290,7 @@ class PeerTransport(Failures):
         else:
             device, size, data = _CPU, HEAD, False
         frame = torch.empty(size, dtype=torch.uint8, device=device)
-        (work,) = self._irecv([frame], src, position, data)
+        (work,) = self._carry(False, src, position, [frame], data)
         return _Posted(key, history, position, frame, work)
 
     def _take(self, src: int, *, until: Any, deadline: float | None = None) -> None:
@@ -340,7 +332,7 @@ class PeerTransport(Failures):
         meta = history.last
         if size != 0:
             data = torch.empty(size, dtype=torch.uint8, device=_CPU)
-            self._wait(self._irecv([data], src, posted.position), src, posted.key)
+            self._wait(self._carry(False, src, posted.position, [data]), src, posted.key)
             meta = data.numpy().tobytes()
         elif meta is None:
             raise PipelineError(f"rank {src} sent {posted.key} without describing it", rank=src)
@@ -350,13 +342,14 @@ class PeerTransport(Failures):
             return
         posted.leaves = history.allocate(self._devices[posted.key.stage])
         tensors = [t for t in posted.leaves if isinstance(t, torch.Tensor)]
-        posted.works = self._irecv(tensors, src, posted.position, True)
+        posted.works = self._carry(False, src, posted.position, tensors, True)
 
-    def _irecv(self, tensors: list, src: int, position: int, data: bool = False) -> list[Any]:
+    def _carry(self, sends: bool, peer: int, position: int, tensors: list, data=False) -> list:
+        """Post sends (or receives) of a frame's ``tensors`` (``data``: its message's)."""
         try:
-            return self.carrier.post(False, src, position, tensors, data)
+            return self.carrier.post(sends, peer, position, tensors, data)
         except RuntimeError as error:  # gloo: "Connection closed by peer"
-            raise self._left(error, src, "receive from") from error
+            raise self._left(error, peer, "send to" if sends else "receive from") from error
 
     def _wait(self, works: list, src: int, what: Any, deadline: float | None = None) -> None:
         """Wait for receives from ``src`` of ``what`` (a message; a row's kind: the error of
