@@ -105,10 +105,10 @@ class SocketCarrier:
     def _send(self, peer: int, tag: int, parts: list[Any]) -> _Transfer:
         """One transfer of ``parts`` (bytes, contiguous tensors) to ``peer``."""
         views = [memoryview(p) if isinstance(p, bytes) else bytes_of(p) for p in parts]
-        transfer = _Transfer(self, sum(v.nbytes for v in views))
-        out = self._out[peer]
-        out.append((memoryview(_PREAMBLE.pack(tag, transfer.size)), None))
-        out.extend((view, transfer) for view in views if view.nbytes)
+        size = sum(v.nbytes for v in views)
+        transfer = _Transfer(self, _PREAMBLE.size + size)  # done once its preamble is written too
+        views.insert(0, memoryview(_PREAMBLE.pack(tag, size)))
+        self._out[peer].extend((view, transfer) for view in views if view.nbytes)
         self._write(peer)
         return transfer
 
@@ -202,16 +202,14 @@ class SocketCarrier:
             except OSError as error:
                 self._broken[peer] = str(error)
                 for _, t in out:
-                    if t is not None:
-                        t.error = f"Connection closed by peer ({error})"
+                    t.error = f"Connection closed by peer ({error})"
                 out.clear()
                 return
             while sent:
                 view, t = out[0]
                 taken = min(sent, view.nbytes)
                 sent -= taken
-                if t is not None:
-                    t.got += taken
+                t.got += taken
                 if taken == view.nbytes:
                     out.popleft()
                 else:
