@@ -67,10 +67,8 @@ class _Transfer:
 
 
 class SocketCarrier:
-    """Moves the frames of ``gpipe.transport.peers`` through a socket per peer (see the
-    module's docstring); chosen by ``gpipe.transport.choice`` where every rank's stages
-    are on the CPU of one host. Collectives stay on the process group, but for the step's
-    rows."""
+    """Moves the frames of ``gpipe.transport.peers`` (the step's rows among them) through a
+    socket per peer (the module's docstring); collectives stay on the process group."""
 
     kind = "sockets"  # what Pipe.transport says
     receive_ahead = True  # a stream's receives are matched in order: never a deadlock
