@@ -37,9 +37,9 @@ class GroupCarrier:
         # only under the pair's lock, which the rank's own sends hold; over one pair both
         # ways, its thread spins while they do (a third of a step's CPU on 1F1B's last
         # stage), over two it has nothing to wait for.
-        self._twin = _gloo_twin(group)
-        self._rank = dist.get_rank(group)
         members = tuple(dist.get_process_group_ranks(group))
+        self._twin = dist.new_group(members, backend="gloo", use_local_synchronization=True)
+        self._rank = dist.get_rank(group)
         built = _transports_built.get(members, 0)
         _transports_built[members] = built + 1
         self._tags = _FRAMES + built * _RANGE
@@ -71,9 +71,3 @@ class GroupCarrier:
 def _backend(group: Any) -> str:
     """What every NCCL path here is chosen by (a test names 'nccl' to run them on gloo)."""
     return dist.get_backend(group)
-
-
-def _gloo_twin(group: Any) -> Any:
-    """A gloo group of the same processes, for small host-side messages."""
-    ranks = dist.get_process_group_ranks(group)
-    return dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
