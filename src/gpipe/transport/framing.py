@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 import struct
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -58,9 +60,8 @@ def row_of(frame: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 class Decoded(NamedTuple):
     """A message's description, decoded: what its receiver needs."""
 
-    spec: Any  # its tree spec
+    build: Callable[[list[Any]], Any]  # the message from its leaves
     described: list[Any]  # its leaves, with a TensorMeta for each tensor
-    flat: type | None  # object if the spec is a leaf, list or tuple if one of leaves, else None
     # Packed, the head first (HEAD bytes), then each tensor on an ALIGN-byte boundary (so
     # that each can be a view of the packed bytes): where each tensor is, and the size.
     spans: list[slice]
@@ -108,8 +109,8 @@ class History:
                     size = math.prod(d.shape) * d.dtype.itemsize
                     spans.append(slice(offset, offset + size))
                     offset += -(-size // ALIGN) * ALIGN
-            tree = treespec_loads(_checked(spec))
-            self._decoded = Decoded(tree, described, _flat_kind(tree), spans, offset)
+            build = _builder(treespec_loads(_checked(spec)))
+            self._decoded = Decoded(build, described, spans, offset)
         return self._decoded
 
     def allocate(self, device: torch.device) -> list[Any]:
@@ -120,17 +121,13 @@ class History:
         ]
 
     def rebuild(self, leaves: list[Any], forward: bool = False) -> Any:
-        """The last message's value from its received leaves (as ``tree_unflatten``; a
-        tensor, or a list or tuple of them, without pytree's walk). A ``forward`` message's
+        """The last message's value from its received leaves. A ``forward`` message's
         tensors require grad where the sender's did."""
-        spec, described, flat, _, _ = self.decoded
         if forward:
-            for leaf, d in zip(leaves, described, strict=True):
+            for leaf, d in zip(leaves, self.decoded.described, strict=True):
                 if isinstance(d, TensorMeta) and d.requires_grad:
                     leaf.requires_grad_(True)
-        if flat is object:
-            return leaves[0]
-        return tree_unflatten(leaves, spec) if flat is None else flat(leaves)
+        return self.decoded.build(leaves)
 
     def parts(self, head: bytes, tensors: list[torch.Tensor] | None) -> list[Any]:
         """A frame's head and tensors (contiguous, as described last time) as the parts of
@@ -178,13 +175,14 @@ def _sequence_text(kind: type, n: int) -> str:
 _LEAF = _spec_text(tree_flatten(0)[1])
 
 
-def _flat_kind(spec: Any) -> type | None:
-    """``object`` for a leaf, ``list`` or ``tuple`` for one of leaves, else None."""
+def _builder(spec: Any) -> Callable[[list[Any]], Any]:
+    """What builds a value of ``spec`` from its leaves: ``tree_unflatten``, but for a leaf,
+    or a list or tuple of leaves, without pytree's walk."""
     if spec.is_leaf():
-        return object
+        return operator.itemgetter(0)
     if spec.type in (list, tuple) and all(c.is_leaf() for c in spec.children()):
         return spec.type
-    return None
+    return functools.partial(tree_unflatten, treespec=spec)
 
 
 def _checked(spec: str) -> str:
