@@ -90,11 +90,12 @@ class PipelineGroup:
         return (rng.draw_step_seed() if seed is None else seed), batch
 
     def check_same(self, configuration: dict[str, Any]) -> None:
-        """Refuse to start unless every rank was given the same configuration (through
-        ``gather``: one process has nothing to compare)."""
+        """Refuse to start unless every rank was given the same configuration (each value
+        written as the user would, ``gpipe.pipe.partition.fingerprint``; through ``gather``:
+        one process has nothing to compare)."""
         everyone = self.gather(configuration, "every rank's configuration")
         differences = [
-            f"- {key}: rank {rank} has {theirs[key]!r}, rank 0 has {everyone[0][key]!r}"
+            f"- {key}: rank {rank} has {theirs[key]}, rank 0 has {everyone[0][key]}"
             for rank, theirs in enumerate(everyone)
             for key in configuration
             if theirs.get(key) != everyone[0].get(key)
