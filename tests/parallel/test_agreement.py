@@ -13,13 +13,15 @@ import torch
 
 from gpipe.base.errors import NonFiniteError, PipelineError
 from gpipe.parallel.agreement import StepAgreement, refuse_step
+from gpipe.transport.framing import AGREEMENT
 
 
 class _Transport:
     def __init__(self, rows: list[list[float]] | Exception, said: dict[int, str]) -> None:
         self.rows, self.sent, self.notices = rows, [], said
 
-    def all_gather_row(self, row: torch.Tensor, what: str, doing: str) -> torch.Tensor:
+    def row(self, kind: int, row: torch.Tensor, what: str, doing: str) -> torch.Tensor:
+        assert kind == AGREEMENT
         self.sent.append(row.tolist())
         self.words = (what, doing)
         if isinstance(self.rows, Exception):

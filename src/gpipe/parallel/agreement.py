@@ -4,7 +4,7 @@ non-finite gradient anywhere, a per-stage clip of the step's gradients.
 A failure in one rank is announced to its peers through the transport and then agreed on
 by every rank (``fail``, then the agreement's rows), so that all ranks raise the same first
 error instead of waiting for messages that will never come. The rows travel on the
-transport's own wire (``PeerTransport.all_gather_row``); their failures are named as every
+transport's own wire (``PeerTransport.row``); their failures are named as every
 failed wait's (``gpipe.transport.inquest.failure``).
 """
 
@@ -20,6 +20,7 @@ import torch.distributed as dist
 from gpipe.base.errors import NonFiniteError, PipelineError
 from gpipe.engine.stage import Stage
 from gpipe.parallel.clipping import Edit, check_edits
+from gpipe.transport.framing import AGREEMENT
 from gpipe.transport.inquest import waited_out
 
 __all__ = ["Agreement", "StepAgreement", "refuse_step"]
@@ -45,8 +46,8 @@ class StepAgreement:
         row = torch.tensor([value, failed + 1, troubled], dtype=torch.float64)
         operation = "the end-of-step agreement (all-gather)"
         doing = f"ending step {self.steps} of this Pipe"
-        send = self.transport.all_gather_row  # failed: this rank's row after its notice
-        return self._collective(send, row, operation, doing, failing=failed >= 0)
+        send = self.transport.row  # failed: this rank's row after its notice
+        return self._collective(send, AGREEMENT, row, operation, doing, failing=failed >= 0)
 
     def agree(
         self,

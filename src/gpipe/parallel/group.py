@@ -33,6 +33,7 @@ from gpipe.parallel.tied import TiedParameters
 from gpipe.schedule.ir import Schedule
 from gpipe.schedule.routes import Routes
 from gpipe.transport.choice import check_choice, open_transport
+from gpipe.transport.framing import SEED
 from gpipe.transport.local import LocalTransport
 from gpipe.transport.peers import PeerTransport
 
@@ -237,8 +238,8 @@ class MultiProcess(StepAgreement, PipelineGroup):
         values = torch.tensor([drawn, -1 if batch is None else batch], dtype=torch.int64)
         self.steps += 1
         doing = f"starting step {self.steps} of this Pipe"
-        send = self.transport.broadcast_row
-        values = self._collective(send, values, "the step-seed broadcast", doing)
+        send = self.transport.row
+        values = self._collective(send, SEED, values, "the step-seed broadcast", doing)
         first_batch = int(values[1])
         return int(values[0]), (None if first_batch < 0 else first_batch)
 

@@ -366,7 +366,7 @@ class PeerTransport(Failures):
 
     def _wait(self, works: list, src: int, what: Any, deadline: float | None = None) -> None:
         """Wait for receives from ``src`` of ``what`` (a message; a row's kind: the error of
-        its wait, for ``_take_row`` to name)."""
+        its wait, for ``row`` to name)."""
         left = self.timeout if deadline is None else max(deadline - time.monotonic(), 0.001)
         try:
             for work in works:
@@ -382,53 +382,33 @@ class PeerTransport(Failures):
 
     # -- the step's rows: frames of the same sequences ------------------------------------
 
-    def broadcast_row(self, row: torch.Tensor, what: str, doing: str) -> torch.Tensor:
-        """Rank 0's ``row`` (of one dtype and length on every rank): the step's seed, which
-        rank 0 sends ahead of its messages without waiting for anyone (``what``, ``doing``:
-        an error's words for it)."""
-        if self.rank == 0:
+    def row(self, kind: int, row: torch.Tensor, what: str, doing: str) -> torch.Tensor:
+        """The step's row of ``kind`` (of one dtype and length on every rank; ``what``,
+        ``doing``: an error's words for it): ``SEED``, rank 0's, sent ahead of its messages;
+        ``AGREEMENT``, every rank's stacked by rank, after the step's messages (a rank that
+        failed sends its row after its notice). One that does not come raises
+        ``inquest.failure``, or the words of a peer that gave up (it looked for the cause)."""
+        senders = [0] if self.rank else []  # of the seed: rank 0, which waits for nobody
+        if kind == AGREEMENT:  # the nearest first: where several failed, nearer the cause
+            senders = sorted(self._incoming, key=lambda p: abs(p - self.rank))
+        if kind == AGREEMENT or not self.rank:
             for peer in self._outgoing:
-                self._emit(peer, SEED, row=row)
-            return row
-        return self._take_row(0, SEED, row, time.monotonic() + self.timeout, what, doing)
-
-    def all_gather_row(self, row: torch.Tensor, what: str, doing: str) -> torch.Tensor:
-        """Every rank's ``row`` (of one dtype and length on every rank), stacked by rank:
-        the step's agreement, sent after this rank's messages of the step and received
-        after the peers' (a rank that failed still sends its row, after its notice)."""
-        for peer in self._outgoing:
-            self._emit(peer, AGREEMENT, row=row)
-        deadline = time.monotonic() + self.timeout
-        # The nearest ranks first: where several failed, a neighbour's words are nearer the cause.
-        near = sorted(self._incoming, key=lambda p: abs(p - self.rank))
-        rows = {p: self._take_row(p, AGREEMENT, row, deadline, what, doing) for p in near}
+                self._emit(peer, kind, row=row)
+        deadline, rows = time.monotonic() + self.timeout, {self.rank: row}
+        for src in senders:
+            try:
+                self._take(src, until=kind, deadline=deadline)
+            except Exception as error:
+                if self.peer_gave_up():  # its notice, taken here: a gave-up notice ends the step
+                    raise
+                timed_out = False if isinstance(error, PipelineError) else None  # a notice
+                raise failure(self.group, self.rank, [src], what, error, timeout=self.timeout,
+                              doing=doing, timed_out=timed_out) from error  # fmt: skip
+            rows[src] = row_of(self._arriving.pop(kind).frame.cpu(), row)
+            if kind == AGREEMENT and src == 0:  # the next step's seed, posted ahead
+                self._seed_ahead = self._post(0, SEED, 0, None)
+        if kind == SEED:
+            return rows[0]
         if not self._told and not self._failed:  # every rank took all: none can wait
             self.finish()  # here, so that a step refused after its agreement frees them too
-        return torch.stack([rows.get(r, row) for r in range(self.schedule.num_ranks)])
-
-    def _take_row(
-        self, src: int, kind: int, like: torch.Tensor, deadline: float, what: str, doing: str
-    ) -> torch.Tensor:
-        """``src``'s row of ``kind``. One that does not come (a notice in its place, a
-        timeout, its rank gone) raises the error of any failed wait (``inquest.failure``),
-        or the words of a peer that gave up (it sends no row; it looked for the cause)."""
-        try:
-            self._take(src, until=kind, deadline=deadline)
-        except Exception as error:
-            if self.peer_gave_up():  # its notice, taken here: a gave-up notice ends the step
-                raise
-            timed_out = False if isinstance(error, PipelineError) else None  # a notice
-            raise failure(
-                self.group,
-                self.rank,
-                [src],
-                what,
-                error,
-                timeout=self.timeout,
-                doing=doing,
-                timed_out=timed_out,
-            ) from error
-        posted = self._arriving.pop(kind)
-        if kind == AGREEMENT and self.rank != 0 and src == 0:
-            self._seed_ahead = self._post(0, SEED, 0, None)  # the next step's, ahead
-        return row_of(posted.frame.cpu(), like)
+        return torch.stack([rows[r] for r in range(self.schedule.num_ranks)])
