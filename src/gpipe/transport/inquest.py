@@ -114,32 +114,28 @@ def state(rank: int, waits_on: Iterable[int], what: str) -> None:
 @dataclass(frozen=True)
 class Verdict:
     """The ranks that caused a failed wait: ``failed`` raised (rank -> its words),
-    ``silent`` left no statement (stalled or died); ``path`` the ranks waited on through
-    which they were reached, by rank."""
+    ``silent`` left no statement (stalled or died); ``path``: by rank, the ranks waited on
+    through which it was reached, from the one the waiting rank waits on."""
 
     failed: dict[int, str]
     silent: list[int]
-    path: dict[int, int]  # rank -> the rank whose statement led to it
+    path: dict[int, tuple[int, ...]]
 
-    def via(self, culprit: int, me: int) -> str:
-        """How ``me`` came to wait on ``culprit``: " (rank 1 waits on it)", or ""."""
-        chain, rank = [], self.path.get(culprit)
-        while rank is not None and rank != me:
-            chain.append(rank)
-            rank = self.path.get(rank)
+    def via(self, culprit: int) -> str:
+        """How the waiting rank came to wait on ``culprit``: " (rank 1 waits on it)", or ""."""
+        chain = self.path.get(culprit, ())
         if not chain:
             return ""
-        chain.reverse()  # from the rank ``me`` waits on, to the one that waits on the culprit
         links = [f"rank {chain[0]} waits on"] + [f"rank {r}, which waits on" for r in chain[1:]]
         return f" ({' '.join(links)} it)"
 
-    def describe(self, me: int) -> str:
+    def describe(self) -> str:
         """The cause in words, first culprit first: "rank 2 raised ...", "rank 2 did not
         answer (stalled, or died) (rank 1 waits on it)"."""
-        parts = [f"rank {r} failed{self.via(r, me)}: {text}" for r, text in self.failed.items()]
+        parts = [f"rank {r} failed{self.via(r)}: {text}" for r, text in self.failed.items()]
         if self.silent:
             named = " and ".join(f"rank {r}" for r in self.silent)
-            via = self.via(self.silent[0], me) if len(self.silent) == 1 else ""
+            via = self.via(self.silent[0]) if len(self.silent) == 1 else ""
             parts.append(f"{named} did not answer (stalled, or died){via}")
         return "; ".join(parts)
 
@@ -165,7 +161,7 @@ def blame(me: int, waits_on: Iterable[int], what: str, *, timeout: float) -> Ver
     deadline = time.monotonic() + (0.0 if waited_before else grace(timeout))
     statements: dict[int, tuple[tuple[int, ...], str]] = {}
     while True:
-        path: dict[int, int] = {r: me for r in waits_on}
+        path: dict[int, tuple[int, ...]] = {r: () for r in waits_on}
         frontier, pending = list(waits_on), []
         for rank in frontier:  # it grows as the statements lead on
             if rank not in statements and (said := _read(rank, since)) is not None:
@@ -175,7 +171,7 @@ def blame(me: int, waits_on: Iterable[int], what: str, *, timeout: float) -> Ver
                 continue
             for other in statements[rank][0]:
                 if other not in path and other != me:
-                    path[other] = rank
+                    path[other] = (*path[rank], rank)
                     frontier.append(other)
         failed = {r: statements[r][1] for r in path if r in statements and not statements[r][0]}
         if failed or not pending or _gone or time.monotonic() >= deadline:
@@ -209,13 +205,13 @@ def failure(
     stuck = f"{where}: {what} {late if timed_out else 'failed'}"
     verdict = blame(me, others, stuck, timeout=timeout)
     culprits = verdict.silent or (others if len(others) == 1 else [])
-    via = verdict.via(culprits[0], me) if len(culprits) == 1 else ""
+    via = verdict.via(culprits[0]) if len(culprits) == 1 else ""
     who = " and ".join(named(group, r) for r in culprits) or "a peer"
     if verdict.failed:
         culprits = [next(iter(verdict.failed))]
-        text = f"{verdict.describe(me)}; {stuck}"
+        text = f"{verdict.describe()}; {stuck}"
     elif cause_first and via:
-        text = f"{verdict.describe(me)}: {stuck}; look for why {who} stopped {REMEDY}"
+        text = f"{verdict.describe()}: {stuck}; look for why {who} stopped {REMEDY}"
     elif timed_out:
         text = f"{stuck}: {who}{via} did not arrive (stalled, or slower than that); look for why "
         text += f"it stopped {REMEDY}"
