@@ -12,13 +12,14 @@ import pytest
 import torch
 
 from gpipe.base.errors import NonFiniteError, PipelineError
+from gpipe.parallel import agreement
 from gpipe.parallel.agreement import StepAgreement, refuse_step
 from gpipe.transport.framing import AGREEMENT
 
 
 class _Transport:
-    def __init__(self, rows: list[list[float]] | Exception, said: dict[int, str]) -> None:
-        self.rows, self.sent, self.notices = rows, [], said
+    def __init__(self, rows: list[list[float]] | Exception) -> None:
+        self.rows, self.sent = rows, []
 
     def row(self, kind: int, row: torch.Tensor, what: str, doing: str) -> torch.Tensor:
         assert kind == AGREEMENT
@@ -30,9 +31,6 @@ class _Transport:
 
     def peer_gave_up(self) -> bool:
         return False
-
-    def said(self, rank: int) -> str | None:
-        return self.notices.get(rank)
 
 
 class _Ops:
@@ -46,9 +44,9 @@ class _Ops:
 class _Rank(StepAgreement):
     """Rank ``rank`` of two, stage i on rank i."""
 
-    def __init__(self, rank: int, rows, messages=("", ""), said=None) -> None:
-        self.rank, self.steps, self.broken = rank, 4, None
-        self.transport, self.ops = _Transport(rows, said or {}), _Ops(list(messages))
+    def __init__(self, rank: int, rows, messages=("", "")) -> None:
+        self.rank, self.steps, self.broken, self.group = rank, 4, None, None
+        self.transport, self.ops = _Transport(rows), _Ops(list(messages))
         self.schedule = type("Schedule", (), {"stage_to_rank": [0, 1]})()
 
     def _collective(self, run, *args, failing=False, **kw):
@@ -73,9 +71,12 @@ def test_a_non_finite_gradient_on_another_rank_refuses_the_step_here():
     assert kept.nonfinite_grads
 
 
-def test_the_first_failed_rank_s_own_words_are_raised_on_every_rank():
+def test_the_first_failed_rank_s_own_words_are_raised_on_every_rank(monkeypatch):
+    monkeypatch.setattr(agreement.dist, "get_global_rank", lambda _, rank: rank)
+    said = {1: "rank 1 (stage 1) raised ValueError: bad"}  # its statement, in the job's store
+    monkeypatch.setattr(agreement, "said_by", said.get)
     rows = [[0.0, 0, 0], [0.0, 2, 0]]  # rank 1 failed (failed rank + 1 in the row)
-    rank = _Rank(0, rows, said={1: "rank 1 (stage 1) raised ValueError: bad"})  # its notice
+    rank = _Rank(0, rows)
     with pytest.raises(PipelineError, match=r"rank 0: the step failed elsewhere: rank 1 .*bad"):
         rank.agree(None, None, None)
     assert "ValueError: bad" in rank.broken

@@ -21,7 +21,7 @@ from gpipe.base.errors import NonFiniteError, PipelineError
 from gpipe.engine.stage import Stage
 from gpipe.parallel.clipping import Edit, check_edits
 from gpipe.transport.framing import AGREEMENT
-from gpipe.transport.inquest import waited_out
+from gpipe.transport.inquest import said_by, waited_out
 
 __all__ = ["Agreement", "StepAgreement", "refuse_step"]
 
@@ -67,7 +67,8 @@ class StepAgreement:
         if failed := [int(row[1]) - 1 for row in table if row[1]]:
             # The failed ranks' words came in their notices, ahead of their rows.
             origin = min(failed)
-            self.broken = self.transport.said(origin) or f"rank {origin} failed"
+            said = said_by(dist.get_global_rank(self.group, origin))
+            self.broken = said or f"rank {origin} failed"
             raise PipelineError(
                 f"rank {self.rank}: the step failed elsewhere: {self.broken}", rank=origin
             )

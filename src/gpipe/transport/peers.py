@@ -24,11 +24,12 @@ tag. When receives are posted:
 Sends never block the runtime: each is let go once done (oldest first, at the next send)
 or when the step ends (:meth:`finish`, after the agreement, when every rank has received
 all). Every wait is bounded by the pipeline's timeout; a failed one names the rank that
-caused it (``gpipe.transport.failures``).
+caused it, and a failed rank tells its peers (``gpipe.transport.inquest``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -36,12 +37,12 @@ from datetime import timedelta
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from gpipe.base.errors import PipelineError
 from gpipe.schedule.comm_plan import receive_points, wire_order
 from gpipe.schedule.routes import Message, Routes
 from gpipe.transport.codec import CodecError
-from gpipe.transport.failures import Failures
 from gpipe.transport.framing import (
     AGREEMENT,
     HEAD,
@@ -57,7 +58,7 @@ from gpipe.transport.framing import (
     read_head,
     row_of,
 )
-from gpipe.transport.inquest import failure
+from gpipe.transport.inquest import failure, heard, left, state
 from gpipe.transport.local import LocalTransport
 
 __all__ = ["PeerTransport"]
@@ -83,7 +84,7 @@ class _Posted:
     works: list[Any] = field(default_factory=list)  # receives of the tensors, when separate
 
 
-class PeerTransport(Failures):
+class PeerTransport:
     """One rank's frames to and from its peers over ``carrier`` (see the module's docstring)."""
 
     def __init__(
@@ -320,7 +321,7 @@ class PeerTransport(Failures):
                 if not self._pending[src]:
                     self._post_next(src)  # the agreement row that follows it
                 row = row_of(posted.frame[:HEAD].cpu(), NOTICE_ROW).tolist()
-                error, gave_up = self._heard(src, row)
+                error, gave_up = heard(self.group, self.rank, src, row), bool(row[2])
                 self._told.setdefault(src, (error, gave_up))
                 if until != AGREEMENT or gave_up:
                     raise error
@@ -380,7 +381,38 @@ class PeerTransport(Failures):
                 self.group, self.rank, [src], words, error, timeout=self.timeout, cause_first=True
             ) from error
 
-    # -- the step's rows: frames of the same sequences ------------------------------------
+    # -- failures and the step's rows: frames of the same sequences -----------------------
+
+    def announce_failure(self, description: dict) -> None:
+        """State ``description``'s message (pipeline rank ``rank`` failed, caused by
+        ``global_rank`` where known), then tell every peer that still expects a frame of
+        this step, within a second; its agreement row follows unless it ``gave_up``."""
+        me, culprit = self._global(self.rank), description["global_rank"]
+        others = [self._global(r) for r in range(self.schedule.num_ranks) if r != self.rank]
+        waits_on = [] if culprit == me else others if culprit is None else [culprit]
+        state(me, waits_on, description["message"])  # before the notices: they point here
+        self._failed = True
+        row = [description["rank"], -1 if culprit is None else culprit, description["gave_up"]]
+        row = torch.tensor(row, dtype=torch.int64)
+        for dst, sequence in self._outgoing.items():
+            if self._sent.get(dst, 0) < len(sequence):
+                with contextlib.suppress(Exception):
+                    self._emit(dst, NOTICE, row=row)
+        self.carrier.flush(min(1.0, self.timeout))
+        self.clear()
+
+    def peer_gave_up(self) -> bool:
+        """Whether a peer left without agreeing on its failure: nobody to agree with."""
+        return any(gave_up for _, gave_up in self._told.values())
+
+    def _global(self, rank: int) -> int:  # a rank of the job, as the user knows it
+        return dist.get_global_rank(self.group, rank)
+
+    def _left(self, error: Exception, peer: int, doing: str) -> PipelineError:
+        """Posting a transfer failed: ``peer`` left. The failure it announced, if any."""
+        for told, _ in self._told.values():  # it gave up on this step, and said why
+            return told
+        return left(self.group, self.rank, peer, error, doing, timeout=self.timeout)
 
     def row(self, kind: int, row: torch.Tensor, what: str, doing: str) -> torch.Tensor:
         """The step's row of ``kind`` (of one dtype and length on every rank; ``what``,
