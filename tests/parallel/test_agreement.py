@@ -1,8 +1,8 @@
-"""The end of a step agreed by every rank (``gpipe.parallel.agreement``), on the rows a fake
-transport returns: the loss is the last stage's on every rank, a non-finite gradient
-anywhere refuses the step on every rank, the first failed rank's own words are raised, and a
-row that does not come raises the transport's error, told what the row is. (Through real ranks:
-tests/parallel/test_distributed.py and tests/faults.)"""
+"""The end of a step agreed by every rank (``gpipe.parallel.group.MultiProcess``), on the
+rows a fake transport returns: the loss is the last stage's on every rank, a non-finite
+gradient anywhere refuses the step on every rank, the first failed rank's own words are
+raised, and a row that does not come raises the transport's error, told what the row is.
+(Through real ranks: tests/parallel/test_distributed.py and tests/faults.)"""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from gpipe.base.errors import NonFiniteError, PipelineError
-from gpipe.parallel import agreement
-from gpipe.parallel.agreement import StepAgreement, refuse_step
+from gpipe.parallel import group
+from gpipe.parallel.group import MultiProcess, refuse_step
 from gpipe.transport.framing import AGREEMENT
 
 
@@ -41,7 +41,7 @@ class _Ops:
         return self.messages
 
 
-class _Rank(StepAgreement):
+class _Rank(MultiProcess):
     """Rank ``rank`` of two, stage i on rank i."""
 
     def __init__(self, rank: int, rows, messages=("", "")) -> None:
@@ -72,9 +72,9 @@ def test_a_non_finite_gradient_on_another_rank_refuses_the_step_here():
 
 
 def test_the_first_failed_rank_s_own_words_are_raised_on_every_rank(monkeypatch):
-    monkeypatch.setattr(agreement.dist, "get_global_rank", lambda _, rank: rank)
+    monkeypatch.setattr(group.dist, "get_global_rank", lambda _, rank: rank)
     said = {1: "rank 1 (stage 1) raised ValueError: bad"}  # its statement, in the job's store
-    monkeypatch.setattr(agreement, "said_by", said.get)
+    monkeypatch.setattr(group, "said_by", said.get)
     rows = [[0.0, 0, 0], [0.0, 2, 0]]  # rank 1 failed (failed rank + 1 in the row)
     rank = _Rank(0, rows)
     with pytest.raises(PipelineError, match=r"rank 0: the step failed elsewhere: rank 1 .*bad"):
