@@ -441,6 +441,8 @@ class PeerTransport:
                 self._seed_ahead = self._post(0, SEED, 0, None)
         if kind == SEED:
             return rows[0]
-        if not self._told and not self._failed:  # every rank took all: none can wait
-            self.finish()  # here, so that a step refused after its agreement frees them too
+        if self._told or self._failed:  # a peer may still take them: written within a second
+            self.carrier.flush(min(1.0, self.timeout))
+        else:  # every rank took all: none can wait; here, so a step refused after it frees them
+            self.finish()
         return torch.stack([rows[r] for r in range(self.schedule.num_ranks)])
