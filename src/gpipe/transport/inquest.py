@@ -132,16 +132,6 @@ class Verdict:
         links = [f"rank {chain[0]} waits on"] + [f"rank {r}, which waits on" for r in chain[1:]]
         return f" ({' '.join(links)} it)"
 
-    def describe(self) -> str:
-        """The cause in words, first culprit first: "rank 2 raised ...", "rank 2 did not
-        answer (stalled, or died) (rank 1 waits on it)"."""
-        parts = [f"rank {r} failed{self.via(r)}: {text}" for r, text in self.failed.items()]
-        if self.silent:
-            named = " and ".join(f"rank {r}" for r in self.silent)
-            via = self.via(self.silent[0]) if len(self.silent) == 1 else ""
-            parts.append(f"{named} did not answer (stalled, or died){via}")
-        return "; ".join(parts)
-
 
 def blame(me: int, waits_on: Iterable[int], what: str, *, timeout: float) -> Verdict:
     """After rank ``me``'s wait on ``waits_on`` failed (``what``: what it was doing): leave
@@ -207,14 +197,15 @@ def failure(
     late = f"did not complete within the pipeline's timeout of {timeout:g} s"
     stuck = f"{where}: {what} {late if timed_out else 'failed'}"
     verdict = blame(me, others, stuck, timeout=timeout)
-    culprits = verdict.silent or (others if len(others) == 1 else [])
+    culprits = [*verdict.failed][:1] or verdict.silent or (others if len(others) == 1 else [])
     via = verdict.via(culprits[0]) if len(culprits) == 1 else ""
     who = " and ".join(_named(group, r) for r in culprits) or "a peer"
-    if verdict.failed:
-        culprits = [next(iter(verdict.failed))]
-        text = f"{verdict.describe()}; {stuck}"
-    elif cause_first and via:
-        text = f"{verdict.describe()}: {stuck}; look for why {who} stopped {REMEDY}"
+    if verdict.failed:  # each in its own words, the first the culprit
+        causes = [f"rank {r} failed{verdict.via(r)}: {said}" for r, said in verdict.failed.items()]
+        text = "; ".join([*causes, stuck])
+    elif cause_first and via:  # the silent rank first: not the rank waited on
+        text = f"rank {culprits[0]} did not answer (stalled, or died){via}: {stuck}; look for why "
+        text += f"{who} stopped {REMEDY}"
     elif timed_out:
         text = f"{stuck}: {who}{via} did not arrive (stalled, or slower than that); look for why "
         text += f"it stopped {REMEDY}"
