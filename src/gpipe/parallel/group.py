@@ -348,12 +348,8 @@ class MultiProcess(PipelineGroup):
         return int(values[0]), (None if first_batch < 0 else first_batch)
 
     def norm_total(self, local: torch.Tensor, *, maximum: bool) -> torch.Tensor:
-        """Replicas hold equal gradients after averaging: reducing over the pipeline suffices."""
-        if self.broken is not None:
-            raise PipelineError(
-                f"rank {self.rank}: clip_grad_norm_ after a failed step ({self.broken}); "
-                "build a new Pipe"
-            )
+        """Replicas hold equal gradients after averaging: reducing over the pipeline suffices
+        (after a failed step: refused, as every collective is)."""
         total = self._collective(
             self.ops.all_reduce,
             local.reshape(1),
