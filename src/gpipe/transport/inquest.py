@@ -174,17 +174,9 @@ def blame(me: int, waits_on: Iterable[int], what: str, *, timeout: float) -> Ver
 
 
 def failure(
-    group: Any,
-    rank: int,
-    peers: list[int],
-    what: str,
-    error: BaseException,
-    *,
-    timeout: float,
-    doing: str = "",
-    timed_out: bool | None = None,
-    cause_first: bool = False,
-) -> PipelineError:
+    group: Any, rank: int, peers: list[int], what: str, error: BaseException, *, timeout: float,
+    doing: str = "", timed_out: bool | None = None, cause_first: bool = False,
+) -> PipelineError:  # fmt: skip
     """The one error of every failed wait (a receive, a collective, a row of the step): rank
     ``rank`` of ``group``, ``doing`` something, waited on its ranks ``peers`` for ``what``
     (``timed_out``: unless ``error`` says). It names the rank that caused it (:func:`blame`),
