@@ -14,8 +14,8 @@ pytestmark = pytest.mark.timeout(120)  # multi-process: a hang fails
     ("setting", "expected"),
     [
         ("schedule", "schedule: rank 1 has"),
-        ("balance", "balance: rank 1 has '[1, 3]', rank 0 has '[2, 2]'"),
-        ("chunks", "chunks: rank 1 has '2', rank 0 has '4'"),
+        ("balance", "balance: rank 1 has [1, 3], rank 0 has [2, 2]"),
+        ("chunks", "chunks: rank 1 has 2, rank 0 has 4"),
         ("batch", "the targets hold 6 samples but the inputs on the first stage's rank 8"),
     ],
 )

@@ -1,8 +1,8 @@
-"""The end of a step agreed by every rank (``gpipe.parallel.agreement``), on the rows a fake
-transport returns: the loss is the last stage's on every rank, a non-finite gradient
-anywhere refuses the step on every rank, the first failed rank's own words are raised, and a
-row that does not come raises the transport's error, told what the row is. (Through real ranks:
-tests/parallel/test_distributed.py and tests/faults.)"""
+"""The end of a step agreed by every rank (``gpipe.parallel.group.MultiProcess``), on the
+rows a fake transport returns: the loss is the last stage's on every rank, a non-finite
+gradient anywhere refuses the step on every rank, the first failed rank's own words are
+raised, and a row that does not come raises the transport's error, told what the row is.
+(Through real ranks: tests/parallel/test_distributed.py and tests/faults.)"""
 
 from __future__ import annotations
 
@@ -12,14 +12,17 @@ import pytest
 import torch
 
 from gpipe.base.errors import NonFiniteError, PipelineError
-from gpipe.parallel.agreement import StepAgreement, refuse_step
+from gpipe.parallel import group
+from gpipe.parallel.group import MultiProcess, refuse_step
+from gpipe.transport.framing import AGREEMENT
 
 
 class _Transport:
-    def __init__(self, rows: list[list[float]] | Exception, said: dict[int, str]) -> None:
-        self.rows, self.sent, self.notices = rows, [], said
+    def __init__(self, rows: list[list[float]] | Exception) -> None:
+        self.rows, self.sent = rows, []
 
-    def all_gather_row(self, row: torch.Tensor, what: str, doing: str) -> torch.Tensor:
+    def row(self, kind: int, row: torch.Tensor, what: str, doing: str) -> torch.Tensor:
+        assert kind == AGREEMENT
         self.sent.append(row.tolist())
         self.words = (what, doing)
         if isinstance(self.rows, Exception):
@@ -28,9 +31,6 @@ class _Transport:
 
     def peer_gave_up(self) -> bool:
         return False
-
-    def said(self, rank: int) -> str | None:
-        return self.notices.get(rank)
 
 
 class _Ops:
@@ -41,12 +41,12 @@ class _Ops:
         return self.messages
 
 
-class _Rank(StepAgreement):
+class _Rank(MultiProcess):
     """Rank ``rank`` of two, stage i on rank i."""
 
-    def __init__(self, rank: int, rows, messages=("", ""), said=None) -> None:
-        self.rank, self.steps, self.broken = rank, 4, None
-        self.transport, self.ops = _Transport(rows, said or {}), _Ops(list(messages))
+    def __init__(self, rank: int, rows, messages=("", "")) -> None:
+        self.rank, self.steps, self.broken, self.group = rank, 4, None, None
+        self.transport, self.ops = _Transport(rows), _Ops(list(messages))
         self.schedule = type("Schedule", (), {"stage_to_rank": [0, 1]})()
 
     def _collective(self, run, *args, failing=False, **kw):
@@ -71,9 +71,12 @@ def test_a_non_finite_gradient_on_another_rank_refuses_the_step_here():
     assert kept.nonfinite_grads
 
 
-def test_the_first_failed_rank_s_own_words_are_raised_on_every_rank():
+def test_the_first_failed_rank_s_own_words_are_raised_on_every_rank(monkeypatch):
+    monkeypatch.setattr(group.dist, "get_global_rank", lambda _, rank: rank)
+    said = {1: "rank 1 (stage 1) raised ValueError: bad"}  # its statement, in the job's store
+    monkeypatch.setattr(group, "said_by", said.get)
     rows = [[0.0, 0, 0], [0.0, 2, 0]]  # rank 1 failed (failed rank + 1 in the row)
-    rank = _Rank(0, rows, said={1: "rank 1 (stage 1) raised ValueError: bad"})  # its notice
+    rank = _Rank(0, rows)
     with pytest.raises(PipelineError, match=r"rank 0: the step failed elsewhere: rank 1 .*bad"):
         rank.agree(None, None, None)
     assert "ValueError: bad" in rank.broken

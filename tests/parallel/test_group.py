@@ -9,10 +9,12 @@ import ast
 import inspect
 from pathlib import Path
 
+import pytest
 import torch
 
 import gpipe.pipe
 import gpipe.pipe.assembly
+from gpipe.base.errors import PartitionError
 from gpipe.parallel.group import MultiProcess, PipelineGroup, pipeline_group
 
 # Written once for both, through ``gather`` (which a process group overrides).
@@ -79,3 +81,17 @@ def test_one_process_exchange_gathers_on_the_last_holder():
     exchanged = group.exchange([0, 2], mine)
     assert set(exchanged) == {0, 2} and torch.equal(exchanged[2], mine[2])
     assert torch.equal(exchanged[0], mine[0])
+
+
+def test_ranks_built_differently_are_refused_naming_each_value_as_written():
+    """A configuration holds each value's repr (``gpipe.pipe.partition.fingerprint``): the
+    refusal shows it once, as the user wrote it ('auto', not "'auto'")."""
+
+    class TwoRanks(PipelineGroup):
+        def gather(self, value, what):
+            return [value, {**value, "transport": repr("auto"), "chunks": repr(2)}]
+
+    settings = {"transport": repr("group"), "chunks": repr(4), "model": "3fa9"}
+    said = "- transport: rank 1 has 'auto', rank 0 has 'group'\n- chunks: rank 1 has 2, rank 0 "
+    with pytest.raises(PartitionError, match=said):
+        TwoRanks().check_same(settings)

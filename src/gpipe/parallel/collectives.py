@@ -76,16 +76,8 @@ class Collectives:
         """The error of a collective that did not complete: what, who (the rank that caused
         it: ``gpipe.transport.inquest.failure``), and what to do."""
         others = [r for r in range(self.size) if r != self.rank]
-        return failure(
-            self.group,
-            self.rank,
-            others,
-            operation,
-            error,
-            timeout=self.timeout,
-            doing=doing,
-            timed_out=timed_out,
-        )
+        return failure(self.group, self.rank, others, operation, error, timeout=self.timeout,
+                       doing=doing, timed_out=timed_out)  # fmt: skip
 
     # -- tensors ------------------------------------------------------------------------------
 

@@ -7,15 +7,22 @@ never asks "which one am I?" and never touches ``torch.distributed``. Everything
 must agree on goes through a ``MultiProcess``: the step's random seed, the loss, who failed
 first, the gradient norm, tied copies, the automatic balance.
 
-How a failure is agreed on is ``gpipe.parallel.agreement``'s; which carrier moves the
-messages, ``gpipe.transport.choice``'s; how a collective is bounded and named,
+A failure in one rank is announced to its peers through the transport (``_announce``) and
+then agreed on in the step's last row, so that all ranks raise the same first error instead
+of waiting for messages that will never come. The step's rows (rank 0's seed first, every
+rank's agreement last) travel on the transport's own wire; their failures are named as every
+failed wait's (``gpipe.transport.inquest``). Which carrier moves the messages is
+``gpipe.transport.choice``'s; how a collective is bounded and named,
 ``gpipe.parallel.collectives``'.
 """
 
 from __future__ import annotations
 
+import contextlib
+import math
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
@@ -23,22 +30,31 @@ import torch.distributed as dist
 
 from gpipe.base import rng
 from gpipe.base._utils import DeviceLike
-from gpipe.base.errors import PartitionError, PipelineError
+from gpipe.base.errors import NonFiniteError, PartitionError, PipelineError
 from gpipe.engine.runtime import Transport
 from gpipe.engine.stage import Stage
-from gpipe.parallel.agreement import Agreement, StepAgreement, refuse_step
-from gpipe.parallel.clipping import Edit
+from gpipe.parallel.clipping import Edit, check_edits
 from gpipe.parallel.collectives import Collectives
 from gpipe.parallel.tied import TiedParameters
 from gpipe.schedule.ir import Schedule
 from gpipe.schedule.routes import Routes
 from gpipe.transport.choice import check_choice, open_transport
+from gpipe.transport.framing import AGREEMENT, SEED
+from gpipe.transport.inquest import said_by, waited_out
 from gpipe.transport.local import LocalTransport
 from gpipe.transport.peers import PeerTransport
 
-__all__ = ["MultiProcess", "PipelineGroup", "default_device", "pipeline_group"]
+__all__ = ["Agreement", "MultiProcess", "PipelineGroup", "default_device", "pipeline_group"]
 
 T = TypeVar("T")
+
+
+@dataclass
+class Agreement:
+    """What every rank agreed on at the end of a step."""
+
+    loss: torch.Tensor | None  # the step's loss (float64), on every rank; None: inference
+    nonfinite_grads: bool  # a gradient of some rank holds a NaN or an infinity
 
 
 def default_device(group: Any) -> torch.device:
@@ -90,11 +106,12 @@ class PipelineGroup:
         return (rng.draw_step_seed() if seed is None else seed), batch
 
     def check_same(self, configuration: dict[str, Any]) -> None:
-        """Refuse to start unless every rank was given the same configuration (through
-        ``gather``: one process has nothing to compare)."""
+        """Refuse to start unless every rank was given the same configuration (each value
+        written as the user would, ``gpipe.pipe.partition.fingerprint``; through ``gather``:
+        one process has nothing to compare)."""
         everyone = self.gather(configuration, "every rank's configuration")
         differences = [
-            f"- {key}: rank {rank} has {theirs[key]!r}, rank 0 has {everyone[0][key]!r}"
+            f"- {key}: rank {rank} has {theirs[key]}, rank 0 has {everyone[0][key]}"
             for rank, theirs in enumerate(everyone)
             for key in configuration
             if theirs.get(key) != everyone[0].get(key)
@@ -162,7 +179,7 @@ class PipelineGroup:
         return "one process"
 
 
-class MultiProcess(StepAgreement, PipelineGroup):
+class MultiProcess(PipelineGroup):
     """The stages of one rank of a ``torch.distributed`` process group."""
 
     rank: int | None
@@ -187,12 +204,101 @@ class MultiProcess(StepAgreement, PipelineGroup):
             return run(*args, **kw)
         except PipelineError as error:
             if self.broken is None:
-                self.broken = str(error)
-                self.transport.announce_failure(
-                    {"rank": self.rank if error.rank is None else error.rank,
-                     "global_rank": error.global_rank, "message": str(error), "gave_up": True}
-                )  # fmt: skip
+                self._announce(error, gave_up=True)
             raise
+
+    def _announce(self, error: PipelineError, *, gave_up: bool) -> int:
+        """Break this pipeline with ``error`` and tell the peers (``gave_up``: this rank
+        leaves without agreeing on it); the pipeline rank that failed first."""
+        origin, culprit = error.rank, error.global_rank
+        if culprit is None and origin is not None:
+            culprit = dist.get_global_rank(self.group, origin)
+        origin = self.rank if origin is None else origin
+        self.broken = str(error)
+        self.transport.announce_failure(
+            {"rank": origin, "global_rank": culprit, "message": self.broken, "gave_up": gave_up}
+        )
+        return origin
+
+    # -- the end of a step: the loss, who failed first, a non-finite gradient anywhere -----
+
+    def _gather(self, value: float, failed: int, troubled: bool = False) -> torch.Tensor:
+        """Every rank's (value, failed rank + 1 or 0, non-finite gradient), one row per
+        pipeline rank. The rows themselves say who failed (a failed rank sends its row after
+        its notice)."""
+        row = torch.tensor([value, failed + 1, troubled], dtype=torch.float64)
+        operation = "the end-of-step agreement (all-gather)"
+        doing = f"ending step {self.steps} of this Pipe"
+        send = self.transport.row  # failed: this rank's row after its notice
+        return self._collective(send, AGREEMENT, row, operation, doing, failing=failed >= 0)
+
+    def agree(
+        self,
+        local_loss: torch.Tensor | None,
+        loss_value: float | None,
+        trouble: str | None,
+        *,
+        refuse_nonfinite: bool = True,
+        why: str = "",
+    ) -> Agreement:
+        """The loss on every rank (it lives on the last stage's), and a last health check:
+        a failure or a non-finite loss or gradient (``trouble``) anywhere (unless
+        ``refuse_nonfinite`` is False) refuses the step on every rank."""
+        value = loss_value if loss_value is not None else 0.0
+        rows = self._gather(value, -1, troubled=trouble is not None)
+        table = rows.tolist()  # one read of the agreement
+        if failed := [int(row[1]) - 1 for row in table if row[1]]:
+            # The failed ranks' words came in their notices, ahead of their rows.
+            origin = min(failed)
+            said = said_by(dist.get_global_rank(self.group, origin))
+            self.broken = said or f"rank {origin} failed"
+            raise PipelineError(
+                f"rank {self.rank}: the step failed elsewhere: {self.broken}", rank=origin
+            )
+        loss = table[self.schedule.stage_to_rank[-1]][0]
+        nonfinite_grads = any(row[2] for row in table)
+        if refuse_nonfinite and (nonfinite_grads or not math.isfinite(loss)):
+            found = f"rank {self.rank}: a non-finite gradient of {trouble!r}" if trouble else ""
+            if why:
+                found = f"rank {self.rank}: {why}" + (f"; {found}" if found else "")
+            what = "the gather of what made the step non-finite"
+            doing = f"ending step {self.steps}"
+            refuse_step(
+                loss, self._collective(self.ops.all_gather_object, found, what, doing=doing)
+            )
+        # The same on every rank; float64 holds a float32 or float64 loss exactly.
+        return Agreement(torch.tensor(loss, dtype=torch.float64), nonfinite_grads)
+
+    def check_edit(self, edit: Edit) -> None:
+        """Every rank's edit of the step's gradients, gathered when its optimizer steps (one
+        row each); a per-stage clip raises on every rank before any weight changes."""
+        doing = f"checking the gradients of step {self.steps} before the optimizer step"
+        row = torch.tensor(edit.row(), dtype=torch.float64)
+        # A collective, not the transport's rows: those are frames of a step's sequences,
+        # and this row comes between two steps (and is of another length).
+        operation = "the clip check (all-gather)"
+        rows = self._collective(self.ops.all_gather, row, operation, doing=doing)
+        check_edits(rows, describe=lambda rank: f"rank {rank}")
+
+    def fail(self, error: BaseException, stages: list[Stage]) -> None:
+        """Tell the other ranks this step failed here (or upstream), then agree on who."""
+        if self.broken is not None:  # a collective of this step failed here: peers told
+            return
+        me = dist.get_global_rank(self.group, self.rank)
+        if not isinstance(error, PipelineError):  # raised here (else this rank only waited)
+            held = ", ".join(str(s.index) for s in stages)
+            words = f"rank {me} (stage {held}) raised {type(error).__name__}: {error}"
+            error.add_note(f"raised in pipeline rank {self.rank} (stage {held})")
+            error = PipelineError(words, rank=self.rank, global_rank=me)
+        # Its own wait failed: it waited a timeout for a rank that may never answer. It gives
+        # up (and says so) instead of waiting for that rank again in the agreement; so it
+        # does when a peer gave up (a collective of its failed): nobody would come to agree.
+        # Either way the ranks still waiting on it hear its words.
+        gave_up = waited_out(me, timeout=self.timeout) or self.transport.peer_gave_up()
+        origin = self._announce(error, gave_up=gave_up)
+        if not gave_up:  # the peers have its words; the original error is what it raises
+            with contextlib.suppress(Exception):
+                self._gather(0.0, failed=origin)
 
     # -- devices and stages -------------------------------------------------------------------
 
@@ -236,18 +342,14 @@ class MultiProcess(StepAgreement, PipelineGroup):
         values = torch.tensor([drawn, -1 if batch is None else batch], dtype=torch.int64)
         self.steps += 1
         doing = f"starting step {self.steps} of this Pipe"
-        send = self.transport.broadcast_row
-        values = self._collective(send, values, "the step-seed broadcast", doing)
+        send = self.transport.row
+        values = self._collective(send, SEED, values, "the step-seed broadcast", doing)
         first_batch = int(values[1])
         return int(values[0]), (None if first_batch < 0 else first_batch)
 
     def norm_total(self, local: torch.Tensor, *, maximum: bool) -> torch.Tensor:
-        """Replicas hold equal gradients after averaging: reducing over the pipeline suffices."""
-        if self.broken is not None:
-            raise PipelineError(
-                f"rank {self.rank}: clip_grad_norm_ after a failed step ({self.broken}); "
-                "build a new Pipe"
-            )
+        """Replicas hold equal gradients after averaging: reducing over the pipeline suffices
+        (after a failed step: refused, as every collective is)."""
         total = self._collective(
             self.ops.all_reduce,
             local.reshape(1),
@@ -289,3 +391,16 @@ class MultiProcess(StepAgreement, PipelineGroup):
     def gather(self, value: Any, what: str) -> list[Any]:
         # Before the transport (a build that fails leaves no Pipe to break): a plain collective.
         return self.ops.all_gather_object(value, f"the gather of {what}", doing="building the Pipe")
+
+
+def refuse_step(loss: float, troubles: list[str]) -> None:
+    found = [t for t in troubles if t]
+    if found or not math.isfinite(loss):
+        raise NonFiniteError(
+            f"the step was refused (the loss is {loss:g}"
+            + (f"; {'; '.join(found)}" if found else "")
+            + "): its gradients were dropped, so the weights stay as they were; lower the "
+            "learning rate, clip gradients, or look for the layer or input that overflows "
+            "(mixed precision with a torch.amp.GradScaler: pass step(..., scaler=scaler), "
+            "which skips such steps and lowers the scale instead)"
+        )

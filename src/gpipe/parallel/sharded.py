@@ -51,7 +51,7 @@ from torch.utils._pytree import tree_map
 from gpipe.base.errors import COMMUNICATION_FAILURES, PartitionError, PipelineError
 from gpipe.engine.stage import Stage
 from gpipe.parallel.collectives import Collectives
-from gpipe.transport.failures import said_in
+from gpipe.transport.inquest import said_in
 
 __all__ = [
     "ShardedStages",

@@ -9,8 +9,11 @@ the ranks it waited on: a rank that failed by itself is the cause, with its own 
 rank that left no statement within a short grace (``grace``) stalled or died. The grace is
 paid only on a failure, once per rank; a step that succeeds never touches the store.
 
-:func:`failure` is the one error of every failed wait (a message's receive, a row of the
-step, a collective): who waited, for what, the rank that caused it, and the remedy.
+A failed rank states its words first, then sends each peer that still expects a frame of the
+step a ``NOTICE`` in its place (``PeerTransport.announce_failure``): a peer that takes one
+raises :func:`heard`, one that finds the sender gone :func:`left`; every failed wait (a
+message's receive, a row of the step, a collective) raises :func:`failure`: who waited, for
+what, the rank that caused it, and the remedy.
 
 Ranks are global (the store is the whole job's), as a user knows them. Statements are plain
 values (``gpipe.transport.codec``): any process that reaches the store can write there, and
@@ -31,8 +34,8 @@ from gpipe.base.errors import PipelineError
 from gpipe.transport.codec import CodecError, decode, encode
 
 __all__ = [
-    "DIED", "REMEDY", "Verdict", "blame", "failure", "grace", "group_rank", "named",
-    "said_by", "said_in", "state", "waited_out",
+    "DIED", "REMEDY", "Verdict", "blame", "failure", "grace", "heard", "left", "said_by",
+    "said_in", "state", "waited_out",
 ]  # fmt: skip
 
 # What to do, in every error that names a rank: one that stopped answering, one that died.
@@ -63,7 +66,7 @@ def waited_out(me: int, *, timeout: float) -> bool:
     return time.monotonic() - _last_blame.get(me, -1e9) < timeout + grace(timeout)
 
 
-def group_rank(group: Any, rank: int) -> int | None:
+def _group_rank(group: Any, rank: int) -> int | None:
     """Global rank ``rank``'s rank in ``group``; None if it is not in it."""
     try:
         return dist.get_group_rank(group, rank)
@@ -71,10 +74,10 @@ def group_rank(group: Any, rank: int) -> int | None:
         return None
 
 
-def named(group: Any, rank: int) -> str:
+def _named(group: Any, rank: int) -> str:
     """Global rank ``rank`` as a user knows it, and as ``group`` does where that differs (a
     data-parallel group's rank 1 is no process's name)."""
-    local = group_rank(group, rank)
+    local = _group_rank(group, rank)
     return f"rank {rank}" + ("" if local in (None, rank) else f" (rank {local} of this group)")
 
 
@@ -114,34 +117,20 @@ def state(rank: int, waits_on: Iterable[int], what: str) -> None:
 @dataclass(frozen=True)
 class Verdict:
     """The ranks that caused a failed wait: ``failed`` raised (rank -> its words),
-    ``silent`` left no statement (stalled or died); ``path`` the ranks waited on through
-    which they were reached, by rank."""
+    ``silent`` left no statement (stalled or died); ``path``: by rank, the ranks waited on
+    through which it was reached, from the one the waiting rank waits on."""
 
     failed: dict[int, str]
     silent: list[int]
-    path: dict[int, int]  # rank -> the rank whose statement led to it
+    path: dict[int, tuple[int, ...]]
 
-    def via(self, culprit: int, me: int) -> str:
-        """How ``me`` came to wait on ``culprit``: " (rank 1 waits on it)", or ""."""
-        chain, rank = [], self.path.get(culprit)
-        while rank is not None and rank != me:
-            chain.append(rank)
-            rank = self.path.get(rank)
+    def via(self, culprit: int) -> str:
+        """How the waiting rank came to wait on ``culprit``: " (rank 1 waits on it)", or ""."""
+        chain = self.path.get(culprit, ())
         if not chain:
             return ""
-        chain.reverse()  # from the rank ``me`` waits on, to the one that waits on the culprit
         links = [f"rank {chain[0]} waits on"] + [f"rank {r}, which waits on" for r in chain[1:]]
         return f" ({' '.join(links)} it)"
-
-    def describe(self, me: int) -> str:
-        """The cause in words, first culprit first: "rank 2 raised ...", "rank 2 did not
-        answer (stalled, or died) (rank 1 waits on it)"."""
-        parts = [f"rank {r} failed{self.via(r, me)}: {text}" for r, text in self.failed.items()]
-        if self.silent:
-            named = " and ".join(f"rank {r}" for r in self.silent)
-            via = self.via(self.silent[0], me) if len(self.silent) == 1 else ""
-            parts.append(f"{named} did not answer (stalled, or died){via}")
-        return "; ".join(parts)
 
 
 def blame(me: int, waits_on: Iterable[int], what: str, *, timeout: float) -> Verdict:
@@ -165,7 +154,7 @@ def blame(me: int, waits_on: Iterable[int], what: str, *, timeout: float) -> Ver
     deadline = time.monotonic() + (0.0 if waited_before else grace(timeout))
     statements: dict[int, tuple[tuple[int, ...], str]] = {}
     while True:
-        path: dict[int, int] = {r: me for r in waits_on}
+        path: dict[int, tuple[int, ...]] = {r: () for r in waits_on}
         frontier, pending = list(waits_on), []
         for rank in frontier:  # it grows as the statements lead on
             if rank not in statements and (said := _read(rank, since)) is not None:
@@ -175,7 +164,7 @@ def blame(me: int, waits_on: Iterable[int], what: str, *, timeout: float) -> Ver
                 continue
             for other in statements[rank][0]:
                 if other not in path and other != me:
-                    path[other] = rank
+                    path[other] = (*path[rank], rank)
                     frontier.append(other)
         failed = {r: statements[r][1] for r in path if r in statements and not statements[r][0]}
         if failed or not pending or _gone or time.monotonic() >= deadline:
@@ -185,17 +174,9 @@ def blame(me: int, waits_on: Iterable[int], what: str, *, timeout: float) -> Ver
 
 
 def failure(
-    group: Any,
-    rank: int,
-    peers: list[int],
-    what: str,
-    error: BaseException,
-    *,
-    timeout: float,
-    doing: str = "",
-    timed_out: bool | None = None,
-    cause_first: bool = False,
-) -> PipelineError:
+    group: Any, rank: int, peers: list[int], what: str, error: BaseException, *, timeout: float,
+    doing: str = "", timed_out: bool | None = None, cause_first: bool = False,
+) -> PipelineError:  # fmt: skip
     """The one error of every failed wait (a receive, a collective, a row of the step): rank
     ``rank`` of ``group``, ``doing`` something, waited on its ranks ``peers`` for ``what``
     (``timed_out``: unless ``error`` says). It names the rank that caused it (:func:`blame`),
@@ -204,26 +185,57 @@ def failure(
     others = [dist.get_global_rank(group, r) for r in peers]
     text, said_timed_out = said_in(error)
     timed_out = said_timed_out if timed_out is None else timed_out
-    where = named(group, me) + (f", {doing}" if doing else "")
+    where = _named(group, me) + (f", {doing}" if doing else "")
     late = f"did not complete within the pipeline's timeout of {timeout:g} s"
     stuck = f"{where}: {what} {late if timed_out else 'failed'}"
     verdict = blame(me, others, stuck, timeout=timeout)
-    culprits = verdict.silent or (others if len(others) == 1 else [])
-    via = verdict.via(culprits[0], me) if len(culprits) == 1 else ""
-    who = " and ".join(named(group, r) for r in culprits) or "a peer"
-    if verdict.failed:
-        culprits = [next(iter(verdict.failed))]
-        text = f"{verdict.describe(me)}; {stuck}"
-    elif cause_first and via:
-        text = f"{verdict.describe(me)}: {stuck}; look for why {who} stopped {REMEDY}"
+    culprits = [*verdict.failed][:1] or verdict.silent or (others if len(others) == 1 else [])
+    via = verdict.via(culprits[0]) if len(culprits) == 1 else ""
+    who = " and ".join(_named(group, r) for r in culprits) or "a peer"
+    if verdict.failed:  # each in its own words, the first the culprit
+        causes = [f"rank {r} failed{verdict.via(r)}: {said}" for r, said in verdict.failed.items()]
+        text = "; ".join([*causes, stuck])
+    elif cause_first and via:  # the silent rank first: not the rank waited on
+        text = f"rank {culprits[0]} did not answer (stalled, or died){via}: {stuck}; look for why "
+        text += f"{who} stopped {REMEDY}"
     elif timed_out:
         text = f"{stuck}: {who}{via} did not arrive (stalled, or slower than that); look for why "
         text += f"it stopped {REMEDY}"
     else:
         text = f"{stuck}: {who} left the group (died or closed it): {text}; {DIED}"
     culprit = culprits[0] if len(culprits) == 1 else None
-    rank = None if culprit is None else group_rank(group, culprit)
+    rank = None if culprit is None else _group_rank(group, culprit)
     return PipelineError(text, rank=rank, global_rank=culprit)
+
+
+def heard(group: Any, rank: int, peer: int, row: list[int]) -> PipelineError:
+    """The error that ``peer``'s notice (its ``row``: the failed rank in ``group``, the
+    global rank that caused it or -1, whether it gave up) makes rank ``rank`` raise: the
+    peer's statement, in this rank's words where it gave up waiting on this rank."""
+    origin, culprit, _ = row
+    me, other = dist.get_global_rank(group, rank), dist.get_global_rank(group, peer)
+    words = said_by(other) or f"rank {other} failed; its statement is not in the job's store"
+    if culprit == me:
+        return _gave_up(me, peer, other, words)
+    return PipelineError(words, rank=origin, global_rank=None if culprit < 0 else culprit)
+
+
+def left(group: Any, rank: int, peer: int, error: BaseException, doing: str, *,
+         timeout: float) -> PipelineError:  # fmt: skip
+    """Posting a transfer failed (``doing``: "send to", "receive from"): ``peer`` left. If
+    it gave up on this pipeline, its words (which may name this rank); else it died."""
+    me, other = dist.get_global_rank(group, rank), dist.get_global_rank(group, peer)
+    said = said_by(other, timeout=timeout)
+    if said is not None:
+        return _gave_up(me, peer, other, said)
+    return PipelineError(f"rank {me} could not {doing} rank {other}, which left (died, or gave "
+                         f"up on this pipeline): {said_in(error)[0]}; {DIED}",
+                         rank=peer, global_rank=other)  # fmt: skip
+
+
+def _gave_up(me: int, peer: int, other: int, words: str) -> PipelineError:
+    return PipelineError(f"rank {me}: rank {other} gave up on this pipeline: {words}",
+                         rank=peer, global_rank=other)  # fmt: skip
 
 
 def said_by(rank: int, *, timeout: float | None = None) -> str | None:

@@ -24,11 +24,12 @@ tag. When receives are posted:
 Sends never block the runtime: each is let go once done (oldest first, at the next send)
 or when the step ends (:meth:`finish`, after the agreement, when every rank has received
 all). Every wait is bounded by the pipeline's timeout; a failed one names the rank that
-caused it (``gpipe.transport.failures``).
+caused it, and a failed rank tells its peers (``gpipe.transport.inquest``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -36,12 +37,12 @@ from datetime import timedelta
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from gpipe.base.errors import PipelineError
 from gpipe.schedule.comm_plan import receive_points, wire_order
 from gpipe.schedule.routes import Message, Routes
 from gpipe.transport.codec import CodecError
-from gpipe.transport.failures import Failures
 from gpipe.transport.framing import (
     AGREEMENT,
     HEAD,
@@ -57,7 +58,7 @@ from gpipe.transport.framing import (
     read_head,
     row_of,
 )
-from gpipe.transport.inquest import failure
+from gpipe.transport.inquest import failure, heard, left, state
 from gpipe.transport.local import LocalTransport
 
 __all__ = ["PeerTransport"]
@@ -84,7 +85,7 @@ class _Posted:
     works: list[Any] = field(default_factory=list)  # receives of the tensors, when separate
 
 
-class PeerTransport(Failures):
+class PeerTransport:
     """One rank's frames to and from its peers over ``carrier`` (see the module's docstring)."""
 
     def __init__(
@@ -309,7 +310,7 @@ class PeerTransport(Failures):
                 if not self._pending[src]:
                     self._post_next(src)  # the agreement row that follows it
                 row = row_of(posted.frame[:HEAD].cpu(), NOTICE_ROW).tolist()
-                error, gave_up = self._heard(src, row)
+                error, gave_up = heard(self.group, self.rank, src, row), bool(row[2])
                 self._told.setdefault(src, (error, gave_up))
                 if until != AGREEMENT or gave_up:
                     raise error
@@ -353,7 +354,7 @@ class PeerTransport(Failures):
 
     def _wait(self, works: list, src: int, what: Any, deadline: float | None = None) -> None:
         """Wait for receives from ``src`` of ``what`` (a message; a row's kind: the error of
-        its wait, for ``_take_row`` to name)."""
+        its wait, for ``row`` to name)."""
         left = self.timeout if deadline is None else max(deadline - time.monotonic(), 0.001)
         try:
             for work in works:
@@ -367,55 +368,68 @@ class PeerTransport(Failures):
                 self.group, self.rank, [src], words, error, timeout=self.timeout, cause_first=True
             ) from error
 
-    # -- the step's rows: frames of the same sequences ------------------------------------
+    # -- failures and the step's rows: frames of the same sequences -----------------------
 
-    def broadcast_row(self, row: torch.Tensor, what: str, doing: str) -> torch.Tensor:
-        """Rank 0's ``row`` (of one dtype and length on every rank): the step's seed, which
-        rank 0 sends ahead of its messages without waiting for anyone (``what``, ``doing``:
-        an error's words for it)."""
-        if self.rank == 0:
+    def announce_failure(self, description: dict) -> None:
+        """State ``description``'s message (pipeline rank ``rank`` failed, caused by
+        ``global_rank`` where known), then tell every peer that still expects a frame of
+        this step, within a second; its agreement row follows unless it ``gave_up``."""
+        me, culprit = self._global(self.rank), description["global_rank"]
+        others = [self._global(r) for r in range(self.schedule.num_ranks) if r != self.rank]
+        waits_on = [] if culprit == me else others if culprit is None else [culprit]
+        state(me, waits_on, description["message"])  # before the notices: they point here
+        self._failed = True
+        row = [description["rank"], -1 if culprit is None else culprit, description["gave_up"]]
+        row = torch.tensor(row, dtype=torch.int64)
+        for dst, sequence in self._outgoing.items():
+            if self._sent.get(dst, 0) < len(sequence):
+                with contextlib.suppress(Exception):
+                    self._emit(dst, NOTICE, row=row)
+        self.carrier.flush(min(1.0, self.timeout))
+        self.clear()
+
+    def peer_gave_up(self) -> bool:
+        """Whether a peer left without agreeing on its failure: nobody to agree with."""
+        return any(gave_up for _, gave_up in self._told.values())
+
+    def _global(self, rank: int) -> int:  # a rank of the job, as the user knows it
+        return dist.get_global_rank(self.group, rank)
+
+    def _left(self, error: Exception, peer: int, doing: str) -> PipelineError:
+        """Posting a transfer failed: ``peer`` left. The failure it announced, if any."""
+        for told, _ in self._told.values():  # it gave up on this step, and said why
+            return told
+        return left(self.group, self.rank, peer, error, doing, timeout=self.timeout)
+
+    def row(self, kind: int, row: torch.Tensor, what: str, doing: str) -> torch.Tensor:
+        """The step's row of ``kind`` (of one dtype and length on every rank; ``what``,
+        ``doing``: an error's words for it): ``SEED``, rank 0's, sent ahead of its messages;
+        ``AGREEMENT``, every rank's stacked by rank, after the step's messages (a rank that
+        failed sends its row after its notice). One that does not come raises
+        ``inquest.failure``, or the words of a peer that gave up (it looked for the cause)."""
+        senders = [0] if self.rank else []  # of the seed: rank 0, which waits for nobody
+        if kind == AGREEMENT:  # the nearest first: where several failed, nearer the cause
+            senders = sorted(self._incoming, key=lambda p: abs(p - self.rank))
+        if kind == AGREEMENT or not self.rank:
             for peer in self._outgoing:
-                self._emit(peer, SEED, row=row)
-            return row
-        return self._take_row(0, SEED, row, time.monotonic() + self.timeout, what, doing)
-
-    def all_gather_row(self, row: torch.Tensor, what: str, doing: str) -> torch.Tensor:
-        """Every rank's ``row`` (of one dtype and length on every rank), stacked by rank:
-        the step's agreement, sent after this rank's messages of the step and received
-        after the peers' (a rank that failed still sends its row, after its notice)."""
-        for peer in self._outgoing:
-            self._emit(peer, AGREEMENT, row=row)
-        deadline = time.monotonic() + self.timeout
-        # The nearest ranks first: where several failed, a neighbour's words are nearer the cause.
-        near = sorted(self._incoming, key=lambda p: abs(p - self.rank))
-        rows = {p: self._take_row(p, AGREEMENT, row, deadline, what, doing) for p in near}
-        if not self._told and not self._failed:  # every rank took all: none can wait
-            self.finish()  # here, so that a step refused after its agreement frees them too
-        return torch.stack([rows.get(r, row) for r in range(self.schedule.num_ranks)])
-
-    def _take_row(
-        self, src: int, kind: int, like: torch.Tensor, deadline: float, what: str, doing: str
-    ) -> torch.Tensor:
-        """``src``'s row of ``kind``. One that does not come (a notice in its place, a
-        timeout, its rank gone) raises the error of any failed wait (``inquest.failure``),
-        or the words of a peer that gave up (it sends no row; it looked for the cause)."""
-        try:
-            self._take(src, until=kind, deadline=deadline)
-        except Exception as error:
-            if self.peer_gave_up():  # its notice, taken here: a gave-up notice ends the step
-                raise
-            timed_out = False if isinstance(error, PipelineError) else None  # a notice
-            raise failure(
-                self.group,
-                self.rank,
-                [src],
-                what,
-                error,
-                timeout=self.timeout,
-                doing=doing,
-                timed_out=timed_out,
-            ) from error
-        posted = self._arriving.pop(kind)
-        if kind == AGREEMENT and self.rank != 0 and src == 0:
-            self._seed_ahead = self._post(0, SEED, 0, None)  # the next step's, ahead
-        return row_of(posted.frame.cpu(), like)
+                self._emit(peer, kind, row=row)
+        deadline, rows = time.monotonic() + self.timeout, {self.rank: row}
+        for src in senders:
+            try:
+                self._take(src, until=kind, deadline=deadline)
+            except Exception as error:
+                if self.peer_gave_up():  # its notice, taken here: a gave-up notice ends the step
+                    raise
+                timed_out = False if isinstance(error, PipelineError) else None  # a notice
+                raise failure(self.group, self.rank, [src], what, error, timeout=self.timeout,
+                              doing=doing, timed_out=timed_out) from error  # fmt: skip
+            rows[src] = row_of(self._arriving.pop(kind).frame.cpu(), row)
+            if kind == AGREEMENT and src == 0:  # the next step's seed, posted ahead
+                self._seed_ahead = self._post(0, SEED, 0, None)
+        if kind == SEED:
+            return rows[0]
+        if self._told or self._failed:  # a peer may still take them: written within a second
+            self.carrier.flush(min(1.0, self.timeout))
+        else:  # every rank took all: none can wait; here, so a step refused after it frees them
+            self.finish()
+        return torch.stack([rows[r] for r in range(self.schedule.num_ranks)])
