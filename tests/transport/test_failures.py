@@ -112,7 +112,7 @@ def test_a_failure_is_stated_in_the_store_and_a_notice_takes_the_next_frame(stor
     transport.begin(training=True)
     transport._emit(1, SEED, row=torch.zeros(2, dtype=torch.int64))  # frame 0 sent
     words = "rank 4 (stage 0) raised ValueError: x"
-    transport.announce_failure({"rank": 0, "global_rank": 4, "message": words, "gave_up": False})
+    transport.announce_failure(0, 4, words, gave_up=False)
     assert inquest.said_by(4) == words
     (peer, position, frame) = carrier.sent[-1]
     assert (peer, position, read_head(frame)) == (1, 1, (NOTICE, 1, 0))

@@ -49,9 +49,6 @@ class Transport(Protocol):
         """End a step, once every rank has received all of its messages: complete every
         send."""
 
-    def announce_failure(self, description: dict) -> None:
-        """Tell the peers still waiting on this rank that it failed."""
-
     def clear(self) -> None:
         """Drop whatever a failed step left in flight."""
 

@@ -215,9 +215,7 @@ class MultiProcess(PipelineGroup):
             culprit = dist.get_global_rank(self.group, origin)
         origin = self.rank if origin is None else origin
         self.broken = str(error)
-        self.transport.announce_failure(
-            {"rank": origin, "global_rank": culprit, "message": self.broken, "gave_up": gave_up}
-        )
+        self.transport.announce_failure(origin, culprit, self.broken, gave_up=gave_up)
         return origin
 
     # -- the end of a step: the loss, who failed first, a non-finite gradient anywhere -----

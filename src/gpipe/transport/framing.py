@@ -6,7 +6,7 @@ in one sequence per pair of ranks that the schedule fixes:
 * ``MESSAGE``: an activation or gradient; ``size`` bytes of description follow when it
   differs from last time (``History``; 0: as last time), then its tensors;
 * ``AGREEMENT``: a rank's row of the end-of-step agreement (last);
-* ``NOTICE``: a failure, in place of the next frame (``gpipe.transport.failures``); its row
+* ``NOTICE``: a failure, in place of the next frame (``gpipe.transport.inquest``); its row
   (``NOTICE_ROW``): the rank that caused it, that rank's global rank (-1: not known) and
   whether the sender gave up on the pipeline (else its agreement row is the next frame).
 

@@ -40,8 +40,5 @@ class LocalTransport:
     def finish(self) -> None:
         pass  # copies are done when send() returns
 
-    def announce_failure(self, description: dict) -> None:
-        pass  # no peer process is waiting
-
     def clear(self) -> None:
         self._mailbox.clear()

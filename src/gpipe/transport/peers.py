@@ -370,16 +370,18 @@ class PeerTransport:
 
     # -- failures and the step's rows: frames of the same sequences -----------------------
 
-    def announce_failure(self, description: dict) -> None:
-        """State ``description``'s message (pipeline rank ``rank`` failed, caused by
-        ``global_rank`` where known), then tell every peer that still expects a frame of
-        this step, within a second; its agreement row follows unless it ``gave_up``."""
-        me, culprit = self._global(self.rank), description["global_rank"]
+    def announce_failure(
+        self, origin: int, culprit: int | None, message: str, *, gave_up: bool
+    ) -> None:
+        """State ``message`` (pipeline rank ``origin`` failed, caused by global rank
+        ``culprit`` where known), then tell every peer that still expects a frame of this
+        step, within a second; its agreement row follows unless this rank ``gave_up``."""
+        me = self._global(self.rank)
         others = [self._global(r) for r in range(self.schedule.num_ranks) if r != self.rank]
         waits_on = [] if culprit == me else others if culprit is None else [culprit]
-        state(me, waits_on, description["message"])  # before the notices: they point here
+        state(me, waits_on, message)  # before the notices: they point here
         self._failed = True
-        row = [description["rank"], -1 if culprit is None else culprit, description["gave_up"]]
+        row = [origin, -1 if culprit is None else culprit, gave_up]
         row = torch.tensor(row, dtype=torch.int64)
         for dst, sequence in self._outgoing.items():
             if self._sent.get(dst, 0) < len(sequence):
