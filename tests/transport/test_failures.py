@@ -88,7 +88,7 @@ class _Carrier:
     """Records the frames a transport posts (sends: peer, position, head)."""
 
     kind, receive_ahead = "fake", True
-    wire_device = meta_device = torch.device("cpu")
+    wire_device = torch.device("cpu")
 
     def __init__(self) -> None:
         self.sent: list[tuple[int, int, torch.Tensor]] = []
