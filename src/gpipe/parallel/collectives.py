@@ -71,10 +71,16 @@ class Collectives:
             raise self.error(operation, error, doing=doing, timed_out=timed_out) from error
 
     def error(
-        self, operation: str, error: BaseException, *, doing: str = "", timed_out: bool
+        self,
+        operation: str,
+        error: BaseException,
+        *,
+        doing: str = "",
+        timed_out: bool | None = None,
     ) -> PipelineError:
         """The error of a collective that did not complete: what, who (the rank that caused
-        it: ``gpipe.transport.inquest.failure``), and what to do."""
+        it: ``gpipe.transport.inquest.failure``), and what to do (``timed_out``: unless the
+        error says)."""
         others = [r for r in range(self.size) if r != self.rank]
         return failure(self.group, self.rank, others, operation, error, timeout=self.timeout,
                        doing=doing, timed_out=timed_out)  # fmt: skip

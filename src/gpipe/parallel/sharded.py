@@ -51,7 +51,6 @@ from torch.utils._pytree import tree_map
 from gpipe.base.errors import COMMUNICATION_FAILURES, PartitionError, PipelineError
 from gpipe.engine.stage import Stage
 from gpipe.parallel.collectives import Collectives
-from gpipe.transport.inquest import said_in
 
 __all__ = [
     "ShardedStages",
@@ -330,7 +329,6 @@ class ShardedStages:
             "a collective of the sharded replicas (FSDP's parameter all-gather or gradient "
             "reduce-scatter)",
             error,
-            timed_out=said_in(error)[1],
         )
 
     # -- whole-model questions over the replicas -----------------------------------------------

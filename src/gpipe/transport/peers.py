@@ -280,12 +280,12 @@ class PeerTransport:
         sequence = self._incoming[src]
         self._cursor[src] = position + 1
         key = sequence[position] if position < len(sequence) else AGREEMENT
-        history = self._history.setdefault(key, History()) if isinstance(key, Message) else None
-        posted = self._post(src, key, position, history)
+        posted = self._post(src, key, position)
         self._pending[src].append(posted)
         self._ahead[src] += posted.frame.numel()
 
-    def _post(self, src: int, key: Any, position: int, history: History | None) -> _Posted:
+    def _post(self, src: int, key: Any, position: int) -> _Posted:
+        history = self._history.setdefault(key, History()) if isinstance(key, Message) else None
         if self.receive_ahead and history is not None and history.stable:
             device, size, data = self._devices[key.stage], history.decoded.size, True
         else:
@@ -427,7 +427,7 @@ class PeerTransport:
                               doing=doing, timed_out=timed_out) from error  # fmt: skip
             rows[src] = row_of(self._arriving.pop(kind).frame.cpu(), row)
             if kind == AGREEMENT and src == 0:  # the next step's seed, posted ahead
-                self._seed_ahead = self._post(0, SEED, 0, None)
+                self._seed_ahead = self._post(0, SEED, 0)
         if kind == SEED:
             return rows[0]
         if self._told or self._failed:  # a peer may still take them: written within a second
