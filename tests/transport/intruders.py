@@ -20,7 +20,7 @@ from torch.nn import functional as F
 
 import gpipe
 from distributed_cases import _leaving_batch, _leaving_model
-from gpipe.transport import handshake
+from gpipe.transport import choice
 
 NOBODY = 65534
 
@@ -77,7 +77,7 @@ def trains_with_intruders(rank: int, marker: str) -> dict:
     this rank's gradients, the transport, the warnings and what the intruders saw."""
     torch.set_num_threads(1)
     intruders: list[Intruder] = []
-    listen = handshake.listen
+    listen = choice.listen
 
     def listen_and_let_in(num_ranks):
         listener, address, token = listen(num_ranks)
@@ -89,7 +89,7 @@ def trains_with_intruders(rank: int, marker: str) -> dict:
                 intruders.append(Intruder(address, wrong, as_nobody=True))
         return listener, address, token
 
-    handshake.listen = listen_and_let_in
+    choice.listen = listen_and_let_in
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         pipe = gpipe.Pipe(_leaving_model(), balance=[2, 2], chunks=2, group=dist.group.WORLD,

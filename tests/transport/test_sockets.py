@@ -1,7 +1,7 @@
 """The same-host carrier (``gpipe.transport.sockets``): transfers matched by tag as gloo's,
 messages larger than a socket's buffer both ways at once, and a peer's last row read before
-its leaving counts, against the un-split model. (Who may connect: test_handshake.py; how the
-carrier is chosen: test_choice.py.)"""
+its leaving counts, against the un-split model. (How the carrier is chosen and who may
+connect: test_choice.py.)"""
 
 from __future__ import annotations
 
