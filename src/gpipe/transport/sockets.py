@@ -5,7 +5,7 @@ On one host with CPU stages, a Unix socket carries a message in one ``sendmsg`` 
 wake-up of the receiver, no thread in between, where gloo takes a rendezvous over TCP
 loopback and its own thread per message (the numbers: ``docs/benchmarks.md``).
 
-Each pair of ranks holds one connected socket (``gpipe.transport.handshake``). It moves the
+Each pair of ranks holds one connected socket (``gpipe.transport.choice``). It moves the
 transfers ``gpipe.transport.peers`` posts, as gloo's point-to-point does: each goes with a
 preamble (its tag, its size) and lands in the first receive posted with its tag, straight
 into the tensor that holds it; one whose receive is not posted yet stays in the socket
