@@ -79,8 +79,8 @@ def trains_with_intruders(rank: int, marker: str) -> dict:
     intruders: list[Intruder] = []
     listen = choice.listen
 
-    def listen_and_let_in(num_ranks):
-        listener, address, token = listen(num_ranks)
+    def listen_and_let_in():
+        listener, address, token = listen()
         if rank == 0:
             wrong = (1).to_bytes(8, "little") + bytes(32)
             intruders.append(Intruder(address, wrong, as_nobody=False))

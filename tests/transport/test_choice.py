@@ -74,7 +74,7 @@ def test_a_stranger_on_the_socket_is_refused_reported_and_the_job_trains_exactly
 def test_a_listener_refuses_strangers_and_fails_naming_them_when_no_peer_comes():
     """Alone with a caller of the wrong token: refused and reported, and the wait ends
     within the timeout with an error naming it, not taken for a peer."""
-    listener, address, token = choice.listen(2)
+    listener, address, token = choice.listen()
     stranger = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     stranger.connect(address)
     stranger.sendall(struct.pack("<q32s", 1, bytes(32)))

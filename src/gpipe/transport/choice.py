@@ -8,13 +8,13 @@ that should form but do not are never a silent switch.
 
 The sockets are abstract Unix sockets: no file, no permission bits, and their names are
 listed in ``/proc/net/unix`` for anyone to see. So a rank's listener takes a connection only
-from a process of the same user (``SO_PEERCRED``) that presents the
-listener's token: 32 random bytes shared with the other ranks through the process group's
-own all-gather (never through the job's store, which anyone who reaches its port can read),
-compared in constant time. Anything else is closed and reported (a warning naming its user
-and process), and the listener keeps waiting for its genuine peers within the timeout: a
-stranger cannot take a rank's place, nor change the transport. If the peers do not all
-connect, the build fails, naming the strangers.
+from a process of the same user (``SO_PEERCRED``) that presents the listener's token: 32
+random bytes shared with the other ranks through the process group's own all-gather (never
+through the job's store, which anyone who reaches its port can read), compared in constant
+time. Anything else is closed and reported (a warning naming its user and process), and the
+listener keeps waiting for its genuine peers within the timeout: a stranger cannot take a
+rank's place, nor change the transport. If the peers do not all connect, the build fails,
+naming the strangers.
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ TRANSPORTS = ("auto", "sockets", "group")
 _log = logging.getLogger(__name__)
 _HELLO = struct.Struct("<q32s")  # the caller's rank, the listener's token
 _BUFFER = 4 << 20  # bytes of kernel buffer asked for each way (the system may cap it)
+Gather = Callable[[Any, str], list[Any]]  # a bounded all-gather of the group: (value, what)
 
 
 def check_choice(transport: str) -> None:
@@ -63,26 +64,20 @@ def open_transport(
     routes: Routes,
     timeout: float,
     wanted: str,
-    gather: Callable[[Any, str], list[Any]],
+    gather: Gather,
 ) -> PeerTransport:
     """This rank's transport (``devices``: each stage's; ``gather``: one bounded all-gather
     of the group, through which every rank takes part in the choice)."""
     mine = [devices[s] for s in schedule.stages_of(rank)]
     on_cpu = dist.get_backend(group) == "gloo" and all(d.type == "cpu" for d in mine)
-    size = dist.get_world_size(group)
     # Every rank was told the same (the Pipe's configuration, checked): all ask, or none.
-    links = None if wanted == "group" else _sockets(wanted, on_cpu, rank, size, timeout, gather)
+    links = None if wanted == "group" else _sockets(wanted, on_cpu, rank, timeout, gather)
     carrier = GroupCarrier(group, mine[0]) if links is None else SocketCarrier(links, timeout)
     return PeerTransport(schedule, rank, group, devices, carrier, timeout=timeout, routes=routes)
 
 
 def _sockets(
-    wanted: str,
-    on_cpu: bool,
-    rank: int,
-    num_ranks: int,
-    timeout: float,
-    gather: Callable[[Any, str], list[Any]],
+    wanted: str, on_cpu: bool, rank: int, timeout: float, gather: Gather
 ) -> dict[int, socket.socket] | None:
     """A Unix socket to every peer where the pipeline can use them (``wanted``: 'auto' or
     'sockets'; where: the module's docstring), else None: the process group carries them."""
@@ -92,7 +87,7 @@ def _sockets(
     listener, address, token = None, "", b""
     if not isinstance(where, str):
         try:
-            listener, address, token = listen(num_ranks)
+            listener, address, token = listen()
         except OSError as error:
             where = f"cannot open a Unix socket here ({error})"
     formed, failed = {}, ""
@@ -144,14 +139,14 @@ def host_key() -> tuple[str, ...] | None:
     return (socket.gethostname(), boot_id, str(namespace), os.environ.get("GPIPE_TEST_HOST", ""))
 
 
-def listen(num_ranks: int) -> tuple[socket.socket, str, bytes]:
+def listen() -> tuple[socket.socket, str, bytes]:
     """A listening socket for this rank's peers, its (abstract) address, and its token.
     The backlog is the system's largest, so that strangers calling do not fill it."""
     address = f"\0gpipe/{secrets.token_hex(16)}"  # public: not the token
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         listener.bind(address)
-        listener.listen(max(num_ranks, socket.SOMAXCONN))
+        listener.listen(socket.SOMAXCONN)
     except OSError:
         listener.close()
         raise
