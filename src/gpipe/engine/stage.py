@@ -440,9 +440,12 @@ def _differentiable(outputs: list[torch.Tensor], grads: Sequence) -> tuple[list,
 def detached(value: Any, needs_grad: Callable[[torch.Tensor], bool]) -> Any:
     """Detached copies for the next stage, marked ``requires_grad`` where it needs a gradient."""
 
+    if isinstance(value, torch.Tensor):  # the common boundary, without a closure or a walk
+        return value.detach().requires_grad_(needs_grad(value))
+
     def detach(leaf: Any) -> Any:
         if not isinstance(leaf, torch.Tensor):
             return leaf
         return leaf.detach().requires_grad_(needs_grad(leaf))
 
-    return detach(value) if isinstance(value, torch.Tensor) else tree_map(detach, value)
+    return tree_map(detach, value)
