@@ -193,7 +193,7 @@ def run_backward(roots: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | N
     find something in a stage's backward: a gradient has its root's shape (the engine alone
     would sum a broadcastable one silently) and is not complex for a real root; None only
     for a real one-element root (a loss), which gets ones. The public call's general argument
-    handling costs about 25 us per call on the CPU, a fifth of a small stage's B. Tensor
+    handling costs 15-25 us per call on the CPU, a fifth of a small stage's B. Tensor
     subclasses (``__torch_function__``) and functorch transforms take the public call."""
     if has_torch_function(roots) or torch._C._are_functorch_transforms_active():
         torch.autograd.backward(list(roots), list(grads))

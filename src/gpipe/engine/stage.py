@@ -265,7 +265,7 @@ class Stage:
             self._stored[microbatch] = stored
         detached_loss = loss_value.detach() if loss_value is not None else None
         if not keep:
-            return detached(outputs, _never), detached_loss
+            return detached(outputs, lambda t: False), detached_loss
         if remat:
             # Computed without a graph: a float output will need a gradient whenever
             # anything upstream of it (an input or a parameter of this stage) does.
@@ -419,10 +419,6 @@ class Stage:
 
 
 _UNMETERED = nullcontext()  # reusable: entering it does nothing
-
-
-def _never(tensor: torch.Tensor) -> bool:
-    return False
 
 
 def _requires_grad(tensor: torch.Tensor) -> bool:
