@@ -37,6 +37,10 @@ def test_a_boundarys_tensors_and_their_copies_as_a_stages_inputs():
     same = to_device(a * 2, CPU, differentiable=True)
     assert same.grad_fn is not None  # the user's input keeps its graph
     assert storage_key(a[1:]) == storage_key(a)  # views share their memory
+    grads = to_device([a, None, b], CPU, as_leaves=True)  # a flat list as the pytree's
+    assert grads[1] is None and grads[0] is not a and grads[0].requires_grad
+    flat = to_device([a, b], CPU)  # a stage's gradients: a list of tensors, moved as such
+    assert type(flat) is list and flat[0] is not a and torch.equal(flat[1], b)
 
 
 def test_an_input_is_kept_from_a_function_that_writes_it():

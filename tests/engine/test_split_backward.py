@@ -251,3 +251,20 @@ def test_a_graph_autograd_cannot_split_runs_whole_in_b(reentrant):
     assert relative_error(grad_input, expected_input) <= 1e-12
     for p, theirs in zip(module.parameters(), expected, strict=True):
         assert relative_error(p.grad, theirs) <= 1e-12
+
+
+def test_run_backward_accumulates_as_autograd_and_refuses_what_it_refuses():
+    torch.manual_seed(0)
+    layer, x = nn.Linear(3, 2).double(), torch.randn(4, 3, dtype=torch.float64)
+    grad = torch.randn(4, 2, dtype=torch.float64)
+    torch.autograd.backward([layer(x), layer(x).sum()], [grad, None])
+    expected = [p.grad.clone() for p in layer.parameters()]
+    layer.zero_grad(set_to_none=True)
+    split_backward.run_backward([layer(x), layer(x).sum()], [grad, None])
+    assert all(torch.equal(p.grad, e) for p, e in zip(layer.parameters(), expected, strict=True))
+    with pytest.raises(RuntimeError, match=r"no gradient for root 0 of shape \(4, 2\)"):
+        split_backward.run_backward([layer(x)], [None])  # ones only for a loss
+    with pytest.raises(RuntimeError, match=r"only a real one-element root"):
+        split_backward.run_backward([layer(x).sum().to(torch.complex128)], [None])
+    with pytest.raises(RuntimeError, match=r"gradient of shape \(1, 2\).*root 0 of shape \(4, 2\)"):
+        split_backward.run_backward([layer(x)], [grad[:1]])  # broadcastable: still refused

@@ -99,6 +99,29 @@ def test_misordered_actions_are_clear_errors():
         last.forward(0, h, seed=SEED, remat=False, loss=per_sample)
 
 
+def test_a_gradient_of_another_shape_is_refused_after_good_ones():
+    first, _ = two_stages(model())
+    for m in range(2):  # good micro-batches first: nothing learned lets a bad one through
+        h, _ = first.forward(m, torch.randn(2, 6, requires_grad=True), seed=SEED, remat=False)
+        assert first.backward(m, [torch.ones_like(h)])[0].shape == (2, 6)
+    for bad in (torch.ones(1, 16), torch.ones(2, 8), torch.ones(2, 16, dtype=torch.complex64)):
+        first.forward(2, torch.randn(2, 6, requires_grad=True), seed=SEED, remat=False)
+        # (1, 16) broadcasts: autograd's engine alone would sum it into a wrong gradient
+        with pytest.raises(RuntimeError, match=r"gradient of shape .* root 0 of shape \(2, 16\)"):
+            first.backward(2, [bad])
+
+
+def test_stages_called_under_no_grad_give_the_plain_gradients():
+    plain = model().train()
+    staged = twin(plain)
+    x, y = torch.randn(10, 6), torch.randint(0, 4, (10,))
+    reference_step(plain, x, y, F.cross_entropy, chunks=CHUNKS, seed=SEED)
+    with torch.no_grad():  # F and B switch autograd on for themselves
+        by_hand(*two_stages(staged), x, y, remat=False, split=False)
+    worst, name = worst_gradient_error(staged, plain)
+    assert worst < 1e-6, name
+
+
 def test_clear_forgets_every_pending_micro_batch():
     first, _ = two_stages(model())
     for m in range(2):

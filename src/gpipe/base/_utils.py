@@ -93,7 +93,11 @@ def to_device(
             moved.requires_grad_(True)
         return moved
 
-    return move(value) if isinstance(value, torch.Tensor) else tree_map(move, value)
+    if isinstance(value, torch.Tensor):
+        return move(value)
+    if type(value) is list and all(isinstance(leaf, torch.Tensor) for leaf in value):
+        return [move(leaf) for leaf in value]  # a stage's gradients, without pytree's walk
+    return tree_map(move, value)
 
 
 def storage_key(tensor: torch.Tensor) -> tuple[torch.device, int]:

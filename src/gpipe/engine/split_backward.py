@@ -48,7 +48,14 @@ import torch
 from torch.autograd.graph import GradientEdge, Node, _engine_run_backward, get_gradient_edge
 from torch.overrides import has_torch_function
 
-__all__ = ["WeightWork", "backward_input", "backward_weight", "grads_of", "leaves_below"]
+__all__ = [
+    "WeightWork",
+    "backward_input",
+    "backward_weight",
+    "grads_of",
+    "leaves_below",
+    "run_backward",
+]
 
 # Nodes whose backward runs autograd itself and refuses to run under ``.grad``.
 _UNSPLITTABLE = {
@@ -97,8 +104,8 @@ class _Graph:
     unsplittable: str | None = None
 
 
-def _walk(roots: Sequence[torch.Tensor], stop: frozenset[Node] = frozenset()) -> _Graph:
-    """Parents and leaves of the graph below ``roots``; nothing below a node of ``stop``."""
+def _walk(roots: Sequence[torch.Tensor]) -> _Graph:
+    """Parents and leaves of the graph below ``roots``."""
     graph = _Graph({}, {}, [], {})
     stack = []
     for index, root in enumerate(roots):
@@ -115,8 +122,6 @@ def _walk(roots: Sequence[torch.Tensor], stop: frozenset[Node] = frozenset()) ->
                 graph.accumulators[id(variable)] = node
                 graph.leaves.append(variable)
             continue
-        if node in stop:
-            continue
         if graph.unsplittable is None:
             graph.unsplittable = _UNSPLITTABLE.get(type(node).__name__)
         for child, _ in below:
@@ -131,9 +136,27 @@ def _walk(roots: Sequence[torch.Tensor], stop: frozenset[Node] = frozenset()) ->
 
 def leaves_below(roots: Sequence[torch.Tensor], stop: Sequence[torch.Tensor]) -> list:
     """The leaves that require grad and that ``roots`` depend on other than through the
-    tensors of ``stop`` (e.g. what a loss reads besides the stage's outputs)."""
-    nodes = frozenset(t.grad_fn for t in stop if t.grad_fn is not None)
-    return _walk([r for r in roots if r.requires_grad], nodes).leaves
+    tensors of ``stop`` (e.g. what a loss reads besides the stage's outputs). Its own walk,
+    not :func:`_walk`'s: the last stage runs it on every micro-batch's loss, and it needs
+    no parents, accumulators or roots."""
+    stop_nodes = {t.grad_fn for t in stop if t.grad_fn is not None}
+    stack = [_node(r) for r in roots if r.requires_grad]
+    seen, leaves = set(stack), []
+    while stack:
+        node = stack.pop()
+        if node in stop_nodes:
+            continue
+        below = node.next_functions
+        if not below:
+            variable = getattr(node, "variable", None)  # an AccumulateGrad's leaf
+            if variable is not None:
+                leaves.append(variable)
+            continue
+        for child, _ in below:
+            if child is not None and child not in seen:
+                seen.add(child)
+                stack.append(child)
+    return leaves
 
 
 def _starts(node: Node, graph: _Graph, on_input_path: set[Node]) -> tuple[set[Node], set[int]]:
@@ -159,8 +182,41 @@ def _starts(node: Node, graph: _Graph, on_input_path: set[Node]) -> tuple[set[No
 def _whole(roots, grads, inputs, reason: str) -> tuple[list, WeightWork]:
     """B as the whole backward, for a graph that cannot be split."""
     warnings.warn(f"a split backward runs whole in B (no W to defer): {reason}", stacklevel=4)
-    torch.autograd.backward(list(roots), list(grads))
+    run_backward(roots, grads)
     return grads_of(inputs), WeightWork([], [], [], whole=reason)
+
+
+def run_backward(roots: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> None:
+    """``torch.autograd.backward(roots, grads)``: accumulate into every leaf below ``roots``.
+
+    The engine directly (as :func:`_accumulate`), after the public call's checks that can
+    find something in a stage's backward: a gradient has its root's shape (the engine alone
+    would sum a broadcastable one silently) and is not complex for a real root; None only
+    for a real one-element root (a loss), which gets ones. The public call's general argument
+    handling costs 15-25 us per call on the CPU, a fifth of a small stage's B. Tensor
+    subclasses (``__torch_function__``) and functorch transforms take the public call."""
+    if has_torch_function(roots) or torch._C._are_functorch_transforms_active():
+        torch.autograd.backward(list(roots), list(grads))
+        return
+    filled = []
+    for index, (root, grad) in enumerate(zip(roots, grads, strict=True)):
+        if grad is None:
+            if root.numel() != 1 or not root.is_floating_point():
+                raise RuntimeError(
+                    f"backward got no gradient for root {index} of shape {tuple(root.shape)} "
+                    f"({root.dtype}): only a real one-element root (a loss) starts from ones"
+                )
+            grad = torch.ones_like(root, memory_format=torch.preserve_format)
+        elif grad.shape != root.shape or (grad.is_complex() and not root.is_complex()):
+            raise RuntimeError(
+                f"backward got a gradient of shape {tuple(grad.shape)} ({grad.dtype}) for root "
+                f"{index} of shape {tuple(root.shape)} ({root.dtype}): each gradient must have "
+                "its output's shape"
+            )
+        filled.append(grad)
+    _engine_run_backward(
+        tuple(roots), tuple(filled), False, False, (), allow_unreachable=True, accumulate_grad=True
+    )
 
 
 def grads_of(inputs: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
@@ -286,7 +342,7 @@ def backward_weight(work: WeightWork) -> None:
     """W: accumulate the gradients of every leaf B left into ``.grad``."""
     if work.full:
         if work.roots:
-            torch.autograd.backward(work.roots, work.root_grads)
+            run_backward(work.roots, work.root_grads)
         return
     # Each group's recorded gradients are released as soon as its call is done: the
     # allocator then hands that memory straight to the next group's products. Holding

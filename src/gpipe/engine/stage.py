@@ -43,7 +43,13 @@ from gpipe.base._utils import run_keeping_input, tensors_of
 from gpipe.base.remat import recomputing, replaying
 from gpipe.engine.loss import ForeignParameters, LossSpec, check_loss, compute_loss
 from gpipe.engine.skip import SkipError, StageSkips, tracking
-from gpipe.engine.split_backward import WeightWork, backward_input, backward_weight, grads_of
+from gpipe.engine.split_backward import (
+    WeightWork,
+    backward_input,
+    backward_weight,
+    grads_of,
+    run_backward,
+)
 from gpipe.engine.state import ModuleState, SavedState, running_stats_frozen
 
 if TYPE_CHECKING:
@@ -52,7 +58,7 @@ if TYPE_CHECKING:
 __all__ = ["Stage", "detached"]
 
 
-@dataclass
+@dataclass(slots=True)
 class _Stored:
     """What a stage keeps between the forward and backward of one micro-batch."""
 
@@ -177,7 +183,7 @@ class Stage:
             yield r
 
     def _metered(self):
-        return self.meter.saved_tensors(self.index) if self.meter is not None else nullcontext()
+        return self.meter.saved_tensors(self.index) if self.meter is not None else _UNMETERED
 
     def _guarded(
         self,
@@ -238,11 +244,16 @@ class Stage:
         """
         if loss is not None and not self.is_last:
             raise RuntimeError(f"stage {self.index} is not the last stage; it computes no loss")
-        stored = _Stored(inputs=inputs, remat=remat, seed=seed, loss=loss)
-        grad_mode = torch.enable_grad() if keep and not remat else torch.no_grad()
+        with_graph = bool(keep and not remat)
+        if torch.is_grad_enabled() != with_graph:  # (a step runs with autograd on: no switch)
+            with torch.set_grad_enabled(with_graph):
+                return self.forward(
+                    microbatch, inputs, seed=seed, remat=remat, loss=loss, keep=keep
+                )
+        stored = _Stored(inputs, remat, seed, loss)
         # A re-materialized forward keeps the buffers it writes as it found them.
         saved = self.state.save() if keep and remat else None
-        with grad_mode, self._metered():
+        with self._metered():
             self._outputs_and_loss(stored, microbatch)
         stored.state = self.state.learned(saved)
         outputs, loss_value = stored.outputs, stored.loss_value
@@ -260,7 +271,7 @@ class Stage:
             # anything upstream of it (an input or a parameter of this stage) does.
             upstream = self.needs_grad(inputs)
             return detached(outputs, lambda t: upstream and t.is_floating_point()), detached_loss
-        return detached(outputs, lambda t: t.requires_grad), detached_loss
+        return detached(outputs, _requires_grad), detached_loss
 
     def backward(
         self,
@@ -276,23 +287,25 @@ class Stage:
         :func:`tensors_of` of its inputs. Parameter gradients are accumulated now, or
         with ``split=True`` left for :meth:`backward_weight` (zero-bubble schedules).
         """
+        if not torch.is_grad_enabled():  # B builds graphs (a recomputation, loss * scale)
+            with torch.enable_grad():
+                return self.backward(microbatch, grad_outputs, split=split)
         stored = self._take(self._stored, microbatch, "stored forward", "F before B")
         if stored.remat and not split and len(self._groups()) > 1:
             return self._backward_by_groups(stored, grad_outputs, microbatch)
-        with torch.enable_grad():
-            if stored.remat:
-                with self.recomputation(stored.state) as replay, self._metered():
-                    self._outputs_and_loss(stored, microbatch, replay)
-            roots, grads = self._roots(stored, grad_outputs, microbatch)
-            inputs = tensors_of(stored.inputs)
-            if split:
-                params = self.autograd_parameters() if self.autograd_parameters else []
-                grad_inputs, work = backward_input(roots, grads, inputs, params)
-                work.held = stored.held  # activations stay until W has run
-                self._weight_work[microbatch] = work
-                return grad_inputs
-            if roots:
-                torch.autograd.backward(roots, grads)
+        if stored.remat:
+            with self.recomputation(stored.state) as replay, self._metered():
+                self._outputs_and_loss(stored, microbatch, replay)
+        roots, grads = self._roots(stored, grad_outputs, microbatch)
+        inputs = tensors_of(stored.inputs)
+        if split:
+            params = self.autograd_parameters() if self.autograd_parameters else []
+            grad_inputs, work = backward_input(roots, grads, inputs, params)
+            work.held = stored.held  # activations stay until W has run
+            self._weight_work[microbatch] = work
+            return grad_inputs
+        if roots:
+            run_backward(roots, grads)
         stored.held.clear()
         return grads_of(inputs)  # a user's input that requires grad: not a leaf, no .grad
 
@@ -342,7 +355,7 @@ class Stage:
                         roots, root_grads = _differentiable(tensors_of(out), grads)
                     del out
                     if roots:
-                        torch.autograd.backward(roots, root_grads)
+                        run_backward(roots, root_grads)
                     del roots, root_grads
                 grads = grads_of(tensors_of(leaf))
                 del leaf
@@ -405,6 +418,13 @@ class Stage:
         return sorted(set(self._stored) | set(self._weight_work))
 
 
+_UNMETERED = nullcontext()  # reusable: entering it does nothing
+
+
+def _requires_grad(tensor: torch.Tensor) -> bool:
+    return tensor.requires_grad
+
+
 def _differentiable(outputs: list[torch.Tensor], grads: Sequence) -> tuple[list, list]:
     """The outputs that need a gradient and got one, and those gradients."""
     pairs = [
@@ -416,9 +436,12 @@ def _differentiable(outputs: list[torch.Tensor], grads: Sequence) -> tuple[list,
 def detached(value: Any, needs_grad: Callable[[torch.Tensor], bool]) -> Any:
     """Detached copies for the next stage, marked ``requires_grad`` where it needs a gradient."""
 
+    if isinstance(value, torch.Tensor):  # the common boundary, without a closure or a walk
+        return value.detach().requires_grad_(needs_grad(value))
+
     def detach(leaf: Any) -> Any:
         if not isinstance(leaf, torch.Tensor):
             return leaf
         return leaf.detach().requires_grad_(needs_grad(leaf))
 
-    return detach(value) if isinstance(value, torch.Tensor) else tree_map(detach, value)
+    return tree_map(detach, value)
