@@ -3,6 +3,7 @@ that writes its input), device moves, byte sizes, gradients set aside during a s
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -164,15 +165,18 @@ def gradient_norms(grads: list[torch.Tensor], *, precise: bool = True) -> torch.
     by_device: dict[torch.device, list[int]] = {}
     for i, g in enumerate(local):
         by_device.setdefault(g.device, []).append(i)
+    if len(by_device) == 1:  # one device, the usual case: one fused norm, in order already
+        return _norms(local, precise).to(device, torch.float64)
     norms = torch.empty(len(local), dtype=torch.float64, device=device)
     for indices in by_device.values():
-        group = [local[i] for i in indices]
-        dtype = torch.float64 if precise else _at_least_float32(group[0].dtype)
-        found = torch.stack(torch._foreach_norm(group, 2.0, dtype=dtype)).to(device, torch.float64)
-        if len(indices) == len(local):
-            return found  # one device, the usual case: in order already
-        norms[indices] = found
+        norms[indices] = _norms([local[i] for i in indices], precise).to(device, torch.float64)
     return norms
+
+
+def _norms(grads: list[torch.Tensor], precise: bool) -> torch.Tensor:
+    """The 2-norms of gradients on one device, stacked."""
+    dtype = torch.float64 if precise else _at_least_float32(grads[0].dtype)
+    return torch.stack(torch._foreach_norm(grads, 2.0, dtype=dtype))
 
 
 def _at_least_float32(dtype: torch.dtype) -> torch.dtype | None:
@@ -193,17 +197,21 @@ def read_verdict(
 ) -> Verdict:
     """The loss, which gradient norms are finite and whether targets hold labels below 0
     (``ignored``'s first flag), read from the device together: on an accelerator each read
-    waits for all queued work, so a step reads once."""
+    waits for all queued work, so a step reads once (the norms themselves: the host tells
+    which are finite, no device operation)."""
     parts = []
     if loss is not None:
-        parts.append(loss.detach().reshape(1).to(torch.float64))
+        parts.append(loss.detach().reshape(1))
     if norms is not None:
-        parts.append(torch.isfinite(norms).to(torch.float64))
+        parts.append(norms)
     if ignored is not None:
-        parts.append(ignored[:1].to(torch.float64))
-    values = torch.cat([p.to(parts[0].device) for p in parts]).tolist() if parts else []
-    value = values.pop(0) if loss is not None else None
-    finite = [bool(v) for v in values[: len(norms)]] if norms is not None else None
+        parts.append(ignored[:1])
+    device = parts[0].device if parts else None
+    parts = [p if p.device == device else p.to(device) for p in parts]
+    # One copy to the host: cat promotes to the widest dtype (float64 norms: float64).
+    values = torch.cat(parts).tolist() if len(parts) > 1 else parts[0].tolist() if parts else []
+    value = float(values.pop(0)) if loss is not None else None
+    finite = [math.isfinite(v) for v in values[: len(norms)]] if norms is not None else None
     return Verdict(value, finite, bool(ignored is not None and values[-1]))
 
 

@@ -342,8 +342,8 @@ class MultiProcess(PipelineGroup):
         doing = f"starting step {self.steps} of this Pipe"
         send = self.transport.row
         values = self._collective(send, SEED, values, "the step-seed broadcast", doing)
-        first_batch = int(values[1])
-        return int(values[0]), (None if first_batch < 0 else first_batch)
+        seed, first_batch = values.tolist()
+        return seed, (None if first_batch < 0 else first_batch)
 
     def norm_total(self, local: torch.Tensor, *, maximum: bool) -> torch.Tensor:
         """Replicas hold equal gradients after averaging: reducing over the pipeline suffices

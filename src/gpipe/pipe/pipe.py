@@ -319,7 +319,7 @@ class Pipe(ModelNames, nn.Module):
         loss exactly), the same on every rank when multi-process.
         """
         scale = stepping.scale_of(scaler, self.stages[-1].device)
-        inputs_mb = microbatch.split(inputs, self.chunks, name="inputs") if self._holds(0) else None
+        inputs_mb = stepping.inputs_of(self, inputs)
         losses, ignored = stepping.losses_of(
             self, inputs_mb, targets, loss_fn, reduction=reduction, count=count, scale=scale
         )
@@ -336,8 +336,7 @@ class Pipe(ModelNames, nn.Module):
         self._follow_model()  # a captured model's mode, and no hook added since capture
         if self.training and torch.is_grad_enabled():
             return through_output.forward(self, inputs)
-        first = self._holds(0)
-        inputs_mb = microbatch.split(inputs, self.chunks, name="inputs") if first else None
+        inputs_mb = stepping.inputs_of(self, inputs)
         with calls.without_autograd():  # under torch.inference_mode() too
             result = stepping.run(self, inputs_mb, None, None, False)
         if not self._holds(self.num_stages - 1):

@@ -11,6 +11,7 @@ restored, so that the Pipe is ready for the next step.
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from typing import Any
@@ -35,7 +36,17 @@ from gpipe.engine.loss import LossSpec, check_batch, loss_specs
 from gpipe.engine.runtime import StepInputs, StepResult
 from gpipe.losses import NO_TOKEN, NOTHING_COUNTS, UNCOUNTED, declared, uncounted
 
-__all__ = ["losses_of", "run", "scale_of"]
+__all__ = ["inputs_of", "losses_of", "run", "scale_of"]
+
+
+def inputs_of(pipe: Any, inputs: Any) -> list | None:
+    """The first stage's micro-batches on its device (None where this rank does not hold
+    it): the batch moved once (a tensor that requires grad keeps its graph: the user's
+    inputs get their gradient), then split into views."""
+    if not pipe._holds(0):
+        return None
+    moved = to_device(inputs, pipe.stages[0].device, differentiable=True)
+    return microbatch.split(moved, pipe.chunks, name="inputs")
 
 
 def losses_of(
@@ -83,10 +94,10 @@ def run(
         )
     if pipe._tied is not None:
         pipe._tied.refresh()
-    if inputs_mb is not None:
-        inputs_mb = [to_device(x, pipe.stages[0].device, differentiable=True) for x in inputs_mb]
-    # Gradients of earlier steps wait aside: a failed step must leave them as they were.
-    earlier = set_aside_gradients(pipe.parameters()) if losses is not None else {}
+    # The step's parameters, listed once. Gradients of earlier steps wait aside: a failed
+    # step must leave them as they were.
+    params = list(pipe.parameters()) if losses is not None else []
+    earlier = set_aside_gradients(params)
     try:
         result = _compute(pipe, inputs_mb, losses, seed, trace)
         add_earlier_gradients(earlier)
@@ -97,7 +108,7 @@ def run(
         if explained is not error:
             raise explained from error
         raise
-    _conclude(pipe, result, losses, earlier, scale, ignored)
+    _conclude(pipe, result, losses, params, earlier, scale, ignored)
     batchnorm.commit_all(pipe)
     pipe.last_trace = result.trace
     return result
@@ -114,7 +125,7 @@ def _compute(pipe: Any, inputs_mb, losses, seed: int | None, trace: bool) -> Ste
     step = StepInputs(
         microbatches=inputs_mb or [None] * chunks,
         seed=seed,
-        remat=[remat.recomputes(pipe.checkpoint, m, chunks) for m in range(chunks)],
+        remat=_remat_plan(pipe.checkpoint, chunks),
         losses=losses,
     )
     result = pipe._runtime.run(step, trace=trace, clock_origin=pipe._ranks.clock_origin)
@@ -126,21 +137,31 @@ def _compute(pipe: Any, inputs_mb, losses, seed: int | None, trace: bool) -> Ste
     return result
 
 
-def _conclude(pipe: Any, result: StepResult, losses, earlier: dict, scale, ignored) -> None:
-    """Every rank's verdict on the loss and the gradients, agreed; a refused step undone."""
+@functools.cache
+def _remat_plan(mode: str, chunks: int) -> tuple[bool, ...]:
+    """Which micro-batches recompute their forward: the same every step of a Pipe."""
+    return tuple(remat.recomputes(mode, m, chunks) for m in range(chunks))
+
+
+def _conclude(pipe: Any, result: StepResult, losses, params, earlier, scale, ignored) -> None:
+    """Every rank's verdict on the loss and the gradients (of ``params``, the step's
+    parameters), agreed; a refused step undone."""
     local_loss = None
     if losses is not None and pipe._holds(pipe.num_stages - 1):
         # Stacked as they are, then widened: exact, in two operations instead of M.
         losses_mb = torch.stack([result.losses[m] for m in range(pipe.chunks)])
         local_loss = losses_mb.to(torch.float64).sum()
     training = losses is not None
-    with_grads = [(n, p) for n, p in pipe.named_parameters() if p.grad is not None]
-    grads = [p.grad for _, p in with_grads] if training else []
+    with_grads = [p for p in params if p.grad is not None]
+    grads = [p.grad for p in with_grads]
     # The watch compares norms before and after the script's edits: those need float64.
     norms = gradient_norms(grads, precise=pipe._watch is not None) if grads else None
     try:
         verdict = read_verdict(local_loss, norms, ignored if not pipe._warned_uncounted else None)
-        local_trouble = first_nonfinite([n for n, _ in with_grads], verdict.finite, grads, norms)
+        local_trouble = None
+        if verdict.finite is not None and not all(verdict.finite):  # names for the error only
+            names = [name for name, p in pipe.named_parameters() if p.grad is not None]
+            local_trouble = first_nonfinite(names, verdict.finite, grads, norms)
         if verdict.ignored and not pipe._warned_uncounted:
             pipe._warned_uncounted = True
             warnings.warn(UNCOUNTED, stacklevel=4)
@@ -161,10 +182,10 @@ def _conclude(pipe: Any, result: StepResult, losses, earlier: dict, scale, ignor
     result.loss = agreed.loss
     if scale is not None and agreed.nonfinite_grads and local_trouble is None:
         # Every rank's scaler must find what one rank's found, and skip the step alike.
-        for _, p in with_grads:
+        for p in with_grads:
             poison(p.grad)
     if pipe._watch is not None and training:
-        pipe._watch.note([p for _, p in with_grads], norms, scale)
+        pipe._watch.note(with_grads, norms, scale)
 
 
 def _abandon(pipe: Any, earlier: dict) -> None:
