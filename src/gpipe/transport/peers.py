@@ -51,7 +51,6 @@ from gpipe.transport.framing import (
     NOTICE_ROW,
     SEED,
     History,
-    TensorMeta,
     bytes_tensor,
     flatten,
     head,
@@ -131,6 +130,7 @@ class PeerTransport:
         # and in inference (which sends no gradients along: its descriptions differ).
         self._histories: dict[bool, dict[Message, History]] = {True: {}, False: {}}
         self._history = self._histories[True]
+        self._source: dict[Message, int] = {}  # the rank each message comes from, once found
 
     # -- the order of frames on each wire ---------------------------------------------------
 
@@ -197,16 +197,10 @@ class PeerTransport:
             self._here.send(message, value)
             return
         leaves, spec = flatten(value)
-        described = [
-            TensorMeta(leaf.dtype, tuple(leaf.shape), leaf.requires_grad)
-            if isinstance(leaf, torch.Tensor)
-            else leaf
-            for leaf in leaves
-        ]
         payload = [leaf.detach().contiguous() for leaf in leaves if isinstance(leaf, torch.Tensor)]
-        history = self._history.setdefault(message, History())
+        history = self._history.get(message) or self._history.setdefault(message, History())
         try:
-            meta = history.describe(spec, described)
+            meta = history.describe(spec, leaves)
         except CodecError as error:  # on the sending side, where the value was made
             raise CodecError(f"the {message.channel} of micro-batch {message.microbatch} for "
                              f"stage {message.stage}: {error}") from None  # fmt: skip
@@ -257,7 +251,9 @@ class PeerTransport:
     def recv(self, message: Message) -> Any:
         if self._here.ready(message):
             return self._here.recv(message)
-        src = self.schedule.stage_to_rank[self.routes.sender(message)]
+        src = self._source.get(message)
+        if src is None:
+            src = self._source[message] = self.schedule.stage_to_rank[self.routes.sender(message)]
         # With receives ahead its head may still be on the way; under NCCL's plan it has
         # come in at prepare(), before this action.
         self._take(src, until=message)
@@ -355,6 +351,8 @@ class PeerTransport:
     def _wait(self, works: list, src: int, what: Any, deadline: float | None = None) -> None:
         """Wait for receives from ``src`` of ``what`` (a message; a row's kind: the error of
         its wait, for ``row`` to name)."""
+        if not works:  # a packed message's tensors: in its frame, taken already
+            return
         left = self.timeout if deadline is None else max(deadline - time.monotonic(), 0.001)
         try:
             for work in works:
