@@ -53,7 +53,9 @@ class _Transfer:
         return self.got == self.size
 
     def wait(self, timeout: timedelta | None = None) -> bool:
-        if self.peer is not None and not self.is_completed():
+        if self.got == self.size:
+            return True
+        if self.peer is not None:
             self.carrier._read(self.peer)  # it may be in the socket already: no poll then
         seconds = timeout.total_seconds() if timeout is not None else self.carrier.timeout
         deadline = time.monotonic() + seconds
