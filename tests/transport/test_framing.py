@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch.utils._pytree import tree_flatten, treespec_dumps
 
-from gpipe.transport.codec import encode
+from gpipe.transport.codec import CodecError, encode
 from gpipe.transport.framing import (
     AGREEMENT,
     ALIGN,
@@ -82,3 +83,27 @@ def test_a_row_travels_in_its_frame_s_head_the_same_on_both_carriers():
     received = torch.frombuffer(bytearray(frame), dtype=torch.uint8)
     assert len(frame) == HEAD and read_head(received) == (AGREEMENT, 9, 0)
     assert torch.equal(row_of(received, torch.empty_like(row)), row)
+
+
+def test_a_description_is_encoded_again_whenever_what_it_says_differs():
+    """The sender keeps its last encoded description while its key stays the same: after
+    good sends, a tensor of another dtype, shape or requires_grad, or a leaf of another type
+    (True after 1: equal, not the same), is described anew, and a leaf that cannot cross
+    processes is still refused."""
+    t = torch.zeros(2, 3)
+    history = History()
+
+    def described(value):
+        leaves, spec = flatten(value)
+        return history.describe(spec, leaves)
+
+    first = described((t, 1))
+    assert described((torch.ones(2, 3), 1)) is first  # the same description: kept
+    changed = [(t.double(), 1), (torch.zeros(3, 2), 1), (t.clone().requires_grad_(), 1),
+               (t, True), (t, 1.0), [t, 1]]  # fmt: skip
+    for value in changed:
+        assert described(value) != first, value
+        assert described((t, 1)) == first
+    with pytest.raises(CodecError, match=r"torch\.device"):
+        described((t, torch.device("cpu")))
+    assert described((t, 1)) == first

@@ -10,7 +10,7 @@ import torch
 from gpipe.schedule.builders import fill_drain
 from gpipe.schedule.routes import Channel, Message, Routes
 from gpipe.transport.codec import CodecError
-from gpipe.transport.framing import AGREEMENT, SEED, History, TensorMeta, flatten
+from gpipe.transport.framing import AGREEMENT, SEED, History, flatten
 from gpipe.transport.peers import AHEAD, PeerTransport
 
 
@@ -87,7 +87,7 @@ def _stable(size: int) -> History:
     """A message's history as after two steps of one float32 tensor of ``size`` elements."""
     history = History()
     _, spec = flatten(torch.zeros(size))
-    meta = history.describe(spec, [TensorMeta(torch.float32, (size,), False)])
+    meta = history.describe(spec, [torch.zeros(size)])
     history.update(meta)
     history.update(meta)
     return history

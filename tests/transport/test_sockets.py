@@ -85,3 +85,21 @@ def test_a_transfer_lands_in_the_receive_posted_with_its_tag_as_gloo_matches_the
     (gone,) = receiver.post(False, 0, 2, [torch.empty(1)])
     with pytest.raises(RuntimeError, match="Connection closed by peer"):
         gone.wait()
+
+
+def test_a_send_the_socket_takes_in_part_goes_on_in_order_before_what_follows_it():
+    """Written at once as far as the socket takes it; the rest is queued, and a transfer
+    posted after it goes behind it (not at once), whole and in order."""
+    sender, receiver = _pair()
+    big = torch.arange(1 << 20, dtype=torch.int64)  # 8 MB: more than a socket buffer
+    small = torch.tensor([7, 8, 9])
+    (big_send,) = sender.post(True, 1, 0, [[b"\x01" * 5, big]])
+    (small_send,) = sender.post(True, 1, 1, [small])
+    assert not big_send.is_completed() and not small_send.is_completed()
+    into = [torch.empty(5 + big.nbytes, dtype=torch.uint8), torch.empty(3, dtype=torch.int64)]
+    works = receiver.post(False, 0, 0, into[:1]) + receiver.post(False, 0, 1, into[1:])
+    while not all(w.is_completed() for w in [*works, big_send, small_send]):
+        sender.pump(0.01)
+        receiver.pump(0.01)
+    assert into[0][:5].tolist() == [1] * 5
+    assert torch.equal(into[0][5:], big.view(torch.uint8)) and into[1].tolist() == [7, 8, 9]

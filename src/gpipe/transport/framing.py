@@ -66,6 +66,10 @@ class Decoded(NamedTuple):
     # that each can be a view of the packed bytes): where each tensor is, and the size.
     spans: list[slice]
     size: int
+    # Each tensor leaf as (index, dtype, shape, strides, offset in items): a packed
+    # buffer's view of it is one ``as_strided`` of the buffer viewed as its dtype.
+    views: list[tuple[int, torch.dtype, tuple[int, ...], tuple[int, ...], int]]
+    grads: list[int]  # the leaves a forward message's receiver makes require grad
 
 
 class History:
@@ -82,14 +86,26 @@ class History:
         self.last: bytes | None = None
         self.stable = False
         self._decoded: Decoded | None = None
-        self._described: tuple[Any, bytes] | None = None  # sender: (description, encoded)
+        self._described: tuple[list[Any], bytes] | None = None  # sender: (key, encoded)
 
-    def describe(self, spec: str, described: list[Any]) -> bytes:
+    def describe(self, spec: str, leaves: list[Any]) -> bytes:
         """A message's description (its tree spec's text, its leaves with a ``TensorMeta``
-        for each tensor), encoded; not encoded again while it stays the same. A leaf that
-        cannot cross processes raises :class:`~gpipe.transport.codec.CodecError`."""
-        key = (spec, described)
+        for each tensor), encoded; not encoded again while its key (each tensor's dtype,
+        shape and requires_grad, each other leaf's type and value) stays the same. A leaf
+        that cannot cross processes raises :class:`~gpipe.transport.codec.CodecError`."""
+        key = [spec]
+        for leaf in leaves:
+            if isinstance(leaf, torch.Tensor):
+                key += [leaf.dtype, leaf.shape, leaf.requires_grad]
+            else:
+                key += [type(leaf), leaf]
         if self._described is None or self._described[0] != key:
+            described = [
+                TensorMeta(leaf.dtype, tuple(leaf.shape), leaf.requires_grad)
+                if isinstance(leaf, torch.Tensor)
+                else leaf
+                for leaf in leaves
+            ]
             self._described = (key, encode((_checked(spec), described)))
         return self._described[1]
 
@@ -103,14 +119,18 @@ class History:
         """The last message's description, decoded (once)."""
         if self._decoded is None:
             spec, described = _description(self.last)
-            spans, offset = [], HEAD
-            for d in described:
+            spans, views, offset = [], [], HEAD
+            for i, d in enumerate(described):
                 if isinstance(d, TensorMeta):
                     size = math.prod(d.shape) * d.dtype.itemsize
                     spans.append(slice(offset, offset + size))
+                    strides = torch.empty(d.shape, device="meta").stride()
+                    views.append((i, d.dtype, d.shape, strides, offset // d.dtype.itemsize))
                     offset += -(-size // ALIGN) * ALIGN
+            grads = [i for i, d in enumerate(described) if isinstance(d, TensorMeta)
+                     and d.requires_grad]  # fmt: skip
             build = _builder(treespec_loads(_checked(spec)))
-            self._decoded = Decoded(build, described, spans, offset)
+            self._decoded = Decoded(build, described, spans, offset, views, grads)
         return self._decoded
 
     def allocate(self, device: torch.device) -> list[Any]:
@@ -124,9 +144,8 @@ class History:
         """The last message's value from its received leaves. A ``forward`` message's
         tensors require grad where the sender's did."""
         if forward:
-            for leaf, d in zip(leaves, self.decoded.described, strict=True):
-                if isinstance(d, TensorMeta) and d.requires_grad:
-                    leaf.requires_grad_(True)
+            for i in self.decoded.grads:
+                leaves[i].requires_grad_(True)
         return self.decoded.build(leaves)
 
     def parts(self, head: bytes, tensors: list[torch.Tensor] | None) -> list[Any]:
@@ -143,9 +162,10 @@ class History:
 
     def unpack(self, packed: torch.Tensor) -> list[Any]:
         """The message's leaves, its tensors as views of ``packed`` (no copy)."""
-        spans = iter(self.decoded.spans)
-        return [packed[next(spans)].view(d.dtype).view(d.shape) if isinstance(d, TensorMeta)
-                else d for d in self.decoded.described]  # fmt: skip
+        leaves = list(self.decoded.described)
+        for i, dtype, shape, strides, offset in self.decoded.views:
+            leaves[i] = packed.view(dtype).as_strided(shape, strides, offset)
+        return leaves
 
 
 @functools.lru_cache(maxsize=256)
@@ -216,8 +236,11 @@ def bytes_of(tensor: torch.Tensor) -> memoryview:
     of the last dimension costs a third of a reshape's)."""
     if not tensor.numel():
         return memoryview(b"")
-    flat = tensor.view(torch.uint8) if tensor.dim() else tensor.reshape(1).view(torch.uint8)
-    return memoryview(flat.numpy()).cast("B")
+    try:  # one call where numpy has the dtype
+        return memoryview(tensor.numpy()).cast("B")
+    except (TypeError, RuntimeError):  # bfloat16 and the like: viewed as bytes first
+        flat = tensor.view(torch.uint8) if tensor.dim() else tensor.reshape(1).view(torch.uint8)
+        return memoryview(flat.numpy()).cast("B")
 
 
 def bytes_tensor(data: bytes) -> torch.Tensor:

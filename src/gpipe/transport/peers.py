@@ -51,7 +51,6 @@ from gpipe.transport.framing import (
     NOTICE_ROW,
     SEED,
     History,
-    TensorMeta,
     bytes_tensor,
     flatten,
     head,
@@ -122,7 +121,7 @@ class PeerTransport:
         self._cursor: dict[int, int] = {}  # from each peer: frames posted
         self._pending: dict[int, deque[_Posted]] = {}  # posted, from each peer, in order
         self._ahead: dict[int, int] = {}  # bytes of those receives, from each peer
-        self._arriving: dict[Any, _Posted] = {}  # head in, tensors not yet waited for
+        self._arriving: dict[Any, _Posted] = {}  # taken before their turn (NCCL: prepare)
         self._seed_ahead: _Posted | None = None  # the next step's seed row, posted
         self._works: list[tuple[Any, list[torch.Tensor]]] = []  # the step's sends
         self._abandoned: list[Any] = []  # a failed step's sends: alive while they may run
@@ -131,6 +130,8 @@ class PeerTransport:
         # and in inference (which sends no gradients along: its descriptions differ).
         self._histories: dict[bool, dict[Message, History]] = {True: {}, False: {}}
         self._history = self._histories[True]
+        # Each message received: the rank it comes from, whether it carries a stage's inputs.
+        self._routes: dict[Message, tuple[int, bool]] = {}
 
     # -- the order of frames on each wire ---------------------------------------------------
 
@@ -167,7 +168,8 @@ class PeerTransport:
         """This rank is about to run ``action``: under NCCL's order, take the heads of the
         messages whose tensor receives are posted here (ahead, all are posted already)."""
         for src, message in self._points[self._training].get(action, ()):
-            self._take(src, until=message)
+            if message not in self._arriving:
+                self._arriving[message] = self._take(src, until=message)
 
     def ready(self, message: Message) -> bool:
         return True  # receiving blocks until the message is here
@@ -197,16 +199,10 @@ class PeerTransport:
             self._here.send(message, value)
             return
         leaves, spec = flatten(value)
-        described = [
-            TensorMeta(leaf.dtype, tuple(leaf.shape), leaf.requires_grad)
-            if isinstance(leaf, torch.Tensor)
-            else leaf
-            for leaf in leaves
-        ]
         payload = [leaf.detach().contiguous() for leaf in leaves if isinstance(leaf, torch.Tensor)]
-        history = self._history.setdefault(message, History())
+        history = self._history.get(message) or self._history.setdefault(message, History())
         try:
-            meta = history.describe(spec, described)
+            meta = history.describe(spec, leaves)
         except CodecError as error:  # on the sending side, where the value was made
             raise CodecError(f"the {message.channel} of micro-batch {message.microbatch} for "
                              f"stage {message.stage}: {error}") from None  # fmt: skip
@@ -255,15 +251,18 @@ class PeerTransport:
     # -- receiving --------------------------------------------------------------------------
 
     def recv(self, message: Message) -> Any:
-        if self._here.ready(message):
+        route = self._routes.get(message)
+        if route is None:
+            sender = self.schedule.stage_to_rank[self.routes.sender(message)]
+            route = self._routes[message] = (sender, message.channel.forward)
+        src, forward = route
+        if src == self.rank and self._here.ready(message):
             return self._here.recv(message)
-        src = self.schedule.stage_to_rank[self.routes.sender(message)]
         # With receives ahead its head may still be on the way; under NCCL's plan it has
         # come in at prepare(), before this action.
-        self._take(src, until=message)
-        posted = self._arriving.pop(message)
+        posted = self._arriving.pop(message, None) or self._take(src, until=message)
         self._wait(posted.works, src, message)  # its tensors, where apart from its head
-        return posted.history.rebuild(posted.leaves, message.channel.forward)
+        return posted.history.rebuild(posted.leaves, forward)
 
     def _post_ahead(self, src: int) -> None:
         """Post the receives of the next frames from ``src``: at least one, more while
@@ -294,12 +293,13 @@ class PeerTransport:
         (work,) = self._carry(False, src, position, [frame], data)
         return _Posted(key, history, position, frame, work)
 
-    def _take(self, src: int, *, until: Any, deadline: float | None = None) -> None:
-        """Take the frames from ``src`` up to ``until``'s (a message, or a row's kind); post
-        what else each brings. A notice in its place raises what it says; while taking the
+    def _take(self, src: int, *, until: Any, deadline: float | None = None) -> _Posted:
+        """Take the frames from ``src`` up to ``until``'s (a message, or a row's kind, not
+        taken yet) and return it; post what else each brings (those before it wait in
+        ``_arriving``). A notice in its place raises what it says; while taking the
         agreement, it is kept (the row that follows says the step failed) unless its rank
         gave up."""
-        while until not in self._arriving:
+        while True:
             if not self._pending.get(src):
                 raise RuntimeError(f"rank {self.rank} expects no more frames from rank {src}")
             posted = self._pending[src].popleft()
@@ -324,7 +324,10 @@ class PeerTransport:
                         "run different schedules; build every rank's Pipe with the same "
                         "arguments", rank=src)  # fmt: skip
                 self._message_in(src, posted, size)
-            self._arriving[posted.key if kind == MESSAGE else kind] = posted
+            key = posted.key if kind == MESSAGE else kind
+            if key == until:
+                return posted
+            self._arriving[key] = posted
 
     def _message_in(self, src: int, posted: _Posted, size: int) -> None:
         """A message's head is in: its description (``size`` bytes, else as last time), then
@@ -355,6 +358,8 @@ class PeerTransport:
     def _wait(self, works: list, src: int, what: Any, deadline: float | None = None) -> None:
         """Wait for receives from ``src`` of ``what`` (a message; a row's kind: the error of
         its wait, for ``row`` to name)."""
+        if not works:  # a packed message's tensors: in its frame, taken already
+            return
         left = self.timeout if deadline is None else max(deadline - time.monotonic(), 0.001)
         try:
             for work in works:
@@ -418,14 +423,16 @@ class PeerTransport:
         deadline, rows = time.monotonic() + self.timeout, {self.rank: row}
         for src in senders:
             try:
-                self._take(src, until=kind, deadline=deadline)
+                taken = self._arriving.pop(kind, None) or self._take(
+                    src, until=kind, deadline=deadline
+                )
             except Exception as error:
                 if self.peer_gave_up():  # its notice, taken here: a gave-up notice ends the step
                     raise
                 timed_out = False if isinstance(error, PipelineError) else None  # a notice
                 raise failure(self.group, self.rank, [src], what, error, timeout=self.timeout,
                               doing=doing, timed_out=timed_out) from error  # fmt: skip
-            rows[src] = row_of(self._arriving.pop(kind).frame.cpu(), row)
+            rows[src] = row_of(taken.frame.cpu(), row)
             if kind == AGREEMENT and src == 0:  # the next step's seed, posted ahead
                 self._seed_ahead = self._post(0, SEED, 0)
         if kind == SEED:

@@ -19,6 +19,7 @@ closes its socket: what it sent before is read, then its receivers know at once.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import select
 import socket
@@ -52,7 +53,9 @@ class _Transfer:
         return self.got == self.size
 
     def wait(self, timeout: timedelta | None = None) -> bool:
-        if self.peer is not None and not self.is_completed():
+        if self.got == self.size:
+            return True
+        if self.peer is not None:
             self.carrier._read(self.peer)  # it may be in the socket already: no poll then
         seconds = timeout.total_seconds() if timeout is not None else self.carrier.timeout
         deadline = time.monotonic() + seconds
@@ -102,11 +105,18 @@ class SocketCarrier:
 
     def _send(self, peer: int, tag: int, parts: list[Any]) -> _Transfer:
         """One transfer of ``parts`` (bytes, contiguous tensors) to ``peer``."""
-        views = [memoryview(p) if isinstance(p, bytes) else bytes_of(p) for p in parts]
+        views = [memoryview(p) if type(p) is bytes else bytes_of(p) for p in parts]
         size = sum(v.nbytes for v in views)
         transfer = _Transfer(self, _PREAMBLE.size + size)  # done once its preamble is written too
         views.insert(0, memoryview(_PREAMBLE.pack(tag, size)))
-        self._out[peer].extend((view, transfer) for view in views if view.nbytes)
+        out = self._out[peer]
+        if not out and len(views) <= _MAX_PARTS:  # nothing queued before it: written at once
+            with contextlib.suppress(OSError):  # a full socket, a lost peer: left to _write
+                transfer.got = self._links[peer].sendmsg(views)
+            if transfer.is_completed():
+                return transfer
+            views = _after(views, transfer.got)
+        out.extend((view, transfer) for view in views if view.nbytes)
         self._write(peer)
         return transfer
 
@@ -212,3 +222,12 @@ class SocketCarrier:
                     out.popleft()
                 else:
                     out[0] = (view[taken:], t)
+
+
+def _after(views: list[memoryview], sent: int) -> list[memoryview]:
+    """What of ``views`` is left once their first ``sent`` bytes are written."""
+    for i, view in enumerate(views):
+        if sent < view.nbytes:
+            return [view[sent:], *views[i + 1 :]]
+        sent -= view.nbytes
+    return []
