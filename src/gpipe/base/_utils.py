@@ -209,7 +209,7 @@ def read_verdict(
     device = parts[0].device if parts else None
     parts = [p if p.device == device else p.to(device) for p in parts]
     # One copy to the host: cat promotes to the widest dtype (float64 norms: float64).
-    values = torch.cat(parts).tolist() if len(parts) > 1 else parts[0].tolist() if parts else []
+    values = torch.cat(parts).tolist() if parts else []
     value = float(values.pop(0)) if loss is not None else None
     finite = [math.isfinite(v) for v in values[: len(norms)]] if norms is not None else None
     return Verdict(value, finite, bool(ignored is not None and values[-1]))

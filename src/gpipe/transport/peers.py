@@ -168,8 +168,7 @@ class PeerTransport:
         """This rank is about to run ``action``: under NCCL's order, take the heads of the
         messages whose tensor receives are posted here (ahead, all are posted already)."""
         for src, message in self._points[self._training].get(action, ()):
-            if message not in self._arriving:
-                self._arriving[message] = self._take(src, until=message)
+            self._arriving[message] = self._take(src, until=message)
 
     def ready(self, message: Message) -> bool:
         return True  # receiving blocks until the message is here
@@ -260,7 +259,7 @@ class PeerTransport:
             return self._here.recv(message)
         # With receives ahead its head may still be on the way; under NCCL's plan it has
         # come in at prepare(), before this action.
-        posted = self._arriving.pop(message, None) or self._take(src, until=message)
+        posted = self._take(src, until=message)
         self._wait(posted.works, src, message)  # its tensors, where apart from its head
         return posted.history.rebuild(posted.leaves, forward)
 
@@ -294,11 +293,14 @@ class PeerTransport:
         return _Posted(key, history, position, frame, work)
 
     def _take(self, src: int, *, until: Any, deadline: float | None = None) -> _Posted:
-        """Take the frames from ``src`` up to ``until``'s (a message, or a row's kind, not
-        taken yet) and return it; post what else each brings (those before it wait in
-        ``_arriving``). A notice in its place raises what it says; while taking the
-        agreement, it is kept (the row that follows says the step failed) unless its rank
-        gave up."""
+        """Take the frames from ``src`` up to ``until``'s (a message, or a row's kind) and
+        return it (at once where it was taken before its turn); post what else each brings
+        (those before it wait in ``_arriving``). A notice in its place raises what it says;
+        while taking the agreement, it is kept (the row that follows says the step failed)
+        unless its rank gave up."""
+        early = self._arriving.pop(until, None)
+        if early is not None:
+            return early
         while True:
             if not self._pending.get(src):
                 raise RuntimeError(f"rank {self.rank} expects no more frames from rank {src}")
@@ -423,9 +425,7 @@ class PeerTransport:
         deadline, rows = time.monotonic() + self.timeout, {self.rank: row}
         for src in senders:
             try:
-                taken = self._arriving.pop(kind, None) or self._take(
-                    src, until=kind, deadline=deadline
-                )
+                taken = self._take(src, until=kind, deadline=deadline)
             except Exception as error:
                 if self.peer_gave_up():  # its notice, taken here: a gave-up notice ends the step
                     raise
